@@ -1,0 +1,12 @@
+"""atlaslab: search and ablate test-time-memory sequence models (ATLAS, Titans, OmegaNet, Miras, ...).
+
+The spec of every model is ``shared/spec/ATLAS_FAMILY.md``; section numbers in docstrings refer to it.
+"""
+from . import components  # noqa: F401  (registers the built-in parts)
+from .components import MemoryParts, MemorySpec, build_memory, resolve_memory_spec
+from .kernels import memorize
+from .registry import ConfigError, list_parts, register
+
+__version__ = "0.1.0"
+__all__ = ["ConfigError", "MemoryParts", "MemorySpec", "build_memory", "list_parts", "memorize", "register",
+           "resolve_memory_spec"]

@@ -1,0 +1,8 @@
+"""The registered parts of a memory (spec §2) and, later, layers, blocks and models built from them.
+
+Importing this package registers every built-in part.
+"""
+from . import attentional_biases, feature_maps, inner_optimizers, memories, retention, windows  # noqa: F401
+from .memory_spec import MemoryParts, MemorySpec, build_memory, resolve_memory_spec, uses_kernel_trick
+
+__all__ = ["MemoryParts", "MemorySpec", "build_memory", "resolve_memory_spec", "uses_kernel_trick"]

@@ -1,0 +1,168 @@
+"""Feature maps φ applied to keys and queries before the memory (spec §2.2, §15.6, §15.7).
+
+The same map is applied to k (write side) and q (read side). Shapes: ``x: [..., d]`` → ``[..., out_dim(d)]``.
+Learnable pieces (the polynomial coefficients a_i) are outer-loop parameters of the module.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import List
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..registry import PartConfig, check_choice, check_range, register
+
+
+class FeatureMap(nn.Module):
+    """Base class: ``forward(x)`` maps ``[..., d]`` to ``[..., out_dim]``."""
+
+    #: True when the map is only defined through its kernel k(q, k') = φ(q)ᵀφ(k') (φ* on a linear memory).
+    kernel_trick: bool = False
+
+    def __init__(self, cfg: PartConfig, in_dim: int):
+        super().__init__()
+        self.cfg, self.in_dim = cfg, in_dim
+
+    @property
+    def out_dim(self) -> int:
+        return self.in_dim
+
+
+@register("feature_map", "identity")
+class Identity(FeatureMap):
+    """φ(x) = x (all baselines; q and k are ℓ2-normalised by the layer, spec §2.2)."""
+
+    @dataclass
+    class Config(PartConfig):
+        pass
+
+    def forward(self, x):
+        return x
+
+
+@register("feature_map", "elu_plus_one")
+class EluPlusOne(FeatureMap):
+    """φ(x) = elu(x) + 1, the positive map of Katharopoulos et al. (linear transformers)."""
+
+    @dataclass
+    class Config(PartConfig):
+        pass
+
+    def forward(self, x):
+        return F.elu(x) + 1.0
+
+
+def _monomials(dim: int, degree: int):
+    """Multi-indices of total degree ``degree`` as index tuples and their √(|β|!/β!) scalings."""
+    combos = list(itertools.combinations_with_replacement(range(dim), degree))
+    scales = []
+    for combo in combos:
+        counts = [combo.count(j) for j in set(combo)]
+        scales.append(math.sqrt(math.factorial(degree) / math.prod(math.factorial(c) for c in counts)))
+    return combos, scales
+
+
+def polynomial_dim(dim: int, degree: int) -> int:
+    """Number of monomials of degree ≤ p in d variables: C(d + p, p) (ATLAS App.C)."""
+    return math.comb(dim + degree, degree)
+
+
+class _PolynomialFeatures(FeatureMap):
+    """φ(x)_β = √(a_{|β|} · |β|!/β!) · x^β for all |β| ≤ p, so φ(q)ᵀφ(k) = Σ_i a_i (qᵀk)^i (spec §15.6)."""
+
+    def __init__(self, cfg, in_dim: int, degree: int):
+        super().__init__(cfg, in_dim)
+        self.degree = degree
+        for i in range(1, degree + 1):
+            combos, scales = _monomials(in_dim, i)
+            self.register_buffer(f"_idx{i}", torch.tensor(combos, dtype=torch.long), persistent=False)
+            self.register_buffer(f"_scale{i}", torch.tensor(scales), persistent=False)
+
+    def coefficients(self) -> torch.Tensor:  # [p + 1]
+        raise NotImplementedError
+
+    @property
+    def out_dim(self) -> int:
+        return polynomial_dim(self.in_dim, self.degree)
+
+    def forward(self, x):
+        a = self.coefficients().to(x.dtype)
+        parts: List[torch.Tensor] = [a[0].sqrt().expand(*x.shape[:-1], 1)]
+        for i in range(1, self.degree + 1):
+            idx = getattr(self, f"_idx{i}")
+            mono = x[..., idx].prod(dim=-1)  # [..., n_i]
+            parts.append(mono * (getattr(self, f"_scale{i}").to(x.dtype) * a[i].sqrt()))
+        return torch.cat(parts, dim=-1)
+
+
+@register("feature_map", "polynomial")
+class Polynomial(_PolynomialFeatures):
+    """ATLAS polynomial map of degree p with learnable coefficients a_i (ATLAS Eq.5, §3.1; spec §15.6).
+
+    φ(q)ᵀφ(k) = a_0 + a_1 qᵀk + … + a_p (qᵀk)^p. Output dim C(d + p, p). a_i is initialised to 1/i!
+    (the Taylor series of exp) and kept positive as a_i = softplus(ρ_i); ``learnable: false`` freezes it.
+    """
+
+    @dataclass
+    class Config(PartConfig):
+        degree: int = 2
+        learnable: bool = True
+
+        def check(self) -> None:
+            check_range("degree", self.degree, 1, 6)
+
+    def __init__(self, cfg, in_dim):
+        super().__init__(cfg, in_dim, cfg.degree)
+        init = torch.tensor([1.0 / math.factorial(i) for i in range(cfg.degree + 1)])
+        rho = init + torch.log(-torch.expm1(-init))  # softplus⁻¹
+        if cfg.learnable:
+            self.rho = nn.Parameter(rho)
+        else:
+            self.register_buffer("rho", rho)
+
+    def coefficients(self):
+        return F.softplus(self.rho)
+
+
+@register("feature_map", "exp")
+class Exponential(_PolynomialFeatures):
+    """Exponential map φ*(x) = (1, x, x^{⊗2}/√2!, …) with φ*(q)ᵀφ*(k) = exp(qᵀk) (ATLAS Eq.22-23; §15.7).
+
+    On a linear memory it is computed exactly by the kernel trick (``mode: auto`` or ``kernel``): the
+    memory becomes a bank of (key, coefficient) slots read as Σ_j u_j exp(k_jᵀq), i.e. unnormalised causal
+    softmax attention; ``normalize: true`` divides by the same read of the token masses, giving softmax
+    attention (the Transformer as a special case, spec §5). On a deep memory (``mode: auto`` or
+    ``taylor``) it is the Taylor truncation of degree ``degree`` (the polynomial map with a_i = 1/i! fixed).
+    """
+
+    @dataclass
+    class Config(PartConfig):
+        mode: str = "auto"       # auto | kernel | taylor
+        degree: int = 2          # Taylor degree when not using the kernel trick
+        normalize: bool = False  # kernel trick only: softmax normaliser
+
+        def check(self) -> None:
+            check_choice("mode", self.mode, ("auto", "kernel", "taylor"))
+            check_range("degree", self.degree, 1, 6)
+
+    def __init__(self, cfg, in_dim, kernel_trick: bool = False):
+        super().__init__(cfg, in_dim, cfg.degree)
+        self.kernel_trick = kernel_trick
+        self.register_buffer("_a", torch.tensor([1.0 / math.factorial(i) for i in range(cfg.degree + 1)]),
+                             persistent=False)
+
+    def coefficients(self):
+        return self._a
+
+    @property
+    def out_dim(self) -> int:
+        return self.in_dim if self.kernel_trick else polynomial_dim(self.in_dim, self.degree)
+
+    def forward(self, x):
+        if self.kernel_trick:
+            return x  # the kernel exp(qᵀk) is evaluated by the engine on the raw vectors
+        return super().forward(x)

@@ -1,0 +1,240 @@
+"""Memory architectures M(x; θ_M): what the fast weights are and how the memory is read.
+
+Spec: ATLAS_FAMILY.md §2.1 (architectures), §1 (learned initial state), §15.8 (initial weights are learned).
+
+A memory is *functional*: its fast weights are a dict of tensors, one entry per weight matrix, each
+with leading dims ``[B, H]`` (one memory per sequence and head; batch elements never mix). The module
+itself holds only outer-loop parameters: the learned initial fast weights (``[H, ...]``, expanded over
+the batch) and, for the LayerNorm forms, the norm's affine parameters.
+
+Shapes: ``forward(weights, x)`` takes ``x: [B, H, N, d_in]`` and returns ``[B, H, N, d_out]``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..registry import ConfigError, PartConfig, check_choice, check_range, register
+
+Weights = Dict[str, torch.Tensor]
+
+ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu, "relu": F.relu, "tanh": torch.tanh}
+INITS = ("learned", "zeros")
+
+
+class Memory(nn.Module):
+    """Base class. Subclasses define ``shapes`` (fast-weight name → per-head shape) and ``forward``."""
+
+    #: False for memories whose fast weights include vectors (Muon needs matrices).
+    matrix_valued: bool = True
+    #: True when ``forward`` is ``W @ x`` with a single matrix ``W: [B, H, d_out, d_in]``.
+    is_linear: bool = False
+
+    def __init__(self, cfg: PartConfig, in_dim: int, out_dim: int, num_heads: int):
+        super().__init__()
+        self.cfg = cfg
+        self.in_dim, self.out_dim, self.num_heads = in_dim, out_dim, num_heads
+        self.learn_init = getattr(cfg, "init", "learned") == "learned"
+
+    # -- fast weights ----------------------------------------------------------------------------
+    def shapes(self) -> Dict[str, tuple]:
+        raise NotImplementedError
+
+    def _register_initial(self, name: str, value: torch.Tensor) -> None:
+        """Initial fast weight of one matrix, ``[H, ...]``; a parameter when ``init: learned``."""
+        if self.learn_init:
+            self.register_parameter(f"init_{name}", nn.Parameter(value))
+        else:
+            self.register_buffer(f"init_{name}", torch.zeros_like(value))
+
+    def initial_weights(self, batch: int) -> Weights:
+        """The memory every sequence starts from: ``{name: [B, H, ...]}`` (shared learned init)."""
+        return {n: getattr(self, f"init_{n}").unsqueeze(0).expand(batch, *getattr(self, f"init_{n}").shape)
+                for n in self.shapes()}
+
+    def state_size(self) -> int:
+        """Scalars of fast weights per sequence (all heads): zoology's recurrent-state contract."""
+        return self.num_heads * sum(math.prod(s) for s in self.shapes().values())
+
+    def forward(self, weights: Weights, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+def _normal_init(num_heads: int, rows: int, cols: int, gain: float = 1.0) -> torch.Tensor:
+    """Xavier-normal initial matrices ``[H, rows, cols]`` (titans-pytorch's MemoryMLP init)."""
+    std = gain * math.sqrt(2.0 / (rows + cols))
+    return torch.randn(num_heads, rows, cols) * std
+
+
+@register("memory", "linear")
+class LinearMemory(Memory):
+    """Matrix memory M(x) = W x, W: [B, H, d_v, d_k] (spec §2.1 "linear"; LA, DeltaNet, GDN, TTT-Linear).
+
+    The state layout is ``weights["W"]: [B, H, D_v, D_k]`` (column convention, spec "Notation").
+    Initial W: zeros (learnable when ``init: learned``), the standard start of linear-attention models.
+    """
+
+    is_linear = True
+
+    @dataclass
+    class Config(PartConfig):
+        init: str = "learned"  # learned | zeros (fixed zero initial memory)
+
+        def check(self) -> None:
+            check_choice("init", self.init, INITS)
+
+    def __init__(self, cfg, in_dim, out_dim, num_heads):
+        super().__init__(cfg, in_dim, out_dim, num_heads)
+        self._register_initial("W", torch.zeros(num_heads, out_dim, in_dim))
+
+    def shapes(self):
+        return {"W": (self.out_dim, self.in_dim)}
+
+    def forward(self, weights, x):
+        return torch.einsum("bhvk,bhnk->bhnv", weights["W"], x)
+
+
+@register("memory", "diagonal")
+class DiagonalMemory(Memory):
+    """Vector-valued memory M(x) = w ⊙ x, w: [B, H, d] (spec §2.1 "vector", Miras Tab.1 RetNet row).
+
+    Needs d_in == d_out. Its fast weights are vectors, so Muon (matrix orthogonalisation) does not apply.
+    """
+
+    matrix_valued = False
+
+    @dataclass
+    class Config(PartConfig):
+        init: str = "learned"
+
+        def check(self) -> None:
+            check_choice("init", self.init, INITS)
+
+    def __init__(self, cfg, in_dim, out_dim, num_heads):
+        super().__init__(cfg, in_dim, out_dim, num_heads)
+        if in_dim != out_dim:
+            raise ConfigError("memory.name", f"the diagonal memory needs key dim == value dim, got "
+                                             f"{in_dim} (after the feature map) and {out_dim}.")
+        self._register_initial("w", torch.zeros(num_heads, out_dim))
+
+    def shapes(self):
+        return {"w": (self.out_dim,)}
+
+    def forward(self, weights, x):
+        return x * weights["w"].unsqueeze(-2)
+
+
+@dataclass
+class MLPConfig(PartConfig):
+    depth: int = 2             # number of fast-weight matrices in the chain (L_M in Titans)
+    expansion: float = 4.0     # hidden width = expansion × d_in
+    activation: str = "gelu"   # gelu | silu | relu | tanh
+    residual: bool = True      # M(x) = x + f(x); needs d_in == d_out
+    layer_norm: bool = False   # M(x) = x + LN(f(x)) (Miras / TTT form)
+    init: str = "learned"
+
+    def check(self) -> None:
+        check_range("depth", self.depth, 1, None)
+        check_range("expansion", self.expansion, 1e-6, None, "must be positive, in")
+        check_choice("activation", self.activation, tuple(ACTIVATIONS))
+        check_choice("init", self.init, INITS)
+
+
+class _MLPBase(Memory):
+    """Shared pieces of the MLP memories: residual, optional LayerNorm (outer-loop affine)."""
+
+    def __init__(self, cfg: MLPConfig, in_dim, out_dim, num_heads):
+        super().__init__(cfg, in_dim, out_dim, num_heads)
+        if cfg.residual and in_dim != out_dim:
+            raise ConfigError(
+                "memory.residual",
+                f"a residual memory needs key dim == value dim, but the feature map gives {in_dim} and the "
+                f"values have {out_dim}; set memory.residual: false (or use a dimension-preserving feature map).",
+                value=True)
+        self.hidden = max(1, int(round(cfg.expansion * in_dim)))
+        self.act = ACTIVATIONS[cfg.activation]
+        if cfg.layer_norm:
+            self.ln_weight = nn.Parameter(torch.ones(num_heads, out_dim))
+            self.ln_bias = nn.Parameter(torch.zeros(num_heads, out_dim))
+
+    def _finish(self, x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+        if self.cfg.layer_norm:
+            branch = F.layer_norm(branch, (self.out_dim,))
+            branch = branch * self.ln_weight[:, None, :] + self.ln_bias[:, None, :]
+        return x + branch if self.cfg.residual else branch
+
+
+@register("memory", "mlp")
+class MLPMemory(_MLPBase):
+    """Deep memory M(x) = x + W_L σ(… σ(W_1 x)) (ATLAS Eq.42 residual MLP; Titans L_M-layer MLP; §2.1).
+
+    With ``layer_norm: true`` it is the Miras / TTT form M(x) = x + LN(f(x)) (Miras §5.3, TTT §2.7).
+    ``depth: 1`` is a single matrix (TTT-Linear's f_res). No biases (ATLAS Eq.42). Weights are named
+    ``W1 … WL`` in the order they are applied; ``W1: [B, H, hidden, d_in]``.
+    """
+
+    Config = MLPConfig
+
+    def __init__(self, cfg, in_dim, out_dim, num_heads):
+        super().__init__(cfg, in_dim, out_dim, num_heads)
+        dims = [in_dim] + [self.hidden] * (cfg.depth - 1) + [out_dim]
+        self._shapes = {}
+        for i in range(cfg.depth):
+            name = f"W{i + 1}"
+            self._shapes[name] = (dims[i + 1], dims[i])
+            self._register_initial(name, _normal_init(num_heads, dims[i + 1], dims[i]))
+
+    def shapes(self):
+        return dict(self._shapes)
+
+    def forward(self, weights, x):
+        h = x
+        for i in range(self.cfg.depth):
+            if i > 0:
+                h = self.act(h)
+            h = torch.einsum("bhoi,bhni->bhno", weights[f"W{i + 1}"], h)
+        return self._finish(x, h)
+
+
+@register("memory", "gated_mlp")
+class GatedMLPMemory(_MLPBase):
+    """Atlas++ memory M(x) = x + W_1(σ(W_2 x) ⊙ W_3 x), all three matrices fast weights (ATLAS Eq.43).
+
+    Shapes: ``W2, W3: [B, H, hidden, d_in]``, ``W1: [B, H, d_out, hidden]``. ``depth`` is ignored (always 3).
+    """
+
+    Config = MLPConfig
+
+    def __init__(self, cfg, in_dim, out_dim, num_heads):
+        super().__init__(cfg, in_dim, out_dim, num_heads)
+        self._shapes = {"W1": (out_dim, self.hidden), "W2": (self.hidden, in_dim), "W3": (self.hidden, in_dim)}
+        for name, (r, c) in self._shapes.items():
+            self._register_initial(name, _normal_init(num_heads, r, c))
+
+    def shapes(self):
+        return dict(self._shapes)
+
+    def forward(self, weights, x):
+        gate = self.act(torch.einsum("bhoi,bhni->bhno", weights["W2"], x))
+        lin = torch.einsum("bhoi,bhni->bhno", weights["W3"], x)
+        return self._finish(x, torch.einsum("bhoi,bhni->bhno", weights["W1"], gate * lin))
+
+
+@dataclass
+class MLPLNConfig(MLPConfig):
+    layer_norm: bool = True
+
+
+@register("memory", "mlp_ln")
+class MLPLNMemory(MLPMemory):
+    """Miras / TTT memory M(x) = x + LN(W_2 σ(W_1 x)) (Miras §5.3, TTT §2.7): ``mlp`` with LayerNorm on.
+
+    The LayerNorm's affine weights are outer-loop parameters (per head), not fast weights.
+    """
+
+    Config = MLPLNConfig

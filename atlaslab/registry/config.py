@@ -1,0 +1,90 @@
+"""Validate OmegaConf/YAML nodes against the registered parts' structured configs.
+
+``resolve_part("inner_optimizer", {"name": "muon", "ns_steps": 3}, path="memory.inner_optimizer")``
+returns a typed ``Muon.Config`` instance, or raises one :class:`ConfigError` naming the dotted path,
+the bad value and the valid choices. Nothing is built and nothing runs before this succeeds.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Tuple
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from .errors import ConfigError, join_path
+from .registry import Entry, PartConfig, get_registry
+
+
+def to_container(node: Any) -> Any:
+    """Plain python containers from an OmegaConf node, a dataclass or a plain value."""
+    if isinstance(node, DictConfig) or OmegaConf.is_config(node):
+        return OmegaConf.to_container(node, resolve=True)
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        return dataclasses.asdict(node)
+    return node
+
+
+def _omegaconf_error(exc: OmegaConfBaseException, path: str, entry: Entry) -> ConfigError:
+    key = getattr(exc, "full_key", None) or getattr(exc, "key", None) or ""
+    field_path = join_path(path, str(key)) if key else path
+    fields = [f.name for f in dataclasses.fields(entry.config) if f.name != "name"]
+    if isinstance(exc, ConfigKeyError):
+        return ConfigError(field_path, f"{entry.kind} '{entry.name}' has no field '{key}'.",
+                           value=str(key), choices=fields)
+    if isinstance(exc, ValidationError):
+        value = getattr(exc, "value", None)
+        msg = str(exc).splitlines()[0]
+        return ConfigError(field_path, f"bad value {value!r} for {entry.kind} '{entry.name}' ({msg}).")
+    return ConfigError(field_path, str(exc).splitlines()[0])
+
+
+def resolve_part(kind: str, node: Any, path: str = "") -> PartConfig:
+    """Validate ``node`` (a name, a mapping with ``name``, or a PartConfig) as a part of ``kind``.
+
+    Returns the typed config dataclass with ``name`` set. Raises :class:`ConfigError`.
+    """
+    registry = get_registry(kind)
+    if isinstance(node, PartConfig):
+        node = dataclasses.asdict(node)
+    node = to_container(node)
+    if isinstance(node, str):
+        node = {"name": node}
+    if not isinstance(node, Mapping):
+        raise ConfigError(path, f"expected a {kind} (a mapping with 'name', or a name), got {node!r}.",
+                          choices=registry.names())
+    node = dict(node)
+    name = node.pop("name", None)
+    entry = registry.get(name, path=join_path(path, "name"))
+    try:
+        base = OmegaConf.structured(entry.config)
+        merged = OmegaConf.merge(base, node)
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        raise _omegaconf_error(exc, path, entry) from None
+    cfg.name = entry.name
+    try:
+        cfg.check()
+    except ConfigError as exc:
+        raise exc.prefixed(path) from None
+    return cfg
+
+
+def build_part(kind: str, node: Any, path: str = "", **context: Any) -> Any:
+    """Validate ``node`` and construct the part: ``Entry.cls(cfg, **context)``."""
+    cfg = resolve_part(kind, node, path)
+    entry = get_registry(kind).get(cfg.name)
+    return entry.cls(cfg, **context)
+
+
+def check_choice(field: str, value: Any, choices: Tuple[Any, ...]) -> None:
+    """Raise ConfigError unless ``value`` is one of ``choices`` (for string enum fields)."""
+    if value not in choices:
+        raise ConfigError(field, f"bad value {value!r}.", value=value, choices=[str(c) for c in choices])
+
+
+def check_range(field: str, value: Any, low: Any = None, high: Any = None, what: str = "") -> None:
+    """Raise ConfigError unless ``low <= value <= high`` (either bound may be None)."""
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"[{'-inf' if low is None else low}, {'inf' if high is None else high}]"
+        raise ConfigError(field, f"bad value {value!r}: {what or 'must lie in'} {bounds}.", value=value)
