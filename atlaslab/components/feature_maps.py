@@ -80,7 +80,8 @@ class _PolynomialFeatures(FeatureMap):
         for i in range(1, degree + 1):
             combos, scales = _monomials(in_dim, i)
             self.register_buffer(f"_idx{i}", torch.tensor(combos, dtype=torch.long), persistent=False)
-            self.register_buffer(f"_scale{i}", torch.tensor(scales), persistent=False)
+            # float64 so that float64 runs are exact; cast to the input dtype at use
+            self.register_buffer(f"_scale{i}", torch.tensor(scales, dtype=torch.float64), persistent=False)
 
     def coefficients(self) -> torch.Tensor:  # [p + 1]
         raise NotImplementedError
@@ -117,15 +118,14 @@ class Polynomial(_PolynomialFeatures):
 
     def __init__(self, cfg, in_dim):
         super().__init__(cfg, in_dim, cfg.degree)
-        init = torch.tensor([1.0 / math.factorial(i) for i in range(cfg.degree + 1)])
-        rho = init + torch.log(-torch.expm1(-init))  # softplus⁻¹
+        init = torch.tensor([1.0 / math.factorial(i) for i in range(cfg.degree + 1)], dtype=torch.float64)
         if cfg.learnable:
-            self.rho = nn.Parameter(rho)
+            self.rho = nn.Parameter((init + torch.log(-torch.expm1(-init))).float())  # softplus⁻¹(a)
         else:
-            self.register_buffer("rho", rho)
+            self.register_buffer("a", init)
 
     def coefficients(self):
-        return F.softplus(self.rho)
+        return F.softplus(self.rho) if self.cfg.learnable else self.a
 
 
 @register("feature_map", "exp")
@@ -152,8 +152,8 @@ class Exponential(_PolynomialFeatures):
     def __init__(self, cfg, in_dim, kernel_trick: bool = False):
         super().__init__(cfg, in_dim, cfg.degree)
         self.kernel_trick = kernel_trick
-        self.register_buffer("_a", torch.tensor([1.0 / math.factorial(i) for i in range(cfg.degree + 1)]),
-                             persistent=False)
+        self.register_buffer("_a", torch.tensor([1.0 / math.factorial(i) for i in range(cfg.degree + 1)],
+                                               dtype=torch.float64), persistent=False)
 
     def coefficients(self):
         return self._a

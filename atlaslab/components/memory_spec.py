@@ -124,8 +124,12 @@ def resolve_memory_spec(node: Any = None, path: str = "memory") -> MemorySpec:
     if unknown:
         raise ConfigError(join_path(path, unknown[0]), f"unknown memory field '{unknown[0]}'.",
                           value=unknown[0], choices=list(SPEC_FIELDS))
-    parts = {kind: resolve_part(kind, node.get(kind, DEFAULT_PARTS[kind]), join_path(path, kind))
-             for kind in PART_KINDS}
+    parts = {}
+    for kind in PART_KINDS:
+        part = node.get(kind, DEFAULT_PARTS[kind])
+        if isinstance(part, Mapping) and "name" not in part:   # {size: 3} means the default part with size 3
+            part = {"name": DEFAULT_PARTS[kind], **part}
+        parts[kind] = resolve_part(kind, part, join_path(path, kind))
     chunk_size = node.get("chunk_size", 1)
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ConfigError(join_path(path, "chunk_size"), f"bad value {chunk_size!r}: must be an integer ≥ 1.",

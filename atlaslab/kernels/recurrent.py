@@ -76,7 +76,7 @@ def _keep_last(x: Optional[torch.Tensor], n: Optional[int]) -> Optional[torch.Te
     """The last ``n`` entries along dim 1 (all when n is None)."""
     if x is None or n is None:
         return x
-    return x[:, x.shape[1] - n:] if n > 0 else x[:, :0]
+    return x[:, max(0, x.shape[1] - n):]
 
 
 def _kernel_read(coef: torch.Tensor, keys: torch.Tensor, x: torch.Tensor, normalise: bool) -> torch.Tensor:

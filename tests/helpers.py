@@ -1,0 +1,30 @@
+"""Shared helpers for the tests (importable as `helpers` since pytest puts tests/ on sys.path)."""
+import torch
+
+
+def rms_ratio(a: torch.Tensor, b: torch.Tensor) -> float:
+    """RMS(a − b) / RMS(b): fla's relative error measure for comparing a fast path with a reference."""
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-300)).item()
+
+
+def random_qkv(B=2, T=7, H=2, Dk=4, Dv=None, seed=0, dtype=torch.float64, normalise=True, requires_grad=False):
+    """q, k: [B, T, H, Dk] (ℓ2-normalised like the layer does), v: [B, T, H, Dv]."""
+    g = torch.Generator().manual_seed(seed)
+    Dv = Dv or Dk
+    q = torch.randn(B, T, H, Dk, generator=g, dtype=dtype)
+    k = torch.randn(B, T, H, Dk, generator=g, dtype=dtype)
+    v = torch.randn(B, T, H, Dv, generator=g, dtype=dtype)
+    if normalise:
+        q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+    if requires_grad:
+        q, k, v = (x.clone().requires_grad_(True) for x in (q, k, v))
+    return q, k, v
+
+
+def random_gates(B=2, T=7, H=2, seed=1, dtype=torch.float64, names=("lr",), low=0.2, high=0.9, Dk=None):
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for n in names:
+        shape = (B, T, H, Dk) if (n == "retention" and Dk) else (B, T, H)
+        out[n] = low + (high - low) * torch.rand(*shape, generator=g, dtype=dtype)
+    return out
