@@ -1,0 +1,85 @@
+"""Unit checks of individual parts against their defining formulas."""
+import pytest
+import torch
+
+from atlaslab.components import build_memory
+from atlaslab.registry import build_part
+
+EXACT_BIASES = [
+    {"name": "l2"},
+    {"name": "dot"},
+    {"name": "lp", "p": 3.0, "smooth": False},
+    {"name": "lp", "p": 1.5, "smooth": False},
+    {"name": "l1", "smooth": False},
+    {"name": "huber", "variant": "norm", "smooth": False},
+    {"name": "huber", "variant": "coordinate", "smooth": False},
+    {"name": "value_shift", "shift": 0.3, "smooth": False},
+]
+
+
+@pytest.mark.parametrize("node", EXACT_BIASES, ids=lambda n: "-".join(str(v) for v in n.values()))
+def test_output_grad_is_the_gradient_of_the_loss(node):
+    """∂ℓ/∂pred by autograd equals the bias's error signal (spec §15.10 scaling)."""
+    bias = build_part("attentional_bias", node)
+    g = torch.Generator().manual_seed(0)
+    pred = torch.randn(5, 3, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    target = torch.randn(5, 3, 6, generator=g, dtype=torch.float64)
+    delta = 0.5 + torch.rand(5, 3, generator=g, dtype=torch.float64)
+    loss = bias.loss(pred, target, delta)
+    assert loss.shape == (5, 3)
+    (auto,) = torch.autograd.grad(loss.sum(), pred)
+    assert torch.allclose(bias.output_grad(pred, target, delta), auto, atol=1e-12)
+
+
+def test_yaad_mixture_switches_between_l2_and_scaled_l1():
+    bias = build_part("attentional_bias", {"name": "huber", "smooth": False})
+    pred = torch.tensor([[0.1, -0.2], [3.0, -4.0]], dtype=torch.float64)
+    target = torch.zeros_like(pred)
+    delta = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    e = bias.output_grad(pred, target, delta)
+    assert torch.equal(e[0], pred[0])                                      # ‖r‖ ≤ δ: ℓ2 gradient
+    assert torch.equal(e[1], torch.tensor([2.0, -2.0], dtype=torch.float64))  # else δ·Sign(r)
+
+
+def test_smooth_surrogates_approach_the_exact_gradients_away_from_zero():
+    exact = build_part("attentional_bias", {"name": "lp", "p": 3.0, "smooth": False})
+    smooth = build_part("attentional_bias", {"name": "lp", "p": 3.0, "sharpness": 50.0})
+    pred = torch.tensor([[1.0, -2.0, 0.5]], dtype=torch.float64)
+    target = torch.zeros_like(pred)
+    assert torch.allclose(exact.output_grad(pred, target), smooth.output_grad(pred, target), rtol=1e-4)
+    l1 = build_part("attentional_bias", "l1")   # tanh(αx) is smooth through zero
+    assert torch.equal(l1.output_grad(torch.zeros(1, 2), torch.zeros(1, 2)), torch.zeros(1, 2))
+
+
+def test_memory_shapes_and_learned_initial_weights():
+    p = build_memory({"memory": {"name": "mlp", "depth": 3, "expansion": 2}}, 2, 4, 4)
+    assert p.memory.shapes() == {"W1": (8, 4), "W2": (8, 8), "W3": (4, 8)}
+    assert {n for n, _ in p.named_parameters()} == {"memory.init_W1", "memory.init_W2", "memory.init_W3"}
+    w = p.memory.initial_weights(3)
+    assert w["W1"].shape == (3, 2, 8, 4)
+    p = build_memory({"memory": {"name": "linear", "init": "zeros"}}, 2, 4, 4)
+    assert list(p.parameters()) == []
+    p = build_memory({"memory": "gated_mlp"}, 2, 4, 4)
+    assert p.memory.shapes() == {"W1": (4, 16), "W2": (16, 4), "W3": (16, 4)}
+    p = build_memory({"memory": "mlp_ln"}, 2, 4, 4)
+    assert {"memory.ln_weight", "memory.ln_bias"} <= {n for n, _ in p.named_parameters()}
+
+
+def test_gated_mlp_is_atlas_pp_equation_43():
+    p = build_memory({"memory": "gated_mlp"}, 1, 3, 3).double().memory
+    w = {n: t.double() for n, t in p.initial_weights(1).items()}
+    x = torch.randn(1, 1, 5, 3, dtype=torch.float64)
+    expected = x + torch.einsum("oi,bhni->bhno", w["W1"][0, 0], torch.nn.functional.gelu(
+        torch.einsum("oi,bhni->bhno", w["W2"][0, 0], x)) * torch.einsum("oi,bhni->bhno", w["W3"][0, 0], x))
+    assert torch.allclose(p(w, x), expected)
+
+
+def test_retention_maps():
+    a = torch.tensor([[[[0.5, -2.0], [1.0, 0.0]]]], dtype=torch.float64)
+    lq = build_part("retention", {"name": "lq", "q": 4.0, "eps": 0.0})
+    norm4 = a.abs().pow(4).sum().pow(0.25)
+    assert torch.allclose(lq.map(a), a / norm4 ** 2)
+    kl = build_part("retention", {"name": "kl", "scale": 2.0})
+    assert torch.allclose(kl.map(a).sum(-1), torch.full((1, 1, 2), 2.0, dtype=torch.float64))
+    en = build_part("retention", {"name": "elastic_net", "threshold": 0.75})
+    assert torch.equal(en.map(a), torch.tensor([[[[0.0, -1.25], [0.25, 0.0]]]], dtype=torch.float64))
