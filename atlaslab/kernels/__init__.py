@@ -11,7 +11,7 @@ import torch
 
 from .newton_schulz import newton_schulz
 from . import recurrent as _recurrent
-from .recurrent import initial_state, memorize_recurrent
+from .recurrent import initial_state, memorize_recurrent, read_memory
 from .state import GATE_NAMES, Gates, MemoryState, normalise_gates
 
 #: Engines that compute ``memorize``; each must match the ``recurrent`` reference.
@@ -68,4 +68,4 @@ def memorize(
     return MODES[mode](q, k, v, parts, normalised, b, state)
 
 
-__all__ = ["GATE_NAMES", "Gates", "MODES", "MemoryState", "initial_state", "memorize", "newton_schulz"]
+__all__ = ["GATE_NAMES", "Gates", "MODES", "MemoryState", "initial_state", "memorize", "newton_schulz", "read_memory"]

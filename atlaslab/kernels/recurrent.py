@@ -177,6 +177,20 @@ def _kernel_step(parts: "MemoryParts", state: MemoryState, gates: Gates, t: int,
     return _kernel_read(coef, state.bank_k, q_t.unsqueeze(2), normalise).squeeze(2)
 
 
+def read_memory(parts: "MemoryParts", state: MemoryState, q: torch.Tensor) -> torch.Tensor:
+    """Read a memory without writing: y = M(φ(q)) for ``q: [B, T, H, D_k]`` → ``[B, T, H, D_v]``.
+
+    Reads the current memory ``state.weights`` (or the kernel trick's slots), as ``read: token`` would
+    after the last written token.
+    """
+    x = q.transpose(1, 2)
+    if parts.kernel_trick:
+        y = _kernel_read(state.bank_u, state.bank_k, x, _normalised_kernel(parts))
+    else:
+        y = parts.memory(state.weights, parts.feature_map(x))
+    return y.transpose(1, 2)
+
+
 def memorize_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parts: "MemoryParts", gates: Gates,
                        chunk_size: int, state: MemoryState):
     """Token-by-token reference. ``q, k: [B, T, H, D_k]``, ``v: [B, T, H, D_v]`` → ``([B, T, H, D_v], state)``."""
