@@ -1,0 +1,121 @@
+"""The ``atlaslab`` command line.
+
+    atlaslab list [KIND] [--pattern GLOB]     registered parts by kind (one-line descriptions) and presets
+    atlaslab show PRESET [key=value ...]      resolved config, parameter count and recurrent-state size
+
+Subcommands are registered in :data:`COMMANDS`: a new one (``run``, ``resume``, ``report``, ``train``, ``demo``)
+adds a function ``add_<name>(subparsers)`` that creates its parser and sets ``func`` via
+``parser.set_defaults(func=...)``; the function returns the exit code. ``main(argv)`` returns it too.
+Configuration errors print one line (``error: mixers.atlas.memory.inner_optimizer.name: …``) and exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, Dict, List, Optional
+
+from omegaconf import OmegaConf
+
+from .registry import KINDS, ConfigError, get_registry
+
+
+def _registered_kinds() -> List[str]:
+    from .components import lm  # noqa: F401  (registers mixers and blocks)
+    return list(KINDS) + ["preset"]
+
+
+# --------------------------------------------------------------------------------------------------
+# list
+# --------------------------------------------------------------------------------------------------
+def cmd_list(args: argparse.Namespace) -> int:
+    from .presets import list_presets, preset_description
+
+    kinds = _registered_kinds()
+    if args.kind and args.kind not in kinds:
+        raise ConfigError("kind", f"unknown kind '{args.kind}'.", value=args.kind, choices=kinds)
+    selected = [args.kind] if args.kind else kinds
+    out = []
+    for kind in selected:
+        if kind == "preset":
+            import fnmatch
+            rows = [(n, preset_description(n)) for n in list_presets() if fnmatch.fnmatch(n, args.pattern)]
+        else:
+            reg = get_registry(kind)
+            rows = [(e.name, e.description) for e in reg if e.name in reg.list(args.pattern)]
+        if not rows and args.kind is None:
+            continue
+        out.append(f"{kind}:")
+        width = max((len(n) for n, _ in rows), default=0)
+        out.extend(f"  {n:<{width}}  {d}".rstrip() for n, d in rows)
+    print("\n".join(out))
+    return 0
+
+
+def add_list(sub) -> None:
+    p = sub.add_parser("list", help="list registered parts (by kind) and presets")
+    p.add_argument("kind", nargs="?", default=None,
+                   help="one kind: " + ", ".join(list(KINDS) + ["preset"]))
+    p.add_argument("--pattern", default="*", help="shell-style wildcard on names (e.g. '*mlp*')")
+    p.set_defaults(func=cmd_list)
+
+
+# --------------------------------------------------------------------------------------------------
+# show
+# --------------------------------------------------------------------------------------------------
+def cmd_show(args: argparse.Namespace) -> int:
+    from .presets import build_model, load_preset
+
+    cfg = load_preset(args.preset, args.overrides)
+    model = build_model(cfg)
+    resolved = model.resolved
+    print(f"# preset: {args.preset}" + (f"  overrides: {' '.join(args.overrides)}" if args.overrides else ""))
+    print(OmegaConf.to_yaml(OmegaConf.create(resolved.to_dict())).rstrip())
+    print("# ---")
+    print(f"parameters: {model.num_parameters()}")
+    print(f"parameters_non_embedding: {model.num_parameters(exclude_embeddings=True)}")
+    fixed, per_token = model.state_size(), model.state_size_per_token()
+    print(f"state_size: {fixed}")
+    print(f"state_size_per_token: {per_token}")
+    if args.context is not None:
+        print(f"state_size_at_context: {model.state_size(args.context)}  # context = {args.context} tokens")
+    print("state_size_by_layer:")
+    for i, (key, mixer) in enumerate(zip(model.layer_keys, model.mixers())):
+        print(f"  - layer {i} ({key}, {type(mixer).__name__}): {mixer.state_size()} "
+              f"+ {mixer.state_size_per_token()}/token")
+    return 0
+
+
+def add_show(sub) -> None:
+    p = sub.add_parser("show", help="resolved config, parameter count and state size of a preset")
+    p.add_argument("preset", help="preset name (see `atlaslab list preset`) or a path to a preset YAML")
+    p.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. d_model=128 mixers.atlas.num_heads=8")
+    p.add_argument("--context", type=int, default=None,
+                   help="also print the state size after this many context tokens (KV caches grow)")
+    p.set_defaults(func=cmd_show)
+
+
+#: name → function adding the subcommand's parser; other modules append to this (run, resume, report, ...).
+COMMANDS: Dict[str, Callable] = {"list": add_list, "show": add_show}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="atlaslab", description="Search and ablate test-time-memory models.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for add in COMMANDS.values():
+        add(sub)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

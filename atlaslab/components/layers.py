@@ -1,0 +1,376 @@
+"""The memory layer: the backbone of spec §15.9 wrapped around ``memorize``.
+
+    x ─┬─ W_Q ─ conv4 ─ SiLU ─ ℓ2 ─┐
+       ├─ W_K ─ conv4 ─ SiLU ─ ℓ2 ─┤
+       ├─ W_V ─ conv4 ─ SiLU ──────┼─ memorize(q, k, v, gates) ─ RMSNorm/head ─ ⊙ σ(W_G x) ─ W_O ─ y
+       └─ gate networks (η, α, θ, γ, δ; spec §15.8) ─┘
+
+Every piece is a config switch (``conv``, ``silu``, ``qk_norm``, ``output_norm``, ``output_gate``, and per gate
+``learned`` / ``input_dependent``) so each can be ablated. The feature map φ is applied inside ``memorize``.
+Shapes: ``forward(x: [B, T, d_model]) -> [B, T, d_model]``.
+
+Gates (spec §15.8), built only for the gates the memory spec uses, from the layer input x_t:
+
+- η_t = ``inner_optimizer.lr`` · sigmoid(w_η·x_t + b_η)       (``lr``; η_max is the inner optimizer's ``lr``)
+- α_t = sigmoid(w_α·x_t + b_α), b_α = +4 so α ≈ 0.98 at init     (``retention``; [B,T,H,D_k] when channel-wise)
+- θ_t = sigmoid(w_θ·x_t + b_θ), b_θ = logit(``inner_optimizer.momentum``)   (``momentum``)
+- γ_i = sigmoid(w_γ·x_i + b_γ), b_γ = +4                        (``window``, only when the window c ≠ 1)
+- δ_t = softplus(w_δ·x_t + b_δ), softplus(b_δ) = ``attentional_bias.delta``   (``delta``, Huber only)
+
+``learned: false`` makes a gate constant: its ``value`` if given, else the memory config's constant
+(η = inner_optimizer.lr, θ = inner_optimizer.momentum, γ = 1, δ = attentional_bias.delta, α = 1 i.e. no decay).
+``input_dependent: false`` (with ``learned: true``) gives one learnable scalar per head, σ(b_h)
+(RetNet's learnable, data-independent decay).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..registry import ConfigError, PartConfig, check_range, register
+from ..registry.errors import join_path
+from .memory_spec import SPEC_FIELDS, MemoryParts, MemorySpec, resolve_memory_spec
+
+GATES = ("lr", "retention", "momentum", "window", "delta")
+
+
+# --------------------------------------------------------------------------------------------------
+# small shared modules
+# --------------------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    """y = x / rms(x) · w over the last dim (Llama's RMSNorm). ``weight`` may be ``[..., d]`` (e.g. per head)."""
+
+    def __init__(self, shape, eps: float = 1e-6):
+        super().__init__()
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(shape))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), eps=self.eps) * self.weight.to(x.dtype)
+
+
+class ShortConv(nn.Module):
+    """Depthwise causal 1-D convolution over time (kernel K, no bias), with an optional cache.
+
+    ``forward(x: [B, T, C], cache: [B, K-1, C] | None) -> (y: [B, T, C], new_cache: [B, K-1, C])``; the
+    cache holds the last K − 1 inputs, so chained calls equal one call.
+    """
+
+    def __init__(self, channels: int, kernel_size: int):
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.conv = nn.Conv1d(channels, channels, kernel_size, groups=channels, bias=False)
+
+    def forward(self, x: torch.Tensor, cache: Optional[torch.Tensor] = None):
+        B, T, C = x.shape
+        K = self.kernel_size
+        if cache is None:
+            cache = x.new_zeros(B, K - 1, C)
+        full = torch.cat([cache, x], dim=1)                       # [B, K-1+T, C]
+        y = self.conv(full.transpose(1, 2)).transpose(1, 2)       # [B, T, C]
+        return y, full[:, full.shape[1] - (K - 1):]
+
+
+def _logit(p: float) -> float:
+    p = min(max(p, 1e-4), 1 - 1e-4)
+    return math.log(p / (1 - p))
+
+
+def _softplus_inv(y: float) -> float:
+    y = max(y, 1e-6)
+    return y + math.log(-math.expm1(-y))
+
+
+# --------------------------------------------------------------------------------------------------
+# config
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class GateConfig:
+    """One gate of spec §15.8."""
+
+    learned: bool = True            # false → constant (``value``, else the memory config's constant)
+    input_dependent: bool = True    # false → one learnable scalar per head, σ(b_h) (RetNet's α)
+    bias: Optional[float] = None    # initial pre-activation bias b (default: per gate, see module doc)
+    value: Optional[float] = None   # the constant when ``learned: false`` (η: multiplies inner_optimizer.lr)
+
+
+@dataclass
+class LayerGates:
+    lr: GateConfig = field(default_factory=GateConfig)
+    retention: GateConfig = field(default_factory=GateConfig)
+    momentum: GateConfig = field(default_factory=GateConfig)
+    window: GateConfig = field(default_factory=GateConfig)
+    delta: GateConfig = field(default_factory=GateConfig)
+
+
+@dataclass
+class MemoryLayerConfig(PartConfig):
+    """Structured config of the memory layer (and, extended, of the memory blocks)."""
+
+    memory: Any = field(default_factory=dict)   # the memory spec node (memory_spec.resolve_memory_spec)
+    num_heads: int = 4
+    head_dim: Optional[int] = None     # key/query dim per head; default d_model // num_heads
+    value_dim: Optional[int] = None    # value dim per head; default head_dim
+    conv: bool = True                  # depthwise causal conv on q, k, v
+    conv_size: int = 4
+    silu: bool = True                  # SiLU on q, k, v (after the conv)
+    qk_norm: bool = True               # ℓ2-normalise q and k per head
+    output_norm: bool = True           # per-head RMSNorm of the memory read
+    output_gate: bool = True           # ⊙ sigmoid(W_G x)
+    gates: LayerGates = field(default_factory=LayerGates)
+    mode: str = "recurrent"            # memorize engine (kernels.MODES)
+
+    def check(self) -> None:
+        check_range("num_heads", self.num_heads, 1, None)
+        if self.head_dim is not None:
+            check_range("head_dim", self.head_dim, 1, None)
+        if self.value_dim is not None:
+            check_range("value_dim", self.value_dim, 1, None)
+        check_range("conv_size", self.conv_size, 1, None)
+        from ..kernels import MODES
+        if self.mode not in MODES:
+            raise ConfigError("mode", f"unknown engine '{self.mode}'.", value=self.mode, choices=list(MODES))
+        self.memory_spec()   # validates; errors carry the path "memory.…"
+
+    def memory_spec(self) -> MemorySpec:
+        return resolve_memory_spec(self.memory, path="memory")
+
+
+# --------------------------------------------------------------------------------------------------
+# state
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class MemoryLayerState:
+    """What a memory layer carries between calls: the memory's state and the conv caches of q, k, v."""
+
+    memory: Any                                   # kernels.MemoryState
+    conv: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def detach(self) -> "MemoryLayerState":
+        return MemoryLayerState(self.memory.detach(), {k: v.detach() for k, v in self.conv.items()})
+
+
+# --------------------------------------------------------------------------------------------------
+# the layer
+# --------------------------------------------------------------------------------------------------
+class _Gate(nn.Module):
+    """g = act(w·x + b) per head (``[B, T, H]``) or per head channel (``[B, T, H, C]``)."""
+
+    def __init__(self, d_model: int, heads: int, channels: Optional[int], act: str, bias: float,
+                 input_dependent: bool):
+        super().__init__()
+        self.heads, self.channels, self.act = heads, channels, act
+        width = heads * (channels or 1)
+        if input_dependent:
+            self.proj = nn.Linear(d_model, width)
+            nn.init.normal_(self.proj.weight, std=d_model ** -0.5)
+            nn.init.constant_(self.proj.bias, bias)
+        else:
+            self.proj = None
+            self.bias = nn.Parameter(torch.full((width,), float(bias)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T = x.shape[:2]
+        z = self.proj(x) if self.proj is not None else self.bias.to(x.dtype).expand(B, T, -1)
+        z = torch.sigmoid(z) if self.act == "sigmoid" else F.softplus(z)
+        return z.reshape(B, T, self.heads, self.channels) if self.channels else z
+
+
+@register("mixer", "memory")
+class MemoryLayer(nn.Module):
+    """Test-time-memory layer: q/k/v + short conv + SiLU + ℓ2 norm → memorize → norm, gate, proj (§15.9)."""
+
+    Config = MemoryLayerConfig
+
+    def __init__(self, cfg: MemoryLayerConfig, d_model: int):
+        super().__init__()
+        self.cfg, self.d_model = cfg, d_model
+        H = cfg.num_heads
+        if cfg.head_dim is None and d_model % H:
+            raise ConfigError("num_heads", f"d_model {d_model} is not divisible by num_heads {H}; set head_dim.",
+                              value=H)
+        Dk = cfg.head_dim or d_model // H
+        Dv = cfg.value_dim or Dk
+        self.num_heads, self.head_dim, self.value_dim = H, Dk, Dv
+        spec = cfg.memory_spec()
+        try:
+            self.parts = MemoryParts(spec, H, Dk, Dv, path="memory")
+        except ConfigError as exc:
+            raise _fix_part_path(exc) from None
+        self.spec = spec
+
+        self.q_proj = nn.Linear(d_model, H * Dk, bias=False)
+        self.k_proj = nn.Linear(d_model, H * Dk, bias=False)
+        self.v_proj = nn.Linear(d_model, H * Dv, bias=False)
+        if cfg.conv:
+            self.q_conv = ShortConv(H * Dk, cfg.conv_size)
+            self.k_conv = ShortConv(H * Dk, cfg.conv_size)
+            self.v_conv = ShortConv(H * Dv, cfg.conv_size)
+        self.out_norm = RMSNorm((H, Dv)) if cfg.output_norm else None
+        self.g_proj = nn.Linear(d_model, H * Dv, bias=False) if cfg.output_gate else None
+        self.o_proj = nn.Linear(H * Dv, d_model, bias=False)
+
+        self.gate_nets = nn.ModuleDict()
+        self.gate_consts: Dict[str, float] = {}
+        for name in self.used_gates():
+            gcfg: GateConfig = getattr(cfg.gates, name)
+            if gcfg.learned:
+                channels = Dk if (name == "retention" and self.parts.retention.channel_wise) else None
+                act = "softplus" if name == "delta" else "sigmoid"
+                bias = gcfg.bias if gcfg.bias is not None else self._default_bias(name)
+                self.gate_nets[name] = _Gate(d_model, H, channels, act, bias, gcfg.input_dependent)
+            elif gcfg.value is not None:
+                self.gate_consts[name] = float(gcfg.value)
+
+    # -- gates --------------------------------------------------------------------------------------
+    def used_gates(self) -> Tuple[str, ...]:
+        """The gates this memory spec reads (spec §15.8): η always; α, θ, γ, δ only when used."""
+        p = self.parts
+        used = ["lr"]
+        if p.retention.uses_alpha:
+            used.append("retention")
+        if p.inner_optimizer.has_momentum:
+            used.append("momentum")
+        if p.window.size != 1:
+            used.append("window")
+        if p.attentional_bias.uses_delta:
+            used.append("delta")
+        return tuple(used)
+
+    def _default_bias(self, name: str) -> float:
+        if name == "retention":
+            return 4.0
+        if name == "window":
+            return 4.0
+        if name == "momentum":
+            return _logit(getattr(self.spec.inner_optimizer, "momentum", 0.9))
+        if name == "delta":
+            return _softplus_inv(getattr(self.spec.attentional_bias, "delta", 1.0))
+        return 0.0
+
+    def gates(self, x: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """The gate tensors for ``memorize`` from the layer input ``x: [B, T, d_model]``."""
+        B, T = x.shape[:2]
+        H = self.num_heads
+        out = {name: net(x) for name, net in self.gate_nets.items()}
+        for name, value in self.gate_consts.items():
+            shape = (B, T, H, self.head_dim) if (name == "retention" and self.parts.retention.channel_wise) \
+                else (B, T, H)
+            out[name] = x.new_full(shape, value)
+        return out
+
+    # -- backbone -----------------------------------------------------------------------------------
+    def _branch(self, x, which: str, cache: Optional[torch.Tensor]):
+        """Projection → conv → SiLU (→ ℓ2) of q, k or v. Returns ``([B, T, H, D], new_cache)``."""
+        proj = getattr(self, f"{which}_proj")
+        h = proj(x)
+        new_cache = None
+        if self.cfg.conv:
+            h, new_cache = getattr(self, f"{which}_conv")(h, cache)
+        if self.cfg.silu:
+            h = F.silu(h)
+        h = h.reshape(*x.shape[:2], self.num_heads, -1)
+        if self.cfg.qk_norm and which in ("q", "k"):
+            h = F.normalize(h, dim=-1, eps=1e-6)
+        return h, new_cache
+
+    def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Per-head norm, output gate and projection: ``o: [B, T, H, D_v]`` → ``[B, T, d_model]``."""
+        if self.out_norm is not None:
+            o = self.out_norm(o)
+        o = o.reshape(*o.shape[:2], -1)
+        if self.g_proj is not None:
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o)
+
+    def initial_state(self, batch: int, dtype=None, device=None) -> MemoryLayerState:
+        from ..kernels import initial_state
+        p = next(self.parameters())
+        return MemoryLayerState(initial_state(self.parts, batch, dtype or p.dtype, device or p.device), {})
+
+    def forward(self, x: torch.Tensor, state: Optional[MemoryLayerState] = None, return_state: bool = False):
+        """``x: [B, T, d_model]`` → ``[B, T, d_model]`` (and the new :class:`MemoryLayerState` if asked).
+
+        ``state`` continues a previous call (memory, conv caches): chained calls equal one call.
+        """
+        from ..kernels import memorize
+
+        conv = state.conv if state is not None else {}
+        q, cq = self._branch(x, "q", conv.get("q"))
+        k, ck = self._branch(x, "k", conv.get("k"))
+        v, cv = self._branch(x, "v", conv.get("v"))
+        o, mem_state = memorize(q, k, v, self.parts, self.gates(x), mode=self.cfg.mode,
+                                initial_state=state.memory if state is not None else None)
+        y = self._output(o, x)
+        if not return_state:
+            return y
+        caches = {n: c for n, c in (("q", cq), ("k", ck), ("v", cv)) if c is not None}
+        return y, MemoryLayerState(mem_state, caches)
+
+    def read(self, x: torch.Tensor, state: Optional[MemoryLayerState] = None,
+             q_cache: Optional[torch.Tensor] = None):
+        """Read the memory with queries from ``x`` and write nothing (Titans MAC's h_t = M*_{t−1}(q_t)).
+
+        ``x: [B, T, d_model]``; every query reads the memory as it stands in ``state`` (the initial memory
+        when None). The query path (projection, conv, SiLU, norm) and the output path are the layer's own;
+        ``q_cache`` is the conv cache of this query stream. Returns ``([B, T, d_model], new_q_cache)``.
+        """
+        q, new_cache = self._branch(x, "q", q_cache)
+        mem_state = state.memory if state is not None else self.initial_state(x.shape[0], x.dtype, x.device).memory
+        o = read_memory(self.parts, mem_state, q)
+        return self._output(o, x), new_cache
+
+    # -- accounting ---------------------------------------------------------------------------------
+    def conv_state_size(self) -> int:
+        """Scalars of the q/k/v conv caches per sequence: (K − 1)·H·(2·D_k + D_v)."""
+        if not self.cfg.conv:
+            return 0
+        return (self.cfg.conv_size - 1) * self.num_heads * (2 * self.head_dim + self.value_dim)
+
+    def state_size_per_token(self) -> int:
+        """Scalars added per context token (the exp kernel trick's slots, a global window's history)."""
+        return self.parts.state_size_per_token()
+
+    def state_size(self, context: Optional[int] = None) -> int:
+        """Recurrent-state scalars per sequence after ``context`` tokens (zoology's ``state_size``).
+
+        = memory state (fast weights × (1 + momentum + mirror dual) + the Omega window's last c − 1
+        (k, v, γ)) + the conv caches + ``state_size_per_token() · context`` (``context=None`` counts 0 tokens).
+        """
+        return self.parts.state_size() + self.conv_state_size() + self.state_size_per_token() * (context or 0)
+
+
+def _fix_part_path(exc: ConfigError) -> ConfigError:
+    """MemoryParts names a memory-architecture error ``memory.<field>``; in a layer config it is
+    ``memory.memory.<field>`` (the spec node is ``memory``, its architecture part ``memory.memory``)."""
+    head, _, rest = exc.path.partition(".")
+    if head == "memory" and rest and rest.split(".")[0] not in SPEC_FIELDS:
+        return ConfigError("memory.memory." + rest, exc.reason, exc.value, exc.choices)
+    return exc
+
+
+def read_memory(parts: MemoryParts, state, q: torch.Tensor) -> torch.Tensor:
+    """y = M(φ(q)) for every query of ``q: [B, T, H, D_k]`` against the fixed memory in ``state`` → ``[B, T, H, D_v]``.
+
+    Uses the memory's current weights ``state.weights`` (or, for the exp kernel trick, its slots).
+    """
+    # TODO(core): a public kernels.read(q, parts, state) would replace this and the private import.
+    qb = q.transpose(1, 2)                                             # [B, H, T, D_k]
+    if parts.kernel_trick:
+        from ..kernels.recurrent import _kernel_read
+        normalise = bool(getattr(parts.spec.feature_map, "normalize", False))
+        out = _kernel_read(state.bank_u, state.bank_k, qb, normalise)
+    else:
+        out = parts.memory(state.weights, parts.feature_map(qb))
+    return out.transpose(1, 2)
+
+
+__all__ = ["GATES", "GateConfig", "LayerGates", "MemoryLayer", "MemoryLayerConfig", "MemoryLayerState", "RMSNorm",
+           "ShortConv", "read_memory"]

@@ -1,0 +1,259 @@
+"""The language model: a Llama-style stack whose token mixers come from the registry.
+
+    ids → embedding → L × [ x += mixer(RMSNorm(x)); x += SwiGLU(RMSNorm(x)) ] → RMSNorm → tied unembedding
+
+Each layer's mixer is a registered ``mixer`` (``memory``, ``attention``, ``swa``, …) or ``block`` (``lmm``,
+``mag``, ``mal``, ``mac``), chosen by a layer pattern that cycles over the layers, so a hybrid is e.g.
+
+    layers: [atlas, atlas, swa]
+    mixers:
+      atlas: {name: memory, memory: {...}}
+      swa:   {name: swa, window: 64}
+
+A model config is validated as a whole (:func:`resolve_lm_config`) before anything is built; every error is a
+:class:`ConfigError` naming the dotted path (``mixers.atlas.memory.inner_optimizer.name``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from torch import nn
+
+from ..registry import ConfigError, PartConfig, check_range, get_registry, resolve_part, to_container
+from ..registry.errors import join_path
+from . import attention, blocks, layers  # noqa: F401  (register the mixers and blocks)
+from .layers import RMSNorm
+
+MIXER_KINDS = ("mixer", "block")
+
+
+@dataclass
+class LMConfig:
+    """Structured config of :class:`LanguageModel` (a preset file is one of these)."""
+
+    name: str = ""                   # the preset / model name (informational)
+    description: str = ""            # one line (``atlaslab list`` shows it)
+    vocab_size: int = 256
+    d_model: int = 64
+    num_layers: int = 2
+    layers: List[str] = field(default_factory=lambda: ["mixer"])   # pattern of keys of ``mixers``, cycled
+    mixers: Dict[str, Any] = field(default_factory=dict)           # key → mixer or block node
+    mlp: bool = True                 # SwiGLU MLP after each mixer
+    mlp_hidden: Optional[int] = None # default: 8/3 · d_model rounded up to a multiple of 8 (Llama)
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = True
+    init_std: float = 0.02           # embedding (and untied head) init
+
+    def hidden(self) -> int:
+        if self.mlp_hidden:
+            return self.mlp_hidden
+        h = int(8 * self.d_model / 3)
+        return -(-h // 8) * 8
+
+
+@dataclass
+class ResolvedLM:
+    """A validated model config: the typed top-level fields and each mixer's (kind, typed config)."""
+
+    config: LMConfig
+    mixers: Dict[str, Tuple[str, PartConfig]]
+
+    def layer_keys(self) -> List[str]:
+        pattern = self.config.layers
+        return [pattern[i % len(pattern)] for i in range(self.config.num_layers)]
+
+    def to_dict(self) -> dict:
+        """The fully resolved config (every default filled in) as plain containers."""
+        out = dataclasses.asdict(self.config)
+        mixers = {}
+        for key, (_, c) in self.mixers.items():
+            d = dataclasses.asdict(c)
+            if hasattr(c, "memory_spec"):
+                d["memory"] = c.memory_spec().to_dict()   # every part's defaults filled in
+            mixers[key] = d
+        out["mixers"] = mixers
+        return out
+
+
+def mixer_kind(name: Any, path: str) -> str:
+    """``mixer`` or ``block``: which registry holds ``name`` (ConfigError listing both when neither)."""
+    for kind in MIXER_KINDS:
+        if isinstance(name, str) and name in get_registry(kind):
+            return kind
+    if isinstance(name, str) and "." in name:   # a user part from a dotted module path
+        for kind in MIXER_KINDS:
+            try:
+                get_registry(kind).get(name, path)
+                return kind
+            except ConfigError:
+                pass
+    choices = [n for k in MIXER_KINDS for n in get_registry(k).names()]
+    raise ConfigError(path, f"unknown mixer or block {name!r}.", value=name, choices=choices)
+
+
+def resolve_lm_config(node: Any, path: str = "") -> ResolvedLM:
+    """Validate a model node (dict / DictConfig / LMConfig / ResolvedLM) into a :class:`ResolvedLM`."""
+    if isinstance(node, ResolvedLM):
+        return node
+    if isinstance(node, LMConfig):
+        node = dataclasses.asdict(node)
+    node = to_container(node) or {}
+    if not isinstance(node, Mapping):
+        raise ConfigError(path, f"expected a model config mapping, got {node!r}.")
+    fields = [f.name for f in dataclasses.fields(LMConfig)]
+    for key in node:
+        if key not in fields:
+            raise ConfigError(join_path(path, str(key)), f"unknown model field '{key}'.", value=str(key),
+                              choices=fields)
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LMConfig), dict(node)))
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or getattr(exc, "key", None) or ""
+        if isinstance(exc, ConfigKeyError):
+            raise ConfigError(join_path(path, str(key)), f"unknown model field '{key}'.", value=str(key),
+                              choices=fields) from None
+        raise ConfigError(join_path(path, str(key)), str(exc).splitlines()[0]) from None
+    for f, low in (("vocab_size", 1), ("d_model", 1), ("num_layers", 1)):
+        try:
+            check_range(f, getattr(cfg, f), low, None)
+        except ConfigError as exc:
+            raise exc.prefixed(path) from None
+    if cfg.mlp_hidden is not None and cfg.mlp_hidden < 1:
+        raise ConfigError(join_path(path, "mlp_hidden"), "must be ≥ 1 (or null for the default).",
+                          value=cfg.mlp_hidden)
+    if not cfg.layers:
+        raise ConfigError(join_path(path, "layers"), "the layer pattern is empty.", value=[],
+                          choices=list(cfg.mixers))
+    mixers: Dict[str, Tuple[str, PartConfig]] = {}
+    for i, key in enumerate(cfg.layers):
+        if key not in cfg.mixers:
+            raise ConfigError(join_path(path, f"layers.{i}"), f"no mixer named '{key}' in mixers.", value=key,
+                              choices=list(cfg.mixers))
+    for key, mnode in cfg.mixers.items():
+        mpath = join_path(path, f"mixers.{key}")
+        if isinstance(mnode, str):
+            mnode = {"name": mnode}
+        if not isinstance(mnode, Mapping):
+            raise ConfigError(mpath, f"expected a mixer node (a mapping with 'name'), got {mnode!r}.")
+        kind = mixer_kind(mnode.get("name"), join_path(mpath, "name"))
+        mixers[key] = (kind, resolve_part(kind, mnode, mpath))
+    cfg.mixers = {k: to_container(v) if not isinstance(v, str) else {"name": v} for k, v in cfg.mixers.items()}
+    return ResolvedLM(cfg, mixers)
+
+
+class SwiGLU(nn.Module):
+    """Llama MLP: W_2(silu(W_1 x) ⊙ W_3 x)."""
+
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, hidden, bias=False)
+        self.w3 = nn.Linear(d_model, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class LMLayer(nn.Module):
+    """x += mixer(RMSNorm(x)); x += MLP(RMSNorm(x))."""
+
+    def __init__(self, mixer: nn.Module, d_model: int, hidden: Optional[int], eps: float):
+        super().__init__()
+        self.mixer_norm = RMSNorm(d_model, eps)
+        self.mixer = mixer
+        self.mlp_norm = RMSNorm(d_model, eps) if hidden else None
+        self.mlp = SwiGLU(d_model, hidden) if hidden else None
+
+    def forward(self, x):
+        x = x + self.mixer(self.mixer_norm(x))
+        if self.mlp is not None:
+            x = x + self.mlp(self.mlp_norm(x))
+        return x
+
+
+def build_mixer(kind: str, cfg: PartConfig, d_model: int, path: str = "") -> nn.Module:
+    """Construct a resolved mixer/block; construction-time ConfigErrors get ``path`` prefixed."""
+    entry = get_registry(kind).get(cfg.name)
+    try:
+        return entry.cls(cfg, d_model)
+    except ConfigError as exc:
+        raise exc.prefixed(path) from None
+
+
+class LanguageModel(nn.Module):
+    """Llama-style LM over registered mixers. ``forward(ids: [B, T]) -> logits [B, T, vocab]``."""
+
+    def __init__(self, cfg: Any):
+        super().__init__()
+        self.resolved = resolve_lm_config(cfg)
+        c = self.resolved.config
+        self.cfg = c
+        self.embed = nn.Embedding(c.vocab_size, c.d_model)
+        nn.init.normal_(self.embed.weight, std=c.init_std)
+        self.layer_keys = self.resolved.layer_keys()
+        self.layers = nn.ModuleList()
+        for key in self.layer_keys:
+            kind, mcfg = self.resolved.mixers[key]
+            mixer = build_mixer(kind, mcfg, c.d_model, f"mixers.{key}")
+            self.layers.append(LMLayer(mixer, c.d_model, c.hidden() if c.mlp else None, c.norm_eps))
+        self.norm = RMSNorm(c.d_model, c.norm_eps)
+        if c.tie_embeddings:
+            self.head = None
+        else:
+            self.head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+            nn.init.normal_(self.head.weight, std=c.init_std)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        x = self.norm(x)
+        w = self.embed.weight if self.head is None else self.head.weight
+        return x @ w.to(x.dtype).t()
+
+    def loss(self, input_ids: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Mean next-token cross-entropy: predict ``targets`` (default: ``input_ids`` shifted by one)."""
+        if targets is None:
+            input_ids, targets = input_ids[:, :-1], input_ids[:, 1:]
+        logits = self(input_ids)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    # -- accounting ---------------------------------------------------------------------------------
+    def mixers(self) -> List[nn.Module]:
+        return [layer.mixer for layer in self.layers]
+
+    def state_size_per_token(self) -> int:
+        """Recurrent-state scalars added per context token, summed over layers (KV caches)."""
+        return sum(m.state_size_per_token() for m in self.mixers())
+
+    def state_size(self, context: Optional[int] = None) -> int:
+        """Recurrent-state scalars per sequence after ``context`` tokens, summed over layers (zoology's
+        ``state_size``). ``context=None`` gives the fixed part only (see :meth:`state_size_per_token`)."""
+        return sum(m.state_size(context) for m in self.mixers())
+
+    def num_parameters(self, exclude_embeddings: bool = False, trainable_only: bool = True) -> int:
+        """Number of (unique; tied embeddings counted once) parameters."""
+        seen, n = set(), 0
+        for p in self.parameters():
+            if id(p) in seen or (trainable_only and not p.requires_grad):
+                continue
+            seen.add(id(p))
+            n += p.numel()
+        if exclude_embeddings:
+            n -= self.embed.weight.numel()
+        return n
+
+
+def build_lm(cfg: Any) -> LanguageModel:
+    return LanguageModel(cfg)
+
+
+__all__ = ["LMConfig", "LMLayer", "LanguageModel", "ResolvedLM", "SwiGLU", "build_lm", "build_mixer", "mixer_kind",
+           "resolve_lm_config"]

@@ -1,0 +1,180 @@
+"""Named models: ``experiments/presets/<name>.yaml``, loaded with overrides and built into a language model.
+
+    cfg = load_preset("atlas", ["d_model=32", "mixers.atlas.memory.chunk_size=4"])
+    model = build_model(cfg)
+
+A preset file is a model config (:class:`atlaslab.components.lm.LMConfig`): ``vocab_size``, ``d_model``,
+``num_layers``, the layer pattern ``layers`` and the named ``mixers``. Overrides are OmegaConf dotlist strings
+(``key.path=value``, values parsed as YAML: ``mixers.x.memory.memory={name: linear, init: zeros}``) or a
+nested dict, applied in order. Changing a part's ``name`` drops the fields the new part does not have
+(``…memory.memory.name=linear`` on an ``mlp`` memory drops ``depth``, ``expansion``, …), and a mapping with a
+different ``name`` replaces the node instead of merging into it. The result is validated as a whole; every
+error is a :class:`ConfigError` naming the dotted path.
+
+The preset folder is ``$ATLASLAB_PRESETS`` when set, else ``experiments/presets`` of the source tree.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from .components.lm import LanguageModel, ResolvedLM, mixer_kind, resolve_lm_config
+from .components.memory_spec import PART_KINDS
+from .registry import ConfigError, get_registry, to_container
+
+Overrides = Union[Sequence[str], Mapping[str, Any]]
+
+
+def preset_dir() -> Path:
+    env = os.environ.get("ATLASLAB_PRESETS")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parent.parent / "experiments" / "presets"
+
+
+def list_presets() -> List[str]:
+    """Names of the preset files (sorted)."""
+    d = preset_dir()
+    return sorted(p.stem for p in d.glob("*.yaml")) if d.is_dir() else []
+
+
+def preset_path(name: str) -> Path:
+    """The YAML file of preset ``name`` (or ``name`` itself when it is a path to a YAML file)."""
+    p = Path(name)
+    if p.suffix in (".yaml", ".yml") and p.is_file():
+        return p
+    path = preset_dir() / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError("preset", f"unknown preset '{name}' (looked in {preset_dir()}).", value=name,
+                          choices=list_presets())
+    return path
+
+
+def preset_description(name: str) -> str:
+    """The preset's ``description`` field (one line)."""
+    try:
+        data = yaml.safe_load(preset_path(name).read_text()) or {}
+    except Exception:  # pragma: no cover - unreadable preset
+        return ""
+    return str(data.get("description", "")) if isinstance(data, dict) else ""
+
+
+# --------------------------------------------------------------------------------------------------
+# overrides
+# --------------------------------------------------------------------------------------------------
+def _parse_dotlist_item(item: str) -> Tuple[str, Any]:
+    if not isinstance(item, str) or "=" not in item:
+        raise ConfigError("overrides", f"an override must look like 'key.path=value', got {item!r}.", value=item)
+    key, _, raw = item.partition("=")
+    key = key.strip().lstrip("+")
+    if not key:
+        raise ConfigError("overrides", f"an override needs a key, got {item!r}.", value=item)
+    try:
+        value = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={raw}"]))["v"]
+    except OmegaConfBaseException:
+        value = raw
+    return key, value
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> Iterable[Tuple[str, Any]]:
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, Mapping) and "name" not in v and v:
+            yield from _flatten(v, key)
+        else:
+            yield key, v
+
+
+def _part_fields(parent_key: str, new_name: Any) -> Optional[set]:
+    """Field names of the part that ``parent_key`` will hold once named ``new_name`` (None: unknown)."""
+    segments = parent_key.split(".")
+    kind = None
+    if len(segments) == 2 and segments[0] == "mixers":
+        try:
+            kind = mixer_kind(new_name, parent_key)
+        except ConfigError:
+            return None
+    elif segments[-1] in PART_KINDS and len(segments) >= 2 and segments[-2] == "memory":
+        kind = segments[-1]
+    if kind is None:
+        return None
+    try:
+        entry = get_registry(kind).get(new_name, f"{parent_key}.name")
+    except ConfigError:
+        return None
+    return {f.name for f in dataclasses.fields(entry.config)}
+
+
+def _set(cfg: DictConfig, key: str, value: Any) -> None:
+    parent_key, _, leaf = key.rpartition(".")
+    existing = OmegaConf.select(cfg, key, default=None)
+    if isinstance(value, Mapping) and "name" in value and isinstance(existing, DictConfig) \
+            and existing.get("name") != value["name"]:
+        OmegaConf.update(cfg, key, dict(value), merge=False)   # a different part: replace the node
+        return
+    if leaf == "name" and parent_key:
+        parent = OmegaConf.select(cfg, parent_key, default=None)
+        if isinstance(parent, DictConfig) and parent.get("name") not in (None, value):
+            keep = _part_fields(parent_key, value)
+            if keep is not None:
+                for k in list(parent.keys()):
+                    if k != "name" and k not in keep:
+                        del parent[k]
+    OmegaConf.update(cfg, key, value, merge=True)
+
+
+def apply_overrides(cfg: DictConfig, overrides: Overrides = ()) -> DictConfig:
+    """Apply dotlist strings or a nested dict to ``cfg`` (in place, and returned)."""
+    if isinstance(overrides, Mapping):
+        items = list(_flatten(overrides))
+    elif isinstance(overrides, str):
+        items = [_parse_dotlist_item(overrides)]
+    else:
+        items = [_parse_dotlist_item(o) for o in overrides]
+    for key, value in items:
+        try:
+            _set(cfg, key, value)
+        except OmegaConfBaseException as exc:
+            raise ConfigError(key, f"cannot apply override ({str(exc).splitlines()[0]}).", value=value) from None
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------------
+# public API
+# --------------------------------------------------------------------------------------------------
+def load_preset(name: str, overrides: Overrides = ()) -> DictConfig:
+    """The preset's config with ``overrides`` applied, validated (ConfigError with a dotted path if not)."""
+    cfg = OmegaConf.load(preset_path(name))
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError("preset", f"preset '{name}' is not a mapping.", value=name)
+    if not cfg.get("name"):
+        cfg.name = Path(name).stem
+    apply_overrides(cfg, overrides)
+    resolve_lm_config(cfg)
+    return cfg
+
+
+def resolve_model(cfg: Any) -> ResolvedLM:
+    """Validate a model config (preset name, DictConfig, dict, LMConfig) with every default filled in."""
+    if isinstance(cfg, str):
+        cfg = load_preset(cfg)
+    return resolve_lm_config(cfg)
+
+
+def build_model(cfg: Any, overrides: Overrides = ()) -> LanguageModel:
+    """Build the :class:`LanguageModel` of a config (or of a preset name, with ``overrides``)."""
+    if isinstance(cfg, str):
+        cfg = load_preset(cfg, overrides)
+    elif overrides:
+        cfg = apply_overrides(OmegaConf.create(to_container(cfg)), overrides)
+    return LanguageModel(cfg)
+
+
+__all__ = ["apply_overrides", "build_model", "list_presets", "load_preset", "preset_description", "preset_dir",
+           "preset_path", "resolve_model"]
