@@ -9,13 +9,14 @@ from typing import Any, Mapping, Optional, Tuple
 
 import torch
 
+from .chunked import memorize_chunked
 from .newton_schulz import newton_schulz
 from . import recurrent as _recurrent
 from .recurrent import initial_state, memorize_recurrent, read_memory
 from .state import GATE_NAMES, Gates, MemoryState, normalise_gates
 
 #: Engines that compute ``memorize``; each must match the ``recurrent`` reference.
-MODES = {"recurrent": memorize_recurrent}
+MODES = {"recurrent": memorize_recurrent, "chunked": memorize_chunked}
 
 
 def memorize(

@@ -1,0 +1,216 @@
+"""Chunk-parallel torch engine, general over every registered part (Titans §3.2, ATLAS §3.3 and §5.1, TTT §2.4).
+
+Inside a training chunk every gradient is taken at the chunk-start state (spec §15.2), so the whole chunk is
+computed at once (compute block = b):
+
+1. per-token gradients u_i = ∇ℓ(W_a; φ(k_i), v_i) of every token the chunk's windows touch, in one batched
+   ``vmap`` of a vector–Jacobian product (create-graph semantics: the outer loss differentiates through it);
+2. the Omega window as a banded coefficient matrix C[s, i] = γ_i · 1[s − c < i ≤ s] (ATLAS §3.3's mask M_s),
+   g_s = Σ_i C[s, i] u_i: window spill into the previous chunk uses those tokens' gradients at W_a (§15.3);
+3. momentum and decay as parallel linear scans (``scan.py``); Muon's Newton–Schulz batched over positions;
+4. per-token reads y_s = M_s(φ(q_s)) batched over the chunk's positions (or the chunk-start state for
+   ``read: chunk``); mirror-map retentions apply Ψ at the chunk end, exactly as the reference.
+
+Only one chunk's per-position weights ``[B, H, b, size(M)]`` exist at a time. Results equal
+``recurrent`` (same state object, so calls chain and modes can be mixed).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Dict, Optional
+
+import torch
+from torch.func import vjp, vmap
+
+from .recurrent import _bh, _keep_last, memorize_recurrent
+from .scan import cumulative, scan_weights
+from .state import Gates, MemoryState
+
+if TYPE_CHECKING:
+    from ..components.memory_spec import MemoryParts
+
+Weights = Dict[str, torch.Tensor]
+
+
+def _bcast(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return x.reshape(x.shape + (1,) * (like.dim() - x.dim()))
+
+
+def window_matrix(h: int, L: int, window: Optional[int], gamma_ext: torch.Tensor) -> torch.Tensor:
+    """C ``[B, H, L, h + L]``: C[s, e] = γ_e if ext token e is in the window of chunk token s (ext index h + s)."""
+    s = torch.arange(L, device=gamma_ext.device).unsqueeze(1) + h
+    e = torch.arange(h + L, device=gamma_ext.device).unsqueeze(0)
+    band = e <= s
+    if window is not None:
+        band = band & (e > s - window)
+    return band.to(gamma_ext.dtype) * gamma_ext.unsqueeze(-2)
+
+
+def per_token_grads(parts: "MemoryParts", weights: Weights, x, v, d) -> Weights:
+    """∇_θ ℓ(W; x_i, v_i) for every token: ``x: [B, H, n, F]`` → ``{name: [B, H, n, ...]}`` (W shared)."""
+    mem, bias = parts.memory, parts.attentional_bias
+
+    def one(xi, vi, di):
+        pred, back = vjp(lambda w: mem(w, xi.unsqueeze(2)), weights)
+        err = bias.output_grad(pred, vi.unsqueeze(2), None if di is None else di.unsqueeze(2))
+        return back(err)[0]
+
+    return vmap(one, in_dims=(2, 2, None if d is None else 2), out_dims=2)(x, v, d)
+
+
+def window_grads_at(parts: "MemoryParts", weights: Weights, C: torch.Tensor, x, v, d) -> Weights:
+    """g_s = Σ_i C[s, i] ∇ℓ(W_s; x_i, v_i) with per-position weights ``W_s: [B, H, L, ...]``."""
+    mem, bias = parts.memory, parts.attentional_bias
+
+    def one(w_s, c_s):
+        pred, back = vjp(lambda w: mem(w, x), w_s)
+        return back(bias.output_grad(pred, v, d) * c_s.unsqueeze(-1))[0]
+
+    return vmap(one, in_dims=(2, 2), out_dims=2)(weights, C)
+
+
+def _contract(C: torch.Tensor, u: Weights) -> Weights:
+    """Σ_i C[s, i] u_i for every weight: ``[B,H,L,n] × [B,H,n,...] → [B,H,L,...]``."""
+    return {name: torch.einsum("bhsn,bhnx->bhsx", C, g.reshape(*g.shape[:3], -1)).reshape(
+        *C.shape[:3], *g.shape[3:]) for name, g in u.items()}
+
+
+def _expand(weights: Weights, L: int) -> Weights:
+    return {n: w.unsqueeze(2).expand(*w.shape[:2], L, *w.shape[2:]) for n, w in weights.items()}
+
+
+def _scale_per_position(weights: Weights, scale: torch.Tensor, channel_wise: bool) -> Weights:
+    """``scale [B,H,L]`` (or ``[B,H,L,K]``) ⊙ shared weights → per-position weights ``[B,H,L,...]``."""
+    out = {}
+    for n, w in weights.items():
+        if channel_wise:
+            s = scale.reshape(*scale.shape[:3], *(1,) * (w.dim() - 3), scale.shape[-1])
+        else:
+            s = scale.reshape(*scale.shape, *(1,) * (w.dim() - 2))
+        out[n] = s * w.unsqueeze(2)
+    return out
+
+
+def _updates(parts, state, W_a, C, x, v, d, lr, theta, alpha, chunk_alpha, L):
+    """Per-position updates U_s ``[B,H,L,...]`` (and the momentum trajectory), all gradients at the anchor."""
+    opt, ret = parts.inner_optimizer, parts.retention
+    name = opt.cfg.name
+    before = ret.placement == "before_step" and alpha is not None
+    # the point each position's gradient is taken at: W_a, or (Π_{τ=t'}^{s} α_τ) W_a for before_step (§15.4)
+    at = _scale_per_position(W_a, chunk_alpha, ret.channel_wise) if before else _expand(W_a, L)
+    if name == "implicit_gd":
+        eye = torch.eye(x.shape[-1], dtype=x.dtype, device=x.device)
+        gram = torch.einsum("bhsn,bhni,bhnj->bhsij", C, x, x)
+        rhs = at["W"] + lr[..., None, None] * torch.einsum("bhsn,bhnv,bhnk->bhsvk", C, v, x)
+        w_star = torch.linalg.solve(eye + lr[..., None, None] * gram, rhs.mT).mT
+        return {"W": w_star - at["W"]}, None
+    if name == "multi_step_gd":
+        u = {n: torch.zeros_like(w) for n, w in at.items()}
+        for _ in range(opt.cfg.steps):
+            g = window_grads_at(parts, {n: at[n] + u[n] for n in u}, C, x, v, d)
+            u = {n: u[n] - _bcast(lr, g[n]) * g[n] for n in u}
+        return u, None
+    if before:    # a different point for every position: differentiate the window loss at each
+        g = window_grads_at(parts, at, C, x, v, d)
+    else:
+        g = _contract(C, per_token_grads(parts, W_a, x, v, d))
+    if name == "gd":
+        return {n: -_bcast(lr, gi) * gi for n, gi in g.items()}, None
+    if name == "momentum":
+        s = scan_weights(state.momentum, theta, {n: -_bcast(lr, gi) * gi for n, gi in g.items()})
+        return s, s
+    if name == "muon":
+        s = scan_weights(state.momentum, theta, g)
+        if opt.cfg.ns_granularity == "chunk":
+            return None, s
+        return {n: -_bcast(lr, si) * opt.orthogonalise(si) for n, si in s.items()}, s
+    raise NotImplementedError(f"chunked engine: no rule for inner optimizer '{name}'")
+
+
+def _segment(parts, state: MemoryState, gates: Gates, q, k, v, t0: int, t1: int, b: int, outputs: list):
+    """Process tokens [t0, t1) of this call: all inside one training chunk. Mutates ``state``."""
+    fm, mem, ret, opt = parts.feature_map, parts.memory, parts.retention, parts.inner_optimizer
+    L = t1 - t0
+    if state.position % b == 0:
+        state.anchor = state.weights
+        state.chunk_alpha = torch.ones_like(state.chunk_alpha)
+        state.chunk_lr = torch.zeros_like(state.chunk_lr)
+    end_of_chunk = (state.position + L) % b == 0
+    window = parts.window.size
+    h = state.hist_k.shape[1]
+    k_ext = torch.cat([state.hist_k, k[:, t0:t1]], 1)
+    v_ext = torch.cat([state.hist_v, v[:, t0:t1]], 1)
+    g_ext = torch.cat([state.hist_gamma, gates.window[:, t0:t1]], 1)
+    d_ext = torch.cat([state.hist_delta, gates.delta[:, t0:t1]], 1) if gates.delta is not None else None
+    x, vv, dd = _bh(fm(k_ext)), _bh(v_ext), (_bh(d_ext) if d_ext is not None else None)
+    C = window_matrix(h, L, window, _bh(g_ext))
+
+    lr = _bh(gates.lr[:, t0:t1])
+    theta = _bh(gates.momentum[:, t0:t1]) if gates.momentum is not None else None
+    alpha = gates.retention[:, t0:t1].transpose(1, 2) if gates.retention is not None else None   # [B,H,L(,K)]
+    # Π_{τ=t'}^{s} α_τ for every position s of the segment (continuing the running product of the chunk)
+    if alpha is not None:
+        a_for_cum = alpha.movedim(2, -1) if ret.channel_wise else alpha
+        cum = cumulative(a_for_cum)
+        cum = cum.movedim(-1, 2) if ret.channel_wise else cum
+        chunk_alpha = state.chunk_alpha.unsqueeze(2) * cum
+    else:
+        chunk_alpha = state.chunk_alpha.unsqueeze(2).expand(*state.chunk_alpha.shape[:2], L,
+                                                            *state.chunk_alpha.shape[2:])
+
+    W_a = state.anchor
+    U, S = _updates(parts, state, W_a, C, x, vv, dd, lr, theta, alpha, chunk_alpha, L)
+    if S is not None:
+        state.momentum = {n: s[:, :, -1] for n, s in S.items()}
+
+    if U is None:   # chunk-granular Muon: the memory takes one step when the chunk completes
+        M = _expand(state.weights, L)
+        state.chunk_lr = state.chunk_lr + lr.sum(-1)
+        if end_of_chunk:
+            eta = state.chunk_lr / b
+            step = {n: -_bcast(eta, s) * opt.orthogonalise(s) for n, s in state.momentum.items()}
+            total = chunk_alpha[:, :, -1]
+            if ret.mirror:
+                state.dual = {n: ret.decay({n: state.dual[n]}, total)[n] + step[n] for n in step}
+                state.weights = ret.psi(state.dual)
+            else:
+                state.weights = {n: ret.decay({n: state.weights[n]}, total)[n] + step[n] for n in step}
+    else:
+        a_scan = alpha if ret.uses_alpha else None
+        M = scan_weights(state.weights, a_scan, U, ret.channel_wise)
+        if ret.mirror:
+            A = scan_weights(state.dual, a_scan, U, ret.channel_wise)
+            state.dual = {n: a[:, :, -1] for n, a in A.items()}
+            if end_of_chunk:
+                last = ret.psi(state.dual)
+                M = {n: torch.cat([M[n][:, :, :-1], last[n].unsqueeze(2)], 2) for n in M}
+        state.weights = {n: m[:, :, -1] for n, m in M.items()}
+    state.chunk_alpha = chunk_alpha[:, :, -1]
+
+    xq = _bh(fm(q[:, t0:t1]))                                                   # [B, H, L, F]
+    if parts.read == "chunk":
+        y = mem(state.anchor, xq)
+    else:
+        y = vmap(lambda w, xs: mem(w, xs.unsqueeze(2)).squeeze(2), in_dims=(2, 2), out_dims=2)(M, xq)
+    outputs.append(y.transpose(1, 2))
+
+    keep = parts.window.history()
+    state.hist_k, state.hist_v, state.hist_gamma = (_keep_last(z, keep) for z in (k_ext, v_ext, g_ext))
+    state.hist_delta = _keep_last(d_ext, keep)
+    state.position += L
+
+
+def memorize_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parts: "MemoryParts", gates: Gates,
+                     chunk_size: int, state: MemoryState):
+    """Chunk-parallel engine. ``q, k: [B, T, H, D_k]``, ``v: [B, T, H, D_v]`` → ``([B, T, H, D_v], state)``."""
+    if parts.kernel_trick:   # the φ* slot memory is attention-like; its chunked form is the reference loop
+        return memorize_recurrent(q, k, v, parts, gates, chunk_size, state)
+    state = dataclasses.replace(state)
+    b, T = chunk_size, q.shape[1]
+    outputs: list = []
+    t = 0
+    while t < T:
+        t_end = min(T, t + b - state.position % b)
+        _segment(parts, state, gates, q, k, v, t, t_end, b, outputs)
+        t = t_end
+    return torch.cat(outputs, 1), state

@@ -1,0 +1,55 @@
+"""Parallel first-order linear recurrences over a block: X_s = a_s X_{s−1} + U_s (decay and momentum scans).
+
+Titans §3.2 and ATLAS Eq.39 unroll these recurrences inside a chunk; here they are computed with the
+segment-sum decay matrix D[s, r] = Π_{τ=r+1}^{s} a_τ (Mamba-2's "segsum"), built by cumulative sums of
+log a so that no ratio of long products is ever formed.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+
+def decay_matrix(a: torch.Tensor) -> torch.Tensor:
+    """``a: [..., L]`` (factors in [0, 1]) → ``D: [..., L, L]`` with D[s, r] = Π_{τ=r+1}^{s} a_τ (r ≤ s), else 0."""
+    L = a.shape[-1]
+    log_a = a.clamp_min(torch.finfo(a.dtype).tiny).log()
+    rows = log_a.unsqueeze(-1).expand(*a.shape, L)                     # [..., s, r] = log a_s
+    strict = torch.ones(L, L, dtype=torch.bool, device=a.device).tril(-1)
+    seg = torch.where(strict, rows, torch.zeros((), dtype=a.dtype, device=a.device)).cumsum(-2)
+    return seg.exp().masked_fill(~strict.logical_or(torch.eye(L, dtype=torch.bool, device=a.device)), 0.0)
+
+
+def cumulative(a: torch.Tensor) -> torch.Tensor:
+    """``a: [..., L]`` → Π_{τ≤s} a_τ, via log-space cumsum."""
+    return a.clamp_min(torch.finfo(a.dtype).tiny).log().cumsum(-1).exp()
+
+
+def linear_scan(x0: torch.Tensor, a: Optional[torch.Tensor], u: torch.Tensor, channel_wise: bool = False):
+    """All X_s of X_s = a_s ⊙ X_{s−1} + U_s for s in the block.
+
+    ``x0: [B, H, *W]``; ``u: [B, H, L, *W]``; ``a``: None (a = 1), ``[B, H, L]`` (scalar per step) or, with
+    ``channel_wise``, ``[B, H, L, W_last]`` (scales the last weight axis). Returns ``[B, H, L, *W]``.
+    """
+    L = u.shape[2]
+    extra = u.dim() - 3
+    if a is None:
+        return x0.unsqueeze(2) + u.cumsum(2)
+    if channel_wise:
+        a_t = a.movedim(-1, 2)                                          # [B, H, K, L]
+        D = decay_matrix(a_t)                                           # [B, H, K, s, r]
+        P = cumulative(a_t)                                             # [B, H, K, L]
+        mixed = torch.einsum("bhksr,bhr...k->bhs...k", D, u)
+        return mixed + P.movedim(2, -1).reshape(*P.shape[:2], L, *(1,) * (extra - 1), P.shape[2]) * x0.unsqueeze(2)
+    D = decay_matrix(a)                                                 # [B, H, s, r]
+    P = cumulative(a).reshape(*a.shape, *(1,) * extra)
+    flat = u.reshape(*u.shape[:3], -1)
+    mixed = torch.einsum("bhsr,bhrn->bhsn", D, flat).reshape(u.shape)
+    return mixed + P * x0.unsqueeze(2)
+
+
+def scan_weights(x0: Dict[str, torch.Tensor], a: Optional[torch.Tensor], u: Dict[str, torch.Tensor],
+                 channel_wise: bool = False) -> Dict[str, torch.Tensor]:
+    """:func:`linear_scan` for every fast-weight tensor of a dict."""
+    return {n: linear_scan(x0[n], a, u[n], channel_wise) for n in u}
