@@ -176,5 +176,38 @@ def build_model(cfg: Any, overrides: Overrides = ()) -> LanguageModel:
     return LanguageModel(cfg)
 
 
+def tiny_overrides(cfg: Any, d_model: int = 16, num_heads: int = 2, vocab_size: int = 32,
+                   num_layers: Optional[int] = None, chunk_size: Optional[int] = 4, window: int = 4,
+                   segment: int = 4) -> List[str]:
+    """Dotlist overrides that shrink a model config (or preset name) for CPU tests and smoke runs.
+
+    Sets the width, vocabulary and heads, the memories' training chunk b (only where it is > ``chunk_size``;
+    ``None`` leaves b alone), the SWA windows and the MAC segment size.
+    """
+    if isinstance(cfg, str):
+        cfg = load_preset(cfg)
+    cfg = to_container(cfg)
+    out = [f"d_model={d_model}", f"vocab_size={vocab_size}"]
+    if num_layers is not None:
+        out.append(f"num_layers={num_layers}")
+    for key, node in cfg.get("mixers", {}).items():
+        p = f"mixers.{key}"
+        name = node.get("name")
+        out.append(f"{p}.num_heads={num_heads}")
+        if node.get("head_dim") is not None:
+            out.append(f"{p}.head_dim=null")
+        if "memory" in node and chunk_size is not None and node["memory"].get("chunk_size", 1) > chunk_size:
+            out.append(f"{p}.memory.chunk_size={chunk_size}")
+        if name == "swa":
+            out.append(f"{p}.window={window}")
+        if name in ("mag", "mal"):
+            out.append(f"{p}.attention.window={window}")
+            out.append(f"{p}.attention.num_heads=null")
+        if name == "mac":
+            out.append(f"{p}.segment={segment}")
+            out.append(f"{p}.attention.num_heads=null")
+    return out
+
+
 __all__ = ["apply_overrides", "build_model", "list_presets", "load_preset", "preset_description", "preset_dir",
-           "preset_path", "resolve_model"]
+           "preset_path", "resolve_model", "tiny_overrides"]

@@ -74,7 +74,9 @@ class ShortConv(nn.Module):
         if cache is None:
             cache = x.new_zeros(B, K - 1, C)
         full = torch.cat([cache, x], dim=1)                       # [B, K-1+T, C]
-        y = self.conv(full.transpose(1, 2)).transpose(1, 2)       # [B, T, C]
+        w = self.conv.weight[:, 0, :].to(x.dtype)                 # [C, K] (Conv1d layout: cross-correlation)
+        # K shifted products instead of conv1d: same result, and far faster for tiny / float64 inputs on CPU
+        y = sum(full[:, j:j + T] * w[:, j] for j in range(K))     # [B, T, C]
         return y, full[:, full.shape[1] - (K - 1):]
 
 
@@ -324,6 +326,7 @@ class MemoryLayer(nn.Module):
         """
         q, new_cache = self._branch(x, "q", q_cache)
         mem_state = state.memory if state is not None else self.initial_state(x.shape[0], x.dtype, x.device).memory
+        from ..kernels import read_memory
         o = read_memory(self.parts, mem_state, q)
         return self._output(o, x), new_cache
 
@@ -356,21 +359,5 @@ def _fix_part_path(exc: ConfigError) -> ConfigError:
     return exc
 
 
-def read_memory(parts: MemoryParts, state, q: torch.Tensor) -> torch.Tensor:
-    """y = M(φ(q)) for every query of ``q: [B, T, H, D_k]`` against the fixed memory in ``state`` → ``[B, T, H, D_v]``.
-
-    Uses the memory's current weights ``state.weights`` (or, for the exp kernel trick, its slots).
-    """
-    # TODO(core): a public kernels.read(q, parts, state) would replace this and the private import.
-    qb = q.transpose(1, 2)                                             # [B, H, T, D_k]
-    if parts.kernel_trick:
-        from ..kernels.recurrent import _kernel_read
-        normalise = bool(getattr(parts.spec.feature_map, "normalize", False))
-        out = _kernel_read(state.bank_u, state.bank_k, qb, normalise)
-    else:
-        out = parts.memory(state.weights, parts.feature_map(qb))
-    return out.transpose(1, 2)
-
-
 __all__ = ["GATES", "GateConfig", "LayerGates", "MemoryLayer", "MemoryLayerConfig", "MemoryLayerState", "RMSNorm",
-           "ShortConv", "read_memory"]
+           "ShortConv"]
