@@ -97,3 +97,35 @@ def test_float32_stays_close_to_float64(name):
     out, _ = memorize(q.float(), k.float(), v.float(), parts32, {n: x.float() for n, x in g.items()},
                       mode="chunked", chunk_size=16)
     assert rms_ratio(out.double(), ref) < 1e-3
+
+
+LINEAR_ONLINE = {
+    "deltanet": SPECS["deltanet"],
+    "gdn": SPECS["gdn"],
+    "gla": SPECS["gla"],
+    "omega_c3_after": {"memory": "linear", "retention": "decay", "window": {"size": 3}},
+    "gdn_channelwise_c3": {"memory": "linear", "window": {"size": 3},
+                           "retention": {"name": "decay", "placement": "before_step", "channel_wise": True}},
+    "hebbian_window": {"memory": "linear", "attentional_bias": "dot", "window": {"size": 2}, "retention": "decay"},
+    "poly_delta": {"memory": "linear", "feature_map": {"name": "polynomial", "degree": 2}},
+    "read_before_write": {"memory": "linear", "retention": "decay", "read": "chunk"},
+}
+
+
+@pytest.mark.parametrize("block", [1, 4, 64])
+@pytest.mark.parametrize("name", list(LINEAR_ONLINE))
+def test_online_linear_rules_are_exact_for_any_compute_block(name, block):
+    """b = 1 (exact online learning) with compute blocks of any size: the WY/UT path (linear_delta.py)."""
+    parts = build(LINEAR_ONLINE[name])
+    from atlaslab.kernels import linear_delta
+    assert linear_delta.supports(parts, 1)
+    q, k, v = random_qkv(B, 11, H, D, requires_grad=True)
+    gates = {n: x.clone().requires_grad_(True) for n, x in gates_for(parts, T=11).items()}
+    ref, ref_state = memorize(q, k, v, parts, gates, mode="recurrent", chunk_size=1)
+    out, state = memorize(q, k, v, parts, gates, mode="chunked", chunk_size=1, block_size=block)
+    assert rms_ratio(out, ref) < TOL
+    assert rms_ratio(state.weights["W"], ref_state.weights["W"]) < TOL
+    leaves = [q, k, v, *gates.values(), *parts.parameters()]
+    w = torch.randn(out.shape, dtype=out.dtype)
+    for a, r in zip(torch.autograd.grad((out * w).sum(), leaves), torch.autograd.grad((ref * w).sum(), leaves)):
+        assert rms_ratio(a, r) < TOL

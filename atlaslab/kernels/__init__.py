@@ -28,6 +28,7 @@ def memorize(
     mode: str = "recurrent",
     chunk_size: Optional[int] = None,
     initial_state: Optional[MemoryState] = None,
+    block_size: int = 64,
 ) -> Tuple[torch.Tensor, MemoryState]:
     """Run a memory over a sequence: write every (k_t, v_t), read every q_t.
 
@@ -44,6 +45,8 @@ def memorize(
         chunk_size: the semantic training chunk b (default: the spec's); gradients of all tokens of a chunk
             are taken at the chunk-start state; b = 1 is exact online learning.
         initial_state: a previous call's state to continue from (default: the learned initial memory).
+        block_size: the engine's compute block for the online (b = 1) linear rules in ``chunked`` mode (how
+            many tokens are processed in parallel; it does not change the result, unlike ``chunk_size``).
 
     Returns:
         ``o: [B, T, H, D_v]`` and the final :class:`MemoryState` (``state.weights["W"]: [B, H, D_v, D_k]`` for a
@@ -66,7 +69,7 @@ def memorize(
         raise ValueError(f"memorize: chunk_size must be ≥ 1, got {b}")
     normalised = normalise_gates(gates, parts, q)
     state = initial_state if initial_state is not None else _recurrent.initial_state(parts, B, q.dtype, q.device)
-    return MODES[mode](q, k, v, parts, normalised, b, state)
+    return MODES[mode](q, k, v, parts, normalised, b, state, block_size=block_size)
 
 
 __all__ = ["GATE_NAMES", "Gates", "MODES", "MemoryState", "initial_state", "memorize", "newton_schulz", "read_memory"]

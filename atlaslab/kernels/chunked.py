@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Dict, Optional
 import torch
 from torch.func import vjp, vmap
 
+from . import linear_delta
 from .recurrent import _bh, _keep_last, memorize_recurrent
 from .scan import cumulative, scan_weights
 from .state import Gates, MemoryState
@@ -201,8 +202,14 @@ def _segment(parts, state: MemoryState, gates: Gates, q, k, v, t0: int, t1: int,
 
 
 def memorize_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parts: "MemoryParts", gates: Gates,
-                     chunk_size: int, state: MemoryState):
-    """Chunk-parallel engine. ``q, k: [B, T, H, D_k]``, ``v: [B, T, H, D_v]`` → ``([B, T, H, D_v], state)``."""
+                     chunk_size: int, state: MemoryState, block_size: int = 64):
+    """Chunk-parallel engine. ``q, k: [B, T, H, D_k]``, ``v: [B, T, H, D_v]`` → ``([B, T, H, D_v], state)``.
+
+    Online (b = 1) linear rules run exactly in blocks of ``block_size`` tokens (``linear_delta.py``); every
+    other spec runs with compute block = b.
+    """
+    if linear_delta.supports(parts, chunk_size):
+        return linear_delta.memorize_linear_delta(q, k, v, parts, gates, state, block_size)
     if parts.kernel_trick:   # the φ* slot memory is attention-like; its chunked form is the reference loop
         return memorize_recurrent(q, k, v, parts, gates, chunk_size, state)
     state = dataclasses.replace(state)
