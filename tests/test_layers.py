@@ -1,0 +1,262 @@
+"""Memory layer, attention mixers, blocks and the LM: reductions (float64), causality, chaining, gates, state."""
+import math
+
+import pytest
+import torch
+
+from atlaslab.components.attention import Attention, AttentionConfig, SlidingWindowAttention, SWAConfig
+from atlaslab.components.blocks import LMMBlock, MACBlock, MAGBlock, MALBlock
+from atlaslab.components.layers import MemoryLayer
+from atlaslab.components.lm import LanguageModel
+from atlaslab.presets import build_model, load_preset, tiny_overrides
+from atlaslab.registry import resolve_part
+
+D, H, B, T = 16, 2, 2, 10
+DH = D // H
+F64 = torch.float64
+
+LINEAR_L2 = {"memory": {"name": "linear"}, "attentional_bias": "l2", "chunk_size": 1}
+TITANS = {"memory": {"name": "mlp", "expansion": 2}, "inner_optimizer": {"name": "momentum", "lr": 0.1},
+          "retention": "decay", "chunk_size": 4}
+
+
+def make(kind, name, seed=0, **cfg):
+    torch.manual_seed(seed)
+    part = resolve_part(kind, {"name": name, **cfg})
+    from atlaslab.registry import get_registry
+    return get_registry(kind).get(name).cls(part, D).to(F64)
+
+
+def x_batch(seed=1, t=T):
+    return torch.randn(B, t, D, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+def copy_attention(dst: Attention, src: Attention):
+    for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        getattr(dst, n).load_state_dict(getattr(src, n).state_dict())
+
+
+# ---------------------------------------------------------------------------------------------------
+# reductions (float64)
+# ---------------------------------------------------------------------------------------------------
+def test_deeptransformer_with_linear_memory_and_normaliser_is_the_transformer():
+    """DeepTransformer(linear memory, φ* kernel trick, normalize) = softmax attention (spec §5, §15.7)."""
+    tiny = ["d_model=16", "vocab_size=32", "num_layers=2"]
+    tr = build_model(load_preset("transformer", tiny + ["mixers.transformer.num_heads=2",
+                                                        "mixers.transformer.rope=false"])).to(F64)
+    p = "mixers.deeptransformer"
+    dt = build_model(load_preset("deeptransformer", tiny + [
+        f"{p}.num_heads=2", f"{p}.memory.memory={{name: linear, init: zeros}}", f"{p}.memory.feature_map.normalize=true",
+        f"{p}.conv=false", f"{p}.silu=false", f"{p}.qk_norm=false", f"{p}.output_norm=false",
+        f"{p}.output_gate=false"])).to(F64)
+    assert dt.mixers()[0].parts.kernel_trick
+    state = {k: v.clone() for k, v in tr.state_dict().items()}
+    for k in state:
+        if k.endswith("mixer.q_proj.weight"):
+            state[k] = state[k] * DH ** -0.5       # the kernel is exp(qᵀk); SDPA scales by 1/√d
+    missing, unexpected = dt.load_state_dict(state, strict=False)
+    assert not unexpected and all("parts.memory.init_" in k for k in missing), (missing, unexpected)
+    ids = torch.randint(0, 32, (B, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = tr(ids), dt(ids)
+    torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("n_p", [0, 3])
+def test_mac_with_one_segment_and_no_memory_is_causal_attention(n_p):
+    mac = make("block", "mac", memory=TITANS, num_heads=H, segment=T, read_tokens=False, gate="none",
+               persistent_tokens=n_p)
+    attn = make("mixer", "attention", num_heads=H)
+    copy_attention(attn, mac.attn)
+    x = x_batch()
+    with torch.no_grad():
+        xt = torch.cat([mac.persistent.expand(B, -1, -1), x], 1) if n_p else x
+        torch.testing.assert_close(mac(x), attn(xt)[:, n_p:], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("n_p", [0, 2])
+def test_mag_with_the_memory_branch_off_is_swa(n_p):
+    mag = make("block", "mag", memory=TITANS, num_heads=H, gate="none", persistent_tokens=n_p,
+               attention={"window": 3})
+    swa = make("mixer", "swa", num_heads=H, window=3)
+    copy_attention(swa, mag.swa)
+    x = x_batch()
+    with torch.no_grad():
+        xt = torch.cat([mag.persistent.expand(B, -1, -1), x], 1) if n_p else x
+        torch.testing.assert_close(mag(x), swa(xt, prefix=n_p)[:, n_p:], rtol=1e-12, atol=1e-12)
+    # the persistent prefix stays visible beyond the window
+    if n_p:
+        mask = torch.ones(T + n_p, dtype=torch.bool)
+        from atlaslab.components.attention import attention_mask
+        m = attention_mask(T + n_p, 3, n_p)
+        assert m[-1, :n_p].all() and not m[-1, n_p].item() and mask.any()
+
+
+def test_swa_with_a_window_covering_the_sequence_is_causal_attention():
+    swa = make("mixer", "swa", num_heads=H, window=T)
+    attn = make("mixer", "attention", num_heads=H)
+    copy_attention(attn, swa)
+    x = x_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(swa(x), attn(x), rtol=1e-12, atol=1e-12)
+        short = make("mixer", "swa", num_heads=H, window=2)
+        copy_attention(short, swa)
+        assert not torch.allclose(short(x), attn(x))
+
+
+def test_rope_is_relative():
+    attn = make("mixer", "attention", num_heads=H)
+    x = x_batch()
+    with torch.no_grad():
+        a = attn(x)
+        b = attn(x, positions=torch.arange(T) + 7)
+    torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+# ---------------------------------------------------------------------------------------------------
+# causality and chaining
+# ---------------------------------------------------------------------------------------------------
+CAUSAL_CASES = [
+    ("mixer", "memory", dict(memory=TITANS)),
+    ("mixer", "memory", dict(memory={**LINEAR_L2, "window": {"size": 3}, "retention": "decay"})),
+    ("mixer", "swa", dict(window=3)),
+    ("mixer", "attention", {}),
+    ("block", "lmm", dict(memory=TITANS, persistent_tokens=2)),
+    ("block", "mag", dict(memory=TITANS, persistent_tokens=2, attention={"window": 3})),
+    ("block", "mal", dict(memory=TITANS, persistent_tokens=2, attention={"window": 3})),
+    ("block", "mac", dict(memory=TITANS, persistent_tokens=2, segment=4)),
+    ("block", "mac", dict(memory=LINEAR_L2, segment=3, read_tokens=True, gate="none")),
+]
+
+
+@pytest.mark.parametrize("kind, name, cfg", CAUSAL_CASES, ids=lambda v: v if isinstance(v, str) else "")
+def test_outputs_do_not_depend_on_future_tokens(kind, name, cfg):
+    mixer = make(kind, name, num_heads=H, **cfg)
+    x = x_batch()
+    t0 = 5                                     # mid-segment for MAC (segments of 4 and 3)
+    x2 = x.clone()
+    x2[:, t0:] += torch.randn(B, T - t0, D, dtype=F64)
+    with torch.no_grad():
+        a, b = mixer(x), mixer(x2)
+    torch.testing.assert_close(a[:, :t0], b[:, :t0], rtol=0, atol=1e-12)
+    assert not torch.allclose(a[:, t0:], b[:, t0:])
+
+
+@pytest.mark.parametrize("memory", [TITANS, {**LINEAR_L2, "window": {"size": 3}}], ids=["titans", "omega3"])
+def test_memory_layer_chained_calls_equal_one_call(memory):
+    layer = make("mixer", "memory", num_heads=H, memory=memory)
+    x = x_batch(t=12)
+    with torch.no_grad():
+        full = layer(x)
+        y1, s = layer(x[:, :4], return_state=True)
+        y2, s = layer(x[:, 4:9], state=s, return_state=True)
+        y3 = layer(x[:, 9:], state=s)
+    torch.testing.assert_close(torch.cat([y1, y2, y3], 1), full, rtol=1e-10, atol=1e-10)
+
+
+def test_mac_reads_the_memory_written_by_earlier_segments():
+    mac = make("block", "mac", memory=TITANS, num_heads=H, segment=4)
+    x = x_batch(t=8)
+    x2 = x.clone()
+    x2[:, :4] += 1.0
+    with torch.no_grad():
+        a, b = mac(x), mac(x2)
+    assert not torch.allclose(a[:, 4:], b[:, 4:])   # the second segment sees the first through memory
+
+
+# ---------------------------------------------------------------------------------------------------
+# gates and backbone switches
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("memory, gates", [
+    (LINEAR_L2, {"lr"}),
+    ({**LINEAR_L2, "retention": "decay"}, {"lr", "retention"}),
+    (TITANS, {"lr", "retention", "momentum"}),
+    ({**TITANS, "window": {"size": 3}}, {"lr", "retention", "momentum", "window"}),
+    ({"memory": "mlp_ln", "attentional_bias": "huber"}, {"lr", "delta"}),
+    ({"memory": "linear", "inner_optimizer": {"name": "muon"}, "retention": "kl"}, {"lr", "retention", "momentum"}),
+])
+def test_only_the_gates_the_spec_uses_are_built(memory, gates):
+    layer = make("mixer", "memory", num_heads=H, memory=memory)
+    assert set(layer.gate_nets) == gates
+    g = layer.gates(x_batch())
+    assert set(g) == gates and all(v.shape == (B, T, H) for v in g.values())
+    assert ((g["lr"] > 0) & (g["lr"] < 1)).all()
+    if "retention" in g:
+        assert (g["retention"] > 0.9).float().mean() > 0.9      # α starts near 1 (bias +4)
+
+
+def test_channel_wise_input_independent_and_constant_gates():
+    gla = make("mixer", "memory", num_heads=H,
+               memory={"memory": "linear", "attentional_bias": "dot", "retention": {"name": "decay", "channel_wise": True}})
+    assert gla.gates(x_batch())["retention"].shape == (B, T, H, DH)
+    retnet = make("mixer", "memory", num_heads=H, memory={"memory": "linear", "attentional_bias": "dot", "retention": "decay"},
+                  gates={"lr": {"learned": False}, "retention": {"input_dependent": False}})
+    g = retnet.gates(x_batch())
+    assert set(g) == {"retention"} and torch.allclose(g["retention"], g["retention"][:1, :1].expand_as(g["retention"]))
+    const = make("mixer", "memory", num_heads=H, memory={**LINEAR_L2, "retention": "decay"},
+                 gates={"retention": {"learned": False, "value": 0.5}, "lr": {"bias": -2.0}})
+    g = const.gates(x_batch())
+    assert torch.all(g["retention"] == 0.5) and "retention" not in const.gate_nets
+    assert torch.allclose(const.gate_nets["lr"].proj.bias, torch.full((H,), -2.0, dtype=F64))
+
+
+def test_every_backbone_piece_switches_off():
+    bare = make("mixer", "memory", num_heads=H, memory=LINEAR_L2, conv=False, silu=False, qk_norm=False,
+                output_norm=False, output_gate=False, gates={"lr": {"learned": False}})
+    names = {n.split(".")[0] for n, _ in bare.named_parameters()}
+    assert names == {"q_proj", "k_proj", "v_proj", "o_proj", "parts"}
+    # with every piece off and η = 1 the layer is the plain delta rule on raw projections
+    x = x_batch()
+    with torch.no_grad():
+        q, k, v = (getattr(bare, f"{n}_proj")(x).view(B, T, H, DH) for n in "qkv")
+        W = bare.parts.memory.init_W.expand(B, H, DH, DH).clone()
+        outs = []
+        for t in range(T):
+            kt, vt = k[:, t], v[:, t]
+            W = W - torch.einsum("bhv,bhk->bhvk", torch.einsum("bhvk,bhk->bhv", W, kt) - vt, kt)
+            outs.append(torch.einsum("bhvk,bhk->bhv", W, q[:, t]))
+        ref = bare.o_proj(torch.stack(outs, 1).reshape(B, T, D))
+        torch.testing.assert_close(bare(x), ref, rtol=1e-10, atol=1e-10)
+
+
+# ---------------------------------------------------------------------------------------------------
+# state size and the LM
+# ---------------------------------------------------------------------------------------------------
+def test_state_sizes():
+    lin = make("mixer", "memory", num_heads=H, memory=LINEAR_L2)
+    assert lin.state_size() == H * DH * DH + 3 * H * 3 * DH           # fast weights + conv caches (K−1 = 3)
+    mom = make("mixer", "memory", num_heads=H, conv=False,
+               memory={**LINEAR_L2, "inner_optimizer": "momentum", "window": {"size": 3}})
+    assert mom.state_size() == 2 * H * DH * DH + 2 * H * (2 * DH + 1)  # + momentum, + last c−1 (k, v, γ)
+    assert make("mixer", "swa", num_heads=H, window=5).state_size(1000) == 5 * 2 * D
+    attn = make("mixer", "attention", num_heads=H)
+    assert attn.state_size() == 0 and attn.state_size_per_token() == 2 * D and attn.state_size(7) == 14 * D
+
+
+def test_language_model_accounting():
+    cfg = load_preset("titans", tiny_overrides("titans") + ["mlp_hidden=24"])
+    model = build_model(cfg)
+    assert isinstance(model, LanguageModel) and len(model.layers) == 2
+    n = sum(p.numel() for p in model.parameters())                   # tied: the embedding appears once
+    assert model.num_parameters() == n
+    assert model.num_parameters(exclude_embeddings=True) == n - 32 * 16
+    assert model.layers[0].mlp.w1.out_features == 24
+    assert model.state_size() == sum(m.state_size() for m in model.mixers())
+    untied = build_model(load_preset("titans", tiny_overrides("titans") + ["tie_embeddings=false", "mlp=false"]))
+    assert untied.head is not None and untied.layers[0].mlp is None
+    logits = untied(torch.randint(0, 32, (B, 5)))
+    assert logits.shape == (B, 5, 32)
+
+
+@pytest.mark.parametrize("cls", [LMMBlock, MAGBlock, MALBlock, MACBlock])
+def test_blocks_shapes_and_persistent_gradients(cls):
+    name = {LMMBlock: "lmm", MAGBlock: "mag", MALBlock: "mal", MACBlock: "mac"}[cls]
+    block = make("block", name, memory=TITANS, num_heads=H, persistent_tokens=2, segment=4,
+                 attention={"window": 3}) if name == "mac" else \
+        make("block", name, memory=TITANS, num_heads=H, persistent_tokens=2, attention={"window": 3})
+    assert isinstance(block, cls)
+    y = block(x_batch())
+    assert y.shape == (B, T, D) and torch.isfinite(y).all()
+    y.square().mean().backward()
+    assert block.persistent.grad is not None and block.persistent.grad.abs().sum() > 0
+    assert math.isfinite(block.state_size()) and block.state_size() > 0
