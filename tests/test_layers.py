@@ -4,9 +4,8 @@ import math
 import pytest
 import torch
 
-from atlaslab.components.attention import Attention, AttentionConfig, SlidingWindowAttention, SWAConfig
+from atlaslab.components.attention import Attention
 from atlaslab.components.blocks import LMMBlock, MACBlock, MAGBlock, MALBlock
-from atlaslab.components.layers import MemoryLayer
 from atlaslab.components.lm import LanguageModel
 from atlaslab.presets import build_model, load_preset, tiny_overrides
 from atlaslab.registry import resolve_part

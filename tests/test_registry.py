@@ -97,7 +97,7 @@ def test_dimension_checks_happen_at_build_with_a_path():
     # a residual MLP cannot add a 4-dim input to polynomial features of another size
     with pytest.raises(ConfigError) as err:
         build_memory({"memory": "mlp", "feature_map": "polynomial"}, num_heads=2, key_dim=4, value_dim=4)
-    assert err.value.path == "memory.residual"
+    assert err.value.path == "memory.memory.residual"
     build_memory({"memory": {"name": "mlp", "residual": False}, "feature_map": "polynomial"}, 2, 4, 4)
 
 

@@ -24,7 +24,6 @@ Gates (spec §15.8), built only for the gates the memory spec uses, from the lay
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
@@ -34,8 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..registry import ConfigError, PartConfig, check_range, register
-from ..registry.errors import join_path
-from .memory_spec import SPEC_FIELDS, MemoryParts, MemorySpec, resolve_memory_spec
+from .memory_spec import MemoryParts, MemorySpec, resolve_memory_spec
 
 GATES = ("lr", "retention", "momentum", "window", "delta")
 
@@ -202,10 +200,7 @@ class MemoryLayer(nn.Module):
         Dv = cfg.value_dim or Dk
         self.num_heads, self.head_dim, self.value_dim = H, Dk, Dv
         spec = cfg.memory_spec()
-        try:
-            self.parts = MemoryParts(spec, H, Dk, Dv, path="memory")
-        except ConfigError as exc:
-            raise _fix_part_path(exc) from None
+        self.parts = MemoryParts(spec, H, Dk, Dv, path="memory")
         self.spec = spec
 
         self.q_proj = nn.Linear(d_model, H * Dk, bias=False)
@@ -348,15 +343,6 @@ class MemoryLayer(nn.Module):
         (k, v, γ)) + the conv caches + ``state_size_per_token() · context`` (``context=None`` counts 0 tokens).
         """
         return self.parts.state_size() + self.conv_state_size() + self.state_size_per_token() * (context or 0)
-
-
-def _fix_part_path(exc: ConfigError) -> ConfigError:
-    """MemoryParts names a memory-architecture error ``memory.<field>``; in a layer config it is
-    ``memory.memory.<field>`` (the spec node is ``memory``, its architecture part ``memory.memory``)."""
-    head, _, rest = exc.path.partition(".")
-    if head == "memory" and rest and rest.split(".")[0] not in SPEC_FIELDS:
-        return ConfigError("memory.memory." + rest, exc.reason, exc.value, exc.choices)
-    return exc
 
 
 __all__ = ["GATES", "GateConfig", "LayerGates", "MemoryLayer", "MemoryLayerConfig", "MemoryLayerState", "RMSNorm",

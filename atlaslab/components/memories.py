@@ -118,7 +118,7 @@ class DiagonalMemory(Memory):
     def __init__(self, cfg, in_dim, out_dim, num_heads):
         super().__init__(cfg, in_dim, out_dim, num_heads)
         if in_dim != out_dim:
-            raise ConfigError("memory.name", f"the diagonal memory needs key dim == value dim, got "
+            raise ConfigError("name", f"the diagonal memory needs key dim == value dim, got "
                                              f"{in_dim} (after the feature map) and {out_dim}.")
         self._register_initial("w", torch.zeros(num_heads, out_dim))
 
@@ -152,7 +152,7 @@ class _MLPBase(Memory):
         super().__init__(cfg, in_dim, out_dim, num_heads)
         if cfg.residual and in_dim != out_dim:
             raise ConfigError(
-                "memory.residual",
+                "residual",
                 f"a residual memory needs key dim == value dim, but the feature map gives {in_dim} and the "
                 f"values have {out_dim}; set memory.residual: false (or use a dimension-preserving feature map).",
                 value=True)

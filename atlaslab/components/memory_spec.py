@@ -166,8 +166,8 @@ class MemoryParts(nn.Module):
         feat = self.feature_map.out_dim
         try:
             self.memory = cls("memory")(spec.memory, feat, value_dim, num_heads)
-        except ConfigError as exc:
-            raise ConfigError(join_path(path, exc.path.split(".", 1)[-1]), exc.reason, exc.value, exc.choices)
+        except ConfigError as exc:   # the architecture reports its own field; the part sits at <path>.memory
+            raise exc.prefixed(join_path(path, "memory")) from None
         if getattr(spec.retention, "channel_wise", False) and feat != key_dim:
             raise ConfigError(join_path(path, "retention.channel_wise"),
                               f"channel-wise α has one gate per head channel ({key_dim}), but the feature map "
