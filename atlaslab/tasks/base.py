@@ -37,6 +37,8 @@ Metrics (:meth:`Task.evaluate`, all floats)
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import struct
 import weakref
 import zlib
 from collections import defaultdict
@@ -67,8 +69,10 @@ def stable_int(text: str) -> int:
 
 
 def make_rng(*keys: int) -> np.random.Generator:
-    """A numpy Generator that is a pure function of the non-negative integer ``keys``."""
-    return np.random.default_rng(np.random.SeedSequence([int(k) & 0xFFFFFFFFFFFF for k in keys]))
+    """A numpy Generator that is a pure function of the integer ``keys`` (Philox keyed by their hash)."""
+    digest = hashlib.blake2b(struct.pack(f"<{len(keys)}q", *[int(k) & 0x7FFFFFFFFFFFFFFF for k in keys]),
+                             digest_size=16).digest()
+    return np.random.Generator(np.random.Philox(key=int.from_bytes(digest, "little")))
 
 
 @dataclass

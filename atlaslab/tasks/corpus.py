@@ -14,7 +14,8 @@ Sources (``corpus:`` in a task config):
 a file path
     Any UTF-8 text file; blank lines separate documents.
 
-Splitting: the text is cut into pieces of whole paragraphs (about :data:`PIECE_BYTES` each; a piece never
+Splitting: paragraphs that repeat an earlier one are dropped (pydoc's topics quote whole sections of each
+other); the text is cut into pieces of whole paragraphs (about :data:`PIECE_BYTES` each; a piece never
 spans two documents); the pieces are ordered by a fixed hash and dealt to test, then val, until each holds
 its fraction of the bytes; the rest is train. The split depends only on the text and the fractions, never
 on a seed, so every run sees the same held-out text, and no byte of held-out text is in the training text.
@@ -94,8 +95,15 @@ def load_corpus(name: str = "pydoc") -> Corpus:
     return Corpus(name, tuple(docs), h)
 
 
-def _pieces(doc: str, size: int) -> List[str]:
-    paras = [p for p in re.split(r"(?<=\n)\n+", doc) if p.strip()]
+def _pieces(doc: str, size: int, seen: set) -> List[str]:
+    """Consecutive paragraphs of ``doc`` grouped into pieces of about ``size`` characters; a paragraph
+    already ``seen`` (pydoc's topics repeat whole sections of one another) is dropped."""
+    paras = []
+    for p in re.split(r"(?<=\n)\n+", doc):
+        key = " ".join(p.split())
+        if key and key not in seen:
+            seen.add(key)
+            paras.append(p)
     out, cur = [], ""
     for p in paras:
         if cur and len(cur) + len(p) > size:
@@ -112,8 +120,9 @@ def corpus_splits(name: str = "pydoc", val_fraction: float = 0.05, test_fraction
     """``{"train": text, "val": text, "test": text}``: disjoint text of the corpus (see module doc)."""
     corpus = load_corpus(name)
     pieces: List[Tuple[int, int, str]] = []
+    seen: set = set()
     for d, doc in enumerate(corpus.documents):
-        for j, piece in enumerate(_pieces(doc, PIECE_BYTES)):
+        for j, piece in enumerate(_pieces(doc, PIECE_BYTES, seen)):
             pieces.append((d, j, piece))
     total = sum(len(p[2]) for p in pieces)
     order = sorted(range(len(pieces)),

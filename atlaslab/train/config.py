@@ -1,0 +1,138 @@
+"""Training settings: one structured config for every model and task.
+
+A YAML ``train:`` node is validated against :class:`TrainConfig` by :func:`resolve_train_config`; an
+unknown field, a wrong type or a bad value raises one :class:`ConfigError` naming the dotted path
+(``train.warmup_steps``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from ..registry import ConfigError, check_choice, check_range, to_container
+from ..registry.errors import join_path
+
+
+@dataclass
+class TrainConfig:
+    """Everything the training loop needs besides the model and the task."""
+
+    steps: int = 1000                     # optimiser steps
+    batch_size: int = 64
+    lr: float = 3e-3                      # peak learning rate (AdamW)
+    min_lr_ratio: float = 0.0             # the schedule ends at lr · min_lr_ratio
+    warmup_steps: int = 0                 # linear warm-up from 0
+    schedule: str = "cosine"              # cosine | linear | constant (after warm-up)
+    weight_decay: float = 0.1             # decoupled (AdamW); never on biases, norms and other 1-D tensors
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    grad_clip: float = 1.0                # max global gradient norm; 0 disables clipping
+    seed: int = 0                         # training-data order and every RNG the loop touches
+
+    eval_interval: int = 100              # evaluate on eval_split every N steps (0: only at the end)
+    eval_split: str = "val"
+    eval_examples: int = 0                # 0: the task's default evaluation size
+    eval_batch_size: int = 0              # 0: batch_size
+    final_eval: bool = True               # evaluate on test_split at the end
+    test_split: str = "test"
+    test_lengths: List[int] = field(default_factory=list)   # extra lengths for the final evaluation
+
+    early_stop_metric: str = ""           # e.g. "accuracy" (an eval metric; default: the task's primary)
+    early_stop_threshold: Optional[float] = None   # stop once the eval metric reaches it (None: never)
+    early_stop_mode: str = "auto"         # max | min | auto (the task's direction)
+
+    precision: str = "fp32"               # fp32 | bf16 (bf16 autocast on CUDA; fp32 elsewhere)
+    device: str = "auto"                  # auto (cuda if available) | cpu | cuda | cuda:N
+    log_interval: int = 10                # emit train metrics every N steps
+    checkpoint_interval: int = 100        # save every N steps when a checkpoint dir is given (0: at evals)
+    progress: str = "auto"                # auto (a bar only when stdout is a TTY) | always | never
+
+    def check(self) -> None:
+        check_range("steps", self.steps, 1, None)
+        check_range("batch_size", self.batch_size, 1, None)
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ConfigError("lr", f"bad value {self.lr!r}: must be a positive number.", value=self.lr)
+        check_range("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        check_range("warmup_steps", self.warmup_steps, 0, None)
+        check_choice("schedule", self.schedule, ("cosine", "linear", "constant"))
+        check_range("weight_decay", self.weight_decay, 0.0, None)
+        check_range("beta1", self.beta1, 0.0, 0.999999)
+        check_range("beta2", self.beta2, 0.0, 0.999999999)
+        check_range("eps", self.eps, 0.0, None)
+        check_range("grad_clip", self.grad_clip, 0.0, None)
+        check_range("seed", self.seed, 0, None)
+        check_range("eval_interval", self.eval_interval, 0, None)
+        check_choice("eval_split", self.eval_split, ("val", "test", "train"))
+        check_choice("test_split", self.test_split, ("val", "test", "train"))
+        check_range("eval_examples", self.eval_examples, 0, None)
+        check_range("eval_batch_size", self.eval_batch_size, 0, None)
+        for i, L in enumerate(self.test_lengths):
+            check_range(f"test_lengths.{i}", L, 2, None)
+        check_choice("early_stop_mode", self.early_stop_mode, ("auto", "max", "min"))
+        check_choice("precision", self.precision, ("fp32", "bf16"))
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError("device", f"bad value {self.device!r}.", value=self.device,
+                              choices=["auto", "cpu", "cuda", "cuda:N"])
+        check_range("log_interval", self.log_interval, 1, None)
+        check_range("checkpoint_interval", self.checkpoint_interval, 0, None)
+        check_choice("progress", self.progress, ("auto", "always", "never"))
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    #: fields that may change between a run and its resumption (they do not change the result)
+    RESUMABLE_CHANGES = ("progress", "log_interval", "checkpoint_interval", "device")
+
+
+def resolve_train_config(node: Any = None, path: str = "train", **overrides: Any) -> TrainConfig:
+    """A validated :class:`TrainConfig` from a mapping / DictConfig / TrainConfig (plus keyword overrides)."""
+    if isinstance(node, TrainConfig):
+        node = dataclasses.asdict(node)
+    node = dict(to_container(node) or {})
+    node.update(overrides)
+    fields = [f.name for f in dataclasses.fields(TrainConfig)]
+    for key in node:
+        if key not in fields:
+            raise ConfigError(join_path(path, str(key)), f"unknown training setting '{key}'.", value=str(key),
+                              choices=fields)
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), node))
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or getattr(exc, "key", None) or ""
+        if isinstance(exc, ConfigKeyError):
+            raise ConfigError(join_path(path, str(key)), f"unknown training setting '{key}'.", value=str(key),
+                              choices=fields) from None
+        raise ConfigError(join_path(path, str(key)), f"bad value ({str(exc).splitlines()[0]}).") from None
+    try:
+        cfg.check()
+    except ConfigError as exc:
+        raise exc.prefixed(path) from None
+    return cfg
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Learning rate for optimiser step ``step`` (0-based): linear warm-up, then the decay schedule."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, max(0.0, (step - cfg.warmup_steps) / span))
+    floor = cfg.lr * cfg.min_lr_ratio
+    if cfg.schedule == "linear":
+        return floor + (cfg.lr - floor) * (1.0 - progress)
+    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def config_diff(a: Mapping[str, Any], b: Mapping[str, Any], ignore=TrainConfig.RESUMABLE_CHANGES) -> Dict[str, tuple]:
+    """Fields whose values differ between two TrainConfig dicts (ignoring ``ignore``)."""
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if k not in ignore and a.get(k) != b.get(k)}
+
+
+__all__ = ["TrainConfig", "config_diff", "lr_at", "resolve_train_config"]
