@@ -25,7 +25,7 @@ from torch.func import vjp, vmap
 from . import linear_delta
 from .recurrent import _bh, _keep_last, memorize_recurrent
 from .scan import cumulative, scan_weights
-from .state import Gates, MemoryState
+from .state import Gates, MemoryState, split_time
 
 if TYPE_CHECKING:
     from ..components.memory_spec import MemoryParts
@@ -128,10 +128,10 @@ def _updates(parts, state, W_a, C, x, v, d, lr, theta, alpha, chunk_alpha, L):
     raise NotImplementedError(f"chunked engine: no rule for inner optimizer '{name}'")
 
 
-def _segment(parts, state: MemoryState, gates: Gates, q, k, v, t0: int, t1: int, b: int, outputs: list):
-    """Process tokens [t0, t1) of this call: all inside one training chunk. Mutates ``state``."""
+def _segment(parts, state: MemoryState, gates: Gates, q, k, v, b: int, outputs: list):
+    """Process one piece of the call (``q: [B, L, H, D]``), all inside one training chunk. Mutates ``state``."""
     fm, mem, ret, opt = parts.feature_map, parts.memory, parts.retention, parts.inner_optimizer
-    L = t1 - t0
+    L = q.shape[1]
     if state.position % b == 0:
         state.anchor = state.weights
         state.chunk_alpha = torch.ones_like(state.chunk_alpha)
@@ -139,16 +139,16 @@ def _segment(parts, state: MemoryState, gates: Gates, q, k, v, t0: int, t1: int,
     end_of_chunk = (state.position + L) % b == 0
     window = parts.window.size
     h = state.hist_k.shape[1]
-    k_ext = torch.cat([state.hist_k, k[:, t0:t1]], 1)
-    v_ext = torch.cat([state.hist_v, v[:, t0:t1]], 1)
-    g_ext = torch.cat([state.hist_gamma, gates.window[:, t0:t1]], 1)
-    d_ext = torch.cat([state.hist_delta, gates.delta[:, t0:t1]], 1) if gates.delta is not None else None
+    k_ext = torch.cat([state.hist_k, k], 1)
+    v_ext = torch.cat([state.hist_v, v], 1)
+    g_ext = torch.cat([state.hist_gamma, gates.window], 1)
+    d_ext = torch.cat([state.hist_delta, gates.delta], 1) if gates.delta is not None else None
     x, vv, dd = _bh(fm(k_ext)), _bh(v_ext), (_bh(d_ext) if d_ext is not None else None)
     C = window_matrix(h, L, window, _bh(g_ext))
 
-    lr = _bh(gates.lr[:, t0:t1])
-    theta = _bh(gates.momentum[:, t0:t1]) if gates.momentum is not None else None
-    alpha = gates.retention[:, t0:t1].transpose(1, 2) if gates.retention is not None else None   # [B,H,L(,K)]
+    lr = _bh(gates.lr)
+    theta = _bh(gates.momentum) if gates.momentum is not None else None
+    alpha = gates.retention.transpose(1, 2) if gates.retention is not None else None   # [B,H,L(,K)]
     # Π_{τ=t'}^{s} α_τ for every position s of the segment (continuing the running product of the chunk)
     if alpha is not None:
         a_for_cum = alpha.movedim(2, -1) if ret.channel_wise else alpha
@@ -188,7 +188,7 @@ def _segment(parts, state: MemoryState, gates: Gates, q, k, v, t0: int, t1: int,
         state.weights = {n: m[:, :, -1] for n, m in M.items()}
     state.chunk_alpha = chunk_alpha[:, :, -1]
 
-    xq = _bh(fm(q[:, t0:t1]))                                                   # [B, H, L, F]
+    xq = _bh(fm(q))                                                   # [B, H, L, F]
     if parts.read == "chunk":
         y = mem(state.anchor, xq)
     else:
@@ -214,10 +214,11 @@ def memorize_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parts: "
         return memorize_recurrent(q, k, v, parts, gates, chunk_size, state)
     state = dataclasses.replace(state)
     b, T = chunk_size, q.shape[1]
+    sizes, pos = [], state.position
+    while sum(sizes) < T:                    # pieces end at training-chunk boundaries
+        sizes.append(min(T - sum(sizes), b - (pos + sum(sizes)) % b))
     outputs: list = []
-    t = 0
-    while t < T:
-        t_end = min(T, t + b - state.position % b)
-        _segment(parts, state, gates, q, k, v, t, t_end, b, outputs)
-        t = t_end
+    for piece in split_time(sizes, q, k, v, gates):
+        qi, ki, vi, gi = piece
+        _segment(parts, state, gi, qi, ki, vi, b, outputs)
     return torch.cat(outputs, 1), state

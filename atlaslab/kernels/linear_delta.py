@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .recurrent import _bh, _keep_last
-from .state import Gates, MemoryState
+from .state import Gates, MemoryState, split_time
 
 if TYPE_CHECKING:
     from ..components.memory_spec import MemoryParts
@@ -137,24 +137,24 @@ def memorize_linear_delta(q, k, v, parts: "MemoryParts", gates: Gates, state: Me
     T = q.shape[1]
     M = state.weights["W"]
     outputs = []
-    for t0 in range(0, T, block_size):
-        t1 = min(T, t0 + block_size)
-        L = t1 - t0
+    sizes = [min(block_size, T - t0) for t0 in range(0, T, block_size)]
+    for q_b, k_b, v_b, g_b in split_time(sizes, q, k, v, gates):
+        L = q_b.shape[1]
         h = state.hist_k.shape[1]
-        k_ext = torch.cat([state.hist_k, k[:, t0:t1]], 1)
-        v_ext = torch.cat([state.hist_v, v[:, t0:t1]], 1)
-        g_ext = torch.cat([state.hist_gamma, gates.window[:, t0:t1]], 1)
+        k_ext = torch.cat([state.hist_k, k_b], 1)
+        v_ext = torch.cat([state.hist_v, v_b], 1)
+        g_ext = torch.cat([state.hist_gamma, g_b.window], 1)
         log_a = None
-        if gates.retention is not None and ret.uses_alpha:
-            a = gates.retention[:, t0:t1].transpose(1, 2)
+        if g_b.retention is not None and ret.uses_alpha:
+            a = g_b.retention.transpose(1, 2)
             log_a = a.clamp_min(torch.finfo(a.dtype).tiny).log()
-        y, M = _block(parts, M, _bh(fm(k_ext)), _bh(v_ext), _bh(g_ext), _bh(fm(q[:, t0:t1])),
-                      _bh(gates.lr[:, t0:t1]), log_a, h, L, c, is_l2, before, parts.read == "token", channel)
+        y, M = _block(parts, M, _bh(fm(k_ext)), _bh(v_ext), _bh(g_ext), _bh(fm(q_b)),
+                      _bh(g_b.lr), log_a, h, L, c, is_l2, before, parts.read == "token", channel)
         outputs.append(y.transpose(1, 2))
         keep = parts.window.history()
         state.hist_k, state.hist_v, state.hist_gamma = (_keep_last(z, keep) for z in (k_ext, v_ext, g_ext))
-        if gates.retention is not None:
-            state.chunk_alpha = gates.retention[:, t1 - 1]
+        if g_b.retention is not None:
+            state.chunk_alpha = g_b.retention[:, -1]
         state.position += L
     state.weights = {"W": M}
     state.anchor = state.weights   # with b = 1 the anchor is refreshed at every token

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Dict, Optional
 
 import torch
 
-from .state import Gates, MemoryState, WindowProblem
+from .state import Gates, MemoryState, WindowProblem, split_time
 
 if TYPE_CHECKING:
     from ..components.memory_spec import MemoryParts
@@ -201,25 +201,25 @@ def memorize_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parts:
     b = chunk_size
     keep = parts.window.history()        # c − 1, or None for the global window
     outputs = []
-    for t in range(q.shape[1]):
+    for q_t, k_t, v_t, g_t in split_time([1] * q.shape[1], q, k, v, gates):   # pieces of one token
         if state.position % b == 0:       # a new training chunk starts: M_{t'} is the current memory
             state.anchor = state.weights
             state.anchor_u = state.bank_u
             state.chunk_alpha = torch.ones_like(state.chunk_alpha)
             state.chunk_lr = torch.zeros_like(state.chunk_lr)
-        if gates.retention is not None:
-            state.chunk_alpha = state.chunk_alpha * gates.retention[:, t]
+        if g_t.retention is not None:
+            state.chunk_alpha = state.chunk_alpha * g_t.retention[:, 0]
         win = (
-            torch.cat([state.hist_k, k[:, t:t + 1]], 1),
-            torch.cat([state.hist_v, v[:, t:t + 1]], 1),
-            torch.cat([state.hist_gamma, gates.window[:, t:t + 1]], 1),
-            torch.cat([state.hist_delta, gates.delta[:, t:t + 1]], 1) if gates.delta is not None else None,
+            torch.cat([state.hist_k, k_t], 1),
+            torch.cat([state.hist_v, v_t], 1),
+            torch.cat([state.hist_gamma, g_t.window], 1),
+            torch.cat([state.hist_delta, g_t.delta], 1) if g_t.delta is not None else None,
         )
         win = tuple(_keep_last(w, None if keep is None else keep + 1) for w in win)
         if parts.kernel_trick:
-            y = _kernel_step(parts, state, gates, t, q[:, t], k[:, t], win)
+            y = _kernel_step(parts, state, g_t, 0, q_t[:, 0], k_t[:, 0], win)
         else:
-            y = _weights_step(parts, state, gates, t, q[:, t], win, b)
+            y = _weights_step(parts, state, g_t, 0, q_t[:, 0], win, b)
         state.hist_k, state.hist_v, state.hist_gamma = (_keep_last(w, keep) for w in win[:3])
         state.hist_delta = _keep_last(win[3], keep)
         state.position += 1

@@ -73,6 +73,21 @@ class Gates:
     delta: Optional[torch.Tensor]
 
 
+def split_time(sizes, q, k, v, gates: "Gates"):
+    """Cut a call into pieces along time: ``[(q_i, k_i, v_i, gates_i)]`` with ``T_i = sizes[i]``.
+
+    ``torch.split`` keeps the backward linear in T (slicing one piece at a time would allocate a zero
+    gradient of the whole sequence per piece: quadratic time and memory).
+    """
+    def cut(x):
+        return [None] * len(sizes) if x is None else list(torch.split(x, sizes, dim=1))
+
+    fields = [f.name for f in dataclasses.fields(Gates)]
+    gate_parts = {f: cut(getattr(gates, f)) for f in fields}
+    return [(qi, ki, vi, Gates(**{f: gate_parts[f][i] for f in fields}))
+            for i, (qi, ki, vi) in enumerate(zip(cut(q), cut(k), cut(v)))]
+
+
 def normalise_gates(gates: Optional[Mapping[str, torch.Tensor]], parts, q: torch.Tensor) -> Gates:
     """Check the gate mapping against the spec and fill the constants of absent gates.
 
