@@ -72,16 +72,18 @@ SMALL_TRAIN = dict(steps=24, batch_size=8, lr=1e-2, warmup_steps=3, eval_interva
 def test_tiny_attention_learns_mqar_well_above_chance():
     """DESIGN §5's measurement scaled down: 2-layer width-64 softmax attention on MQAR (V = 32, T = 16,
     4 pairs, batch 64, AdamW 3e-3) passes 90% answer accuracy (chance: 1/16 values; 1/4 for a model that
-    only knows which values are in context) within 250 steps; the early stop ends it as soon as it does."""
+    only knows which values are in context); the early stop ends it as soon as it does (100-200 steps for
+    model seeds 0-7, 100 for seed 0; the cap of 400 leaves room for other CPUs' arithmetic)."""
     task = build_task({"name": "mqar", "vocab_size": 32, "seq_len": 16, "num_kv_pairs": [4], "eval_examples": 128})
     torch.manual_seed(0)
     model = TinyAttention(32, d=64, layers=2, heads=2)
-    res = train(model, task, steps=250, batch_size=64, lr=3e-3, weight_decay=0.0, eval_interval=25,
-                early_stop_threshold=0.9, early_stop_metric="accuracy", log_interval=25)
+    res = train(model, task, steps=400, batch_size=64, lr=3e-3, schedule="constant", warmup_steps=20,
+                weight_decay=0.0, eval_interval=25, early_stop_threshold=0.9, early_stop_metric="accuracy",
+                log_interval=25)
     assert res.status == "early_stopped", res.summary()
     assert res.metrics["val/accuracy"] >= 0.9 and res.metrics["test/accuracy"] >= 0.8
     assert res.best["metric"] == "val/accuracy" and res.best["step"] == res.steps
-    assert "val/accuracy reached" not in res.message and "reached 0.9" in res.message
+    assert res.message.startswith("val/accuracy = ") and "reached 0.9" in res.message
 
 
 # --------------------------------------------------------------------------------------------------
