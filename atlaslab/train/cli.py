@@ -102,7 +102,17 @@ def import_callable(spec: str, path: str = "model.factory") -> Callable[..., Any
 
 
 def build_model_from_node(node: Any, task: Task, path: str = "model") -> nn.Module:
-    """Build the model of a run config's ``model`` node for ``task`` (vocab size defaults to the task's)."""
+    """Build the model of a run config's ``model`` node for ``task`` (vocab size defaults to the task's).
+    Errors are ConfigErrors whose path starts with ``model.``."""
+    try:
+        return _build_model(node, task, path)
+    except ConfigError as exc:
+        if exc.path == path or exc.path.startswith(path + "."):
+            raise
+        raise exc.prefixed(path) from None
+
+
+def _build_model(node: Any, task: Task, path: str) -> nn.Module:
     node = to_container(node)
     if isinstance(node, str):
         node = {"preset": node}
