@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.fast_weights import apply_linear
 from ..registry import ConfigError, PartConfig, check_choice, check_range, register
 
 Weights = Dict[str, torch.Tensor]
@@ -34,6 +35,9 @@ class Memory(nn.Module):
     matrix_valued: bool = True
     #: True when ``forward`` is ``W @ x`` with a single matrix ``W: [B, H, d_out, d_in]``.
     is_linear: bool = False
+    #: True when every fast weight is a matrix applied through :meth:`linear` (the engine may then pass
+    #: per-position or dual-form weights, and read per-token gradients as rank-1 factors off a tape).
+    supports_tape: bool = False
 
     def __init__(self, cfg: PartConfig, in_dim: int, out_dim: int, num_heads: int):
         super().__init__()
@@ -64,6 +68,11 @@ class Memory(nn.Module):
     def forward(self, weights: Weights, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    @staticmethod
+    def linear(weights: Weights, name: str, h: torch.Tensor) -> torch.Tensor:
+        """z = W_name h, ``h: [B, H, N, in]`` → ``[B, H, N, out]`` (W shared, per position or in dual form)."""
+        return apply_linear(name, weights[name], h)
+
 
 def _normal_init(num_heads: int, rows: int, cols: int, gain: float = 1.0) -> torch.Tensor:
     """Xavier-normal initial matrices ``[H, rows, cols]`` (titans-pytorch's MemoryMLP init)."""
@@ -80,6 +89,7 @@ class LinearMemory(Memory):
     """
 
     is_linear = True
+    supports_tape = True
 
     @dataclass
     class Config(PartConfig):
@@ -96,7 +106,7 @@ class LinearMemory(Memory):
         return {"W": (self.out_dim, self.in_dim)}
 
     def forward(self, weights, x):
-        return torch.einsum("bhvk,bhnk->bhnv", weights["W"], x)
+        return self.linear(weights, "W", x)
 
 
 @register("memory", "diagonal")
@@ -148,6 +158,8 @@ class MLPConfig(PartConfig):
 class _MLPBase(Memory):
     """Shared pieces of the MLP memories: residual, optional LayerNorm (outer-loop affine)."""
 
+    supports_tape = True
+
     def __init__(self, cfg: MLPConfig, in_dim, out_dim, num_heads):
         super().__init__(cfg, in_dim, out_dim, num_heads)
         if cfg.residual and in_dim != out_dim:
@@ -197,7 +209,7 @@ class MLPMemory(_MLPBase):
         for i in range(self.cfg.depth):
             if i > 0:
                 h = self.act(h)
-            h = torch.einsum("bhoi,bhni->bhno", weights[f"W{i + 1}"], h)
+            h = self.linear(weights, f"W{i + 1}", h)
         return self._finish(x, h)
 
 
@@ -220,9 +232,9 @@ class GatedMLPMemory(_MLPBase):
         return dict(self._shapes)
 
     def forward(self, weights, x):
-        gate = self.act(torch.einsum("bhoi,bhni->bhno", weights["W2"], x))
-        lin = torch.einsum("bhoi,bhni->bhno", weights["W3"], x)
-        return self._finish(x, torch.einsum("bhoi,bhni->bhno", weights["W1"], gate * lin))
+        gate = self.act(self.linear(weights, "W2", x))
+        lin = self.linear(weights, "W3", x)
+        return self._finish(x, self.linear(weights, "W1", gate * lin))
 
 
 @dataclass

@@ -24,7 +24,8 @@ from torch.func import vjp, vmap
 
 from . import linear_delta
 from .recurrent import _bh, _keep_last, memorize_recurrent
-from .scan import cumulative, scan_weights
+from .fast_weights import DualForm, PerPosition, Tape
+from .scan import cumulative, decay_matrix, scan_weights
 from .state import Gates, MemoryState, split_time
 
 if TYPE_CHECKING:
@@ -47,9 +48,33 @@ def window_matrix(h: int, L: int, window: Optional[int], gamma_ext: torch.Tensor
     return band.to(gamma_ext.dtype) * gamma_ext.unsqueeze(-2)
 
 
+def gradient_factors(parts: "MemoryParts", weights: Weights, x, v, d) -> Dict[str, tuple]:
+    """Per-token gradients of a tape-capable memory as rank-1 factors, from one backward pass.
+
+    For every weight W (applied as z = W h): ∇_W ℓ(W; x_i, v_i) = δ_i h_iᵀ with δ_i = ∂ℓ_i/∂z_i.
+    Returns ``{name: (δ [B, H, n, out], h [B, H, n, in])}``; differentiable (create-graph) when grad is on.
+    """
+    outer = torch.is_grad_enabled()
+    with torch.enable_grad(), Tape() as tape:
+        pred = parts.memory(weights, x)
+        err = parts.attentional_bias.output_grad(pred, v, d)
+        names = list(tape.records)
+        deltas = torch.autograd.grad(pred, [tape.records[n][1] for n in names], grad_outputs=err,
+                                     create_graph=outer, allow_unused=True)
+    out = {}
+    for name, delta in zip(names, deltas):
+        h, z = tape.records[name]
+        delta = torch.zeros_like(z) if delta is None else delta
+        out[name] = (delta, h) if outer else (delta.detach(), h.detach())
+    return out
+
+
 def per_token_grads(parts: "MemoryParts", weights: Weights, x, v, d) -> Weights:
     """∇_θ ℓ(W; x_i, v_i) for every token: ``x: [B, H, n, F]`` → ``{name: [B, H, n, ...]}`` (W shared)."""
     mem, bias = parts.memory, parts.attentional_bias
+    if mem.supports_tape:
+        return {n: torch.einsum("bhno,bhni->bhnoi", dl, h)
+                for n, (dl, h) in gradient_factors(parts, weights, x, v, d).items()}
 
     def one(xi, vi, di):
         pred, back = vjp(lambda w: mem(w, xi.unsqueeze(2)), weights)
@@ -128,6 +153,47 @@ def _updates(parts, state, W_a, C, x, v, d, lr, theta, alpha, chunk_alpha, L):
     raise NotImplementedError(f"chunked engine: no rule for inner optimizer '{name}'")
 
 
+def uses_dual_form(parts: "MemoryParts", alpha) -> bool:
+    """GD / momentum on a tape-capable memory with scalar decay (gradient at the chunk start)."""
+    ret = parts.retention
+    return (parts.memory.supports_tape and parts.inner_optimizer.cfg.name in ("gd", "momentum")
+            and not ret.mirror and not ret.channel_wise
+            and not (ret.placement == "before_step" and alpha is not None))
+
+
+def _dual_segment(parts, state: MemoryState, C, x, v, d, lr, theta, alpha, xq) -> torch.Tensor:
+    """One chunk in the dual form: no per-position weights (TTT §2.5 generalised to decay and momentum).
+
+    M_s = P_s M_{−1} + Q_s S_{−1} + Σ_i A[s, i] u_i with u_i = δ_i h_iᵀ the per-token gradients at the anchor.
+    GD: A = −D_α diag(η) C. Momentum: S_r = Θ_r S_{−1} − Σ D_θ[r, r'] η_r' g_r', so A = −D_α D_θ diag(η) C and
+    Q = D_α Θ. (P, Θ: cumulative products; D: decay matrices of scan.py.)
+    """
+    ret, mem = parts.retention, parts.memory
+    B, H, L = lr.shape
+    factors = gradient_factors(parts, state.anchor, x, v, d)
+    ones = torch.ones_like(lr)
+    a = alpha if (alpha is not None and ret.uses_alpha) else ones
+    D_a, P = decay_matrix(a), cumulative(a)
+    eta_C = lr.unsqueeze(-1) * C                                            # [B, H, L, n]
+    if parts.inner_optimizer.cfg.name == "momentum":
+        D_t, Th = decay_matrix(theta), cumulative(theta)
+        S_coef = -(D_t @ eta_C)                                             # coefficient of u_i in S_r
+        A = D_a @ S_coef
+        Q = (D_a @ Th.unsqueeze(-1)).squeeze(-1)
+    else:
+        A, S_coef, Q = -(D_a @ eta_C), None, None
+    dual = {}
+    for name, (left, right) in factors.items():
+        bases = [(P, state.weights[name])] + ([(Q, state.momentum[name])] if Q is not None else [])
+        dual[name] = DualForm(bases, A, left, right)
+    y = mem(state.anchor, xq) if parts.read == "chunk" else mem(dual, xq)
+    if S_coef is not None:
+        state.momentum = {name: DualForm([(Th, state.momentum[name])], S_coef, *factors[name]).at(L - 1)
+                          for name in factors}
+    state.weights = {name: f.at(L - 1) for name, f in dual.items()}
+    return y
+
+
 def _segment(parts, state: MemoryState, gates: Gates, q, k, v, b: int, outputs: list):
     """Process one piece of the call (``q: [B, L, H, D]``), all inside one training chunk. Mutates ``state``."""
     fm, mem, ret, opt = parts.feature_map, parts.memory, parts.retention, parts.inner_optimizer
@@ -158,6 +224,12 @@ def _segment(parts, state: MemoryState, gates: Gates, q, k, v, b: int, outputs: 
     else:
         chunk_alpha = state.chunk_alpha.unsqueeze(2).expand(*state.chunk_alpha.shape[:2], L,
                                                             *state.chunk_alpha.shape[2:])
+
+    if uses_dual_form(parts, alpha):
+        y = _dual_segment(parts, state, C, x, vv, dd, lr, theta, alpha, _bh(fm(q)))
+        state.chunk_alpha = chunk_alpha[:, :, -1]
+        _finish_segment(parts, state, outputs, y, k_ext, v_ext, g_ext, d_ext)
+        return
 
     W_a = state.anchor
     U, S = _updates(parts, state, W_a, C, x, vv, dd, lr, theta, alpha, chunk_alpha, L)
@@ -191,14 +263,20 @@ def _segment(parts, state: MemoryState, gates: Gates, q, k, v, b: int, outputs: 
     xq = _bh(fm(q))                                                   # [B, H, L, F]
     if parts.read == "chunk":
         y = mem(state.anchor, xq)
+    elif mem.supports_tape:
+        y = mem({n: PerPosition(w) for n, w in M.items()}, xq)
     else:
         y = vmap(lambda w, xs: mem(w, xs.unsqueeze(2)).squeeze(2), in_dims=(2, 2), out_dims=2)(M, xq)
+    _finish_segment(parts, state, outputs, y, k_ext, v_ext, g_ext, d_ext)
+
+
+def _finish_segment(parts, state, outputs, y, k_ext, v_ext, g_ext, d_ext):
     outputs.append(y.transpose(1, 2))
 
     keep = parts.window.history()
     state.hist_k, state.hist_v, state.hist_gamma = (_keep_last(z, keep) for z in (k_ext, v_ext, g_ext))
     state.hist_delta = _keep_last(d_ext, keep)
-    state.position += L
+    state.position += y.shape[2]
 
 
 def memorize_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parts: "MemoryParts", gates: Gates,
