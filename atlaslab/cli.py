@@ -94,8 +94,20 @@ def add_show(sub) -> None:
     p.set_defaults(func=cmd_show)
 
 
+def add_demo(sub) -> None:
+    p = sub.add_parser("demo", help="recall capacity of several memories (a quick real demo of the parts)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of `python -m atlaslab.demo`")
+    p.set_defaults(func=lambda a: __import__("atlaslab.demo", fromlist=["main"]).main(a.args))
+
+
+def add_train(sub) -> None:
+    from .train.cli import add_train_parser
+
+    add_train_parser(sub)
+
+
 #: name → function adding the subcommand's parser; other modules append to this (run, resume, report, ...).
-COMMANDS: Dict[str, Callable] = {"list": add_list, "show": add_show}
+COMMANDS: Dict[str, Callable] = {"list": add_list, "show": add_show, "demo": add_demo, "train": add_train}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -67,7 +67,7 @@ def test_chunked_equals_recurrent_over_windows(name, c):
     spec = dict(WINDOW_SPECS[name])
     spec["window"] = {"name": "omega", "size": c}
     if name in ("atlas", "dot_deep"):
-        spec["memory"] = {"name": "mlp", "residual": False}
+        spec["memory"] = {"name": "mlp", "residual": False, "expansion": 1}
     compare(build(spec), T=9, b=4)
 
 
@@ -89,8 +89,9 @@ def test_streaming_and_mixed_modes_equal_one_call(name):
 def test_float32_stays_close_to_float64(name):
     parts64 = build(SPECS[name])
     parts32 = build(SPECS[name]).float()
-    q, k, v = random_qkv(1, 512, H, D)
-    g = gates_for(parts64, T=512, B=1)
+    T = 512 if name != "atlas" else 256    # atlas also runs the (slow) float32 reference below
+    q, k, v = random_qkv(1, T, H, D)
+    g = gates_for(parts64, T=T, B=1)
     g["lr"] = g["lr"] * 0.2          # a stable inner step over 512 tokens
     g32 = {n: x.float() for n, x in g.items()}
     ref, _ = memorize(q, k, v, parts64, g, mode="chunked", chunk_size=16)

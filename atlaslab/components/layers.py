@@ -125,7 +125,7 @@ class MemoryLayerConfig(PartConfig):
     output_norm: bool = True           # per-head RMSNorm of the memory read
     output_gate: bool = True           # ⊙ sigmoid(W_G x)
     gates: LayerGates = field(default_factory=LayerGates)
-    mode: str = "recurrent"            # memorize engine (kernels.MODES)
+    mode: str = "chunked"              # memorize engine (kernels.MODES): chunked (fast) or recurrent (reference)
 
     def check(self) -> None:
         check_range("num_heads", self.num_heads, 1, None)
