@@ -1,0 +1,155 @@
+"""Plain-torch references of the linear-memory delta / Hebbian rules the Triton kernels compute (fla's ``naive.py``).
+
+One head's state S ``[D_v, D_k]`` (the layout of ``MemoryState.weights["W"]``), per token t with step β_t (= η_t γ_t,
+the learning rate times the c = 1 window gate) and kept fraction α_t (1 without retention):
+
+    l2,  before_step:  S_t = α_t S_{t−1} − β_t (α_t S_{t−1} k_t − v_t) k_tᵀ      (Gated DeltaNet, spec §15.4)
+    l2,  after_step:   S_t = α_t S_{t−1} − β_t (S_{t−1} k_t − v_t) k_tᵀ          (Titans/ATLAS placement)
+    dot (either):      S_t = α_t S_{t−1} + β_t v_t k_tᵀ                          (gated linear attention)
+    read token:        o_t = S_t q_t          read chunk (b = 1):  o_t = S_{t−1} q_t
+
+:func:`delta_rule_recurrent` is the literal token loop; :func:`delta_rule_chunk` is the exact chunk form the Triton
+chunk kernel implements stage by stage (gate cumsum → UT transform → inter-chunk state → output), also used as the
+recompute of the kernels' backward. With P_t = Π_{τ≤t} α_τ (chunk-local, g = log P), G = g (before) or g − log α
+(after), the chunk's pseudo-values are
+
+    w = (I + A)⁻¹ (β v) − (I + A)⁻¹ (β e^G k) S_0ᵀ,    A[t, s] = β_t e^{G_t − g_s} k_t·k_s  (s < t),
+
+then o_t = e^{g_t} S_0 q_t + Σ_{s≤t} e^{g_t − g_s} (q_t·k_s) w_s and S_L = e^{g_L} S_0 + Σ_s e^{g_L − g_s} w_s k_sᵀ.
+Decay ratios are always formed as exp(g_t − g_s) on the causal part only (never a division, never inf).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+BIASES = ("l2", "dot")
+PLACEMENTS = ("before_step", "after_step")
+READS = ("token", "chunk")
+
+
+def check_args(q, k, v, beta, alpha, initial_state, bias, placement, read, cu_seqlens) -> int:
+    """Validate shapes and options; returns N, the number of sequences."""
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"expected q, k: [B, T, H, D_k] and v: [B, T, H, D_v]; got q {list(q.shape)}, "
+                         f"k {list(k.shape)}, v {list(v.shape)}")
+    if beta.shape != q.shape[:3]:
+        raise ValueError(f"beta: expected {list(q.shape[:3])}, got {list(beta.shape)}")
+    if alpha is not None and alpha.shape != q.shape[:3]:
+        raise ValueError(f"alpha: expected {list(q.shape[:3])} (per-head scalar decay), got {list(alpha.shape)}")
+    for name, val, valid in (("bias", bias, BIASES), ("placement", placement, PLACEMENTS), ("read", read, READS)):
+        if val not in valid:
+            raise ValueError(f"{name}: '{val}' is not one of {', '.join(valid)}")
+    B, T, H, K = q.shape
+    N = B
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"cu_seqlens needs packed sequences (B = 1), got B = {B}")
+        if cu_seqlens.dim() != 1 or cu_seqlens[0].item() != 0 or cu_seqlens[-1].item() != T:
+            raise ValueError(f"cu_seqlens must be [N + 1] offsets from 0 to T = {T}, got {cu_seqlens.tolist()}")
+        N = cu_seqlens.numel() - 1
+    if initial_state is not None and tuple(initial_state.shape) != (N, H, v.shape[-1], K):
+        raise ValueError(f"initial_state: expected [N, H, D_v, D_k] = {[N, H, v.shape[-1], K]}, "
+                         f"got {list(initial_state.shape)}")
+    return N
+
+
+def _per_sequence(fn, q, k, v, beta, alpha, initial_state, cu_seqlens, **kw):
+    """Run ``fn`` on every packed sequence of ``cu_seqlens`` (state reset at each boundary)."""
+    bounds = cu_seqlens.tolist()
+    outs, finals = [], []
+    for n, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+        sl = slice(s, e)
+        h0 = initial_state[n:n + 1] if initial_state is not None else None
+        o, ht = fn(q[:, sl], k[:, sl], v[:, sl], beta[:, sl], None if alpha is None else alpha[:, sl], h0, **kw)
+        outs.append(o)
+        finals.append(ht)
+    return torch.cat(outs, 1), torch.cat(finals, 0)
+
+
+def delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                         alpha: Optional[torch.Tensor] = None, initial_state: Optional[torch.Tensor] = None, *,
+                         bias: str = "l2", placement: str = "before_step", read: str = "token",
+                         cu_seqlens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Token loop. ``q, k: [B, T, H, K]``, ``v: [B, T, H, V]``, ``beta, alpha: [B, T, H]``,
+    ``initial_state: [N, H, V, K]`` → ``o: [B, T, H, V]``, final state ``[N, H, V, K]``."""
+    check_args(q, k, v, beta, alpha, initial_state, bias, placement, read, cu_seqlens)
+    kw = dict(bias=bias, placement=placement, read=read)
+    if cu_seqlens is not None:
+        return _per_sequence(delta_rule_recurrent, q, k, v, beta, alpha, initial_state, cu_seqlens, **kw)
+    B, T, H, K = q.shape
+    S = (initial_state if initial_state is not None
+         else q.new_zeros(B, H, v.shape[-1], K))
+    outs = []
+    for t in range(T):
+        q_t, k_t, v_t, b_t = q[:, t], k[:, t], v[:, t], beta[:, t, :, None, None]
+        a_t = alpha[:, t, :, None, None] if alpha is not None else None
+        if read == "chunk":
+            outs.append(torch.einsum("bhvk,bhk->bhv", S, q_t))
+        if bias == "l2":
+            anchor = S * a_t if (a_t is not None and placement == "before_step") else S
+            err = torch.einsum("bhvk,bhk->bhv", anchor, k_t) - v_t
+            step = -b_t * err.unsqueeze(-1) * k_t.unsqueeze(-2)
+        else:
+            step = b_t * v_t.unsqueeze(-1) * k_t.unsqueeze(-2)
+        S = (S * a_t if a_t is not None else S) + step
+        if read == "token":
+            outs.append(torch.einsum("bhvk,bhk->bhv", S, q_t))
+    return torch.stack(outs, 1), S
+
+
+def _causal_exp(diff: torch.Tensor, diagonal: int) -> torch.Tensor:
+    """exp(diff[..., t, s]) where s ≤ t + diagonal, 0 elsewhere (never exp of a positive masked entry)."""
+    L = diff.shape[-1]
+    keep = torch.ones(L, L, dtype=torch.bool, device=diff.device).tril(diagonal)
+    return diff.masked_fill(~keep, float("-inf")).exp()
+
+
+def log_decay(alpha: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """log α ``[B, T, H]`` (0 without retention), α clamped at the smallest positive normal."""
+    if alpha is None:
+        return like.new_zeros(like.shape[:3])
+    return alpha.clamp_min(torch.finfo(alpha.dtype).tiny).log()
+
+
+def delta_rule_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                     alpha: Optional[torch.Tensor] = None, initial_state: Optional[torch.Tensor] = None, *,
+                     bias: str = "l2", placement: str = "before_step", read: str = "token",
+                     cu_seqlens: Optional[torch.Tensor] = None, chunk_size: int = 64
+                     ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Exact chunk-parallel form of :func:`delta_rule_recurrent` (same arguments and results)."""
+    check_args(q, k, v, beta, alpha, initial_state, bias, placement, read, cu_seqlens)
+    kw = dict(bias=bias, placement=placement, read=read, chunk_size=chunk_size)
+    if cu_seqlens is not None:
+        return _per_sequence(delta_rule_chunk, q, k, v, beta, alpha, initial_state, cu_seqlens, **kw)
+    B, T, H, K = q.shape
+    tr = lambda x: x.transpose(1, 2)   # noqa: E731  [B, T, H, ...] → [B, H, T, ...]
+    qh, kh, vh, bh, lah = tr(q), tr(k), tr(v), tr(beta), tr(log_decay(alpha, q))
+    S = initial_state if initial_state is not None else q.new_zeros(B, H, v.shape[-1], K)
+    outs = []
+    for t0 in range(0, T, chunk_size):
+        sl = slice(t0, min(T, t0 + chunk_size))
+        qc, kc, vc, bc, la = qh[:, :, sl], kh[:, :, sl], vh[:, :, sl], bh[:, :, sl], lah[:, :, sl]
+        L = qc.shape[2]
+        g = la.cumsum(-1)                                   # stage 1: chunk-local gate cumsum
+        if bias == "l2":                                    # stage 2: UT transform of the delta rule
+            G = g if placement == "before_step" else g - la
+            kk = kc @ kc.transpose(-1, -2)
+            A = bc.unsqueeze(-1) * kk * _causal_exp(G.unsqueeze(-1) - g.unsqueeze(-2), -1)
+            A = A + torch.eye(L, dtype=A.dtype, device=A.device)
+            rhs = torch.cat([bc.unsqueeze(-1) * vc, (bc * G.exp()).unsqueeze(-1) * kc], -1)
+            sol = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+            u, wk = sol[..., :vc.shape[-1]], sol[..., vc.shape[-1]:]
+            w = u - wk @ S.transpose(-1, -2)                # stage 3: pseudo-values against the chunk-start state
+        else:
+            w = bc.unsqueeze(-1) * vc
+        if read == "token":                                 # stage 4: output
+            gq, diag = g, 0
+        else:
+            gq, diag = g - la, -1
+        qk = (qc @ kc.transpose(-1, -2)) * _causal_exp(gq.unsqueeze(-1) - g.unsqueeze(-2), diag)
+        outs.append(gq.exp().unsqueeze(-1) * (qc @ S.transpose(-1, -2)) + qk @ w)
+        g_last = g[..., -1:]
+        S = S * g_last.exp().unsqueeze(-1) + ((g_last - g).exp().unsqueeze(-1) * w).transpose(-1, -2) @ kc
+    return torch.cat(outs, 2).transpose(1, 2), S
