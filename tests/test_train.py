@@ -290,3 +290,24 @@ def test_run_config_builds_an_atlaslab_language_model():
             "task": SMALL_TASK, "train": {"steps": 3, "batch_size": 4, "final_eval": False}}
     res = run_config(node)
     assert res.status == "completed" and res.model.cfg.vocab_size == 32
+
+
+def test_linear_attention_recall_grows_with_state_size(one_thread):
+    """The recall/state trade-off (zoology): the same linear-attention model, trained on the same MQAR budget,
+    recalls far better with a 32-dim head (state 2,624 scalars) than with a 4-dim head (state 104).
+    Measured: 20% vs 78% test accuracy after 150 steps (chance ≈ 6%, values-in-context ≈ 25%)."""
+    from atlaslab.presets import build_model
+
+    task = build_task({"name": "mqar", "vocab_size": 32, "seq_len": 16, "num_kv_pairs": [4], "eval_examples": 128})
+    acc = {}
+    for head_dim in (4, 32):
+        torch.manual_seed(0)
+        model = build_model("linear_attention", ["vocab_size=32", "d_model=32", "num_layers=2",
+                                                 "mixers.linear_attention.num_heads=1",
+                                                 f"mixers.linear_attention.head_dim={head_dim}"])
+        res = train(model, task, steps=150, batch_size=64, lr=3e-3, schedule="constant", warmup_steps=20,
+                    eval_interval=0, seed=0, progress="never")
+        acc[model.state_size()] = res.metrics["test/accuracy"]
+    (small, a_small), (large, a_large) = sorted(acc.items())
+    assert small < large
+    assert a_large > a_small + 0.3, acc
