@@ -14,9 +14,11 @@ from .newton_schulz import newton_schulz
 from . import recurrent as _recurrent
 from .recurrent import initial_state, memorize_recurrent, read_memory
 from .state import GATE_NAMES, Gates, MemoryState, normalise_gates
+from .triton import memorize_triton
 
 #: Engines that compute ``memorize``; each must match the ``recurrent`` reference.
-MODES = {"recurrent": memorize_recurrent, "chunked": memorize_chunked}
+MODES = {"recurrent": memorize_recurrent, "chunked": memorize_chunked,
+         "triton": memorize_triton}   # opt-in Triton kernels; falls back to chunked (kernels/triton)
 
 
 def memorize(

@@ -1,1 +1,210 @@
-"""Triton kernels for the hot paths of atlaslab (see dispatch in this package)."""
+"""Triton kernels for the hot paths of ``memorize``, and the dispatch that chooses them (DESIGN.md §3 "Kernels").
+
+Kernels (each beside its plain-torch reference in :mod:`.reference` / :mod:`atlaslab.kernels.newton_schulz`):
+
+- :func:`.newton_schulz.newton_schulz`: fused Newton–Schulz (Muon quintic) for batches of small matrices;
+- :func:`.fused_recurrent.fused_recurrent_delta_rule`: token-by-token linear delta / Hebbian rule (decoding,
+  ``cu_seqlens``);
+- :func:`.chunk.chunk_delta_rule`: chunk-parallel forward of the same rules (fla-style stages).
+
+Dispatch, in the spirit of fla's backend registry: a Triton kernel is used only when
+
+1. :func:`available`: ``triton`` imports AND (CUDA is available OR ``TRITON_INTERPRET=1``), and
+   ``ATLASLAB_FORCE_TORCH`` is not set (``ATLASLAB_FORCE_TORCH=1`` always forces the torch path);
+2. the tensors' device and dtype suit it: CUDA tensors in fp32 / fp16 / bf16, or CPU tensors in fp32 / fp16
+   while the interpreter is on (the interpreter's bf16 ``tl.dot`` is wrong; it is ~1000× slower than torch,
+   so it is for tests only);
+3. the spec is one the kernel computes exactly: linear memory (any non-kernel-trick feature map, applied in
+   torch), ℓ2 or dot bias, GD, no retention or per-head scalar decay (either placement), Omega window c = 1,
+   semantic chunk b = 1, ``read`` token or chunk; head dims ≤ 256.
+
+:func:`select_kernel` returns an engine with the ``MODES`` signature or None; ``memorize(mode="triton")``
+(:func:`memorize_triton`) uses it and falls back to the torch ``chunked`` engine. Nothing else changes: the
+default ``memorize`` mode and every torch engine stay as they are.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import os
+from typing import Callable, Optional
+
+import torch
+
+from ..chunked import memorize_chunked
+from ..recurrent import _keep_last
+
+FORCE_TORCH_ENV = "ATLASLAB_FORCE_TORCH"
+#: T at or below which ``auto`` picks the token-by-token kernel (fla switches to fused_recurrent at ≤ 64).
+RECURRENT_MAX_T = 64
+MAX_HEAD_DIM = 256
+CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INTERPRETER_DTYPES = (torch.float32, torch.float16)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_importable() -> bool:
+    """True when the ``triton`` package imports."""
+    try:
+        importlib.import_module("triton")
+        importlib.import_module("triton.language")
+    except Exception:   # ImportError, or a broken install
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``, read at decoration time)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def forced_torch() -> bool:
+    """True when ``ATLASLAB_FORCE_TORCH`` asks for the torch path (any value but empty / 0 / false / no)."""
+    return os.environ.get(FORCE_TORCH_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def available() -> bool:
+    """Triton kernels can run here: triton imports AND (CUDA is available OR the interpreter is on)."""
+    return triton_importable() and (torch.cuda.is_available() or interpreting())
+
+
+def device_ok(x: torch.Tensor) -> Optional[str]:
+    """None when a kernel can run on ``x``'s device and dtype, else the reason it cannot."""
+    if x.is_cuda:
+        if x.dtype not in CUDA_DTYPES:
+            return f"dtype {x.dtype} (CUDA kernels take {', '.join(map(str, CUDA_DTYPES))})"
+        return None
+    if x.device.type == "cpu" and interpreting():
+        if x.dtype not in INTERPRETER_DTYPES:
+            return f"dtype {x.dtype} under the interpreter (takes float32 / float16)"
+        return None
+    return f"device {x.device} (needs CUDA, or CPU with TRITON_INTERPRET=1)"
+
+
+def spec_reason(parts, chunk_size: int) -> Optional[str]:
+    """None when the linear delta kernels compute ``parts`` exactly, else the first reason they do not."""
+    s = parts.spec
+    checks = [
+        (s.memory.name == "linear", f"memory '{s.memory.name}' (kernels: linear)"),
+        (not parts.kernel_trick, "the exp kernel trick"),
+        (s.attentional_bias.name in ("l2", "dot"), f"attentional bias '{s.attentional_bias.name}' (l2, dot)"),
+        (s.inner_optimizer.name == "gd", f"inner optimizer '{s.inner_optimizer.name}' (gd)"),
+        (s.retention.name in ("none", "decay"), f"retention '{s.retention.name}' (none, decay)"),
+        (not parts.retention.channel_wise, "channel-wise decay"),
+        (parts.window.size == 1, f"window size {parts.window.size} (c = 1)"),
+        (chunk_size == 1, f"chunk_size b = {chunk_size} (b = 1)"),
+        (parts.read in ("token", "chunk"), f"read '{parts.read}'"),
+        (max(parts.feature_map.out_dim, parts.value_dim) <= MAX_HEAD_DIM, f"head dims > {MAX_HEAD_DIM}"),
+    ]
+    for ok, why in checks:
+        if not ok:
+            return why
+    return None
+
+
+def explain(parts, q: torch.Tensor, chunk_size: int) -> Optional[str]:
+    """None when a Triton kernel will run for this call, else why the torch path is taken."""
+    if forced_torch():
+        return f"{FORCE_TORCH_ENV} is set"
+    if not triton_importable():
+        return "triton is not installed"
+    if not available():
+        return "no CUDA device and TRITON_INTERPRET is not 1"
+    return device_ok(q) or spec_reason(parts, chunk_size)
+
+
+def _engine(kind: str) -> Callable:
+    """A ``MODES``-style engine over the kernel ``kind`` (``fused_recurrent`` or ``chunk``)."""
+
+    def run(q, k, v, parts, gates, chunk_size, state, block_size: int = 64, **engine_options):
+        # engine_options (e.g. ``checkpoint``) concern the torch engines; the kernels recompute in backward anyway
+        if kind == "chunk":
+            from .chunk import chunk_delta_rule as kernel
+            extra = dict(chunk_size=min(64, max(16, int(block_size))))
+        else:
+            from .fused_recurrent import fused_recurrent_delta_rule as kernel
+            extra = {}
+        state = dataclasses.replace(state)
+        ret = parts.retention
+        alpha = gates.retention if (ret.uses_alpha and gates.retention is not None) else None
+        placement = ret.placement if alpha is not None else "after_step"
+        beta = gates.lr * gates.window            # c = 1: the window gate scales the step
+        fm = parts.feature_map
+        o, W = kernel(fm(q), fm(k), v, beta, alpha, state.weights["W"], bias=parts.spec.attentional_bias.name,
+                      placement=placement, read=parts.read, **extra)
+        state.weights = {"W": W}
+        state.anchor = state.weights              # b = 1: the anchor is refreshed at every token
+        keep = parts.window.history()
+        state.hist_k = _keep_last(torch.cat([state.hist_k, k], 1), keep)
+        state.hist_v = _keep_last(torch.cat([state.hist_v, v], 1), keep)
+        state.hist_gamma = _keep_last(torch.cat([state.hist_gamma, gates.window], 1), keep)
+        if gates.retention is not None:
+            state.chunk_alpha = gates.retention[:, -1]
+        state.position += q.shape[1]
+        return o, state
+
+    run.__name__ = f"memorize_triton_{kind}"
+    run.kernel = kind
+    return run
+
+
+ENGINES = {"fused_recurrent": _engine("fused_recurrent"), "chunk": _engine("chunk")}
+_MODE_ALIASES = {"auto": "auto", "triton": "auto", "chunk": "chunk", "chunked": "chunk",
+                 "fused_recurrent": "fused_recurrent", "recurrent": "fused_recurrent"}
+
+
+def select_kernel(parts, q: torch.Tensor, chunk_size: int, mode: str = "auto") -> Optional[Callable]:
+    """The Triton engine for this (device, dtype, spec), or None when the torch path must be used.
+
+    Args:
+        parts: the built :class:`MemoryParts`.
+        q: ``[B, T, H, D_k]`` queries (their device, dtype and T decide).
+        chunk_size: the semantic chunk b of the call.
+        mode: ``auto`` / ``triton`` (token-by-token kernel for T ≤ 64, chunk kernel above), ``chunk`` /
+            ``chunked``, or ``fused_recurrent`` / ``recurrent``.
+
+    Returns:
+        A function with the ``MODES`` engine signature ``(q, k, v, parts, gates, chunk_size, state, block_size)``
+        (its ``.kernel`` names the kernel), or None.
+    """
+    if mode not in _MODE_ALIASES:
+        raise ValueError(f"select_kernel: unknown mode '{mode}'; valid: {', '.join(_MODE_ALIASES)}")
+    if explain(parts, q, chunk_size) is not None:
+        return None
+    kind = _MODE_ALIASES[mode]
+    if kind == "auto":
+        kind = "fused_recurrent" if q.shape[1] <= RECURRENT_MAX_T else "chunk"
+    return ENGINES[kind]
+
+
+def memorize_triton(q, k, v, parts, gates, chunk_size, state, block_size: int = 64, **engine_options):
+    """``memorize(mode="triton")``: a Triton kernel when :func:`select_kernel` finds one, else ``chunked``.
+
+    ``engine_options`` (such as ``checkpoint``) are passed on to the ``chunked`` fallback.
+    """
+    engine = select_kernel(parts, q, chunk_size, "auto")
+    if engine is None:
+        return memorize_chunked(q, k, v, parts, gates, chunk_size, state, block_size=block_size, **engine_options)
+    return engine(q, k, v, parts, gates, chunk_size, state, block_size=block_size)
+
+
+def select_newton_schulz(s: torch.Tensor) -> Optional[Callable]:
+    """The fused Newton–Schulz kernel (``newton_schulz``-compatible) for ``s: [..., rows, cols]``, or None."""
+    if forced_torch() or not available() or device_ok(s) is not None:
+        return None
+    from .newton_schulz import newton_schulz as kernel, supports
+    return kernel if supports(s) else None
+
+
+def orthogonalise(s: torch.Tensor, steps: int = 5, eps: float = 1e-7, coefficients=None,
+                  shape_factor: bool = False) -> torch.Tensor:
+    """Newton–Schulz on the fused kernel when :func:`select_newton_schulz` finds it, else the torch reference."""
+    from ..newton_schulz import MUON_COEFFICIENTS, newton_schulz as torch_ns
+    coefficients = MUON_COEFFICIENTS if coefficients is None else coefficients
+    fn = select_newton_schulz(s) or torch_ns
+    return fn(s, steps, eps, coefficients, shape_factor)
+
+
+__all__ = ["FORCE_TORCH_ENV", "available", "explain", "forced_torch", "interpreting", "memorize_triton",
+           "orthogonalise", "select_kernel", "select_newton_schulz", "spec_reason", "triton_importable"]
