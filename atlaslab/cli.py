@@ -106,8 +106,27 @@ def add_train(sub) -> None:
     add_train_parser(sub)
 
 
+def add_run(sub) -> None:
+    from .search.cli import add_run as _add
+
+    _add(sub)
+
+
+def add_resume(sub) -> None:
+    from .search.cli import add_resume as _add
+
+    _add(sub)
+
+
+def add_report(sub) -> None:
+    from .search.cli import add_report as _add
+
+    _add(sub)
+
+
 #: name → function adding the subcommand's parser; other modules append to this (run, resume, report, ...).
-COMMANDS: Dict[str, Callable] = {"list": add_list, "show": add_show, "demo": add_demo, "train": add_train}
+COMMANDS: Dict[str, Callable] = {"list": add_list, "show": add_show, "demo": add_demo, "train": add_train,
+                                 "run": add_run, "resume": add_resume, "report": add_report}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,482 @@
+"""Run, resume and collect an experiment on Ray Tune, tracked in MLflow.
+
+    prepared = prepare("experiments/quickstart.yaml", ["train.steps=100"])   # validates every trial
+    summary = run(prepared, run_dir="runs/quickstart")                         # Ray Tune + MLflow + report
+    summary = resume("runs/quickstart")                                        # after an interruption
+
+The run folder holds everything an experiment needs to be resumed or reported::
+
+    experiment.yaml   the experiment after command-line overrides     trials.json   the expanded trials
+    state.json        MLflow ids, tracking URI, Tune path, status      results.json  one record per trial
+    mlruns.db, mlartifacts/   the default MLflow store                 ray/          Tune's storage
+    report.md, report.csv, trials.csv, plots/*.png
+
+Ray: local by default (``ray.init(num_cpus=…)``, no dashboard, every process on 127.0.0.1 because
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is set before ``import ray``); ``ray_address`` / ``$RAY_ADDRESS``
+joins a cluster. A Ray session this module started is shut down at the end, also on errors.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")
+os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "2")     # experiment state: small, save it often
+os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "100")
+
+from omegaconf import OmegaConf  # noqa: E402
+
+from ..registry import ConfigError, to_container  # noqa: E402
+from .expand import Validator, expand_grid, fmt_value, short_key, trial_from_params, trial_hash  # noqa: E402
+from .schema import ExperimentConfig, load_experiment, load_experiment_node, validate_experiment  # noqa: E402
+
+TUNE_NAME = "tune"
+
+
+@dataclass
+class Prepared:
+    """A validated experiment: the node (for the run folder), the config and the expanded trials."""
+
+    node: Dict[str, Any]
+    exp: ExperimentConfig
+    trials: List[Dict[str, Any]]          # grid: every trial; search: the corner configs validated
+    source: str = ""
+    validate_s: float = 0.0
+    overrides: List[str] = field(default_factory=list)
+
+
+def prepare(path: Optional[str] = None, overrides: Sequence[str] = (), node: Any = None) -> Prepared:
+    """Load, override and validate an experiment, expanding and validating every trial (no Ray, no MLflow).
+
+    Raises :class:`ConfigError` (a :class:`~atlaslab.search.expand.TrialConfigError` names the trial)."""
+    t0 = time.time()
+    cfg = load_experiment_node(path, overrides, node)
+    raw = OmegaConf.to_container(cfg, resolve=True)
+    exp = validate_experiment(cfg, source=str(path or ""))
+    for mod in exp.imports:
+        __import__(mod)
+    raw.setdefault("name", exp.name)
+    v = Validator(exp)
+    if exp.kind == "grid":
+        trials = expand_grid(exp)
+        for t in trials:
+            v.validate(t)
+    else:
+        from .space import corner_points
+        trials = []
+        for i, params in enumerate(corner_points(exp.space)):
+            t = trial_from_params(exp, params, key=f"corner{i:02d}", index=i)
+            v.validate(t)
+            trials.append(t)
+    return Prepared(raw, exp, trials, str(path or ""), time.time() - t0, list(overrides))
+
+
+def trial_table(p: Prepared) -> str:
+    """The expanded trials as a text table (``--dry-run``)."""
+    exp = p.exp
+    lines = []
+    if exp.kind == "search":
+        lines.append(f"search '{exp.name}': {exp.num_samples} samples, sampler {exp.search.sampler}, "
+                     f"scheduler {exp.scheduler.name}, metric {exp.metric} ({exp.mode})")
+        lines.append("space:")
+        for k, prm in exp.space.items():
+            if prm.type == "categorical":
+                desc = "choice " + ", ".join(fmt_value(c) for c in prm.choices)
+            else:
+                desc = f"{prm.type} [{prm.low}, {prm.high}]" + (" log" if prm.log else "")
+            cond = ("  when " + ", ".join(f"{c}={fmt_value(v)}" for c, v in prm.when.items())) if prm.when else ""
+            lines.append(f"  {k}: {desc}{cond}")
+        lines.append(f"validated {len(p.trials)} corner configs of the space:")
+    else:
+        lines.append(f"grid '{exp.name}': {len(p.trials)} trials ({len(exp.settings())} setting(s) × "
+                     f"{max(1, len(exp.grid.variants))} variant(s) × axes × {max(1, len(_proto(exp)))} lr/wd × "
+                     f"{len(exp.seeds)} seed(s)), scheduler {exp.scheduler.name}, metric {exp.metric} ({exp.mode})")
+    head = ["key", "setting", "row", "seed", "lr/wd", "preset", "params", "state", "steps"]
+    rows = []
+    for t in p.trials:
+        info = t.get("info", {})
+        tr = info.get("train", {})
+        proto = ",".join(f"{k}={fmt_value(v)}" for k, v in t.get("protocol", {}).items())
+        rows.append([t["key"], t["setting"], t["label"] if exp.kind == "search" else t["row"], str(t["seed"]),
+                     proto or "-", info.get("preset", "?"), _human(info.get("num_parameters")),
+                     _human(info.get("state_size")), str(tr.get("steps", "?"))])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+    lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+    lines.extend("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
+    lines.append(f"(validated in {p.validate_s:.1f} s; every model built on the meta device)")
+    return "\n".join(lines)
+
+
+def _proto(exp: ExperimentConfig) -> List[Any]:
+    from .expand import _protocol_points
+    return _protocol_points(exp) if exp.protocol.active else []
+
+
+def _human(n: Any) -> str:
+    if n is None:
+        return "?"
+    n = float(n)
+    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.3g}{unit}"
+    return f"{int(n)}"
+
+
+# --------------------------------------------------------------------------------------------------
+# run folder
+# --------------------------------------------------------------------------------------------------
+def default_run_dir(name: str) -> Path:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{name}-{stamp}"
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=_json_default))
+    os.replace(tmp, path)
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    try:
+        import numpy as np
+        if isinstance(x, np.generic):
+            return x.item()
+    except ImportError:  # pragma: no cover
+        pass
+    return str(x)
+
+
+def read_state(run_dir: Path) -> Dict[str, Any]:
+    p = Path(run_dir) / "state.json"
+    if not p.is_file():
+        raise ConfigError("run_dir", f"{run_dir} is not an experiment run folder (no state.json).", value=str(run_dir))
+    return json.loads(p.read_text())
+
+
+# --------------------------------------------------------------------------------------------------
+# Ray
+# --------------------------------------------------------------------------------------------------
+class RaySession:
+    """``with RaySession(address, num_cpus):`` starts (or joins) Ray and shuts down only what it started."""
+
+    def __init__(self, address: Optional[str] = None, num_cpus: Optional[int] = None, num_gpus: Optional[int] = None,
+                 quiet: bool = False):
+        self.address = address or os.environ.get("RAY_ADDRESS") or None
+        self.num_cpus, self.num_gpus, self.quiet = num_cpus, num_gpus, quiet
+        self.started = False
+
+    def __enter__(self):
+        if "ray" in sys.modules and os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
+            pass  # pragma: no cover - imported elsewhere first; nothing to do but carry on
+        import ray
+        # workers chdir into their trial folders: keep the driver's folder importable (user parts)
+        cwd = os.getcwd()
+        pp = os.environ.get("PYTHONPATH", "")
+        if cwd not in pp.split(os.pathsep):
+            os.environ["PYTHONPATH"] = cwd + (os.pathsep + pp if pp else "")
+        if ray.is_initialized():
+            return self
+        kw = dict(include_dashboard=False, log_to_driver=False, configure_logging=True, logging_level="ERROR")
+        if self.address:
+            ray.init(address=self.address, **kw)
+        else:
+            os.environ.pop("RAY_ADDRESS", None)
+            ray.init(num_cpus=self.num_cpus or os.cpu_count() or 1, num_gpus=self.num_gpus, **kw)
+        self.started = True
+        return self
+
+    def __exit__(self, *exc):
+        if self.started:
+            import ray
+            ray.shutdown()
+        return False
+
+
+# --------------------------------------------------------------------------------------------------
+# Tune
+# --------------------------------------------------------------------------------------------------
+def _trial_dirname(trial) -> str:
+    t = trial.config.get("trial")
+    return str(t["key"]) if t else str(trial.trial_id)
+
+
+def _trainable(exp: ExperimentConfig):
+    from ray import tune
+
+    from .trainable import run_trial
+    res = {"cpu": float(exp.resources.cpus_per_trial)}
+    if exp.resources.gpus_per_trial:
+        res["gpu"] = float(exp.resources.gpus_per_trial)
+    return tune.with_resources(run_trial, res)
+
+
+def _scheduler(exp: ExperimentConfig):
+    if exp.scheduler.name != "asha":
+        return None
+    from ray.tune.schedulers import ASHAScheduler
+    s = exp.scheduler
+    steps = int(exp.train.get("steps", 1000)) if isinstance(exp.train, Mapping) else 1000
+    interval = max(1, int(exp.eval.interval or steps))
+    return ASHAScheduler(time_attr="step", metric=exp.metric, mode=exp.mode, max_t=s.max_t or steps,
+                         grace_period=s.grace_period or interval, reduction_factor=s.reduction_factor,
+                         brackets=s.brackets)
+
+
+def _max_concurrent(exp: ExperimentConfig, num_cpus: Optional[int]) -> int:
+    if exp.max_concurrent:
+        return exp.max_concurrent
+    cpus = num_cpus or os.cpu_count() or 1
+    return max(1, int(cpus // max(exp.resources.cpus_per_trial, 1e-9)))
+
+
+def build_tuner(p: Prepared, run_dir: Path, meta: Dict[str, Any], num_cpus: Optional[int], progress):
+    from ray import tune
+    exp = p.exp
+    search_alg = None
+    if exp.kind == "grid":
+        space = {"experiment": meta, "trial": tune.grid_search(p.trials_for_tune)}
+        num_samples = 1
+    else:
+        from ray.tune.search.optuna import OptunaSearch
+
+        from .space import define_by_run, make_sampler
+        search_alg = OptunaSearch(space=define_by_run(exp.space), metric=exp.metric, mode=exp.mode,
+                                  sampler=make_sampler(exp))
+        space = {"experiment": meta}
+        num_samples = exp.num_samples
+    tune_config = tune.TuneConfig(scheduler=_scheduler(exp), search_alg=search_alg, num_samples=num_samples,
+                                  max_concurrent_trials=_max_concurrent(exp, num_cpus), reuse_actors=True,
+                                  trial_dirname_creator=_trial_dirname, trial_name_creator=_trial_dirname)
+    run_config = tune.RunConfig(
+        name=TUNE_NAME, storage_path=str((run_dir / "ray").resolve()),
+        failure_config=tune.FailureConfig(max_failures=exp.max_failures),
+        checkpoint_config=tune.CheckpointConfig(num_to_keep=2),
+        verbose=0, callbacks=[progress], log_to_file=True)
+    return tune.Tuner(_trainable(exp), param_space=space, tune_config=tune_config, run_config=run_config)
+
+
+# --------------------------------------------------------------------------------------------------
+# results
+# --------------------------------------------------------------------------------------------------
+def _clean_metrics(m: Mapping[str, Any]) -> Dict[str, Any]:
+    out = {}
+    for k, v in (m or {}).items():
+        if k in ("config",) or k.startswith("experiment"):
+            continue
+        if isinstance(v, bool):
+            v = int(v)
+        if isinstance(v, (int, float, str)) or v is None:
+            out[k] = v
+    return out
+
+
+def collect(p: Prepared, result_grid, run_dir: Path) -> List[Dict[str, Any]]:
+    """One record per trial from Tune's results: status, reason, final metrics, learning curve."""
+    import pandas as pd  # noqa: F401  (metrics_dataframe)
+    from .space import decode_params
+    exp = p.exp
+    records = []
+    for r in result_grid:
+        cfg = r.config or {}
+        key = Path(str(r.path)).name if r.path else None
+        if cfg.get("trial"):
+            trial = dict(cfg["trial"])
+        else:
+            params = decode_params(exp.space, cfg)
+            trial = trial_from_params(exp, params, key=str(key))
+            trial["info"] = {}
+        m = _clean_metrics(r.metrics or {})
+        if r.error is not None:
+            status = "error"
+            err = str(r.error).strip().splitlines()
+            message = next((line for line in reversed(err) if line.strip()), "error")[:500]
+        elif m.get("final") == 1:
+            status = str(m.get("status", "completed"))
+            message = str(m.get("message", "") or "")
+        elif m:
+            status, message = "pruned", f"stopped by the scheduler at step {m.get('step')}"
+        else:
+            status, message = "error", "the trial reported nothing"
+        failed = status in ("error", "diverged")
+        history = []
+        try:
+            df = r.metrics_dataframe
+        except Exception:  # noqa: BLE001
+            df = None
+        if df is not None and len(df):
+            keep = [c for c in df.columns if "/" in c or c == "step"]
+            for row in df[keep].to_dict("records"):
+                history.append({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                                for k, v in row.items()})
+        info = dict(trial.get("info") or {})
+        for k in ("num_parameters", "state_size"):
+            if k not in info and k in m:
+                info[k] = m[k]
+        rec = {k: trial[k] for k in ("key", "index", "setting", "variant", "label", "row", "axes", "protocol",
+                                     "seed", "params") if k in trial}
+        rec.update({"status": status, "failed": failed, "message": message, "metrics": m, "history": history,
+                    "info": {k: v for k, v in info.items() if k not in ("train", "task")},
+                    "train": (info.get("train") or trial["config"].get("train")),
+                    "task": trial["config"].get("task"), "path": str(r.path)})
+        records.append(rec)
+    records.sort(key=lambda r: (r.get("index", 0), str(r["key"])))
+    return records
+
+
+# --------------------------------------------------------------------------------------------------
+# run / resume
+# --------------------------------------------------------------------------------------------------
+def _parent_run(exp: ExperimentConfig, run_dir: Path, uri: str, node: Mapping[str, Any], n_trials: int):
+    from . import tracking as T
+    art = None
+    if T.is_local_uri(uri):
+        art = (run_dir / "mlartifacts").resolve().as_uri()
+    mlexp = exp.tracking.experiment or exp.name
+    exp_id = T.ensure_experiment(uri, mlexp, art)
+    c = T.client(uri)
+    tags = {T.TAG_EXPERIMENT: exp.name, T.TAG_KIND: exp.kind, "atlaslab.run_dir": str(run_dir.resolve()),
+            "mlflow.runName": exp.name}
+    run = c.create_run(exp_id, tags=tags, run_name=exp.name)
+    pid = run.info.run_id
+    params = T.flatten({k: v for k, v in node.items() if k not in ("grid", "search")})
+    for k, v in (node.get("grid") or {}).get("axes", {}).items():
+        params[f"grid.axes.{k}"] = json.dumps(v, default=str)
+    for k in (node.get("grid") or {}).get("variants", {}):
+        params[f"grid.variant.{k}"] = json.dumps((node["grid"]["variants"][k]), default=str)
+    for k, v in (node.get("search") or {}).get("space", {}).items():
+        params[f"search.space.{k}"] = json.dumps(v, default=str)
+    params["n_trials"] = n_trials
+    T.log_params(c, pid, params)
+    T.retry(c.log_text, pid, (run_dir / "experiment.yaml").read_text(), "experiment.yaml", what="log experiment")
+    return {"uri": uri, "experiment_id": exp_id, "parent_run_id": pid, "experiment": mlexp}
+
+
+def run(p: Prepared, run_dir: Optional[os.PathLike] = None, ray_address: Optional[str] = None,
+        tracking_uri: Optional[str] = None, num_cpus: Optional[int] = None, quiet: bool = False,
+        command: Optional[str] = None) -> Dict[str, Any]:
+    """Run a prepared experiment into ``run_dir`` (default ``runs/<name>-<time>``); returns the summary."""
+    from .tracking import default_tracking_uri, is_local_uri
+    exp = p.exp
+    run_dir = Path(run_dir) if run_dir is not None else default_run_dir(exp.name)
+    if (run_dir / "state.json").exists():
+        raise ConfigError("run_dir", f"{run_dir} already holds an experiment; use `atlaslab resume {run_dir}` "
+                          "or another --run-dir.", value=str(run_dir))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "experiment.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(p.node)))
+    _write_json(run_dir / "trials.json", p.trials)
+    uri = default_tracking_uri(run_dir, tracking_uri or exp.tracking.uri)
+    addr = ray_address or os.environ.get("RAY_ADDRESS")
+    if addr and is_local_uri(uri) and not quiet:
+        print(f"warning: Ray address {addr} with a local MLflow store ({uri}): trials on other machines cannot "
+              "reach it; pass --tracking-uri http://<server>:<port>.", file=sys.stderr)
+    tracking = {}
+    if exp.tracking.enabled:
+        tracking = _parent_run(exp, run_dir, uri, p.node, len(p.trials) if exp.kind == "grid" else exp.num_samples)
+    state = {"name": exp.name, "kind": exp.kind, "status": "running", "created": time.time(),
+             "tracking": tracking, "tune_path": str((run_dir / "ray" / TUNE_NAME).resolve()),
+             "command": command or "", "num_cpus": num_cpus, "ray_address": addr,
+             "source": p.source, "overrides": p.overrides}
+    _write_json(run_dir / "state.json", state)
+    return _execute(p, run_dir, state, resume=False, ray_address=addr, num_cpus=num_cpus, quiet=quiet)
+
+
+def resume(run_dir: os.PathLike, ray_address: Optional[str] = None, num_cpus: Optional[int] = None,
+           quiet: bool = False) -> Dict[str, Any]:
+    """Resume an interrupted experiment: finished trials are kept, unfinished and errored ones continue
+    from their last checkpoint; each trial stays one MLflow run."""
+    run_dir = Path(run_dir)
+    state = read_state(run_dir)
+    node = OmegaConf.to_container(OmegaConf.load(run_dir / "experiment.yaml"), resolve=True)
+    exp = load_experiment(node=node)
+    trials = json.loads((run_dir / "trials.json").read_text())
+    p = Prepared(node, exp, trials, state.get("source", ""))
+    tr = state.get("tracking") or {}
+    if tr.get("parent_run_id"):
+        from . import tracking as T
+        c = T.client(tr["uri"])
+        T.retry(c.update_run, tr["parent_run_id"], status="RUNNING", what="reopen parent run")
+        T.set_tags(c, tr["parent_run_id"], {"atlaslab.resumed": "true"})
+    state["status"] = "running"
+    state.setdefault("resumes", []).append(time.time())
+    _write_json(run_dir / "state.json", state)
+    addr = ray_address or state.get("ray_address") or os.environ.get("RAY_ADDRESS")
+    return _execute(p, run_dir, state, resume=True, ray_address=addr,
+                    num_cpus=num_cpus or state.get("num_cpus"), quiet=quiet)
+
+
+def _execute(p: Prepared, run_dir: Path, state: Dict[str, Any], resume: bool, ray_address: Optional[str],
+             num_cpus: Optional[int], quiet: bool) -> Dict[str, Any]:
+    exp = p.exp
+    tracking = state.get("tracking") or {}
+    meta = {"name": exp.name, "kind": exp.kind, "metric": exp.metric, "mode": exp.mode, "imports": exp.imports,
+            "cpus_per_trial": exp.resources.cpus_per_trial, "tracking": tracking}
+    if exp.kind == "search":
+        meta["node"] = p.node
+    p.trials_for_tune = [{k: v for k, v in t.items()} for t in p.trials]   # type: ignore[attr-defined]
+    total = len(p.trials) if exp.kind == "grid" else exp.num_samples
+    t0 = time.time()
+    from .progress import Progress
+    progress = Progress(exp.name, exp.metric, exp.mode, tracking, "stderr" if quiet else "stdout", total)
+    status = "failed"
+    try:
+        with RaySession(ray_address, num_cpus):
+            from ray import tune
+            if resume:
+                tuner = tune.Tuner.restore(state["tune_path"], trainable=_trainable(exp), resume_unfinished=True,
+                                           resume_errored=True)
+                if not quiet:
+                    print(f"[{exp.name}] resuming {state['tune_path']}", flush=True)
+            else:
+                tuner = build_tuner(p, run_dir, meta, num_cpus, progress)
+                if not quiet:
+                    print(f"[{exp.name}] {total} trials → {run_dir}  (MLflow: {tracking.get('uri', 'off')})",
+                          flush=True)
+            results = tuner.fit()
+            records = collect(p, results, run_dir)
+        status = "finished"
+    finally:
+        state["status"] = status
+        state["wall_s"] = state.get("wall_s", 0.0) + (time.time() - t0)
+        _write_json(run_dir / "state.json", state)
+    _write_json(run_dir / "results.json", records)
+    from .report import write_report
+    rep = write_report(run_dir, p.exp, records, state)
+    summary = {"run_dir": str(run_dir), "trials": len(records),
+               "failed": sum(r["failed"] for r in records),
+               "completed": sum(r["status"] in ("completed", "early_stopped") for r in records),
+               "pruned": sum(r["status"] == "pruned" for r in records), "wall_s": time.time() - t0,
+               "report": str(rep)}
+    if tracking.get("parent_run_id"):
+        from . import tracking as T
+        c = T.client(tracking["uri"])
+        T.log_metrics(c, tracking["parent_run_id"], {"n_trials": summary["trials"], "n_failed": summary["failed"],
+                                                     "n_completed": summary["completed"],
+                                                     "wall_s": state["wall_s"]}, 0)
+        for f in sorted(run_dir.glob("report.*")) + sorted((run_dir / "plots").glob("*.png")) + \
+                [run_dir / "trials.csv", run_dir / "results.json"]:
+            if f.is_file():
+                T.retry(c.log_artifact, tracking["parent_run_id"], str(f),
+                        "plots" if f.suffix == ".png" else None, what="log report")
+        T.retry(c.set_terminated, tracking["parent_run_id"], status="FINISHED", what="end parent run")
+    return summary
+
+
+def command_line(argv: Optional[Sequence[str]] = None) -> str:
+    return "atlaslab " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+
+
+__all__ = ["Prepared", "RaySession", "collect", "command_line", "default_run_dir", "prepare", "read_state",
+           "resume", "run", "trial_table"]

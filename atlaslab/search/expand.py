@@ -1,0 +1,464 @@
+"""Expand an experiment into trials and validate every one of them before Ray starts.
+
+A trial is a plain, JSON-ready dict (it travels to Ray workers and into reports)::
+
+    {"key": "t003", "index": 3, "setting": "mqar", "variant": "w/o Muon", "label": "w/o Muon",
+     "row": "mqar · w/o Muon", "axes": {...}, "protocol": {"lr": 1e-3, "weight_decay": 0.0}, "seed": 0,
+     "params": {dotted key: value},                 # every assignment made for this trial
+     "config": {"model": {"preset": "atlas", "overrides": [[key, value, source], ...]},
+                "task": {...}, "train": {...}},
+     "info": {"num_parameters": …, "state_size": …, "components": {...}}}
+
+``row`` groups the trials a report line aggregates (seeds: mean ± std; protocol: best). Model overrides
+keep their *source* (the experiment key that set them) so a validation error can say which line of the
+file is wrong. :func:`validate_trials` builds every distinct model on the meta device (shapes, parameter
+count, state size; no memory, no compute) and every task and training config; any problem raises one
+:class:`TrialConfigError` naming the trial and the dotted path.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import hashlib
+import itertools
+import json
+import re
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+from omegaconf import DictConfig, OmegaConf
+
+from ..registry import ConfigError, to_container
+from .schema import ExperimentConfig, ParamNode
+
+Override = Tuple[str, Any, str]   # (key inside the model config, value, source path in the experiment)
+
+
+class TrialConfigError(ConfigError):
+    """A ConfigError inside one expanded trial: the message starts with the trial."""
+
+    def __init__(self, trial: str, path: str, reason: str, value: Any = None, choices=None):
+        self.trial = trial
+        super().__init__(path, reason, value, choices)
+
+    def _format(self) -> str:
+        return f"trial {self.trial}: " + super()._format()
+
+    def prefixed(self, prefix: str) -> "TrialConfigError":  # pragma: no cover - not nested further
+        return self
+
+    @classmethod
+    def wrap(cls, trial: str, exc: ConfigError, prefix: str = "", source: str = "") -> "TrialConfigError":
+        path = exc.path
+        if prefix:
+            path = f"{prefix}.{path}" if path else prefix
+        reason = exc.reason + (f" (set by {source})" if source else "")
+        return cls(trial, path, reason, exc.value, exc.choices)
+
+
+# --------------------------------------------------------------------------------------------------
+# dotted keys
+# --------------------------------------------------------------------------------------------------
+def flatten_overrides(node: Any, prefix: str = "", source: str = "model.overrides") -> List[Override]:
+    """Model overrides (nested / dotted mapping, or list of ``key=value``) as ``(key, value, source)``.
+
+    Mappings are descended except when they carry ``name`` (a component node replaces the node)."""
+    from .schema import parse_override
+    node = to_container(node)
+    if node is None:
+        return []
+    if isinstance(node, (list, tuple)):
+        out = []
+        for i, item in enumerate(node):
+            if isinstance(item, (list, tuple)) and len(item) in (2, 3):
+                out.append((str(item[0]), item[1], item[2] if len(item) == 3 else f"{source}.{i}"))
+            else:
+                k, v = parse_override(item)
+                out.append((k, v, f"{source}.{i}"))
+        return out
+    out = []
+    for k, v in node.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, Mapping) and v and "name" not in v:
+            out.extend(flatten_overrides(v, key, f"{source}.{k}"))
+        else:
+            out.append((key, v, f"{source}.{k}"))
+    return out
+
+
+def set_dotted(d: Dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    for p in parts[:-1]:
+        nxt = d.get(p)
+        if not isinstance(nxt, dict):
+            nxt = {}
+            d[p] = nxt
+        d = nxt
+    if isinstance(value, Mapping) and isinstance(d.get(parts[-1]), dict) and "name" not in value:
+        d[parts[-1]].update(copy.deepcopy(dict(value)))
+    else:
+        d[parts[-1]] = copy.deepcopy(value)
+
+
+def short_key(key: str) -> str:
+    """A readable short name of a dotted key for labels (``…memory.window.size`` → ``window.size``)."""
+    parts = key.split(".")
+    if parts[0] == "model":
+        parts = parts[1:]
+        if parts and parts[0] == "mixers" and len(parts) > 2:
+            parts = parts[2:]
+        if parts and parts[0] == "memory" and len(parts) > 1:
+            parts = parts[1:]
+    elif parts[0] in ("train", "eval") and len(parts) == 2:
+        return parts[1]
+    elif parts[0] == "task" and len(parts) == 2:
+        return parts[1]
+    return ".".join(parts[-2:]) if len(parts) > 2 else ".".join(parts)
+
+
+def fmt_value(v: Any) -> str:
+    if isinstance(v, Mapping):
+        if "name" in v and len(v) == 1:
+            return str(v["name"])
+        return "{" + ", ".join(f"{k}: {fmt_value(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, float):
+        return f"{v:g}"
+    if isinstance(v, list):
+        return "[" + ", ".join(fmt_value(x) for x in v) + "]"
+    return str(v)
+
+
+# --------------------------------------------------------------------------------------------------
+# trial configs
+# --------------------------------------------------------------------------------------------------
+def build_trial_config(exp: ExperimentConfig, setting: str, assignments: Sequence[Tuple[str, Any, str]],
+                       seed: int) -> Dict[str, Any]:
+    """The run config (model, task, train) of one trial: the experiment's base plus ``assignments``."""
+    settings = exp.settings()
+    tnode = to_container(settings[setting])
+    task = {"name": tnode} if isinstance(tnode, str) else copy.deepcopy(dict(tnode))
+    ev = dataclasses.asdict(exp.eval)
+    train = copy.deepcopy(dict(to_container(exp.train) or {}))
+    preset = exp.model.preset
+    model_ovs: List[Override] = flatten_overrides(exp.model.overrides)
+    for key, value, src in assignments:
+        root, _, rest = key.partition(".")
+        if root == "model":
+            if rest == "preset":
+                preset = value
+            elif rest == "overrides":
+                model_ovs.extend(flatten_overrides(value, source=src))
+            else:
+                model_ovs.append((rest, copy.deepcopy(value), src))
+        elif root == "task":
+            set_dotted(task, rest, value)
+        elif root == "tasks":
+            s, _, f = rest.partition(".")
+            if s == setting:
+                set_dotted(task, f, value)
+        elif root == "train":
+            set_dotted(train, rest, value)
+        elif root == "eval":
+            ev[rest] = value
+    for tkey, ekey in (("eval_interval", "interval"), ("eval_examples", "examples"),
+                       ("eval_batch_size", "batch_size"), ("test_lengths", "lengths")):
+        train.setdefault(tkey, copy.deepcopy(ev[ekey]))
+    train["seed"] = int(seed)
+    train["checkpoint_interval"] = 0       # checkpoints at evaluations: the points a trial reports to Tune
+    train.setdefault("progress", "never")
+    return {"model": {"preset": preset, "overrides": [list(o) for o in model_ovs]}, "task": task, "train": train}
+
+
+def _glob_keys(node: Any, parts: List[str], prefix: str = "") -> Iterable[str]:
+    if not parts:
+        yield prefix
+        return
+    head, rest = parts[0], parts[1:]
+    if head == "*" or any(c in head for c in "*?["):
+        if isinstance(node, Mapping):
+            import fnmatch
+            for k in node:
+                if fnmatch.fnmatchcase(str(k), head):
+                    yield from _glob_keys(node[k], rest, f"{prefix}.{k}" if prefix else str(k))
+        return
+    key = f"{prefix}.{head}" if prefix else head
+    if any(any(c in p for c in "*?[") for p in rest):
+        if isinstance(node, Mapping) and head in node:
+            yield from _glob_keys(node[head], rest, key)
+        return
+    yield ".".join([key] + rest)
+
+
+def _exists(node: Any, key: str) -> bool:
+    for p in key.split("."):
+        if not isinstance(node, Mapping) or p not in node:
+            return False
+        node = node[p]
+    return True
+
+
+def model_config(model_node: Mapping[str, Any], vocab_size: Optional[int] = None) -> DictConfig:
+    """The validated model config of a trial's model node (preset + overrides; '*' wildcards expanded).
+
+    ``vocab_size`` (the task's) is applied first unless an override sets it. Raises ConfigError with the
+    path inside the model config; ``err.source`` names the experiment key of the override at fault."""
+    from ..components.lm import resolve_lm_config
+    from ..presets import apply_overrides, load_preset
+
+    preset = str(model_node.get("preset"))
+    overrides = [tuple(o) for o in model_node.get("overrides", [])]
+    try:
+        cfg = load_preset(preset, [])
+    except ConfigError as exc:
+        exc.source = "model.preset"
+        raise
+    if vocab_size is not None and not any(k == "vocab_size" for k, _, _ in overrides):
+        apply_overrides(cfg, {"vocab_size": int(vocab_size)})
+    resolved = None        # the fully resolved config, to expand wildcards against (recomputed on a part swap)
+    for key, value, src in overrides:
+        if any(c in key for c in "*?["):
+            if resolved is None:
+                try:
+                    resolved = resolve_lm_config(cfg).to_dict()
+                except ConfigError as exc:
+                    exc.source = src
+                    raise
+            keys = [k for k in _glob_keys(resolved, key.split(".")) if _exists(resolved, k)]
+        else:
+            keys = [key]
+        for k in keys:
+            try:
+                apply_overrides(cfg, {k: value})
+            except ConfigError as exc:
+                exc.source = src
+                raise
+            if k.endswith(".name") or k.startswith("layers") or k.count(".") < 2 or \
+                    (isinstance(value, Mapping) and "name" in value):
+                resolved = None
+    try:
+        resolve_lm_config(cfg)
+    except ConfigError as exc:
+        best = ""          # the override whose key is the longest prefix of the error path is the culprit
+        for key, _, src in overrides:
+            if (exc.path == key or exc.path.startswith(key + ".")) and len(key) > len(best):
+                best, exc.source = key, src
+        raise
+    return cfg
+
+
+def components(resolved: Mapping[str, Any]) -> Dict[str, str]:
+    """Tags for a resolved model config: the component choice of every mixer (``atlas.inner_optimizer: muon``)."""
+    out: Dict[str, str] = {}
+    for key, node in (resolved.get("mixers") or {}).items():
+        out[f"{key}.mixer"] = str(node.get("name"))
+        mem = node.get("memory")
+        if isinstance(mem, Mapping):
+            for part, pnode in mem.items():
+                if isinstance(pnode, Mapping) and "name" in pnode:
+                    out[f"{key}.{part}"] = str(pnode["name"])
+            for extra in ("chunk_size", "read"):
+                if extra in mem:
+                    out[f"{key}.{extra}"] = str(mem[extra])
+            win = mem.get("window")
+            if isinstance(win, Mapping) and "size" in win:
+                out[f"{key}.window_size"] = str(win["size"])
+            fm = mem.get("feature_map")
+            if isinstance(fm, Mapping) and "degree" in fm:
+                out[f"{key}.poly_degree"] = str(fm["degree"])
+            m = mem.get("memory")
+            if isinstance(m, Mapping) and "depth" in m and m.get("name") != "linear":
+                out[f"{key}.memory_depth"] = str(m["depth"])
+        if "mode" in node:
+            out[f"{key}.mode"] = str(node["mode"])
+    out["layers"] = ",".join(str(x) for x in resolved.get("layers", []))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# expansion
+# --------------------------------------------------------------------------------------------------
+def _axis_points(exp: ExperimentConfig) -> List[Dict[str, Any]]:
+    axes = exp.grid.axes if exp.grid is not None else {}
+    if not axes:
+        return [{}]
+    keys = list(axes)
+    if exp.grid.mode == "zip":
+        return [dict(zip(keys, vals)) for vals in zip(*[axes[k] for k in keys])]
+    return [dict(zip(keys, vals)) for vals in itertools.product(*[axes[k] for k in keys])]
+
+
+def _protocol_points(exp: ExperimentConfig) -> List[Dict[str, Any]]:
+    p = exp.protocol
+    if not p.active:
+        return [{}]
+    lrs = p.lr or [None]
+    wds = p.weight_decay or [None]
+    out = []
+    for lr, wd in itertools.product(lrs, wds):
+        pt = {}
+        if lr is not None:
+            pt["lr"] = lr
+        if wd is not None:
+            pt["weight_decay"] = wd
+        out.append(pt)
+    return out
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-")[:40] or "trial"
+
+
+def row_label(variant: str, axes: Mapping[str, Any]) -> str:
+    parts = [] if variant in ("", "base") and axes else [variant]
+    parts += [f"{short_key(k)}={fmt_value(v)}" for k, v in axes.items()]
+    return " · ".join(parts) or "base"
+
+
+def expand_grid(exp: ExperimentConfig) -> List[Dict[str, Any]]:
+    """Every trial of a grid experiment: settings × variants × axes × protocol × seeds (in that order)."""
+    assert exp.grid is not None
+    variants = exp.grid.variants or {"base": {}}
+    trials = []
+    for setting in exp.settings():
+        for vname, vnode in variants.items():
+            for axes in _axis_points(exp):
+                for proto in _protocol_points(exp):
+                    for seed in exp.seeds:
+                        assignments = [(k, v, f"grid.variants.{vname}.{k}") for k, v in (vnode or {}).items()]
+                        assignments += [(k, v, f"grid.axes.{k}") for k, v in axes.items()]
+                        assignments += [(f"train.{k}", v, f"protocol.{k}") for k, v in proto.items()]
+                        label = row_label(vname, axes)
+                        row = f"{setting} · {label}" if len(exp.settings()) > 1 else label
+                        params = {k: v for k, v, _ in assignments}
+                        i = len(trials)
+                        trials.append({
+                            "key": f"t{i:03d}", "index": i, "setting": setting, "variant": vname,
+                            "label": label, "row": row, "axes": dict(axes), "protocol": dict(proto),
+                            "seed": int(seed), "params": params,
+                            "config": build_trial_config(exp, setting, assignments, seed),
+                        })
+    return trials
+
+
+def trial_from_params(exp: ExperimentConfig, params: Mapping[str, Any], key: str, index: int = 0) -> Dict[str, Any]:
+    """A search trial from sampled ``params`` (dotted key → value)."""
+    setting = next(iter(exp.settings()))
+    assignments = [(k, v, f"search.space.{k}") for k, v in params.items()]
+    label = ", ".join(f"{short_key(k)}={fmt_value(v)}" for k, v in params.items())
+    return {"key": key, "index": index, "setting": setting, "variant": key, "label": label or key, "row": key,
+            "axes": dict(params), "protocol": {}, "seed": int(exp.seeds[0]), "params": dict(params),
+            "config": build_trial_config(exp, setting, assignments, exp.seeds[0])}
+
+
+def trial_hash(trial: Mapping[str, Any]) -> str:
+    return hashlib.sha1(json.dumps(trial["config"], sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+# --------------------------------------------------------------------------------------------------
+# validation
+# --------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _no_init():
+    """Skip ``torch.nn.init`` fills while building on the meta device (values do not exist there, and the
+    meta ``normal_`` would import torch._dynamo, seconds of start-up)."""
+    import torch.nn.init as init
+    names = ("normal_", "trunc_normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+             "xavier_normal_", "orthogonal_", "zeros_", "ones_", "constant_")
+    saved = {n: getattr(init, n) for n in names if hasattr(init, n)}
+    try:
+        for n in saved:
+            setattr(init, n, lambda tensor, *a, **k: tensor)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(init, n, f)
+
+
+class Validator:
+    """Validates trial configs; caches models by config so repeats (seeds, lr/wd) cost nothing."""
+
+    def __init__(self, exp: ExperimentConfig):
+        self.exp = exp
+        self._models: Dict[str, Dict[str, Any]] = {}
+        self._tasks: Dict[str, Any] = {}
+
+    def task(self, trial: Mapping[str, Any]):
+        from ..tasks.base import build_task
+        node = trial["config"]["task"]
+        k = json.dumps(node, sort_keys=True, default=str)
+        if k not in self._tasks:
+            path = f"tasks.{trial['setting']}" if self.exp.tasks else "task"
+            self._tasks[k] = build_task(node, path)
+        return self._tasks[k]
+
+    def model_info(self, model_node: Mapping[str, Any], task) -> Dict[str, Any]:
+        import torch
+
+        from ..components.lm import LanguageModel
+        k = json.dumps([model_node, task.vocab_size, task.seq_len], sort_keys=True, default=str)
+        if k in self._models:
+            return self._models[k]
+        cfg = model_config(model_node, task.vocab_size)
+        try:
+            with torch.device("meta"), _no_init():
+                model = LanguageModel(cfg)
+        except ConfigError:
+            raise
+        except Exception:          # a part that cannot be built on the meta device: build it for real
+            model = LanguageModel(cfg)
+        resolved = model.resolved.to_dict()
+        info = {
+            "num_parameters": int(model.num_parameters()),
+            "num_parameters_non_embedding": int(model.num_parameters(exclude_embeddings=True)),
+            "state_size": int(model.state_size(task.seq_len)),
+            "state_size_fixed": int(model.state_size()),
+            "state_size_per_token": int(model.state_size_per_token()),
+            "preset": str(model_node.get("preset")),
+            "components": components(resolved),
+            "resolved_model": resolved,
+        }
+        self._models[k] = info
+        return info
+
+    def validate(self, trial: Dict[str, Any]) -> Dict[str, Any]:
+        from ..train.config import resolve_train_config
+        tid = f"{trial['key']} ({trial['label']}" + (f", seed {trial['seed']}" if len(self.exp.seeds) > 1 else "") + ")"
+        cfg = trial["config"]
+        try:
+            task = self.task(trial)
+        except ConfigError as exc:
+            raise TrialConfigError.wrap(tid, exc) from None
+        try:
+            tcfg = resolve_train_config(cfg["train"], "train")
+        except ConfigError as exc:
+            raise TrialConfigError.wrap(tid, exc) from None
+        split, _, name = self.exp.metric.partition("/")
+        valid_splits = [tcfg.eval_split, tcfg.test_split, "train"]
+        if split not in valid_splits:
+            raise TrialConfigError(tid, "metric", f"split '{split}' is never reported.", value=split,
+                                   choices=[f"{s}/{name}" for s in valid_splits])
+        if self.exp.kind == "search" or self.exp.scheduler.name != "none":
+            if split != tcfg.eval_split:
+                raise TrialConfigError(tid, "metric", f"a scheduler or searcher needs an evaluation metric "
+                                       f"({tcfg.eval_split}/…), got '{self.exp.metric}'.", value=self.exp.metric,
+                                       choices=[f"{tcfg.eval_split}/{name}"])
+        try:
+            info = self.model_info(cfg["model"], task)
+        except ConfigError as exc:
+            raise TrialConfigError.wrap(tid, exc, "model", getattr(exc, "source", "")) from None
+        trial["info"] = {k: v for k, v in info.items() if k != "resolved_model"}
+        trial["info"]["task"] = task.info()
+        trial["info"]["train"] = tcfg.to_dict()
+        return trial
+
+
+def validate_trials(exp: ExperimentConfig, trials: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    v = Validator(exp)
+    for t in trials:
+        v.validate(t)
+    return trials
+
+
+__all__ = ["TrialConfigError", "Validator", "build_trial_config", "components", "expand_grid", "flatten_overrides",
+           "fmt_value", "model_config", "row_label", "short_key", "trial_from_params", "trial_hash",
+           "validate_trials"]

@@ -1,0 +1,496 @@
+"""The experiment file: one YAML that declares an ablation grid or a search, validated before anything runs.
+
+    name: quickstart
+    model:                                   # the base model: a preset plus overrides
+      preset: atlas
+      overrides: {d_model: 32, "mixers.*.mode": chunked}     # mapping or dotlist; '*' matches every mixer
+    task: {name: mqar, vocab_size: 64, seq_len: 32, num_kv_pairs: [4]}   # or tasks: {setting: node, ...}
+    eval: {interval: 50, examples: 256, lengths: [32, 64]}               # → train.eval_interval, …
+    train: {steps: 300, batch_size: 32, lr: 3e-3}                        # atlaslab.train.TrainConfig
+    seeds: [0, 1]
+    grid:                                    # an ablation …
+      mode: cross                            # cross | zip (of the axes)
+      variants:                              # named rows, each a set of dotted overrides
+        ATLAS: {}
+        "w/o Muon": {model.mixers.atlas.memory.inner_optimizer: {name: gd, lr: 0.1}}
+        Titans: {model.preset: titans}
+      axes: {model.mixers.atlas.memory.window.size: [1, 4]}
+      baseline: ATLAS
+    protocol: {lr: [1e-4, 1e-3], weight_decay: [0.0, 0.1]}   # MAD: best over the mini-grid per row
+    search:                                  # … or a search (never both)
+      sampler: tpe                           # tpe | random
+      space:
+        train.lr: {type: float, low: 1e-4, high: 1e-2, log: true}
+        model.mixers.atlas.memory.inner_optimizer.name: [muon, gd]
+        model.mixers.atlas.memory.inner_optimizer.ns_steps:
+          {type: int, low: 1, high: 5, when: {model.mixers.atlas.memory.inner_optimizer.name: muon}}
+    num_samples: 16                          # configs a search draws
+    scheduler: {name: asha, grace_period: 50, reduction_factor: 3}
+    metric: val/accuracy                     # what the scheduler / searcher / "best" looks at
+    mode: max
+    max_concurrent: 2
+    max_failures: 1                          # Ray retries of a trial that raised
+    resources: {cpus_per_trial: 1, gpus_per_trial: 0}
+    tracking: {uri: null, experiment: null}  # MLflow (default: sqlite in the run folder)
+    report: {metrics: [test/accuracy]}
+
+Dotted keys (grid axes, variants, search space) address the trial config: ``model.preset``,
+``model.<path>`` (a preset override, e.g. ``model.mixers.atlas.memory.window.size``; ``*`` matches every mixer
+that has the field), ``task.<field>`` (``tasks.<setting>.<field>`` for one setting), ``train.<field>`` and
+``eval.<field>``. :func:`load_experiment` validates the file's structure (unknown key → ConfigError naming
+the dotted path and the valid keys); :mod:`atlaslab.search.expand` then validates every expanded trial.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from ..registry import ConfigError, check_choice, check_range, to_container
+from ..registry.errors import join_path
+
+#: roots a dotted key may start with
+KEY_ROOTS = ("model", "task", "tasks", "train", "eval")
+SAMPLERS = ("tpe", "random")
+SCHEDULERS = ("none", "asha")
+PARAM_TYPES = ("float", "int", "categorical")
+
+
+def _structured(cls: type, node: Any, path: str) -> Any:
+    """Validate a mapping against dataclass ``cls`` (unknown key / bad type → ConfigError at ``path``)."""
+    node = to_container(node)
+    if node is None:
+        node = {}
+    if not isinstance(node, Mapping):
+        raise ConfigError(path, f"expected a mapping, got {node!r}.")
+    fields = [f.name for f in dataclasses.fields(cls)]
+    for key in node:
+        if key not in fields:
+            raise ConfigError(join_path(path, str(key)), f"unknown key '{key}'.", value=str(key), choices=fields)
+    try:
+        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), dict(node)))
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or getattr(exc, "key", None) or ""
+        if isinstance(exc, ConfigKeyError):
+            raise ConfigError(join_path(path, str(key)), f"unknown key '{key}'.", value=str(key),
+                              choices=fields) from None
+        raise ConfigError(join_path(path, str(key)), f"bad value ({str(exc).splitlines()[0]}).") from None
+    check = getattr(obj, "check", None)
+    if check is not None:
+        try:
+            check()
+        except ConfigError as exc:
+            raise exc.prefixed(path) from None
+    return obj
+
+
+@dataclass
+class ModelNode:
+    """The base model: a preset (name or YAML path) and overrides applied to every trial."""
+
+    preset: str = "atlas"
+    overrides: Any = field(default_factory=dict)   # mapping (nested or dotted keys) or a list of "k=v"
+
+
+@dataclass
+class EvalNode:
+    """How trials are evaluated (mapped onto the training loop's settings)."""
+
+    interval: int = 100         # → train.eval_interval (steps between evaluations; each is a Tune report)
+    examples: int = 0           # → train.eval_examples (0: the task's default)
+    batch_size: int = 0         # → train.eval_batch_size
+    lengths: List[int] = field(default_factory=list)   # → train.test_lengths (accuracy vs length)
+
+    def check(self) -> None:
+        check_range("interval", self.interval, 0, None)
+        check_range("examples", self.examples, 0, None)
+        check_range("batch_size", self.batch_size, 0, None)
+        for i, L in enumerate(self.lengths):
+            check_range(f"lengths.{i}", L, 2, None)
+
+
+@dataclass
+class GridNode:
+    mode: str = "cross"                                  # cross | zip (of the axes)
+    axes: Dict[str, Any] = field(default_factory=dict)   # dotted key → list of values
+    variants: Dict[str, Any] = field(default_factory=dict)   # name → {dotted key: value}
+    baseline: Optional[str] = None                       # the row deltas are measured against
+
+    def check(self) -> None:
+        check_choice("mode", self.mode, ("cross", "zip"))
+
+
+@dataclass
+class ProtocolNode:
+    """MAD's protocol: every setting is trained for each (lr, weight decay); the best one is reported."""
+
+    lr: List[float] = field(default_factory=list)
+    weight_decay: List[float] = field(default_factory=list)
+
+    def check(self) -> None:
+        for i, v in enumerate(self.lr):
+            if not (v > 0 and math.isfinite(v)):
+                raise ConfigError(f"lr.{i}", f"bad value {v!r}: must be a positive number.", value=v)
+        for i, v in enumerate(self.weight_decay):
+            check_range(f"weight_decay.{i}", v, 0.0, None)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.lr or self.weight_decay)
+
+
+@dataclass
+class ParamNode:
+    """One search dimension (Optuna distribution), optionally conditional (``when``)."""
+
+    type: str = "float"                      # float | int | categorical
+    low: Optional[float] = None
+    high: Optional[float] = None
+    log: bool = False
+    step: Optional[float] = None
+    choices: List[Any] = field(default_factory=list)
+    when: Dict[str, Any] = field(default_factory=dict)   # {dotted key: value or [values]}: sample only then
+
+    def check(self) -> None:
+        check_choice("type", self.type, PARAM_TYPES)
+        if self.type == "categorical":
+            if not self.choices:
+                raise ConfigError("choices", "a categorical parameter needs at least one choice.", value=[])
+            return
+        for name in ("low", "high"):
+            if getattr(self, name) is None:
+                raise ConfigError(name, f"a {self.type} parameter needs '{name}'.")
+        if self.type == "int":
+            for name in ("low", "high"):
+                v = getattr(self, name)
+                if float(v) != int(v):
+                    raise ConfigError(name, f"an int parameter needs an integer bound, got {v!r}.", value=v)
+        if not self.low <= self.high:
+            raise ConfigError("high", f"must be ≥ low ({self.low}), got {self.high!r}.", value=self.high)
+        if self.log and self.low <= 0:
+            raise ConfigError("low", f"a log-scale parameter needs low > 0, got {self.low!r}.", value=self.low)
+        if self.log and self.step is not None:
+            raise ConfigError("step", "Optuna does not take a step on a log scale.", value=self.step)
+
+
+@dataclass
+class SearchNode:
+    space: Dict[str, Any] = field(default_factory=dict)   # dotted key → ParamNode (or a list: categorical)
+    sampler: str = "tpe"
+    seed: int = 0
+
+    def check(self) -> None:
+        check_choice("sampler", self.sampler, SAMPLERS)
+
+
+@dataclass
+class SchedulerNode:
+    name: str = "none"                 # none | asha
+    grace_period: int = 0              # steps before ASHA may stop a trial (0: the first evaluation)
+    reduction_factor: float = 3.0
+    max_t: int = 0                     # 0: train.steps
+    brackets: int = 1
+
+    def check(self) -> None:
+        check_choice("name", self.name, SCHEDULERS)
+        check_range("grace_period", self.grace_period, 0, None)
+        if not self.reduction_factor > 1:
+            raise ConfigError("reduction_factor", "must be > 1.", value=self.reduction_factor)
+        check_range("max_t", self.max_t, 0, None)
+        check_range("brackets", self.brackets, 1, None)
+
+
+@dataclass
+class ResourcesNode:
+    cpus_per_trial: float = 1.0
+    gpus_per_trial: float = 0.0
+
+    def check(self) -> None:
+        if not self.cpus_per_trial > 0:
+            raise ConfigError("cpus_per_trial", "must be > 0.", value=self.cpus_per_trial)
+        check_range("gpus_per_trial", self.gpus_per_trial, 0.0, None)
+
+
+@dataclass
+class TrackingNode:
+    uri: Optional[str] = None          # MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite in the run dir)
+    experiment: Optional[str] = None   # MLflow experiment name (default: the experiment's name)
+    enabled: bool = True
+
+
+@dataclass
+class ReportNode:
+    metrics: List[str] = field(default_factory=list)   # table columns (default: metric + test/<same>)
+    curve_metric: str = ""             # learning curves (default: metric)
+    length_metric: str = "accuracy"    # accuracy vs eval length: test/len_<L>/<length_metric>
+    plots: bool = True
+    mad_score: bool = False            # with several settings: best per setting, mean per task, then over tasks
+
+
+@dataclass
+class ExperimentConfig:
+    """The validated experiment (see the module docstring)."""
+
+    name: str = ""
+    description: str = ""
+    imports: List[str] = field(default_factory=list)   # modules registering user parts (driver and trials)
+    model: ModelNode = field(default_factory=ModelNode)
+    task: Any = None
+    tasks: Dict[str, Any] = field(default_factory=dict)
+    eval: EvalNode = field(default_factory=EvalNode)
+    train: Dict[str, Any] = field(default_factory=dict)
+    seeds: List[int] = field(default_factory=lambda: [0])
+    grid: Optional[GridNode] = None
+    search: Optional[SearchNode] = None
+    protocol: ProtocolNode = field(default_factory=ProtocolNode)
+    num_samples: int = 1
+    scheduler: SchedulerNode = field(default_factory=SchedulerNode)
+    metric: str = "val/accuracy"
+    mode: str = "max"
+    max_concurrent: int = 0            # 0: as many as the resources allow
+    max_failures: int = 1
+    resources: ResourcesNode = field(default_factory=ResourcesNode)
+    tracking: TrackingNode = field(default_factory=TrackingNode)
+    report: ReportNode = field(default_factory=ReportNode)
+    space: Dict[str, ParamNode] = field(default_factory=dict)   # filled from search.space (validated)
+
+    @property
+    def kind(self) -> str:
+        return "search" if self.search is not None else "grid"
+
+    def settings(self) -> Dict[str, Any]:
+        """Setting name → task node (one setting named after the task when ``task`` is given)."""
+        if self.tasks:
+            return dict(self.tasks)
+        node = to_container(self.task)
+        name = node if isinstance(node, str) else (node or {}).get("name", "task")
+        return {str(name): node}
+
+    def to_dict(self) -> Dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out.pop("space", None)
+        return out
+
+
+TOP_FIELDS = [f.name for f in dataclasses.fields(ExperimentConfig) if f.name != "space"]
+
+
+def _check_key(key: str, path: str, exp_settings: Sequence[str]) -> None:
+    """A dotted key of an axis / variant / search param must address the trial config."""
+    root, _, rest = str(key).partition(".")
+    if root not in KEY_ROOTS or not rest:
+        raise ConfigError(path, f"a dotted key must start with one of {', '.join(KEY_ROOTS)} and name a field "
+                          f"(e.g. model.mixers.atlas.memory.window.size, train.lr), got '{key}'.", value=str(key),
+                          choices=list(KEY_ROOTS))
+    if root == "tasks":
+        setting, _, field_ = rest.partition(".")
+        if setting not in exp_settings:
+            raise ConfigError(path, f"no setting '{setting}' in tasks.", value=setting, choices=list(exp_settings))
+        if not field_:
+            raise ConfigError(path, f"'{key}' names a setting, not one of its fields.", value=str(key))
+    if root == "eval":
+        fields = [f.name for f in dataclasses.fields(EvalNode)]
+        if rest not in fields:
+            raise ConfigError(path, f"unknown eval field '{rest}'.", value=rest, choices=fields)
+
+
+def parse_param(key: str, node: Any, path: str) -> ParamNode:
+    node = to_container(node)
+    if isinstance(node, (list, tuple)):
+        node = {"type": "categorical", "choices": list(node)}
+    elif not isinstance(node, Mapping):
+        raise ConfigError(path, f"a search parameter is a mapping ({{type: float, low: …, high: …}}) or a list of "
+                          f"choices, got {node!r}.", value=node)
+    return _structured(ParamNode, node, path)
+
+
+def validate_experiment(cfg: Any, source: str = "") -> ExperimentConfig:
+    """Structural validation of an experiment node (the trials are validated by :mod:`.expand`)."""
+    node = to_container(cfg)
+    if not isinstance(node, Mapping):
+        raise ConfigError("", f"an experiment file must be a mapping, got {type(node).__name__}.")
+    node = dict(node)
+    for key in node:
+        if key not in TOP_FIELDS:
+            raise ConfigError(str(key), f"unknown experiment key '{key}'.", value=str(key), choices=TOP_FIELDS)
+    if not node.get("name"):
+        node["name"] = Path(source).stem if source else "experiment"
+    if "space" in node:  # pragma: no cover - guarded by TOP_FIELDS
+        node.pop("space")
+    raw_grid, raw_search = node.pop("grid", None), node.pop("search", None)
+    raw_model = node.pop("model", None)
+    exp = _structured(ExperimentConfig, node, "")
+    # -- model
+    model = to_container(raw_model)
+    if model is None:
+        raise ConfigError("model", "the experiment needs a base model: model: {preset: <name>, overrides: {...}}.",
+                          choices=_preset_names())
+    if isinstance(model, str):
+        model = {"preset": model}
+    exp.model = _structured(ModelNode, model, "model")
+    ov = exp.model.overrides
+    if ov is not None and not isinstance(ov, (Mapping, list, tuple)):
+        raise ConfigError("model.overrides", f"expected a mapping or a list of 'key=value', got {ov!r}.", value=ov)
+    # -- tasks
+    if exp.task is None and not exp.tasks:
+        raise ConfigError("task", "the experiment needs a task (task: {name: …}) or settings (tasks: {…}).",
+                          choices=_task_names())
+    if exp.task is not None and exp.tasks:
+        raise ConfigError("tasks", "give either task or tasks, not both.")
+    if exp.tasks:
+        for name, tnode in exp.tasks.items():
+            if not isinstance(to_container(tnode), (Mapping, str)):
+                raise ConfigError(f"tasks.{name}", f"expected a task node ({{name: …}}), got {tnode!r}.",
+                                  choices=_task_names())
+    settings = list(exp.settings())
+    # -- simple fields
+    check_choice("mode", exp.mode, ("max", "min"))
+    if "/" not in exp.metric:
+        raise ConfigError("metric", f"a metric is '<split>/<name>' (e.g. val/accuracy), got '{exp.metric}'.",
+                          value=exp.metric, choices=["val/accuracy", "val/loss", "val/exact_match"])
+    if not exp.seeds:
+        raise ConfigError("seeds", "needs at least one seed.", value=[])
+    for i, s in enumerate(exp.seeds):
+        check_range(f"seeds.{i}", s, 0, None)
+    check_range("num_samples", exp.num_samples, 1, None)
+    check_range("max_concurrent", exp.max_concurrent, 0, None)
+    check_range("max_failures", exp.max_failures, 0, None)
+    if len(set(exp.seeds)) != len(exp.seeds):
+        raise ConfigError("seeds", f"repeated seeds {exp.seeds}.", value=exp.seeds)
+    # -- grid / search
+    if raw_grid is not None and raw_search is not None:
+        raise ConfigError("search", "an experiment is either an ablation grid or a search, not both.",
+                          choices=["grid", "search"])
+    if raw_search is not None:
+        exp.search = _structured(SearchNode, raw_search, "search")
+        if not exp.search.space:
+            raise ConfigError("search.space", "a search needs at least one parameter.", value={})
+        seen: List[str] = []
+        for key, pnode in exp.search.space.items():
+            path = f"search.space.{key}"
+            _check_key(key, path, settings)
+            p = parse_param(key, pnode, path)
+            for ckey, cval in p.when.items():
+                if ckey not in seen:
+                    raise ConfigError(f"{path}.when.{ckey}", "a condition must name a parameter listed before "
+                                      "this one.", value=ckey, choices=seen)
+                cp = exp.space[ckey]
+                if cp.type == "categorical":
+                    vals = cval if isinstance(cval, list) else [cval]
+                    for v in vals:
+                        if v not in cp.choices:
+                            raise ConfigError(f"{path}.when.{ckey}", f"{v!r} is not a choice of {ckey}.", value=v,
+                                              choices=[str(c) for c in cp.choices])
+            exp.space[key] = p
+            seen.append(key)
+        if exp.protocol.active:
+            raise ConfigError("protocol", "the lr × weight-decay protocol is for grids; put train.lr and "
+                              "train.weight_decay in search.space instead.")
+        if len(exp.seeds) > 1:
+            raise ConfigError("seeds", "a search runs each sampled config once; give one seed.", value=exp.seeds)
+    else:
+        exp.grid = _structured(GridNode, raw_grid or {}, "grid")
+        if exp.num_samples != 1:
+            raise ConfigError("num_samples", "a grid runs every point once per seed: list repeats in seeds.",
+                              value=exp.num_samples)
+        g = exp.grid
+        for key, values in g.axes.items():
+            path = f"grid.axes.{key}"
+            _check_key(key, path, settings)
+            if not isinstance(values, list) or not values:
+                raise ConfigError(path, f"an axis is a non-empty list of values, got {values!r}.", value=values)
+        if g.mode == "zip" and g.axes:
+            lengths = {k: len(v) for k, v in g.axes.items()}
+            if len(set(lengths.values())) > 1:
+                raise ConfigError("grid.axes", f"zipped axes need equal lengths, got {lengths}.", value=lengths)
+        for vname, vnode in g.variants.items():
+            vnode = {} if vnode is None else vnode
+            if not isinstance(vnode, Mapping):
+                raise ConfigError(f"grid.variants.{vname}", "a variant is a mapping of dotted keys to values.",
+                                  value=vnode)
+            g.variants[vname] = dict(vnode)
+            for key in vnode:
+                _check_key(key, f"grid.variants.{vname}.{key}", settings)
+        if g.baseline is not None and g.baseline not in g.variants:
+            raise ConfigError("grid.baseline", f"no variant named '{g.baseline}'.", value=g.baseline,
+                              choices=list(g.variants))
+    return exp
+
+
+def _preset_names() -> List[str]:
+    from ..presets import list_presets
+    return list_presets()
+
+
+def _task_names() -> List[str]:
+    from ..registry import get_registry
+    from .. import tasks  # noqa: F401
+    return get_registry("task").names()
+
+
+def parse_override(item: str) -> tuple:
+    if not isinstance(item, str) or "=" not in item:
+        raise ConfigError("overrides", f"an override must look like 'key.path=value', got {item!r}.", value=item)
+    key, _, raw = item.partition("=")
+    try:
+        value = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={raw}"]))["v"]
+    except OmegaConfBaseException:
+        value = raw
+    return key.strip().lstrip("+"), value
+
+
+def load_experiment_node(path: Optional[str] = None, overrides: Sequence[str] = (), node: Any = None) -> DictConfig:
+    """The experiment as a DictConfig (file or ``node``) with dotlist ``overrides`` applied, not yet validated.
+
+    An override key may contain a dotted grid key in quotes-free form only when it is a top-level field
+    path (``train.steps=50``, ``grid.baseline=ATLAS``, ``scheduler.name=none``); to change an axis use
+    ``grid.axes={...}`` with a YAML value."""
+    if node is not None:
+        cfg = OmegaConf.create(to_container(node))
+    else:
+        p = Path(str(path))
+        if not p.is_file():
+            raise ConfigError("experiment", f"no such file {str(path)!r}.", value=str(path))
+        try:
+            cfg = OmegaConf.load(p)
+        except Exception as exc:  # yaml errors
+            raise ConfigError("experiment", f"cannot read {path}: {str(exc).splitlines()[0]}") from None
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError("experiment", "an experiment file must be a mapping.")
+    for item in overrides:
+        key, value = parse_override(item)
+        root = key.split(".")[0]
+        if root not in TOP_FIELDS:
+            raise ConfigError(key, f"unknown experiment key '{root}'.", value=root, choices=TOP_FIELDS)
+        try:
+            OmegaConf.update(cfg, key, value, merge=True)
+        except OmegaConfBaseException as exc:
+            raise ConfigError(key, f"cannot apply override ({str(exc).splitlines()[0]}).", value=value) from None
+    return cfg
+
+
+def load_experiment(path: Optional[str] = None, overrides: Sequence[str] = (), node: Any = None) -> ExperimentConfig:
+    """Load, override and validate an experiment file (structure only; see :func:`expand.validate`)."""
+    cfg = load_experiment_node(path, overrides, node)
+    exp = validate_experiment(cfg, source=str(path or ""))
+    for mod in exp.imports:
+        import_module(mod)
+    return exp
+
+
+def import_module(name: str) -> None:
+    import importlib
+    try:
+        importlib.import_module(name)
+    except ImportError as exc:
+        raise ConfigError("imports", f"cannot import {name!r} ({exc}).", value=name) from None
+
+
+__all__ = ["EvalNode", "ExperimentConfig", "GridNode", "KEY_ROOTS", "ModelNode", "ParamNode", "ProtocolNode",
+           "ReportNode", "ResourcesNode", "SchedulerNode", "SearchNode", "TrackingNode", "load_experiment",
+           "load_experiment_node", "parse_override", "validate_experiment"]

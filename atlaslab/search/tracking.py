@@ -1,0 +1,242 @@
+"""MLflow: one parent run per experiment, one child run per trial, each trial exactly one run.
+
+* Tracking URI: ``tracking.uri`` / ``--tracking-uri``, else ``$MLFLOW_TRACKING_URI``, else
+  ``sqlite:///<run dir>/mlruns.db`` with artifacts in ``<run dir>/mlartifacts`` (DESIGN §3).
+* The driver creates the parent run (tag ``atlaslab.run_dir``) before any trial starts; each trial,
+  inside its Ray worker, finds its child run by the tags ``mlflow.parentRunId`` + ``atlaslab.trial_key``
+  or creates it, so a retried or restored trial continues the same run (ANCHORS §8: one run per trial
+  created inside the trainable, explicit parent tag). Metrics already logged at a step are not logged
+  again after a restore (the trial replays from its last checkpoint).
+* Params are the flattened trial config, logged in batches (``log_batch``; ≈ 15 ms per single param);
+  tags are the component choices and the trial's key, variant, seed and status.
+* Every MLflow call retries a few times (SQLite is shared by concurrent trials) and never fails a trial.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Mapping, Optional
+
+log = logging.getLogger("atlaslab.search")
+
+TAG_KEY = "atlaslab.trial_key"
+TAG_EXPERIMENT = "atlaslab.experiment"
+TAG_KIND = "atlaslab.kind"
+PARENT_TAG = "mlflow.parentRunId"
+MAX_PARAM_LEN = 6000
+MAX_KEY_LEN = 250
+
+
+def default_tracking_uri(run_dir: Path, uri: Optional[str] = None) -> str:
+    if uri:
+        return uri
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    return "sqlite:///" + str((Path(run_dir) / "mlruns.db").resolve())
+
+
+def is_local_uri(uri: str) -> bool:
+    return uri.startswith("sqlite:") or uri.startswith("file:") or "://" not in uri
+
+
+def client(uri: str):
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    from mlflow.tracking import MlflowClient
+    return MlflowClient(tracking_uri=uri)
+
+
+def retry(fn, *args, tries: int = 5, what: str = "mlflow", **kwargs):
+    delay = 0.2
+    for i in range(tries):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - tracking must never kill a trial
+            if i == tries - 1:
+                log.warning("%s failed after %d tries: %s", what, tries, exc)
+                return None
+            time.sleep(delay)
+            delay *= 2
+
+
+def flatten(d: Any, prefix: str = "", out: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """Nested config → ``{"a.b.c": "value"}`` (lists of scalars stay one value)."""
+    out = {} if out is None else out
+    if isinstance(d, Mapping):
+        if not d and prefix:
+            out[prefix] = "{}"
+        for k, v in d.items():
+            flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
+    elif isinstance(d, (list, tuple)) and any(isinstance(x, (Mapping, list, tuple)) for x in d):
+        for i, v in enumerate(d):
+            flatten(v, f"{prefix}.{i}", out)
+    else:
+        out[prefix] = json.dumps(d) if isinstance(d, (list, tuple)) else str(d)
+    return out
+
+
+def safe_key(k: str) -> str:
+    import re
+    k = re.sub(r"[^A-Za-z0-9_\-. /:]", "_", k)
+    return k[:MAX_KEY_LEN]
+
+
+def ensure_experiment(uri: str, name: str, artifact_location: Optional[str] = None) -> str:
+    c = client(uri)
+    exp = c.get_experiment_by_name(name)
+    if exp is not None:
+        if exp.lifecycle_stage == "deleted":
+            c.restore_experiment(exp.experiment_id)
+        return exp.experiment_id
+    try:
+        return c.create_experiment(name, artifact_location=artifact_location)
+    except Exception:
+        exp = c.get_experiment_by_name(name)       # created concurrently
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+def log_params(c, run_id: str, params: Mapping[str, Any], existing: Optional[Mapping[str, str]] = None) -> None:
+    from mlflow.entities import Param
+    existing = existing or {}
+    items = []
+    for k, v in params.items():
+        k, v = safe_key(k), str(v)[:MAX_PARAM_LEN]
+        if k in existing:
+            continue       # MLflow refuses to change a logged param; a restored trial has the same ones
+        items.append(Param(k, v))
+    for i in range(0, len(items), 100):
+        retry(c.log_batch, run_id, params=items[i:i + 100], what="log_params")
+
+
+def log_metrics(c, run_id: str, metrics: Mapping[str, float], step: int) -> None:
+    import math
+
+    from mlflow.entities import Metric
+    ts = int(time.time() * 1000)
+    items = [Metric(safe_key(k), float(v), ts, int(step)) for k, v in metrics.items()
+             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))]
+    for i in range(0, len(items), 500):
+        retry(c.log_batch, run_id, metrics=items[i:i + 500], what="log_metrics")
+
+
+def set_tags(c, run_id: str, tags: Mapping[str, Any]) -> None:
+    from mlflow.entities import RunTag
+    items = [RunTag(safe_key(k), str(v)[:5000]) for k, v in tags.items()]
+    if items:
+        retry(c.log_batch, run_id, tags=items, what="set_tags")
+
+
+def find_child(c, experiment_id: str, parent_id: str, trial_key: str):
+    runs = c.search_runs([experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_id}' and "
+                         f"tags.`{TAG_KEY}` = '{trial_key}'", max_results=10)
+    if not runs:
+        return None
+    runs = sorted(runs, key=lambda r: r.info.start_time or 0)
+    return runs[0]
+
+
+def children(c, experiment_id: str, parent_id: str) -> List[Any]:
+    out, token = [], None
+    while True:
+        page = c.search_runs([experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_id}'",
+                             max_results=1000, page_token=token)
+        out.extend(page)
+        token = getattr(page, "token", None)
+        if not token:
+            return out
+
+
+class TrialRun:
+    """The MLflow child run of one trial (find-or-create; metrics deduped by step after a restore)."""
+
+    def __init__(self, uri: str, experiment_id: str, parent_id: str, trial: Mapping[str, Any], run_name: str):
+        self.c = client(uri)
+        self.run_id: Optional[str] = None
+        self.last_step = -1
+        run = retry(find_child, self.c, experiment_id, parent_id, trial["key"], what="find child run")
+        tags = {PARENT_TAG: parent_id, TAG_KEY: trial["key"], "atlaslab.variant": trial.get("variant", ""),
+                "atlaslab.setting": trial.get("setting", ""), "atlaslab.seed": trial.get("seed", 0),
+                "atlaslab.row": trial.get("row", ""), "atlaslab.status": "running"}
+        for k, v in (trial.get("info", {}).get("components") or {}).items():
+            tags[f"component.{k}"] = v
+        if run is None:
+            from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME
+            run = retry(self.c.create_run, experiment_id, tags={**tags, MLFLOW_RUN_NAME: run_name},
+                        run_name=run_name, what="create child run")
+            if run is None:
+                return
+            self.run_id = run.info.run_id
+            existing_params: Dict[str, str] = {}
+        else:
+            self.run_id = run.info.run_id
+            existing_params = dict(run.data.params)
+            retry(self.c.update_run, self.run_id, status="RUNNING", what="reopen run")
+            hist = retry(self.c.get_metric_history, self.run_id, "step", what="metric history") or []
+            self.last_step = max((int(m.step) for m in hist), default=-1)
+            set_tags(self.c, self.run_id, {"atlaslab.resumed": "true"})
+        set_tags(self.c, self.run_id, tags)
+        params = flatten(trial["config"])
+        params.update({f"param.{k}": v for k, v in flatten(trial.get("params", {})).items()})
+        info = trial.get("info", {})
+        for k in ("num_parameters", "state_size", "state_size_fixed", "state_size_per_token"):
+            if k in info:
+                params[f"info.{k}"] = info[k]
+        params["trial.key"] = trial["key"]
+        params["trial.seed"] = trial.get("seed", 0)
+        log_params(self.c, self.run_id, params, existing_params)
+        self.artifact_logged = "atlaslab.config_logged" in (run.data.tags if hasattr(run, "data") else {})
+
+    @property
+    def ok(self) -> bool:
+        return self.run_id is not None
+
+    def log_config(self, trial: Mapping[str, Any]) -> None:
+        if not self.ok or self.artifact_logged:
+            return
+        import yaml
+        text = yaml.safe_dump(json.loads(json.dumps({k: trial[k] for k in trial if k != "config"} |
+                                                    {"config": trial["config"]}, default=str)), sort_keys=False)
+        retry(self.c.log_text, self.run_id, text, "trial_config.yaml", what="log config")
+        set_tags(self.c, self.run_id, {"atlaslab.config_logged": "1"})
+        self.artifact_logged = True
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        if not self.ok or step <= self.last_step:
+            return
+        log_metrics(self.c, self.run_id, {**metrics, "step": step}, step)
+
+    def mark_logged(self, step: int) -> None:
+        self.last_step = max(self.last_step, step)
+
+    def end(self, status: str, tags: Optional[Mapping[str, Any]] = None) -> None:
+        if not self.ok:
+            return
+        if tags:
+            set_tags(self.c, self.run_id, tags)
+        retry(self.c.set_terminated, self.run_id, status=status, what="end run")
+
+
+def run_status(c, run_id: str) -> Optional[str]:
+    r = retry(c.get_run, run_id, what="get run")
+    return r.info.status if r is not None else None
+
+
+def finalize_child(uri: str, experiment_id: str, parent_id: str, trial_key: str, status: str,
+                   tags: Mapping[str, Any]) -> None:
+    """Driver-side backstop: end a trial's run if the trial process could not (killed, stopped by ASHA)."""
+    c = client(uri)
+    run = retry(find_child, c, experiment_id, parent_id, trial_key, what="find child run")
+    if run is None:
+        return
+    set_tags(c, run.info.run_id, tags)
+    if run.info.status != status:
+        retry(c.set_terminated, run.info.run_id, status=status, what="end run")
+
+
+__all__ = ["TAG_KEY", "TrialRun", "children", "client", "default_tracking_uri", "ensure_experiment",
+           "finalize_child", "flatten", "is_local_uri", "log_metrics", "log_params", "retry", "set_tags"]

@@ -1,0 +1,173 @@
+"""The Ray Tune function trainable: one trial = build the model from the registry, train, report.
+
+Each evaluation of the shared training loop (:func:`atlaslab.train.train`) becomes one ``tune.report``
+(the metrics plus ``step``) carrying a Ray checkpoint of the loop's ``checkpoint.pt``; every metrics call
+of the loop is logged to the trial's MLflow run. A restored or retried trial starts from its last Ray
+checkpoint: the loop resumes bit-for-bit (CPU), steps already reported to Tune or logged to MLflow are not
+reported or logged twice. The last report has ``final: 1`` and the trial's ``status``:
+
+* ``completed`` / ``early_stopped`` (the loop's threshold) — a finished trial;
+* ``diverged`` — a non-finite loss or gradient: reported (metric NaN, ``failed: 1``, ``message``) and
+  marked FAILED in MLflow, without an exception, so Ray does not retry a deterministic failure.
+
+An exception (a bug, an out-of-memory) propagates: Ray retries it ``max_failures`` times from the last
+checkpoint and then records the trial as errored; its MLflow run is ended FAILED with the error.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional
+
+CKPT_META = "atlaslab_trial.json"
+
+
+def _trial_spec(config: Mapping[str, Any]) -> Dict[str, Any]:
+    """The trial dict: given (grid), or built from the sampled params (search) and validated here."""
+    if "trial" in config:
+        return dict(config["trial"])
+    from ray import tune
+
+    from .expand import Validator, trial_from_params
+    from .schema import load_experiment
+    from .space import decode_params
+    exp = load_experiment(node=config["experiment"]["node"])
+    params = decode_params(exp.space, config)
+    tid = tune.get_context().get_trial_id()
+    trial = trial_from_params(exp, params, key=tid)
+    Validator(exp).validate(trial)
+    return trial
+
+
+def run_trial(config: Dict[str, Any]) -> None:
+    """Ray Tune function trainable (see the module docstring)."""
+    from ray import tune
+
+    meta = config["experiment"]
+    for mod in meta.get("imports", []):
+        __import__(mod)
+    import torch
+
+    threads = max(1, int(meta.get("cpus_per_trial", 1)))
+    torch.set_num_threads(threads)
+
+    from ..tasks.base import build_task
+    from ..train.cli import build_model_from_node
+    from ..train.config import resolve_train_config
+    from ..train.loop import CHECKPOINT_NAME, train
+    from .expand import model_config
+    from .tracking import TrialRun
+
+    trial = _trial_spec(config)
+    ctx = tune.get_context()
+    work = Path(ctx.get_trial_dir()) / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    reported_step = -1
+    ckpt = tune.get_checkpoint()
+    if ckpt is not None:
+        with ckpt.as_directory() as d:
+            src = Path(d) / CHECKPOINT_NAME
+            if src.is_file():
+                shutil.copyfile(src, work / (CHECKPOINT_NAME + ".part"))
+                os.replace(work / (CHECKPOINT_NAME + ".part"), work / CHECKPOINT_NAME)
+            m = Path(d) / CKPT_META
+            if m.is_file():
+                reported_step = int(json.loads(m.read_text()).get("reported_step", -1))
+    elif (work / CHECKPOINT_NAME).exists():
+        (work / CHECKPOINT_NAME).unlink()          # a fresh start: no stale state from an earlier attempt
+
+    tr = meta.get("tracking") or {}
+    mlrun: Optional[TrialRun] = None
+    if tr.get("uri") and tr.get("parent_run_id"):
+        mlrun = TrialRun(tr["uri"], tr["experiment_id"], tr["parent_run_id"], trial,
+                         run_name=f"{trial['key']} {trial['label']}"[:200])
+        mlrun.log_config(trial)
+
+    cfg = trial["config"]
+    status, tags = "FAILED", {}
+    try:
+        task = build_task(cfg["task"])
+        tcfg = resolve_train_config(cfg["train"], "train")
+        torch.manual_seed(tcfg.seed)
+        mcfg = model_config(cfg["model"], task.vocab_size)
+        model = build_model_from_node(dict(mcfg_to_inline(mcfg)), task)
+        info = trial.get("info", {})
+        eval_prefix = tcfg.eval_split + "/"
+        state = {"prev_eval": None, "last_train": {}, "t0": time.time()}
+
+        def callback(metrics: Dict[str, float], step: int) -> None:
+            if mlrun is not None:
+                mlrun.log(metrics, step)
+            train_part = {k: v for k, v in metrics.items() if k.startswith("train/")}
+            if train_part:
+                state["last_train"] = train_part
+            if not any(k.startswith(eval_prefix) for k in metrics):
+                return None
+            prev = state["prev_eval"]
+            state["prev_eval"] = step
+            if step <= reported_step:
+                return None
+            rep = {**state["last_train"], **metrics, "step": step, "final": 0,
+                   "elapsed_s": time.time() - state["t0"]}
+            _report(rep, work / CHECKPOINT_NAME if prev is not None else None, step)
+            return None
+
+        result = train(model, task, tcfg, callback=callback, checkpoint_dir=work)
+        final = {**result.metrics, "step": result.steps, "final": 1, "status": result.status,
+                 "message": result.message, "failed": int(result.diverged), "wall_time_s": result.wall_time_s,
+                 "num_parameters": info.get("num_parameters", 0), "state_size": info.get("state_size", 0)}
+        if result.best:
+            final["best_value"] = result.best.get("value")
+            final["best_step"] = result.best.get("step")
+        if result.diverged:
+            final[meta.get("metric", "val/accuracy")] = float("nan")
+            status = "FAILED"
+            tags = {"atlaslab.status": "diverged", "atlaslab.failure": result.message}
+        else:
+            status = "FINISHED"
+            tags = {"atlaslab.status": result.status}
+        if mlrun is not None:
+            mlrun.log({k: v for k, v in final.items() if k in ("failed", "wall_time_s")}, result.steps)
+        _report(final, work / CHECKPOINT_NAME, result.steps)
+    except BaseException as exc:
+        tags = {"atlaslab.status": "error", "atlaslab.failure": f"{type(exc).__name__}: {exc}"[:4000]}
+        if mlrun is not None:
+            try:
+                mlrun.c.log_text(mlrun.run_id, traceback.format_exc(), "error.txt")
+            except Exception:  # noqa: BLE001
+                pass
+        raise
+    finally:
+        if mlrun is not None:
+            mlrun.end(status, tags)
+
+
+def mcfg_to_inline(cfg) -> Dict[str, Any]:
+    from omegaconf import OmegaConf
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def _report(metrics: Dict[str, Any], ckpt_file: Optional[Path], step: int) -> None:
+    from ray import tune
+    clean = {}
+    for k, v in metrics.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            clean[k] = float("nan")
+        else:
+            clean[k] = v
+    if ckpt_file is None or not Path(ckpt_file).is_file():
+        tune.report(clean)
+        return
+    with tempfile.TemporaryDirectory(prefix="atlaslab-ckpt-") as d:
+        shutil.copyfile(ckpt_file, Path(d) / ckpt_file.name)
+        (Path(d) / CKPT_META).write_text(json.dumps({"reported_step": step}))
+        tune.report(clean, checkpoint=tune.Checkpoint.from_directory(d))
+
+
+__all__ = ["run_trial"]
