@@ -102,8 +102,7 @@ def fused_recurrent_forward(q, k, v, beta, alpha=None, initial_state=None, *, bi
     alpha = alpha.contiguous() if alpha is not None else None
     h0 = initial_state.contiguous() if initial_state is not None else None
     o = torch.empty_like(v)
-    ht = q.new_empty(N, H, V, K, dtype=torch.float32 if q.dtype != torch.float64 else q.dtype) \
-        if output_final_state else None
+    ht = torch.empty(N, H, V, K, dtype=torch.float32, device=q.device) if output_final_state else None
     BK = _pow2(K, 16)
     BV = min(_pow2(V, 16), max(16, 8192 // BK))       # ≤ 8K fp32 state elements per program
     grid = (triton.cdiv(V, BV), N * H)
