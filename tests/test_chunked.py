@@ -138,3 +138,18 @@ def test_online_linear_rules_are_exact_for_any_compute_block(name, block):
     w = torch.randn(out.shape, dtype=out.dtype)
     for a, r in zip(torch.autograd.grad((out * w).sum(), leaves), torch.autograd.grad((ref * w).sum(), leaves)):
         assert rms_ratio(a, r) < TOL
+
+
+@pytest.mark.parametrize("name", ["titans", "atlas", "moneta"])
+def test_activation_checkpointing_gives_the_same_gradients(name):
+    parts = build(SPECS[name])
+    q, k, v = random_qkv(B, 9, H, D, requires_grad=True)
+    g = gates_for(parts, T=9)
+    leaves = [q, k, v, *parts.parameters()]
+    res = []
+    for ckpt in (False, True):
+        o, _ = memorize(q, k, v, parts, g, mode="chunked", chunk_size=4, checkpoint=ckpt)
+        res.append((o, torch.autograd.grad(o.square().sum(), leaves)))
+    assert torch.equal(res[0][0], res[1][0])
+    for a, b_ in zip(res[0][1], res[1][1]):
+        assert rms_ratio(b_, a) < 1e-12

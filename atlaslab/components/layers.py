@@ -126,6 +126,7 @@ class MemoryLayerConfig(PartConfig):
     output_gate: bool = True           # ⊙ sigmoid(W_G x)
     gates: LayerGates = field(default_factory=LayerGates)
     mode: str = "chunked"              # memorize engine (kernels.MODES): chunked (fast) or recurrent (reference)
+    checkpoint: bool = False           # chunked engine: recompute chunks in backward (long sequences)
 
     def check(self) -> None:
         check_range("num_heads", self.num_heads, 1, None)
@@ -304,6 +305,7 @@ class MemoryLayer(nn.Module):
         k, ck = self._branch(x, "k", conv.get("k"))
         v, cv = self._branch(x, "v", conv.get("v"))
         o, mem_state = memorize(q, k, v, self.parts, self.gates(x), mode=self.cfg.mode,
+                                checkpoint=self.cfg.checkpoint,
                                 initial_state=state.memory if state is not None else None)
         y = self._output(o, x)
         if not return_state:

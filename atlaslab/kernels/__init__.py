@@ -31,6 +31,7 @@ def memorize(
     chunk_size: Optional[int] = None,
     initial_state: Optional[MemoryState] = None,
     block_size: int = 64,
+    checkpoint: bool = False,
 ) -> Tuple[torch.Tensor, MemoryState]:
     """Run a memory over a sequence: write every (k_t, v_t), read every q_t.
 
@@ -49,6 +50,8 @@ def memorize(
         initial_state: a previous call's state to continue from (default: the learned initial memory).
         block_size: the engine's compute block for the online (b = 1) linear rules in ``chunked`` mode (how
             many tokens are processed in parallel; it does not change the result, unlike ``chunk_size``).
+        checkpoint: ``chunked`` only: recompute each chunk in the backward pass instead of storing its
+            activations (memory ∝ number of chunks × state size, for long sequences).
 
     Returns:
         ``o: [B, T, H, D_v]`` and the final :class:`MemoryState` (``state.weights["W"]: [B, H, D_v, D_k]`` for a
@@ -71,7 +74,7 @@ def memorize(
         raise ValueError(f"memorize: chunk_size must be ≥ 1, got {b}")
     normalised = normalise_gates(gates, parts, q)
     state = initial_state if initial_state is not None else _recurrent.initial_state(parts, B, q.dtype, q.device)
-    return MODES[mode](q, k, v, parts, normalised, b, state, block_size=block_size)
+    return MODES[mode](q, k, v, parts, normalised, b, state, block_size=block_size, checkpoint=checkpoint)
 
 
 __all__ = ["GATE_NAMES", "Gates", "MODES", "MemoryState", "initial_state", "memorize", "newton_schulz", "read_memory"]

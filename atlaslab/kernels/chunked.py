@@ -20,6 +20,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Dict, Optional
 
 import torch
+import torch.utils.checkpoint
 from torch.func import vjp, vmap
 
 from . import linear_delta
@@ -279,12 +280,22 @@ def _finish_segment(parts, state, outputs, y, k_ext, v_ext, g_ext, d_ext):
     state.position += y.shape[2]
 
 
+def _run_piece(parts, state: MemoryState, piece, b: int):
+    """One training chunk as a pure function (for activation checkpointing): → (y, new state)."""
+    state = dataclasses.replace(state)
+    outputs: list = []
+    qi, ki, vi, gi = piece
+    _segment(parts, state, gi, qi, ki, vi, b, outputs)
+    return outputs[0], state
+
+
 def memorize_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parts: "MemoryParts", gates: Gates,
-                     chunk_size: int, state: MemoryState, block_size: int = 64):
+                     chunk_size: int, state: MemoryState, block_size: int = 64, checkpoint: bool = False):
     """Chunk-parallel engine. ``q, k: [B, T, H, D_k]``, ``v: [B, T, H, D_v]`` → ``([B, T, H, D_v], state)``.
 
     Online (b = 1) linear rules run exactly in blocks of ``block_size`` tokens (``linear_delta.py``); every
-    other spec runs with compute block = b.
+    other spec runs with compute block = b. ``checkpoint=True`` keeps only each chunk's inputs and state for
+    the backward pass and recomputes the chunk's internals (activation checkpointing, for long sequences).
     """
     if linear_delta.supports(parts, chunk_size):
         return linear_delta.memorize_linear_delta(q, k, v, parts, gates, state, block_size)
@@ -297,6 +308,9 @@ def memorize_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parts: "
         sizes.append(min(T - sum(sizes), b - (pos + sum(sizes)) % b))
     outputs: list = []
     for piece in split_time(sizes, q, k, v, gates):
-        qi, ki, vi, gi = piece
-        _segment(parts, state, gi, qi, ki, vi, b, outputs)
+        if checkpoint and torch.is_grad_enabled():
+            y, state = torch.utils.checkpoint.checkpoint(_run_piece, parts, state, piece, b, use_reentrant=False)
+        else:
+            y, state = _run_piece(parts, state, piece, b)
+        outputs.append(y)
     return torch.cat(outputs, 1), state

@@ -192,10 +192,11 @@ def read_memory(parts: "MemoryParts", state: MemoryState, q: torch.Tensor) -> to
 
 
 def memorize_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parts: "MemoryParts", gates: Gates,
-                       chunk_size: int, state: MemoryState, block_size: Optional[int] = None):
+                       chunk_size: int, state: MemoryState, block_size: Optional[int] = None,
+                       checkpoint: bool = False):
     """Token-by-token reference. ``q, k: [B, T, H, D_k]``, ``v: [B, T, H, D_v]`` → ``([B, T, H, D_v], state)``.
 
-    ``block_size`` is an engine knob of the fast paths, unused here.
+    ``block_size`` and ``checkpoint`` are knobs of the fast paths, unused here.
     """
     state = dataclasses.replace(state)   # never mutate the caller's state object
     b = chunk_size
