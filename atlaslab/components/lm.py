@@ -21,12 +21,11 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from torch import nn
 
-from ..registry import ConfigError, PartConfig, check_range, get_registry, resolve_part, to_container
+from ..registry import (ConfigError, PartConfig, check_range, get_registry, resolve_part, to_container,
+                        validate_structured)
 from ..registry.errors import join_path
 from . import attention, blocks, layers  # noqa: F401  (register the mixers and blocks)
 from .layers import RMSNorm
@@ -107,19 +106,7 @@ def resolve_lm_config(node: Any, path: str = "") -> ResolvedLM:
     node = to_container(node) or {}
     if not isinstance(node, Mapping):
         raise ConfigError(path, f"expected a model config mapping, got {node!r}.")
-    fields = [f.name for f in dataclasses.fields(LMConfig)]
-    for key in node:
-        if key not in fields:
-            raise ConfigError(join_path(path, str(key)), f"unknown model field '{key}'.", value=str(key),
-                              choices=fields)
-    try:
-        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LMConfig), dict(node)))
-    except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or getattr(exc, "key", None) or ""
-        if isinstance(exc, ConfigKeyError):
-            raise ConfigError(join_path(path, str(key)), f"unknown model field '{key}'.", value=str(key),
-                              choices=fields) from None
-        raise ConfigError(join_path(path, str(key)), str(exc).splitlines()[0]) from None
+    cfg = validate_structured(LMConfig, node, path, what="model field")
     for f, low in (("vocab_size", 1), ("d_model", 1), ("num_layers", 1)):
         try:
             check_range(f, getattr(cfg, f), low, None)

@@ -1,9 +1,9 @@
 """Component registries, structured configs and validation (DESIGN.md §3 "Registry")."""
-from .config import build_part, check_choice, check_range, resolve_part, to_container
+from .config import build_part, check_choice, check_range, resolve_part, to_container, validate_structured
 from .errors import ConfigError
 from .registry import KINDS, REGISTRIES, Entry, PartConfig, Registry, get_registry, list_parts, register
 
 __all__ = [
     "ConfigError", "Entry", "KINDS", "PartConfig", "REGISTRIES", "Registry", "build_part", "check_choice",
-    "check_range", "get_registry", "list_parts", "register", "resolve_part", "to_container",
+    "check_range", "get_registry", "list_parts", "register", "resolve_part", "to_container", "validate_structured",
 ]

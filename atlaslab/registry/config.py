@@ -77,6 +77,35 @@ def build_part(kind: str, node: Any, path: str = "", **context: Any) -> Any:
     return entry.cls(cfg, **context)
 
 
+def validate_structured(cls: type, node: Any, path: str = "", what: str = "field") -> Any:
+    """Validate ``node`` (mapping / DictConfig / instance) against the dataclass ``cls`` → an instance.
+
+    Unknown keys, ill-typed values and the instance's own ``check()`` raise one :class:`ConfigError` whose
+    path is ``path.<key>``; ``what`` names the keys in messages ("training setting", "model field", ...).
+    """
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        node = dataclasses.asdict(node)
+    node = to_container(node) or {}
+    if not isinstance(node, Mapping):
+        raise ConfigError(path, f"expected a mapping, got {node!r}.")
+    fields = [f.name for f in dataclasses.fields(cls)]
+    for key in node:
+        if key not in fields:
+            raise ConfigError(join_path(path, str(key)), f"unknown {what} '{key}'.", value=str(key), choices=fields)
+    try:
+        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), dict(node)))
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or getattr(exc, "key", None) or ""
+        raise ConfigError(join_path(path, str(key)), f"bad value ({str(exc).splitlines()[0]}).") from None
+    check = getattr(obj, "check", None)
+    if callable(check):
+        try:
+            check()
+        except ConfigError as exc:
+            raise exc.prefixed(path) from None
+    return obj
+
+
 def check_choice(field: str, value: Any, choices: Tuple[Any, ...]) -> None:
     """Raise ConfigError unless ``value`` is one of ``choices`` (for string enum fields)."""
     if value not in choices:

@@ -24,7 +24,6 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ..registry import ConfigError, check_range, register
-from .base import Task
 from .byte_lm import TextConfig
 from .corpus import corpus_sentences
 from .niah import _TextQA

@@ -17,7 +17,7 @@ from typing import Any, Dict
 
 import numpy as np
 
-from ..registry import ConfigError, check_range, register
+from ..registry import check_range, register
 from .base import Example, Task, TaskConfig
 from .corpus import corpus_bytes, load_corpus
 

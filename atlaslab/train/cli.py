@@ -32,10 +32,9 @@ import importlib
 import inspect
 import json
 import math
-import shutil
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -44,7 +43,7 @@ from torch import nn
 
 from ..registry import ConfigError, to_container
 from ..tasks.base import Task, build_task
-from .config import TrainConfig, resolve_train_config
+from .config import resolve_train_config
 from .loop import CHECKPOINT_NAME, Callback, TrainResult, train
 
 RUN_KEYS = ("name", "description", "model", "task", "train")

@@ -11,11 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional
 
-from omegaconf import OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from ..registry import ConfigError, check_choice, check_range, to_container
-from ..registry.errors import join_path
+from ..registry import ConfigError, check_choice, check_range, to_container, validate_structured
 
 
 @dataclass
@@ -96,24 +93,7 @@ def resolve_train_config(node: Any = None, path: str = "train", **overrides: Any
         node = dataclasses.asdict(node)
     node = dict(to_container(node) or {})
     node.update(overrides)
-    fields = [f.name for f in dataclasses.fields(TrainConfig)]
-    for key in node:
-        if key not in fields:
-            raise ConfigError(join_path(path, str(key)), f"unknown training setting '{key}'.", value=str(key),
-                              choices=fields)
-    try:
-        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), node))
-    except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or getattr(exc, "key", None) or ""
-        if isinstance(exc, ConfigKeyError):
-            raise ConfigError(join_path(path, str(key)), f"unknown training setting '{key}'.", value=str(key),
-                              choices=fields) from None
-        raise ConfigError(join_path(path, str(key)), f"bad value ({str(exc).splitlines()[0]}).") from None
-    try:
-        cfg.check()
-    except ConfigError as exc:
-        raise exc.prefixed(path) from None
-    return cfg
+    return validate_structured(TrainConfig, node, path, what="training setting")
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:

@@ -297,8 +297,9 @@ def train(model: nn.Module, task: Any, cfg: Any = None, callback: Optional[Callb
 
             record: Dict[str, float] = {}
             if step % cfg.log_interval == 0 or step == cfg.steps:
-                state["last_train"] = {"train/loss": acc["loss"] / acc["n"], "train/grad_norm": acc["grad_norm"] / acc["n"],
-                                       "train/lr": lr, "train/tokens": float(step * cfg.batch_size * task.seq_len)}
+                state["last_train"] = {"train/loss": acc["loss"] / acc["n"],
+                                       "train/grad_norm": acc["grad_norm"] / acc["n"], "train/lr": lr,
+                                       "train/tokens": float(step * cfg.batch_size * task.seq_len)}
                 record.update(state["last_train"])
                 state["acc"] = {"loss": 0.0, "grad_norm": 0.0, "n": 0}
             evaluated = False
