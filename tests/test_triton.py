@@ -239,6 +239,11 @@ def test_available_and_switches(monkeypatch):
     q = torch.zeros(1, 4, H, D, device=DEVICE)
     assert tk.available() and tk.triton_importable()
     assert tk.select_kernel(parts, q, 1) is not None and tk.explain(parts, q, 1) is None
+    long_q = torch.zeros(1, tk.RECURRENT_MAX_T + 1, H, D, device=DEVICE)
+    assert tk.select_kernel(parts, q, 1).kernel == "fused_recurrent"       # short calls (decoding)
+    assert tk.select_kernel(parts, long_q, 1).kernel == "chunk"
+    assert tk.select_kernel(parts, q, 1, mode="chunked").kernel == "chunk"
+    assert tk.select_kernel(parts, long_q, 1, mode="recurrent").kernel == "fused_recurrent"
     monkeypatch.setenv(tk.FORCE_TORCH_ENV, "1")
     assert tk.forced_torch() and tk.select_kernel(parts, q, 1) is None
     assert tk.FORCE_TORCH_ENV in tk.explain(parts, q, 1)

@@ -28,7 +28,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .reference import _per_sequence, check_args, delta_rule_chunk, log_decay
+from .reference import _per_sequence, _upcast, check_args, delta_rule_chunk, log_decay
 
 try:
     import triton
@@ -192,7 +192,7 @@ def chunk_forward(q, k, v, beta, alpha=None, initial_state=None, *, bias="l2", p
     BK, BVV = _pow2(K), _pow2(V)
     BV = min(BVV, max(16, 8192 // BK))
     q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
-    la = log_decay(alpha, q).float().contiguous() if alpha is not None else None
+    la = log_decay(alpha.float(), q).contiguous() if alpha is not None else None
     f32 = dict(dtype=torch.float32, device=q.device)
     g = torch.empty(B, T, H, **f32)
     is_l2 = bias == "l2"
@@ -235,15 +235,15 @@ class ChunkFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         need = ctx.needs_input_grad[:6]
         with torch.enable_grad():
-            inputs = [x.detach().requires_grad_(True) if x is not None else None for x in saved]
+            inputs = [_upcast(x).detach().requires_grad_(True) if x is not None else None for x in saved]
             o, ht = delta_rule_chunk(*inputs, chunk_size=ctx.chunk_size, **ctx.opts)
-            outs, grads_out = [o], [do]
+            outs, grads_out = [o], [do.to(o.dtype)]
             if dht is not None:
                 outs.append(ht)
-                grads_out.append(dht)
+                grads_out.append(dht.to(ht.dtype))
             leaves = [x for x, n in zip(inputs, need) if x is not None and n]
             grads = iter(torch.autograd.grad(outs, leaves, grads_out, allow_unused=True) if leaves else ())
-        out = [next(grads) if (x is not None and n) else None for x, n in zip(inputs, need)]
+        out = [next(grads).to(x.dtype) if (x is not None and n) else None for x, n in zip(saved, need)]
         return (*out, None, None, None, None, None, None)
 
 

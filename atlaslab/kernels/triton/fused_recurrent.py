@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .reference import check_args, delta_rule_chunk
+from .reference import _upcast, check_args, delta_rule_chunk
 
 try:
     import triton
@@ -132,13 +132,14 @@ class FusedRecurrentFunction(torch.autograd.Function):
     def backward(ctx, do, dht):
         saved = ctx.saved_tensors
         with torch.enable_grad():
-            inputs = [x.detach().requires_grad_(True) if x is not None else None for x in saved]
+            inputs = [_upcast(x).detach().requires_grad_(True) if x is not None else None for x in saved]
             o, ht = delta_rule_chunk(*inputs, chunk_size=64, **ctx.opts)
-            pairs = [(o, do)] + ([(ht, dht)] if dht is not None else [])
+            pairs = [(o, do.to(o.dtype))] + ([(ht, dht.to(ht.dtype))] if dht is not None else [])
             leaves = [x for x, need in zip(inputs, ctx.needs_input_grad[:6]) if x is not None and need]
             grads = iter(torch.autograd.grad([p[0] for p in pairs], leaves, [p[1] for p in pairs],
                                              allow_unused=True)) if leaves else iter(())
-        out = [next(grads) if (x is not None and need) else None for x, need in zip(inputs, ctx.needs_input_grad[:6])]
+        out = [next(grads).to(x.dtype) if (x is not None and need) else None
+               for x, need in zip(saved, ctx.needs_input_grad[:6])]
         return (*out, None, None, None, None)
 
 

@@ -109,10 +109,10 @@ class _NewtonSchulz(torch.autograd.Function):
     def backward(ctx, grad_out):
         (s,) = ctx.saved_tensors
         with torch.enable_grad():
-            s_ = s.detach().requires_grad_(True)
+            s_ = (s.float() if s.dtype in (torch.float16, torch.bfloat16) else s).detach().requires_grad_(True)
             y = newton_schulz_torch(s_, *ctx.args)
-            (grad_s,) = torch.autograd.grad(y, s_, grad_out)
-        return grad_s, None, None, None, None, None
+            (grad_s,) = torch.autograd.grad(y, s_, grad_out.to(y.dtype))
+        return grad_s.to(s.dtype), None, None, None, None, None
 
 
 def newton_schulz(s: torch.Tensor, steps: int = 5, eps: float = 1e-7, coefficients=MUON_COEFFICIENTS,

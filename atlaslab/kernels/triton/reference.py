@@ -55,6 +55,11 @@ def check_args(q, k, v, beta, alpha, initial_state, bias, placement, read, cu_se
     return N
 
 
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """Half-precision tensors to fp32 (the torch recompute of a kernel's backward runs in ≥ fp32)."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
 def _per_sequence(fn, q, k, v, beta, alpha, initial_state, cu_seqlens, **kw):
     """Run ``fn`` on every packed sequence of ``cu_seqlens`` (state reset at each boundary)."""
     bounds = cu_seqlens.tolist()
