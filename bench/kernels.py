@@ -53,8 +53,7 @@ from atlaslab.kernels.newton_schulz import newton_schulz as ns_torch  # noqa: E4
 RESULTS = Path(__file__).resolve().parent / "results"
 GDN = {"memory": {"name": "linear", "init": "zeros"}, "retention": {"name": "decay", "placement": "before_step"}}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-NOT_TIMED = ("not timed: no GPU. Triton runs on CPU only in its interpreter (~1000x slower than torch), "
-             "which measures nothing about the kernel's speed")
+NOT_TIMED = "not timed (no GPU; the interpreter is no speed measure)"
 
 
 def rms_ratio(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -151,8 +150,8 @@ def gate_ns(n, D, dtype, device):
 
 # ------------------------------------------------------------------------------------------------ the run
 
-def row(op, impl, T, args, pass_="fwd+bwd", seconds=None, flops=None, gate=None, note=""):
-    tokens = args.batch * T
+def row(op, impl, T, args, pass_="fwd+bwd", seconds=None, flops=None, gate=None, note="", tokens=None):
+    tokens = args.batch * T if tokens is None else tokens
     r = {"op": op, "impl": impl, "T": T, "B": args.batch, "H": args.heads, "D": args.dim, "dtype": args.dtype,
          "pass": pass_, "seconds": seconds, "tokens_per_s": None, "tflops": None, "gate_ratio": gate, "note": note}
     if seconds:
@@ -220,7 +219,7 @@ def run(args) -> list:
             key = "gdn" if impl == "triton-chunk" else "fused_recurrent"
             if not can_time_triton:
                 ratio = gates.get(key)
-                note = NOT_TIMED + (f"; interpreter gate on tiny shapes: ratio {ratio:.1e}" if ratio is not None else "")
+                note = NOT_TIMED
                 rows.append(row("gdn", impl, T, args, pass_, gate=ratio, note=note))
                 continue
             ratio = gate_fn()
@@ -235,13 +234,13 @@ def run(args) -> list:
         s_in = torch.randn(n, D, D, device=device, dtype=dtype)
         w = torch.randn_like(s_in)
         fl_ns = 3 * flops_ns(n, D, D)
-        note = "" if n == B * T * H else f"{n} matrices (CPU cap), not B·T·H"
+        note = "" if n == B * T * H else f"{n} matrices (CPU cap, not B·T·H); tokens/s = matrices/H per s"
 
         def ns_step(fn, x=s_in):
             x = x.detach().requires_grad_()
             torch.autograd.grad(fn(x), x, w)
         s = timeit(lambda: ns_step(ns_torch), args.reps)
-        rows.append(row("newton_schulz", "torch", T, args, seconds=s, flops=fl_ns, note=note))
+        rows.append(row("newton_schulz", "torch", T, args, seconds=s, flops=fl_ns, note=note, tokens=n / H))
         if not can_time_triton:
             ratio = gates.get("newton_schulz")
             rows.append(row("newton_schulz", "triton-fused", T, args, gate=ratio, note=NOT_TIMED))
@@ -254,7 +253,7 @@ def run(args) -> list:
             else:
                 s = timeit(lambda: ns_step(ns_triton), args.reps)
                 rows.append(row("newton_schulz", "triton-fused", T, args, seconds=s, flops=fl_ns, gate=ratio,
-                                note=note))
+                                note=note, tokens=n / H))
     return rows
 
 
@@ -278,8 +277,9 @@ def write(rows, args, meta):
     if not meta["triton_timed"]:
         lines += ["**Triton kernels were NOT timed: no GPU.** On CPU Triton runs only in its interpreter "
                   "(~1000× slower than torch); its timings would say nothing about the kernels. Their "
-                  "correctness gate ran in the interpreter on tiny shapes (ratios below); only the torch rows "
-                  "are timed, on CPU.", ""]
+                  "correctness gate ran in the interpreter on tiny shapes (B = 1, T ≤ 21, H = 2, D = 16; "
+                  "ratios in the gate column); only the torch rows are timed, on CPU (shared cores: indicative).",
+                  ""]
     lines += ["| op | impl | T | pass | ms | tokens/s | TFLOP/s | gate ratio | note |",
               "|---|---|---:|---|---:|---:|---:|---:|---|"]
     for r in rows:
