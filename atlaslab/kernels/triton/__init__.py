@@ -21,6 +21,11 @@ Dispatch, in the spirit of fla's backend registry: a Triton kernel is used only 
 :func:`select_kernel` returns an engine with the ``MODES`` signature or None; ``memorize(mode="triton")``
 (:func:`memorize_triton`) uses it and falls back to the torch ``chunked`` engine. Nothing else changes: the
 default ``memorize`` mode and every torch engine stay as they are.
+
+Status: every kernel is tested against its torch reference under the interpreter (``tests/test_triton.py``);
+none has yet run on a GPU. On a CUDA machine run ``TRITON_INTERPRET=0 pytest tests/test_triton.py`` (the
+same tests on the device) and then ``python bench/kernels.py`` (correctness-gated timings). All backward
+passes are autograd through a torch recompute (exact, torch speed); no backward kernel exists yet.
 """
 from __future__ import annotations
 
