@@ -17,6 +17,7 @@ Only one chunk's per-position weights ``[B, H, b, size(M)]`` exist at a time. Re
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Dict, Optional
 
 import torch
@@ -39,14 +40,19 @@ def _bcast(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape + (1,) * (like.dim() - x.dim()))
 
 
-def window_matrix(h: int, L: int, window: Optional[int], gamma_ext: torch.Tensor) -> torch.Tensor:
-    """C ``[B, H, L, h + L]``: C[s, e] = γ_e if ext token e is in the window of chunk token s (ext index h + s)."""
-    s = torch.arange(L, device=gamma_ext.device).unsqueeze(1) + h
-    e = torch.arange(h + L, device=gamma_ext.device).unsqueeze(0)
+@functools.lru_cache(maxsize=64)
+def _band(h: int, L: int, window: Optional[int], device: torch.device) -> torch.Tensor:
+    s = torch.arange(L, device=device).unsqueeze(1) + h
+    e = torch.arange(h + L, device=device).unsqueeze(0)
     band = e <= s
     if window is not None:
         band = band & (e > s - window)
-    return band.to(gamma_ext.dtype) * gamma_ext.unsqueeze(-2)
+    return band
+
+
+def window_matrix(h: int, L: int, window: Optional[int], gamma_ext: torch.Tensor) -> torch.Tensor:
+    """C ``[B, H, L, h + L]``: C[s, e] = γ_e if ext token e is in the window of chunk token s (ext index h + s)."""
+    return gamma_ext.unsqueeze(-2).masked_fill(~_band(h, L, window, gamma_ext.device), 0.0)
 
 
 def gradient_factors(parts: "MemoryParts", weights: Weights, x, v, d) -> Dict[str, tuple]:

@@ -65,14 +65,14 @@ class DualForm:
     right: torch.Tensor
 
     def apply(self, h: torch.Tensor) -> torch.Tensor:   # h: [B, H, L, in] → [B, H, L, out]
-        out = torch.einsum("bhsn,bhno->bhso", self.A * torch.einsum("bhni,bhsi->bhsn", self.right, h), self.left)
+        out = (self.A * (h @ self.right.mT)) @ self.left            # Σ_i A[s, i] (r_i · h_s) l_i
         for coef, base in self.bases:
-            out = out + coef.unsqueeze(-1) * torch.einsum("bhoi,bhsi->bhso", base, h)
+            out = out + coef.unsqueeze(-1) * (h @ base.mT)
         return out
 
     def at(self, s: int) -> torch.Tensor:
         """The matrix of position ``s`` (``[B, H, out, in]``), materialised."""
-        w = torch.einsum("bhn,bhno,bhni->bhoi", self.A[:, :, s], self.left, self.right)
+        w = (self.left * self.A[:, :, s, :, None]).mT @ self.right
         for coef, base in self.bases:
             w = w + coef[:, :, s, None, None] * base
         return w
@@ -81,7 +81,7 @@ class DualForm:
 def apply_linear(name: str, w, h: torch.Tensor) -> torch.Tensor:
     """z = W h for a shared tensor, :class:`PerPosition` or :class:`DualForm` weight; records to the tape."""
     if isinstance(w, torch.Tensor):
-        z = torch.einsum("bhoi,bhni->bhno", w, h)
+        z = h @ w.mT
     else:
         z = w.apply(h)
     tape = _TAPE.get()

@@ -1,8 +1,7 @@
 """Parallel first-order linear recurrences over a block: X_s = a_s X_{s−1} + U_s (decay and momentum scans).
 
 Titans §3.2 and ATLAS Eq.39 unroll these recurrences inside a chunk; here they are computed with the
-segment-sum decay matrix D[s, r] = Π_{τ=r+1}^{s} a_τ (Mamba-2's "segsum"), built by cumulative sums of
-log a so that no ratio of long products is ever formed.
+decay matrix D[s, r] = Π_{τ=r+1}^{s} a_τ, built in log space from cumulative sums of log a.
 """
 from __future__ import annotations
 
@@ -12,13 +11,15 @@ import torch
 
 
 def decay_matrix(a: torch.Tensor) -> torch.Tensor:
-    """``a: [..., L]`` (factors in [0, 1]) → ``D: [..., L, L]`` with D[s, r] = Π_{τ=r+1}^{s} a_τ (r ≤ s), else 0."""
+    """``a: [..., L]`` (factors in [0, 1]) → ``D: [..., L, L]`` with D[s, r] = Π_{τ=r+1}^{s} a_τ (r ≤ s), else 0.
+
+    Formed as exp(c_s − c_r) of the cumulative log c, with the upper triangle set to −∞ before the exp
+    (so it is exactly 0 and never overflows); meant for blocks of moderate length (a training chunk).
+    """
     L = a.shape[-1]
-    log_a = a.clamp_min(torch.finfo(a.dtype).tiny).log()
-    rows = log_a.unsqueeze(-1).expand(*a.shape, L)                     # [..., s, r] = log a_s
-    strict = torch.ones(L, L, dtype=torch.bool, device=a.device).tril(-1)
-    seg = torch.where(strict, rows, torch.zeros((), dtype=a.dtype, device=a.device)).cumsum(-2)
-    return seg.exp().masked_fill(~strict.logical_or(torch.eye(L, dtype=torch.bool, device=a.device)), 0.0)
+    c = a.clamp_min(torch.finfo(a.dtype).tiny).log().cumsum(-1)
+    upper = torch.ones(L, L, dtype=torch.bool, device=a.device).triu(1)
+    return (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
 
 
 def cumulative(a: torch.Tensor) -> torch.Tensor:
