@@ -119,7 +119,12 @@ class Muon(InnerOptimizer):
         return {n: _bcast(theta, gi) * momentum[n] + gi for n, gi in g.items()}
 
     def orthogonalise(self, s: torch.Tensor) -> torch.Tensor:
-        return newton_schulz(s, self.cfg.ns_steps, self.cfg.ns_eps, shape_factor=self.cfg.shape_factor)
+        """NS_k per matrix: the fused Triton kernel on CUDA when it applies, else the torch reference."""
+        fn = newton_schulz
+        if s.is_cuda:   # (on CPU the kernel would only run in Triton's interpreter: far slower than torch)
+            from ..kernels.triton import select_newton_schulz
+            fn = select_newton_schulz(s) or newton_schulz
+        return fn(s, self.cfg.ns_steps, self.cfg.ns_eps, shape_factor=self.cfg.shape_factor)
 
     def update(self, problem, anchor, momentum, lr, theta):
         s = self.accumulate(problem.grad(anchor), momentum, theta)
