@@ -34,6 +34,9 @@ os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")
 os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "2")     # experiment state: small, save it often
 os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
 os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "100")
+# Ray runs workers at niceness 15 by default, so on a shared machine any other process starves the trials;
+# trials are this program's main work (a local Ray started here only; a cluster keeps its own setting)
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 from omegaconf import OmegaConf  # noqa: E402
 
@@ -418,22 +421,38 @@ def resume(run_dir: os.PathLike, ray_address: Optional[str] = None, num_cpus: Op
 
 
 def _execute(p: Prepared, run_dir: Path, state: Dict[str, Any], resume: bool, ray_address: Optional[str],
-             num_cpus: Optional[int], quiet: bool) -> Dict[str, Any]:
+             num_cpus: Optional[int], quiet: bool, pending_tracking=None) -> Dict[str, Any]:
     exp = p.exp
-    tracking = state.get("tracking") or {}
-    meta = {"name": exp.name, "kind": exp.kind, "metric": exp.metric, "mode": exp.mode, "imports": exp.imports,
-            "cpus_per_trial": exp.resources.cpus_per_trial, "tracking": tracking}
-    if exp.kind == "search":
-        meta["node"] = p.node
-    p.trials_for_tune = [{k: v for k, v in t.items()} for t in p.trials]   # type: ignore[attr-defined]
     total = len(p.trials) if exp.kind == "grid" else exp.num_samples
     t0 = time.time()
-    from .progress import Progress
-    progress = Progress(exp.name, exp.metric, exp.mode, tracking, "stderr" if quiet else "stdout", total)
     status = "failed"
+    timings = state.setdefault("timings", {})
+    mark = [time.time()]
+
+    def lap(name: str) -> None:
+        now = time.time()
+        timings[name] = round(timings.get(name, 0.0) + now - mark[0], 3)
+        mark[0] = now
+
+    session = RaySession(ray_address, num_cpus)
     try:
-        with RaySession(ray_address, num_cpus):
+        with session:
+            lap("ray_init_s")
             from ray import tune
+
+            from .progress import Progress
+            if pending_tracking is not None:
+                state["tracking"] = pending_tracking.result()
+            lap("mlflow_setup_wait_s")
+            state["status"] = "running"
+            _write_json(run_dir / "state.json", state)
+            tracking = state.get("tracking") or {}
+            meta = {"name": exp.name, "kind": exp.kind, "metric": exp.metric, "mode": exp.mode,
+                    "imports": exp.imports, "cpus_per_trial": exp.resources.cpus_per_trial, "tracking": tracking}
+            if exp.kind == "search":
+                meta["node"] = p.node
+            p.trials_for_tune = [dict(t) for t in p.trials]   # type: ignore[attr-defined]
+            progress = Progress(exp.name, exp.metric, exp.mode, tracking, "stderr" if quiet else "stdout", total)
             if resume:
                 tuner = tune.Tuner.restore(state["tune_path"], trainable=_trainable(exp), resume_unfinished=True,
                                            resume_errored=True)
@@ -444,16 +463,22 @@ def _execute(p: Prepared, run_dir: Path, state: Dict[str, Any], resume: bool, ra
                 if not quiet:
                     print(f"[{exp.name}] {total} trials → {run_dir}  (MLflow: {tracking.get('uri', 'off')})",
                           flush=True)
+            lap("tuner_setup_s")
             results = tuner.fit()
+            lap("fit_s")
             records = collect(p, results, run_dir)
+            mark[0] = time.time()
         status = "finished"
     finally:
+        lap("ray_shutdown_s")
         state["status"] = status
         state["wall_s"] = state.get("wall_s", 0.0) + (time.time() - t0)
         _write_json(run_dir / "state.json", state)
+    tracking = state.get("tracking") or {}
     _write_json(run_dir / "results.json", records)
     from .report import write_report
     rep = write_report(run_dir, p.exp, records, state)
+    lap("report_s")
     summary = {"run_dir": str(run_dir), "trials": len(records),
                "failed": sum(r["failed"] for r in records),
                "completed": sum(r["status"] in ("completed", "early_stopped") for r in records),
@@ -471,6 +496,8 @@ def _execute(p: Prepared, run_dir: Path, state: Dict[str, Any], resume: bool, ra
                 T.retry(c.log_artifact, tracking["parent_run_id"], str(f),
                         "plots" if f.suffix == ".png" else None, what="log report")
         T.retry(c.set_terminated, tracking["parent_run_id"], status="FINISHED", what="end parent run")
+        lap("mlflow_final_s")
+    _write_json(run_dir / "state.json", state)
     return summary
 
 

@@ -242,6 +242,12 @@ def model_config(model_node: Mapping[str, Any], vocab_size: Optional[int] = None
         for key, _, src in overrides:
             if (exc.path == key or exc.path.startswith(key + ".")) and len(key) > len(best):
                 best, exc.source = key, src
+        if not best and "." in exc.path:     # else one that created the node the error is in
+            parent = exc.path.rpartition(".")[0] + "."
+            for key, _, src in overrides:
+                if key.startswith(parent):
+                    exc.source = f"{src}; preset '{preset}' has no such node"
+                    break
         raise
     return cfg
 

@@ -43,16 +43,25 @@ class Progress(Callback):
         return f"{trial.trial_id} " + ", ".join(f"{short_key(k)}={fmt_value(v)}" for k, v in params.items())
 
     def _counts(self, trials) -> str:
-        running = sum(t.status == "RUNNING" for t in trials)
-        done = sum(t.status == "TERMINATED" for t in trials)
-        err = sum(t.status == "ERROR" for t in trials)
-        failed = err + sum(t.status == "TERMINATED" and (t.last_result or {}).get("failed") == 1
-                           for t in trials)
+        done, failed = set(getattr(self, "_done", ())), set(getattr(self, "_failed", ()))
+        for t in trials:                    # trials finished before a restore
+            if t.status in ("TERMINATED", "ERROR"):
+                done.add(t.trial_id)
+                if t.status == "ERROR" or (t.last_result or {}).get("failed") == 1:
+                    failed.add(t.trial_id)
+        running = sum(t.status == "RUNNING" and t.trial_id not in done for t in trials)
         total = self.total or len(trials)
-        s = f"{running} running · {done + err}/{total} done · {failed} failed"
+        s = f"{running} running · {len(done)}/{total} done · {len(failed)} failed"
         if self.best is not None:
             s += f" · best {self.metric} {self.best[0]:.4g} ({self.best[1]})"
         return s
+
+    def _mark(self, trial, failed: bool) -> None:
+        if not hasattr(self, "_done"):
+            self._done, self._failed = set(), set()
+        self._done.add(trial.trial_id)
+        if failed:
+            self._failed.add(trial.trial_id)
 
     def _update_best(self, trial, result) -> None:
         v = result.get(self.metric)
@@ -65,12 +74,21 @@ class Progress(Callback):
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         self._update_best(trial, result)
-        if time.time() - self.last_beat > 30:
+        step = result.get("step")
+        shown = result.get(self.metric)
+        if isinstance(shown, (int, float)) and math.isfinite(shown) and result.get("final") != 1:
+            self._out(f"step {step}: {self._label(trial).split(' ')[0]} {self.metric}={shown:.4g}  | "
+                      + self._counts(trials))
+            self.last_beat = time.time()
+
+    def on_step_end(self, iteration, trials, **info):
+        if time.time() - self.last_beat > 60:           # a heartbeat while nothing reports
             self.last_beat = time.time()
             self._out(self._counts(trials))
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         r = trial.last_result or {}
+        self._mark(trial, r.get("failed") == 1)
         self._update_best(trial, r)
         if r.get("final") == 1:
             status = r.get("status", "completed")
@@ -84,6 +102,7 @@ class Progress(Callback):
                        {"atlaslab.status": status} if status == "pruned" else {})
 
     def on_trial_error(self, iteration, trials, trial, **info):
+        self._mark(trial, True)
         err = getattr(trial, "error_msg", None) or ""
         first = str(err).strip().splitlines()[-1] if err else "error"
         self._out(f"FAILED {self._label(trial)}: {first[:200]}  | {self._counts(trials)}")

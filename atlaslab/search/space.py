@@ -11,14 +11,13 @@ every condition holds on the values sampled before it (so ``ns_steps`` exists on
 :func:`define_by_run` returns the function ``OptunaSearch(space=fn)`` calls with an Optuna trial (nested
 ``tune.choice`` does not survive OptunaSearch, ANCHORS §8). Categorical choices that are not plain
 scalars (e.g. component nodes ``{name: gd, lr: 0.1}``) are suggested by label and mapped back.
-:func:`corner_points` enumerates the configs validation builds before Ray starts: every reachable
-combination of categorical choices (conditions respected) with numbers at their low and high ends.
+:func:`corner_points` lists the configs validation builds before Ray starts: a covering set in which every
+categorical choice appears, with numbers at their low and then their high ends (conditions respected).
 """
 from __future__ import annotations
 
-import itertools
 import math
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from .schema import ExperimentConfig, ParamNode
 
@@ -113,41 +112,31 @@ class _Fixed:
 
 
 def corner_points(space: Mapping[str, ParamNode], limit: int = 64) -> List[Dict[str, Any]]:
-    """Reachable configs covering every categorical choice combination (numbers at low, then at high)."""
+    """A small covering set of reachable configs: every categorical choice appears, numbers at their low end
+    in the first half and at their high end in the second; conditions are respected (so a conditional
+    parameter appears whenever its condition is met by one of the rows)."""
+    cats = [len(choice_labels(p)) for p in space.values() if p.type == "categorical"]
+    n = max(cats, default=1)
     out: List[Dict[str, Any]] = []
     seen = set()
-
-    def rec(i: int, keys: List[str], picks: Dict[str, Any], end: str) -> Iterator[Dict[str, Any]]:
-        if i == len(keys):
-            yield dict(picks)
-            return
-        key = keys[i]
-        p = space[key]
-        active = condition_holds(p, {k: decode(space[k], v) for k, v in picks.items()})
-        if not active:
-            yield from rec(i + 1, keys, picks, end)
-            return
-        if p.type == "categorical":
-            opts = choice_labels(p)
-        elif p.type == "int":
-            opts = [int(p.low) if end == "low" else int(p.high)]
-        else:
-            opts = [float(p.low) if end == "low" else float(p.high)]
-        for o in opts:
-            picks[key] = o
-            yield from rec(i + 1, keys, picks, end)
-            del picks[key]
-
-    keys = list(space)
-    for end in ("low", "high"):
-        for picks in rec(0, keys, {}, end):
-            vals = sample(space, _Fixed(picks))
-            sig = repr(sorted(vals.items(), key=lambda kv: kv[0]))
-            if sig not in seen:
-                seen.add(sig)
-                out.append(vals)
-            if len(out) >= limit:
-                return out
+    for i in range(2 * n):
+        end = "low" if i < n else "high"
+        picks: Dict[str, Any] = {}
+        for j, (key, p) in enumerate(space.items()):
+            if p.type == "categorical":
+                labels = choice_labels(p)
+                picks[key] = labels[(i + j) % len(labels)]
+            elif p.type == "int":
+                picks[key] = int(p.low) if end == "low" else int(p.high)
+            else:
+                picks[key] = float(p.low) if end == "low" else float(p.high)
+        vals = sample(space, _Fixed(picks))
+        sig = repr(sorted(vals.items(), key=lambda kv: kv[0]))
+        if sig not in seen:
+            seen.add(sig)
+            out.append(vals)
+        if len(out) >= limit:
+            break
     return out
 
 

@@ -47,6 +47,7 @@ def _trial_spec(config: Mapping[str, Any]) -> Dict[str, Any]:
 
 def run_trial(config: Dict[str, Any]) -> None:
     """Ray Tune function trainable (see the module docstring)."""
+    t_start = time.time()
     from ray import tune
 
     meta = config["experiment"]
@@ -58,7 +59,7 @@ def run_trial(config: Dict[str, Any]) -> None:
     torch.set_num_threads(threads)
 
     from ..tasks.base import build_task
-    from ..train.cli import build_model_from_node
+    from ..presets import build_model
     from ..train.config import resolve_train_config
     from ..train.loop import CHECKPOINT_NAME, train
     from .expand import model_config
@@ -95,11 +96,11 @@ def run_trial(config: Dict[str, Any]) -> None:
         task = build_task(cfg["task"])
         tcfg = resolve_train_config(cfg["train"], "train")
         torch.manual_seed(tcfg.seed)
-        mcfg = model_config(cfg["model"], task.vocab_size)
-        model = build_model_from_node(dict(mcfg_to_inline(mcfg)), task)
+        model = build_model(model_config(cfg["model"], task.vocab_size))
         info = trial.get("info", {})
         eval_prefix = tcfg.eval_split + "/"
         state = {"prev_eval": None, "last_train": {}, "t0": time.time()}
+        setup_s = state["t0"] - t_start          # imports, MLflow run, model build: the per-trial overhead
 
         def callback(metrics: Dict[str, float], step: int) -> None:
             if mlrun is not None:
@@ -114,13 +115,14 @@ def run_trial(config: Dict[str, Any]) -> None:
             if step <= reported_step:
                 return None
             rep = {**state["last_train"], **metrics, "step": step, "final": 0,
-                   "elapsed_s": time.time() - state["t0"]}
+                   "elapsed_s": time.time() - state["t0"], "setup_s": setup_s, "t_start": t_start}
             _report(rep, work / CHECKPOINT_NAME if prev is not None else None, step)
             return None
 
         result = train(model, task, tcfg, callback=callback, checkpoint_dir=work)
         final = {**result.metrics, "step": result.steps, "final": 1, "status": result.status,
                  "message": result.message, "failed": int(result.diverged), "wall_time_s": result.wall_time_s,
+                 "setup_s": setup_s, "t_start": t_start, "t_end": time.time(), "node_id": _node_id(),
                  "num_parameters": info.get("num_parameters", 0), "state_size": info.get("state_size", 0)}
         if result.best:
             final["best_value"] = result.best.get("value")
@@ -133,7 +135,7 @@ def run_trial(config: Dict[str, Any]) -> None:
             status = "FINISHED"
             tags = {"atlaslab.status": result.status}
         if mlrun is not None:
-            mlrun.log({k: v for k, v in final.items() if k in ("failed", "wall_time_s")}, result.steps)
+            mlrun.log({k: v for k, v in final.items() if k in ("failed", "wall_time_s", "setup_s")}, result.steps)
         _report(final, work / CHECKPOINT_NAME, result.steps)
     except BaseException as exc:
         tags = {"atlaslab.status": "error", "atlaslab.failure": f"{type(exc).__name__}: {exc}"[:4000]}
@@ -148,9 +150,12 @@ def run_trial(config: Dict[str, Any]) -> None:
             mlrun.end(status, tags)
 
 
-def mcfg_to_inline(cfg) -> Dict[str, Any]:
-    from omegaconf import OmegaConf
-    return OmegaConf.to_container(cfg, resolve=True)
+def _node_id() -> str:
+    try:
+        import ray
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001
+        return ""
 
 
 def _report(metrics: Dict[str, Any], ckpt_file: Optional[Path], step: int) -> None:

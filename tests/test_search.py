@@ -1,0 +1,320 @@
+"""The search driver without Ray: experiment schema, expansion, validation, search spaces, reports.
+
+Ray / MLflow end-to-end behaviour is in ``test_search_ray.py``.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from atlaslab.registry import ConfigError
+from atlaslab.search.driver import prepare, trial_table
+from atlaslab.search.expand import TrialConfigError, expand_grid, model_config
+from atlaslab.search.schema import load_experiment
+
+ROOT = Path(__file__).resolve().parent.parent
+EXPERIMENTS = sorted(p for p in (ROOT / "experiments").glob("*.yaml"))
+
+TINY = {
+    "name": "tiny",
+    "model": {"preset": "gated_deltanet", "overrides": {"d_model": 16, "mixers.*.num_heads": 2}},
+    "task": {"name": "mqar", "vocab_size": 16, "seq_len": 16, "num_kv_pairs": [2], "eval_examples": 32},
+    "eval": {"interval": 10, "examples": 32},
+    "train": {"steps": 20, "batch_size": 8, "lr": 3e-3},
+}
+
+
+def _exp(**extra):
+    node = json.loads(json.dumps(TINY))
+    node.update(extra)
+    return node
+
+
+# --------------------------------------------------------------------------------------------------
+# shipped experiments
+# --------------------------------------------------------------------------------------------------
+def test_experiments_are_shipped():
+    names = {p.stem for p in EXPERIMENTS}
+    assert {"quickstart", "atlas_ablation", "titans_ablation", "mad_protocol", "niah_extrapolation",
+            "hpo_atlas"} <= names
+
+
+@pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.stem)
+def test_shipped_experiment_dry_run_validates(path, capsys):
+    from atlaslab.cli import main
+    t0 = time.time()
+    assert main(["run", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "validated" in out and "key" in out
+    assert time.time() - t0 < 120
+
+
+def test_quickstart_grid_is_the_readme_ablation():
+    p = prepare(str(ROOT / "experiments" / "quickstart.yaml"))
+    rows = {t["row"] for t in p.trials}
+    assert any("Titans" in r for r in rows) and any("Gated DeltaNet" in r for r in rows)
+    assert any("Transformer" in r for r in rows)
+    assert len([r for r in rows if r.startswith("ATLAS")]) >= 5      # full + window, poly, Muon, deep ablations
+    comps = {t["row"]: t["info"]["components"] for t in p.trials}
+    full = comps["ATLAS"]
+    assert full["atlas.inner_optimizer"] == "muon" and full["atlas.feature_map"] == "polynomial"
+    assert int(full["atlas.window_size"]) > 1 and full["atlas.memory"] == "mlp"
+    assert comps["w/o Muon (GD)"]["atlas.inner_optimizer"] == "gd"
+    assert comps["linear memory"]["atlas.memory"] == "linear"
+
+
+# --------------------------------------------------------------------------------------------------
+# bad experiments fail fast, with the dotted path and the valid choices, before Ray starts
+# --------------------------------------------------------------------------------------------------
+def test_bad_variant_names_trial_path_and_choices(tmp_path):
+    node = _exp(model={"preset": "atlas", "overrides": {"d_model": 16, "mixers.atlas.num_heads": 2,
+                                                         "mixers.atlas.memory.chunk_size": 4}},
+                grid={"variants": {"ATLAS": {}, "w/o Muon": {"model.mixers.atlas.memory.inner_optimizer":
+                                                             {"name": "muom"}}}})
+    t0 = time.time()
+    with pytest.raises(TrialConfigError) as ei:
+        prepare(node=node)
+    assert time.time() - t0 < 10
+    msg = str(ei.value)
+    assert msg.startswith("trial t001 (w/o Muon)")
+    assert "model.mixers.atlas.memory.inner_optimizer.name" in msg
+    assert "Did you mean 'muon'" in msg and "Valid choices:" in msg and "gd" in msg
+    assert "grid.variants.w/o Muon" in msg            # which line of the file set it
+
+
+@pytest.mark.parametrize("change, path, needle", [
+    ({"grdi": {}}, "grdi", "Valid choices:"),
+    ({"task": {"name": "mqarr"}}, "task.name", "Did you mean 'mqar'"),
+    ({"train": {"stesp": 3}}, "train.stesp", "steps"),
+    ({"grid": {"axes": {"modle.d_model": [16, 32]}}}, "grid.axes.modle.d_model", "model, task, tasks, train, eval"),
+    ({"grid": {"mode": "cros"}}, "grid.mode", "cross, zip"),
+    ({"scheduler": {"name": "hyperband"}}, "scheduler.name", "asha"),
+    ({"search": {"space": {"train.lr": {"type": "float", "low": 1e-3}}}}, "search.space.train.lr.high", "high"),
+    ({"search": {"space": {"train.lr": {"type": "flaot", "low": 1e-3, "high": 1e-2}}}},
+     "search.space.train.lr.type", "categorical"),
+    ({"model": {"preset": "atlass"}}, "model.preset", "Did you mean 'atlas'"),
+    ({"grid": {"variants": {"A": {"model.mixers.gated_deltanet.memory.retention.name": "decya"}}}},
+     "model.mixers.gated_deltanet.memory.retention.name", "Did you mean 'decay'"),
+])
+def test_bad_experiment_errors(change, path, needle):
+    node = _exp(**change)
+    with pytest.raises(ConfigError) as ei:
+        prepare(node=node)
+    assert path in str(ei.value), str(ei.value)
+    assert needle in str(ei.value), str(ei.value)
+
+
+def test_bad_file_fails_in_seconds_before_ray(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(textwrap.dedent("""
+        name: bad
+        model: {preset: gated_deltanet, overrides: {d_model: 16}}
+        task: {name: mqar, vocab_size: 16, seq_len: 16, num_kv_pairs: [2]}
+        train: {steps: 5}
+        grid:
+          variants:
+            ok: {}
+            broken: {model.mixers.gated_deltanet.memory.inner_optimizer.name: adamw}
+    """))
+    code = ("import sys, time; from atlaslab.cli import main; t = time.time(); rc = main(sys.argv[1:]); "
+            "print('RC', rc, 'RAY', 'ray' in sys.modules, 'T', round(time.time() - t, 2))")
+    r = subprocess.run([sys.executable, "-c", code, "run", str(bad)], capture_output=True, text=True, timeout=120,
+                       cwd=str(tmp_path))
+    assert "RC 2 RAY False" in r.stdout, r.stdout + r.stderr
+    assert float(r.stdout.split("T ")[-1]) < 10       # after the interpreter and torch are up
+    assert "trial t001 (broken)" in r.stderr
+    assert "model.mixers.gated_deltanet.memory.inner_optimizer.name" in r.stderr
+    assert "Valid choices: gd" in r.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# expansion
+# --------------------------------------------------------------------------------------------------
+def test_grid_cross_zip_variants_protocol_seeds():
+    node = _exp(grid={"mode": "cross", "variants": {"A": {}, "B": {"train.lr": 1e-3}},
+                      "axes": {"model.d_model": [16, 32], "train.batch_size": [4, 8]}},
+                protocol={"lr": [1e-3, 3e-3], "weight_decay": [0.0]}, seeds=[0, 1])
+    exp = load_experiment(node=node)
+    trials = expand_grid(exp)
+    assert len(trials) == 2 * 4 * 2 * 2
+    assert len({t["key"] for t in trials}) == len(trials)
+    assert len({t["row"] for t in trials}) == 8
+    t = trials[-1]
+    assert t["variant"] == "B" and t["seed"] == 1 and t["protocol"] == {"lr": 3e-3, "weight_decay": 0.0}
+    assert t["config"]["train"]["lr"] == 3e-3          # the protocol comes after the variant's lr
+    assert t["config"]["train"]["seed"] == 1 and t["config"]["train"]["eval_interval"] == 10
+    assert ["d_model", 32, "grid.axes.model.d_model"] in t["config"]["model"]["overrides"]
+    node["grid"]["mode"] = "zip"
+    trials = expand_grid(load_experiment(node=node))
+    assert len(trials) == 2 * 2 * 2 * 2
+    assert {(t["axes"]["model.d_model"], t["axes"]["train.batch_size"]) for t in trials} == {(16, 4), (32, 8)}
+    node["grid"]["axes"]["train.batch_size"] = [4, 8, 16]
+    with pytest.raises(ConfigError, match="zipped axes need equal lengths"):
+        load_experiment(node=node)
+
+
+def test_wildcard_overrides_touch_only_mixers_that_have_the_field():
+    cfg = model_config({"preset": "titans_mag", "overrides": [["d_model", 32, "x"], ["mixers.*.num_heads", 2, "y"],
+                                                              ["mixers.*.memory.chunk_size", 4, "z"]]})
+    from omegaconf import OmegaConf
+    c = OmegaConf.to_container(cfg)
+    (key, node), = c["mixers"].items()
+    assert node["num_heads"] == 2 and node["memory"]["chunk_size"] == 4
+    cfg = model_config({"preset": "transformer", "overrides": [["mixers.*.memory.chunk_size", 4, "z"]]})
+    assert "memory" not in OmegaConf.to_container(cfg)["mixers"]["transformer"]
+
+
+def test_task_settings_and_eval_mapping():
+    node = _exp(tasks={"short": {"name": "mqar", "vocab_size": 16, "seq_len": 16, "num_kv_pairs": [2]},
+                       "long": {"name": "mqar", "vocab_size": 16, "seq_len": 32, "num_kv_pairs": [4]}},
+                eval={"interval": 5, "lengths": [16, 32]},
+                grid={"axes": {"tasks.long.power_a": [0.01, 1.0]}})
+    node.pop("task")
+    p = prepare(node=node)
+    assert len(p.trials) == 4
+    longs = [t for t in p.trials if t["setting"] == "long"]
+    assert {t["config"]["task"]["power_a"] for t in longs} == {0.01, 1.0}
+    assert all("power_a" not in t["config"]["task"] for t in p.trials if t["setting"] == "short")
+    assert all(t["config"]["train"]["test_lengths"] == [16, 32] for t in p.trials)
+    assert all(t["info"]["state_size"] > 0 and t["info"]["num_parameters"] > 0 for t in p.trials)
+    table = trial_table(p)
+    assert "long" in table and "power_a=0.01" in table
+
+
+# --------------------------------------------------------------------------------------------------
+# search spaces
+# --------------------------------------------------------------------------------------------------
+SEARCH = {
+    "model": {"preset": "atlas", "overrides": {"d_model": 16, "mixers.atlas.num_heads": 4,
+                                               "mixers.atlas.memory.chunk_size": 4,
+                                               "mixers.atlas.memory.memory.expansion": 1}},
+    "search": {"sampler": "random", "seed": 3, "space": {
+        "train.lr": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True},
+        "model.mixers.atlas.memory.inner_optimizer.name": ["muon", "gd", "momentum"],
+        "model.mixers.atlas.memory.inner_optimizer.ns_steps": {
+            "type": "int", "low": 1, "high": 5, "when": {"model.mixers.atlas.memory.inner_optimizer.name": "muon"}},
+        "model.mixers.atlas.memory.inner_optimizer.momentum": {
+            "type": "float", "low": 0.5, "high": 0.99,
+            "when": {"model.mixers.atlas.memory.inner_optimizer.name": ["muon", "momentum"]}},
+        "model.mixers.atlas.memory.memory": [{"name": "linear"}, {"name": "mlp", "depth": 2, "expansion": 1}],
+    }},
+    "num_samples": 8, "scheduler": {"name": "asha", "grace_period": 10},
+}
+
+
+def test_conditional_search_space_produces_only_valid_configs():
+    import optuna
+
+    from atlaslab.search.expand import Validator, trial_from_params
+    from atlaslab.search.space import define_by_run, sample
+    node = _exp(**SEARCH)
+    exp = load_experiment(node=node)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    fn = define_by_run(exp.space)
+    v = Validator(exp)
+    seen = set()
+    opt, ns, mom = ("model.mixers.atlas.memory.inner_optimizer." + k for k in ("name", "ns_steps", "momentum"))
+    for i in range(40):
+        trial = study.ask()
+        fn(trial)
+        params = sample(exp.space, optuna.trial.FixedTrial(trial.params))
+        assert (ns in params) == (params[opt] == "muon")
+        assert (mom in params) == (params[opt] in ("muon", "momentum"))
+        assert set(trial.params) == set(params)
+        t = trial_from_params(exp, params, key=f"s{i}")
+        v.validate(t)                                       # builds the model: every sample is a valid config
+        seen.add((params[opt], params["model.mixers.atlas.memory.memory"]["name"]))
+        study.tell(trial, 0.0)
+    assert len(seen) == 6
+
+
+def test_search_dry_run_validates_corner_configs():
+    p = prepare(node=_exp(**SEARCH))
+    opts = [t["params"]["model.mixers.atlas.memory.inner_optimizer.name"] for t in p.trials]
+    assert set(opts) == {"muon", "gd", "momentum"}
+    assert {t["params"]["model.mixers.atlas.memory.memory"]["name"] for t in p.trials} == {"linear", "mlp"}
+    assert len(p.trials) <= 6               # a covering set, not the product
+    assert {t["params"]["train.lr"] for t in p.trials} == {1e-4, 1e-2}
+    assert all(("model.mixers.atlas.memory.inner_optimizer.ns_steps" in t["params"]) == (
+        t["params"]["model.mixers.atlas.memory.inner_optimizer.name"] == "muon") for t in p.trials)
+    assert "when model.mixers.atlas.memory.inner_optimizer.name=muon" in trial_table(p)
+
+
+def test_search_condition_must_reference_an_earlier_choice():
+    node = _exp(**SEARCH)
+    node["search"]["space"]["model.mixers.atlas.memory.inner_optimizer.ns_steps"]["when"] = {
+        "model.mixers.atlas.memory.inner_optimizer.name": "muonn"}
+    with pytest.raises(ConfigError, match="'muonn' is not a choice") as ei:
+        prepare(node=node)
+    assert "Valid choices: muon, gd, momentum" in str(ei.value)
+
+
+# --------------------------------------------------------------------------------------------------
+# reports
+# --------------------------------------------------------------------------------------------------
+def _rec(key, row, seed, acc, status="completed", proto=None, variant=None, failed=False, msg=""):
+    metrics = {"val/accuracy": acc, "test/accuracy": acc, "step": 20, "final": 1, "status": status,
+               "test/len_16/accuracy": acc, "test/len_32/accuracy": acc / 2}
+    hist = [{"step": 10, "val/accuracy": acc / 2}, {"step": 20, "val/accuracy": acc}]
+    return {"key": key, "index": int(key[1:]), "setting": "mqar", "variant": variant or row, "label": row,
+            "row": row, "axes": {}, "protocol": proto or {}, "seed": seed, "params": {}, "status": status,
+            "failed": failed, "message": msg, "metrics": metrics if not failed else {"step": 2}, "history": hist,
+            "info": {"num_parameters": 1000, "state_size": 64}, "train": {"steps": 20, "batch_size": 8},
+            "task": {"name": "mqar"}}
+
+
+def test_report_means_protocol_deltas_failures_and_plots(tmp_path):
+    from atlaslab.search.report import aggregate, write_report
+    node = _exp(grid={"variants": {"A": {}, "B": {}, "C": {}}, "baseline": "A"},
+                protocol={"lr": [1e-3, 1e-2]}, seeds=[0, 1])
+    exp = load_experiment(node=node)
+    lo, hi = {"lr": 1e-3}, {"lr": 1e-2}
+    recs = [_rec("t000", "A", 0, 0.5, proto=lo), _rec("t001", "A", 1, 0.7, proto=lo),
+            _rec("t002", "A", 0, 0.2, proto=hi), _rec("t003", "A", 1, 0.2, proto=hi),
+            _rec("t004", "B", 0, 0.9, proto=lo), _rec("t005", "B", 1, 0.9, proto=lo),
+            _rec("t006", "B", 0, 0.1, proto=hi), _rec("t007", "B", 1, 0.3, proto=hi),
+            _rec("t008", "C", 0, 0.0, status="diverged", proto=lo, failed=True, msg="diverged at step 2 (loss = nan)"),
+            _rec("t009", "C", 1, 0.4, proto=lo), _rec("t010", "C", 0, 0.3, proto=hi),
+            _rec("t011", "C", 1, 0.3, proto=hi)]
+    rows = {r["row"]: r for r in aggregate(exp, recs)}
+    assert rows["A"]["protocol"] == lo and math.isclose(rows["A"]["val/accuracy"], 0.6)
+    assert math.isclose(rows["A"]["val/accuracy std"], math.sqrt(0.02))
+    assert rows["A"]["baseline"] and rows["A"]["val/accuracy delta"] is None
+    assert math.isclose(rows["B"]["val/accuracy delta"], 0.3)
+    assert rows["C"]["protocol"] == lo and rows["C"]["n_ok"] == 1 and math.isclose(rows["C"]["val/accuracy"], 0.4)
+    assert rows["C"]["n_failed"] == 1
+    out = write_report(tmp_path, exp, recs, {"command": "atlaslab run x.yaml", "wall_s": 12})
+    text = out.read_text()
+    assert "| A (baseline) | 0.600 ± 0.141 |" in text
+    assert "+0.300" in text and "diverged at step 2 (loss = nan)" in text and "best lr / wd" in text
+    assert "atlaslab run x.yaml" in text
+    for f in ("report.csv", "trials.csv", "plots/bar_val_accuracy.png", "plots/curves.png", "plots/length.png"):
+        assert (tmp_path / f).is_file() and (tmp_path / f).stat().st_size > 100, f
+    import csv
+    rows_csv = list(csv.DictReader(open(tmp_path / "report.csv")))
+    assert [r["row"] for r in rows_csv] == ["A", "B", "C"]
+    assert len(list(csv.DictReader(open(tmp_path / "trials.csv")))) == 12
+
+
+def test_mad_score_best_per_setting_then_mean():
+    from atlaslab.search.report import mad_scores
+    rows = [{"label": "m", "setting": "in_context_recall/baseline", "acc": 0.8},
+            {"label": "m", "setting": "in_context_recall/seq_len_256", "acc": 0.6},
+            {"label": "m", "setting": "selective_copying/baseline", "acc": 0.4}]
+    s = mad_scores(rows, "acc")["m"]
+    assert math.isclose(s["in_context_recall"], 0.7) and math.isclose(s["mad_score"], 0.55)
+
+
+def test_flatten_params_for_mlflow():
+    from atlaslab.search.tracking import flatten
+    f = flatten({"model": {"preset": "atlas", "overrides": [["d_model", 16, "x"]]}, "train": {"lr": 0.1,
+                                                                                          "test_lengths": [16, 32]}})
+    assert f["model.preset"] == "atlas" and f["train.lr"] == "0.1" and f["train.test_lengths"] == "[16, 32]"
+    assert f["model.overrides.0.0"] == "d_model"

@@ -1,0 +1,241 @@
+"""The search driver end to end on a local Ray (127.0.0.1) with MLflow on SQLite.
+
+Every Ray / MLflow process a test starts is ended by the test through its own handle: the in-process Ray by
+``ray.shutdown()``, driver subprocesses (and the Ray processes they started, found through /proc) by pid.
+Tiny models, tens of steps.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+from atlaslab.search.driver import prepare, run  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+TINY_YAML = """
+name: {name}
+model:
+  preset: gated_deltanet
+  overrides: {{d_model: 16, "mixers.*.num_heads": 2}}
+task: {{name: mqar, vocab_size: 16, seq_len: 16, num_kv_pairs: [2], eval_examples: 32}}
+eval: {{interval: 10, examples: 32}}
+train: {{steps: {steps}, batch_size: 8, lr: 3.0e-3, log_interval: 5}}
+"""
+
+
+def tiny(name, steps=30, **extra):
+    import yaml
+    node = yaml.safe_load(TINY_YAML.format(name=name, steps=steps))
+    node.update(extra)
+    return node
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=True,
+             logging_level="ERROR")
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def mlflow_runs(uri):
+    from mlflow.tracking import MlflowClient
+    c = MlflowClient(uri)
+    exps = [e for e in c.search_experiments() if e.name != "Default"]
+    runs = c.search_runs([e.experiment_id for e in exps], max_results=1000)
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    return c, parents, children
+
+
+def test_parallel_trials_nan_failure_and_mlflow(local_ray, tmp_path):
+    node = tiny("par", grid={"variants": {"GDN": {}, "GDN lr 1e-2": {"train.lr": 1e-2},
+                                          "NaN": {"train.lr": 1e12}}, "baseline": "GDN"},
+                max_concurrent=2)
+    p = prepare(node=node)
+    summary = run(p, run_dir=tmp_path / "run", num_cpus=2, quiet=True)
+    run_dir = tmp_path / "run"
+    recs = {r["key"]: r for r in json.loads((run_dir / "results.json").read_text())}
+    assert summary["trials"] == 3 and summary["failed"] == 1 and summary["completed"] == 2
+
+    # two trials ran at the same time (overlapping wall-clock intervals)
+    a, b = recs["t000"]["metrics"], recs["t001"]["metrics"]
+    assert max(a["t_start"], b["t_start"]) < min(a["t_end"], b["t_end"]), (a, b)
+
+    # the NaN trial is failed, with its reason; the others completed and are reported
+    nan = recs["t002"]
+    assert nan["status"] == "diverged" and nan["failed"] and "diverged at step" in nan["message"]
+    assert "nan" in nan["message"]
+    for k in ("t000", "t001"):
+        assert recs[k]["status"] == "completed" and recs[k]["metrics"]["step"] == 30
+        assert 0.0 <= recs[k]["metrics"]["test/accuracy"] <= 1.0
+        assert [h["step"] for h in recs[k]["history"] if h.get("val/accuracy") is not None][:3] == [10, 20, 30]
+    report = (run_dir / "report.md").read_text()
+    assert "| GDN (baseline) |" in report and "| GDN lr 1e-2 |" in report
+    assert "## Failed trials" in report and "diverged at step" in report
+    assert (run_dir / "plots" / "curves.png").is_file() and (run_dir / "report.csv").is_file()
+
+    # MLflow: one parent, one child per trial, with params, per-step metrics, tags and the config artifact
+    state = json.loads((run_dir / "state.json").read_text())
+    c, parents, children = mlflow_runs(state["tracking"]["uri"])
+    assert len(parents) == 1 and len(children) == 3
+    parent = parents[0]
+    assert parent.info.status == "FINISHED" and parent.info.run_id == state["tracking"]["parent_run_id"]
+    assert {x.path for x in c.list_artifacts(parent.info.run_id)} >= {"report.md", "experiment.yaml", "plots"}
+    by_key = {r.data.tags["atlaslab.trial_key"]: r for r in children}
+    assert set(by_key) == {"t000", "t001", "t002"}
+    assert all(r.data.tags["mlflow.parentRunId"] == parent.info.run_id for r in children)
+    ok = by_key["t001"]
+    assert ok.info.status == "FINISHED"
+    assert ok.data.params["model.preset"] == "gated_deltanet" and float(ok.data.params["train.lr"]) == 1e-2
+    assert ok.data.params["param.train.lr"] == "0.01" and ok.data.params["train.seed"] == "0"
+    assert ok.data.tags["component.gated_deltanet.inner_optimizer"] == "gd"
+    assert ok.data.tags["component.gated_deltanet.retention"] == "decay"
+    assert ok.data.tags["atlaslab.variant"] == "GDN lr 1e-2" and ok.data.tags["atlaslab.status"] == "completed"
+    assert [m.step for m in c.get_metric_history(ok.info.run_id, "val/accuracy")] == [10, 20, 30]
+    assert [m.step for m in c.get_metric_history(ok.info.run_id, "train/loss")] == [5, 10, 15, 20, 25, 30]
+    assert "test/accuracy" in ok.data.metrics
+    assert [x.path for x in c.list_artifacts(ok.info.run_id)] == ["trial_config.yaml"]
+    bad = by_key["t002"]
+    assert bad.info.status == "FAILED" and bad.data.tags["atlaslab.status"] == "diverged"
+    assert "diverged at step" in bad.data.tags["atlaslab.failure"]
+
+
+def test_optuna_search_with_asha_conditional_space(local_ray, tmp_path):
+    opt = "model.mixers.gated_deltanet.memory.inner_optimizer."
+    node = tiny("srch", steps=40, search={"sampler": "random", "seed": 1, "space": {
+        "train.lr": {"type": "float", "low": 1e-3, "high": 3e-2, "log": True},
+        opt + "name": ["gd", "momentum"],
+        opt + "momentum": {"type": "float", "low": 0.5, "high": 0.9, "when": {opt + "name": "momentum"}}}},
+        num_samples=4, max_concurrent=2,
+        scheduler={"name": "asha", "grace_period": 10, "reduction_factor": 2})
+    p = prepare(node=node)
+    summary = run(p, run_dir=tmp_path / "run", num_cpus=2, quiet=True)
+    recs = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert summary["trials"] == 4 and summary["failed"] == 0
+    for r in recs:
+        assert (opt + "momentum" in r["params"]) == (r["params"][opt + "name"] == "momentum")
+        assert r["status"] in ("completed", "pruned")
+    assert sum(r["metrics"].get("step", 0) for r in recs) <= 4 * 40
+    state = json.loads((tmp_path / "run" / "state.json").read_text())
+    c, parents, children = mlflow_runs(state["tracking"]["uri"])
+    assert len(parents) == 1 and len(children) == 4
+    assert {r.info.status for r in children} == {"FINISHED"}
+    for r in children:
+        assert (f"param.{opt}momentum" in r.data.params) == (r.data.params[f"param.{opt}name"] == "momentum")
+    assert "## Trials (best first)" in (tmp_path / "run" / "report.md").read_text()
+
+
+# --------------------------------------------------------------------------------------------------
+# interrupted and resumed
+# --------------------------------------------------------------------------------------------------
+def descendants(pid):
+    """Pids of every live descendant of ``pid`` (through /proc)."""
+    children = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for ch in children.get(p, []):
+            out.append(ch)
+            todo.append(ch)
+    return out
+
+
+def kill_tree(proc, pids):
+    for pid in [proc.pid] + list(pids):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:  # pragma: no cover
+        pass
+
+
+def cli(*args):
+    return [sys.executable, "-m", "atlaslab.cli", *args]
+
+
+def env():
+    e = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
+    e.pop("RAY_ADDRESS", None)
+    e.pop("MLFLOW_TRACKING_URI", None)
+    return e
+
+
+def test_killed_driver_resumes_every_trial_exactly_once(tmp_path):
+    import yaml
+    node = tiny("res", steps=60, grid={"variants": {"A": {}, "B": {"train.lr": 1e-2}, "C": {"train.lr": 5e-3}}},
+                max_concurrent=1)
+    node["eval"]["interval"] = 20
+    exp = tmp_path / "res.yaml"
+    exp.write_text(yaml.safe_dump(node))
+    run_dir = tmp_path / "run"
+    log = open(tmp_path / "driver.log", "w+")
+    proc = subprocess.Popen(cli("run", str(exp), "--run-dir", str(run_dir), "--num-cpus", "1"), cwd=tmp_path,
+                            env=env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    pids = []
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            text = Path(log.name).read_text()
+            if "completed: t000" in text:
+                break
+            assert proc.poll() is None, text
+            pids = descendants(proc.pid) or pids
+            time.sleep(0.5)
+        else:
+            pytest.fail("the first trial did not finish in time:\n" + Path(log.name).read_text())
+        time.sleep(3)                       # Tune saves its experiment state every 2 s
+        pids = sorted(set(pids) | set(descendants(proc.pid)))
+    finally:
+        kill_tree(proc, pids)               # SIGKILL the driver and every process it started
+    text = Path(log.name).read_text()
+    assert "completed: t002" not in text
+    killed_at = time.time()
+
+    r = subprocess.run(cli("resume", str(run_dir), "--quiet"), cwd=tmp_path, env=env(), capture_output=True,
+                       text=True, timeout=400)
+    assert r.returncode == 0, r.stdout + r.stderr
+    recs = json.loads((run_dir / "results.json").read_text())
+    assert sorted(x["key"] for x in recs) == ["t000", "t001", "t002"]
+    assert all(x["status"] == "completed" and x["metrics"]["step"] == 60 for x in recs)
+    report = (run_dir / "report.md").read_text()
+    for label in ("| A (baseline) |", "| B |", "| C |"):
+        assert report.count(label) == 1
+
+    state = json.loads((run_dir / "state.json").read_text())
+    c, parents, children = mlflow_runs(state["tracking"]["uri"])
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    keys = sorted(r.data.tags["atlaslab.trial_key"] for r in children)
+    assert keys == ["t000", "t001", "t002"]                    # each trial exactly one MLflow run
+    assert all(r.info.status == "FINISHED" for r in children)
+    first = next(r for r in children if r.data.tags["atlaslab.trial_key"] == "t000")
+    assert "atlaslab.resumed" not in first.data.tags           # the finished trial was not run again
+    assert first.info.end_time / 1000 < killed_at
+    for ch in children:
+        steps = [m.step for m in c.get_metric_history(ch.info.run_id, "val/accuracy")]
+        assert steps == [20, 40, 60], (ch.data.tags["atlaslab.trial_key"], steps)   # no step logged twice
