@@ -3,7 +3,8 @@
     python bench/chunked.py                 # full run (a few minutes on 2 CPU cores)
     python bench/chunked.py --quick         # smaller T grid
 
-Measures forward+backward wall time (median of repeats) and peak extra resident memory (each measurement in
+Measures forward+backward time (median of repeats; process CPU seconds with one torch thread, so that other
+load on a shared machine does not distort the ratios; wall seconds are recorded too) and peak extra resident memory (each measurement in
 a fresh subprocess, ru_maxrss after − before) for representative specs at T ∈ {256, 1024, 4096}; the
 chunked-vs-recurrent speed-up where the recurrent reference is affordable; the fitted exponent of chunked
 time in T (1K → 4K); chunked vs torch SDPA causal attention of the same width; and the Gated DeltaNet shape
@@ -23,8 +24,9 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-#: per-token Newton–Schulz on 153 × 153 matrices costs ~1.7 GFLOP per token here: cap Atlas's lengths
-MAX_T = {"atlas": 1024}
+#: per-token Newton–Schulz on 153 × 153 matrices costs ~1.7 GFLOP per token here, and its activations for the
+#: backward ≈ 0.25 GB per chunk (T = 1024 was killed for memory on 24 GB): cap Atlas's length
+MAX_T = {"atlas": 256}
 
 SPECS = {
     "deltanet": {"memory": {"name": "linear", "init": "zeros"}},
@@ -68,11 +70,11 @@ def measure(case: dict) -> dict:
         for name, fn, flops in (("ns", lambda: newton_schulz(x, 5), ns_flops),
                                 ("matmul", lambda: x @ x.mT if r <= c else x.mT @ x, mm_flops)):
             fn()
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             reps = 3
             for _ in range(reps):
                 fn()
-            dt = (time.perf_counter() - t0) / reps
+            dt = (time.process_time() - t0) / reps
             out[f"{name}_gflops"] = n * flops / dt / 1e9
         return out
 
@@ -101,14 +103,18 @@ def measure(case: dict) -> dict:
 
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss   # after imports and model build
     step()                                                  # warm-up (lazy imports, allocator)
-    times = []
+    times, walls = [], []
     for _ in range(case.get("repeats", 3)):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
-        times.append(time.perf_counter() - t0)
+        walls.append(time.perf_counter() - t0)
+        times.append(time.process_time() - c0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     times.sort()
-    return {"seconds": times[len(times) // 2], "peak_extra_mb": (peak - base) / 1024.0}
+    walls.sort()
+    # CPU seconds of this process (one torch thread): robust to other load on a shared machine
+    return {"seconds": times[len(times) // 2], "wall_seconds": walls[len(walls) // 2],
+            "peak_extra_mb": (peak - base) / 1024.0}
 
 
 def run_case(case: dict, timeout: float) -> dict:
@@ -120,7 +126,8 @@ def run_case(case: dict, timeout: float) -> dict:
     except subprocess.TimeoutExpired:
         return {**case, "seconds": None, "skipped": f"timeout > {timeout:.0f}s"}
     except subprocess.CalledProcessError as exc:
-        return {**case, "seconds": None, "skipped": exc.stderr.strip().splitlines()[-1][:200]}
+        lines = (exc.stderr or "").strip().splitlines()
+        return {**case, "seconds": None, "skipped": (lines[-1][:200] if lines else f"exit code {exc.returncode}")}
 
 
 def fit_exponent(points):
@@ -177,8 +184,8 @@ def report(rows, titans_2k, gdn_issue, lengths, threads, ns):
 
     lines = ["# Chunked engine vs recurrent reference (CPU)", "",
              f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads {threads}. "
-             "Command: `python bench/chunked.py`. B = 2, H = 4, D = 16; forward + backward; median of 3 "
-             "(recurrent: 1 run).", "",
+             "Command: `python bench/chunked.py`. B = 2, H = 4, D = 16; forward + backward; process CPU seconds, "
+             "median of 3 (recurrent: 1 run).", "",
              "| spec | " + " | ".join(f"chunked T={T} (s)" for T in lengths)
              + " | " + " | ".join(f"speed-up T={T}" for T in lengths[:2])
              + " | exponent (last two T) | peak MB at max T |",

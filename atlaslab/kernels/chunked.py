@@ -143,6 +143,15 @@ def _updates(parts, state, W_a, C, x, v, d, lr, theta, alpha, chunk_alpha, L):
             g = window_grads_at(parts, {n: at[n] + u[n] for n in u}, C, x, v, d)
             u = {n: u[n] - _bcast(lr, g[n]) * g[n] for n in u}
         return u, None
+    if (name == "muon" and opt.cfg.ns_granularity == "chunk" and not before
+            and parts.memory.supports_tape):
+        # only the momentum after the chunk's last token is used: S_end = Θ S₋₁ + Σ_i w_i δ_i h_iᵀ with
+        # w = D_θ[L−1, :] C (no per-position gradient or momentum is formed)
+        w = (decay_matrix(theta)[..., -1, :].unsqueeze(-2) @ C).squeeze(-2)          # [B, H, n]
+        th = cumulative(theta)[..., -1]
+        s_end = {n: _bcast(th, state.momentum[n]) * state.momentum[n] + (dl * w.unsqueeze(-1)).mT @ h
+                 for n, (dl, h) in gradient_factors(parts, W_a, x, v, d).items()}
+        return None, {n: s.unsqueeze(2) for n, s in s_end.items()}
     if before:    # a different point for every position: differentiate the window loss at each
         g = window_grads_at(parts, at, C, x, v, d)
     else:
