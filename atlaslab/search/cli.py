@@ -29,7 +29,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from .report import report_from_dir
-    path = report_from_dir(Path(args.run_dir))
+    path = report_from_dir(Path(args.run_dir), refresh=args.refresh)
     if args.print:
         print(path.read_text())
     else:
@@ -77,6 +77,8 @@ def add_report(sub) -> None:
     p = sub.add_parser("report", help="(re)write the report of a run folder (markdown, CSV, plots)")
     p.add_argument("run_dir")
     p.add_argument("--print", action="store_true", help="print the markdown report")
+    p.add_argument("--refresh", action="store_true",
+                   help="re-read the results from Tune's folder (automatic while an experiment is unfinished)")
     p.set_defaults(func=cmd_report)
 
 

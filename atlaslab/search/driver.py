@@ -286,8 +286,11 @@ def _clean_metrics(m: Mapping[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def collect(p: Prepared, result_grid, run_dir: Path) -> List[Dict[str, Any]]:
-    """One record per trial from Tune's results: status, reason, final metrics, learning curve."""
+def collect(p: Prepared, result_grid, run_dir: Path, partial: bool = False) -> List[Dict[str, Any]]:
+    """One record per trial from Tune's results: status, reason, final metrics, learning curve.
+
+    ``partial`` (an experiment that has not finished): a trial without its final result is ``unfinished``
+    rather than stopped by the scheduler."""
     import pandas as pd  # noqa: F401  (metrics_dataframe)
     from .space import decode_params
     exp = p.exp
@@ -309,6 +312,8 @@ def collect(p: Prepared, result_grid, run_dir: Path) -> List[Dict[str, Any]]:
         elif m.get("final") == 1:
             status = str(m.get("status", "completed"))
             message = str(m.get("message", "") or "")
+        elif partial:
+            status, message = "unfinished", (f"last report at step {m.get('step')}" if m else "not started")
         elif m:
             status, message = "pruned", f"stopped by the scheduler at step {m.get('step')}"
         else:
@@ -335,6 +340,17 @@ def collect(p: Prepared, result_grid, run_dir: Path) -> List[Dict[str, Any]]:
                     "train": (info.get("train") or trial["config"].get("train")),
                     "task": trial["config"].get("task"), "path": str(r.path)})
         records.append(rec)
+    if partial and exp.kind == "grid":
+        seen = {r["key"] for r in records}
+        for t in p.trials:
+            if t["key"] not in seen:
+                rec = {k: t[k] for k in ("key", "index", "setting", "variant", "label", "row", "axes", "protocol",
+                                         "seed", "params") if k in t}
+                rec.update({"status": "pending", "failed": False, "message": "not started", "metrics": {},
+                            "history": [], "info": {k: v for k, v in (t.get("info") or {}).items()
+                                                    if k not in ("train", "task")},
+                            "train": t["config"].get("train"), "task": t["config"].get("task"), "path": ""})
+                records.append(rec)
     records.sort(key=lambda r: (r.get("index", 0), str(r["key"])))
     return records
 
@@ -385,15 +401,21 @@ def run(p: Prepared, run_dir: Optional[os.PathLike] = None, ray_address: Optiona
     if addr and is_local_uri(uri) and not quiet:
         print(f"warning: Ray address {addr} with a local MLflow store ({uri}): trials on other machines cannot "
               "reach it; pass --tracking-uri http://<server>:<port>.", file=sys.stderr)
-    tracking = {}
-    if exp.tracking.enabled:
-        tracking = _parent_run(exp, run_dir, uri, p.node, len(p.trials) if exp.kind == "grid" else exp.num_samples)
-    state = {"name": exp.name, "kind": exp.kind, "status": "running", "created": time.time(),
-             "tracking": tracking, "tune_path": str((run_dir / "ray" / TUNE_NAME).resolve()),
+    state = {"name": exp.name, "kind": exp.kind, "status": "starting", "created": time.time(),
+             "tracking": {}, "tune_path": str((run_dir / "ray" / TUNE_NAME).resolve()),
              "command": command or "", "num_cpus": num_cpus, "ray_address": addr,
              "source": p.source, "overrides": p.overrides}
     _write_json(run_dir / "state.json", state)
-    return _execute(p, run_dir, state, resume=False, ray_address=addr, num_cpus=num_cpus, quiet=quiet)
+    pending = None
+    if exp.tracking.enabled:
+        # the MLflow store (SQLite migrations: seconds) is set up in a thread while Ray starts
+        import concurrent.futures as cf
+        pool = cf.ThreadPoolExecutor(1)
+        pending = pool.submit(_parent_run, exp, run_dir, uri, p.node,
+                              len(p.trials) if exp.kind == "grid" else exp.num_samples)
+        pool.shutdown(wait=False)
+    return _execute(p, run_dir, state, resume=False, ray_address=addr, num_cpus=num_cpus, quiet=quiet,
+                    pending_tracking=pending)
 
 
 def resume(run_dir: os.PathLike, ray_address: Optional[str] = None, num_cpus: Optional[int] = None,

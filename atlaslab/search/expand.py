@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import dataclasses
 import hashlib
 import itertools
 import json
 import re
+from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, OmegaConf
@@ -197,24 +199,40 @@ def _exists(node: Any, key: str) -> bool:
     return True
 
 
-def model_config(model_node: Mapping[str, Any], vocab_size: Optional[int] = None) -> DictConfig:
-    """The validated model config of a trial's model node (preset + overrides; '*' wildcards expanded).
+@functools.lru_cache(maxsize=64)
+def _preset_resolved(path: str) -> Optional[Dict[str, Any]]:
+    from ..components.lm import resolve_lm_config
+    try:
+        return resolve_lm_config(OmegaConf.load(path)).to_dict()
+    except ConfigError:
+        return None
+
+
+def resolve_model_node(model_node: Mapping[str, Any], vocab_size: Optional[int] = None):
+    """``(DictConfig, ResolvedLM)`` of a trial's model node (preset + overrides; '*' wildcards expanded).
 
     ``vocab_size`` (the task's) is applied first unless an override sets it. Raises ConfigError with the
     path inside the model config; ``err.source`` names the experiment key of the override at fault."""
     from ..components.lm import resolve_lm_config
-    from ..presets import apply_overrides, load_preset
+    from ..presets import apply_overrides, preset_path
 
     preset = str(model_node.get("preset"))
     overrides = [tuple(o) for o in model_node.get("overrides", [])]
     try:
-        cfg = load_preset(preset, [])
+        path = preset_path(preset)
     except ConfigError as exc:
         exc.source = "model.preset"
         raise
+    cfg = OmegaConf.load(path)           # validated once, after the overrides (validation is the costly part)
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError("preset", f"preset '{preset}' is not a mapping.", value=preset)
+    if not cfg.get("name"):
+        cfg.name = Path(preset).stem
     if vocab_size is not None and not any(k == "vocab_size" for k, _, _ in overrides):
         apply_overrides(cfg, {"vocab_size": int(vocab_size)})
-    resolved = None        # the fully resolved config, to expand wildcards against (recomputed on a part swap)
+    # the fully resolved config, to expand wildcards against: the preset's own (cached) until an override
+    # swaps a part or a node, then the current one
+    resolved = _preset_resolved(str(path))
     for key, value, src in overrides:
         if any(c in key for c in "*?["):
             if resolved is None:
@@ -236,7 +254,7 @@ def model_config(model_node: Mapping[str, Any], vocab_size: Optional[int] = None
                     (isinstance(value, Mapping) and "name" in value):
                 resolved = None
     try:
-        resolve_lm_config(cfg)
+        resolved = resolve_lm_config(cfg)
     except ConfigError as exc:
         best = ""          # the override whose key is the longest prefix of the error path is the culprit
         for key, _, src in overrides:
@@ -249,7 +267,12 @@ def model_config(model_node: Mapping[str, Any], vocab_size: Optional[int] = None
                     exc.source = f"{src}; preset '{preset}' has no such node"
                     break
         raise
-    return cfg
+    return cfg, resolved
+
+
+def model_config(model_node: Mapping[str, Any], vocab_size: Optional[int] = None) -> DictConfig:
+    """The model config (DictConfig) of a trial's model node, validated (see :func:`resolve_model_node`)."""
+    return resolve_model_node(model_node, vocab_size)[0]
 
 
 def components(resolved: Mapping[str, Any]) -> Dict[str, str]:
@@ -404,14 +427,14 @@ class Validator:
         k = json.dumps([model_node, task.vocab_size, task.seq_len], sort_keys=True, default=str)
         if k in self._models:
             return self._models[k]
-        cfg = model_config(model_node, task.vocab_size)
+        _, resolved_cfg = resolve_model_node(model_node, task.vocab_size)
         try:
             with torch.device("meta"), _no_init():
-                model = LanguageModel(cfg)
+                model = LanguageModel(resolved_cfg)
         except ConfigError:
             raise
         except Exception:          # a part that cannot be built on the meta device: build it for real
-            model = LanguageModel(cfg)
+            model = LanguageModel(resolved_cfg)
         resolved = model.resolved.to_dict()
         info = {
             "num_parameters": int(model.num_parameters()),

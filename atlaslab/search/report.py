@@ -503,6 +503,14 @@ def write_report(run_dir: Path, exp: ExperimentConfig, records: Sequence[Mapping
             p = plot_curves(rows_like, records, exp.report.curve_metric or exp.metric, plots / "curves.png")
             if p:
                 figs.append(p)
+    waiting = [r for r in records if r["status"] in ("unfinished", "pending")]
+    if waiting:
+        lines += ["## Unfinished trials", "", "(the experiment has not finished: `atlaslab resume` completes it)", ""]
+        lines += _md_table(["trial", "row", "seed", "status", "last step", exp.metric],
+                           [[r["key"], r.get("row", ""), str(r.get("seed", "")), r["status"],
+                             str(r["metrics"].get("step", "—")), _fmt(_num(r["metrics"].get(exp.metric)))]
+                            for r in waiting])
+        lines.append("")
     failed = [r for r in records if r["failed"]]
     if failed:
         lines += ["## Failed trials", ""]
@@ -522,20 +530,33 @@ def write_report(run_dir: Path, exp: ExperimentConfig, records: Sequence[Mapping
     return out
 
 
-def report_from_dir(run_dir: Path) -> Path:
-    """Rewrite the report of a finished (or partly finished) run folder."""
+def report_from_dir(run_dir: Path, refresh: bool = False) -> Path:
+    """Rewrite the report of a run folder. Without ``results.json`` (an experiment still running or
+    interrupted), or with ``refresh``, the records are read from Tune's experiment folder; trials without a
+    final result are then reported as ``unfinished``."""
     from omegaconf import OmegaConf
 
     from .schema import load_experiment
     run_dir = Path(run_dir)
     state = json.loads((run_dir / "state.json").read_text()) if (run_dir / "state.json").is_file() else {}
-    exp = load_experiment(node=OmegaConf.to_container(OmegaConf.load(run_dir / "experiment.yaml")))
+    node = OmegaConf.to_container(OmegaConf.load(run_dir / "experiment.yaml"))
+    exp = load_experiment(node=node)
     rp = run_dir / "results.json"
-    if not rp.is_file():
+    if rp.is_file() and not refresh:
+        records = json.loads(rp.read_text())
+    else:
         from ..registry import ConfigError
-        raise ConfigError("run_dir", f"{run_dir} has no results.json yet (the experiment has not finished; "
-                          f"`atlaslab resume {run_dir}` finishes it).", value=str(run_dir))
-    records = json.loads(rp.read_text())
+        tune_path = Path(state.get("tune_path") or run_dir / "ray" / "tune")
+        if not tune_path.is_dir() or not any(tune_path.glob("experiment_state-*.json")):
+            raise ConfigError("run_dir", f"{run_dir} has no results yet (no Tune experiment state in {tune_path}).",
+                              value=str(run_dir))
+        from ray.tune import ExperimentAnalysis, ResultGrid
+
+        from .driver import Prepared, collect
+        trials = json.loads((run_dir / "trials.json").read_text()) if (run_dir / "trials.json").is_file() else []
+        p = Prepared(node, exp, trials)
+        records = collect(p, ResultGrid(ExperimentAnalysis(str(tune_path))), run_dir,
+                          partial=state.get("status") != "finished")
     return write_report(run_dir, exp, records, state)
 
 
