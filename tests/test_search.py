@@ -312,9 +312,11 @@ def test_mad_score_best_per_setting_then_mean():
     assert math.isclose(s["in_context_recall"], 0.7) and math.isclose(s["mad_score"], 0.55)
 
 
-def test_flatten_params_for_mlflow():
-    from atlaslab.search.tracking import flatten
-    f = flatten({"model": {"preset": "atlas", "overrides": [["d_model", 16, "x"]]}, "train": {"lr": 0.1,
-                                                                                          "test_lengths": [16, 32]}})
+def test_trial_config_as_mlflow_params():
+    from atlaslab.search.tracking import config_params
+    f = config_params({"model": {"preset": "atlas", "overrides": [["d_model", 16, "x"], ["d_model", 32, "y"],
+                                                                   ["mixers.atlas.memory.window", {"size": 1}, "z"]]},
+                       "train": {"lr": 0.1, "test_lengths": [16, 32]}})
     assert f["model.preset"] == "atlas" and f["train.lr"] == "0.1" and f["train.test_lengths"] == "[16, 32]"
-    assert f["model.overrides.0.0"] == "d_model"
+    assert f["model.overrides.d_model"] == "32"                       # the effective (last) value
+    assert f["model.overrides.mixers.atlas.memory.window.size"] == "1"

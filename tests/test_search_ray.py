@@ -18,6 +18,8 @@ import pytest
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
+from ray.tune import Stopper  # noqa: E402
+
 from atlaslab.search.driver import prepare, run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,6 +144,60 @@ def test_optuna_search_with_asha_conditional_space(local_ray, tmp_path):
 # --------------------------------------------------------------------------------------------------
 # interrupted and resumed
 # --------------------------------------------------------------------------------------------------
+class InterruptAfterFirstTrial(Stopper):
+    """Presses Ctrl-C (SIGINT to this process) after a trial has finished: Tune saves its state and ends the
+    run with the other trials unfinished, as when a user interrupts the driver. A flag file keeps it from
+    firing again in the restored experiment (Tune pickles its stopper with the experiment)."""
+
+    def __init__(self, flag):
+        self.flag = str(flag)
+        self.seen_final = False
+
+    def __call__(self, trial_id, result):
+        if result.get("final") == 1:
+            self.seen_final = True        # fire on a later result, once Tune has recorded this trial as done
+        elif self.seen_final and not os.path.exists(self.flag):
+            Path(self.flag).write_text("fired")
+            os.kill(os.getpid(), signal.SIGINT)
+        return False
+
+    def stop_all(self):
+        return False
+
+
+def test_interrupted_experiment_resumes_every_trial_once(local_ray, tmp_path):
+    from atlaslab.search.driver import resume
+    node = tiny("intr", steps=100, grid={"variants": {"A": {}, "B": {"train.steps": 250}, "C": {}}},
+                max_concurrent=2)
+    node["eval"]["interval"] = 50
+    run_dir = tmp_path / "run"
+    s1 = run(prepare(node=node), run_dir=run_dir, num_cpus=2, quiet=True, stop=InterruptAfterFirstTrial(tmp_path / "f"))
+    assert s1["status"] == "interrupted" and s1["unfinished"] >= 1
+    first = {r["key"]: r for r in json.loads((run_dir / "results.json").read_text())}
+    done_before = {k for k, r in first.items() if r["status"] == "completed"}
+    assert done_before and first["t001"]["status"] in ("unfinished", "pending")
+    assert "## Unfinished trials" in (run_dir / "report.md").read_text()
+    t_resume = time.time()
+
+    s2 = resume(run_dir, quiet=True)
+    assert s2["status"] == "finished" and s2["completed"] == 3
+    recs = {r["key"]: r for r in json.loads((run_dir / "results.json").read_text())}
+    assert recs["t001"]["metrics"]["step"] == 250 and recs["t000"]["metrics"]["step"] == 100
+    state = json.loads((run_dir / "state.json").read_text())
+    c, parents, children = mlflow_runs(state["tracking"]["uri"])
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    by_key = {r.data.tags["atlaslab.trial_key"]: r for r in children}
+    assert sorted(by_key) == ["t000", "t001", "t002"] and len(children) == 3     # one MLflow run per trial
+    for key in done_before:                                    # finished trials were not run again
+        assert "atlaslab.resumed" not in by_key[key].data.tags
+        assert by_key[key].info.end_time / 1000 < t_resume
+    assert by_key["t001"].data.tags.get("atlaslab.status") == "completed"
+    for key, ch in by_key.items():
+        assert ch.info.status == "FINISHED"
+        steps = [m.step for m in c.get_metric_history(ch.info.run_id, "val/accuracy")]
+        assert steps == list(range(50, recs[key]["metrics"]["step"] + 1, 50)), (key, steps)   # none twice
+
+
 def descendants(pid):
     """Pids of every live descendant of ``pid`` (through /proc)."""
     children = {}
@@ -186,11 +242,14 @@ def env():
     return e
 
 
+@pytest.mark.slow
 def test_killed_driver_resumes_every_trial_exactly_once(tmp_path):
+    """SIGKILL of the driver process (and of every process it started), then ``atlaslab resume``."""
     import yaml
-    node = tiny("res", steps=60, grid={"variants": {"A": {}, "B": {"train.lr": 1e-2}, "C": {"train.lr": 5e-3}}},
+    node = tiny("res", steps=400, grid={"variants": {"A": {}, "B": {"train.lr": 1e-2}, "C": {"train.lr": 5e-3}}},
                 max_concurrent=1)
-    node["eval"]["interval"] = 20
+    node["eval"]["interval"] = 50
+    node["train"]["log_interval"] = 25
     exp = tmp_path / "res.yaml"
     exp.write_text(yaml.safe_dump(node))
     run_dir = tmp_path / "run"
@@ -202,19 +261,19 @@ def test_killed_driver_resumes_every_trial_exactly_once(tmp_path):
         deadline = time.time() + 240
         while time.time() < deadline:
             text = Path(log.name).read_text()
-            if "completed: t000" in text:
-                break
+            if "completed: t000" in text and "step 100: t001" in text:
+                break                       # t000 finished, t001 has a checkpoint (step 50) and runs on
             assert proc.poll() is None, text
             pids = descendants(proc.pid) or pids
             time.sleep(0.5)
         else:
             pytest.fail("the first trial did not finish in time:\n" + Path(log.name).read_text())
-        time.sleep(3)                       # Tune saves its experiment state every 2 s
+        time.sleep(2.5)                     # Tune saves its experiment state every 2 s
         pids = sorted(set(pids) | set(descendants(proc.pid)))
     finally:
         kill_tree(proc, pids)               # SIGKILL the driver and every process it started
     text = Path(log.name).read_text()
-    assert "completed: t002" not in text
+    assert "completed: t001" not in text and "completed: t002" not in text, text
     killed_at = time.time()
 
     r = subprocess.run(cli("resume", str(run_dir), "--quiet"), cwd=tmp_path, env=env(), capture_output=True,
@@ -222,7 +281,7 @@ def test_killed_driver_resumes_every_trial_exactly_once(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     recs = json.loads((run_dir / "results.json").read_text())
     assert sorted(x["key"] for x in recs) == ["t000", "t001", "t002"]
-    assert all(x["status"] == "completed" and x["metrics"]["step"] == 60 for x in recs)
+    assert all(x["status"] == "completed" and x["metrics"]["step"] == 400 for x in recs)
     report = (run_dir / "report.md").read_text()
     for label in ("| A (baseline) |", "| B |", "| C |"):
         assert report.count(label) == 1
@@ -233,9 +292,13 @@ def test_killed_driver_resumes_every_trial_exactly_once(tmp_path):
     keys = sorted(r.data.tags["atlaslab.trial_key"] for r in children)
     assert keys == ["t000", "t001", "t002"]                    # each trial exactly one MLflow run
     assert all(r.info.status == "FINISHED" for r in children)
-    first = next(r for r in children if r.data.tags["atlaslab.trial_key"] == "t000")
-    assert "atlaslab.resumed" not in first.data.tags           # the finished trial was not run again
-    assert first.info.end_time / 1000 < killed_at
-    for ch in children:
-        steps = [m.step for m in c.get_metric_history(ch.info.run_id, "val/accuracy")]
-        assert steps == [20, 40, 60], (ch.data.tags["atlaslab.trial_key"], steps)   # no step logged twice
+    by_key = {r.data.tags["atlaslab.trial_key"]: r for r in children}
+    assert "atlaslab.resumed" not in by_key["t000"].data.tags   # the finished trial was not run again
+    assert by_key["t000"].info.end_time / 1000 < killed_at
+    assert by_key["t001"].data.tags.get("atlaslab.resumed") == "true"   # continued in the same run
+    for key, ch in by_key.items():
+        for metric, every in (("val/accuracy", 50), ("train/loss", 25)):
+            steps = [m.step for m in c.get_metric_history(ch.info.run_id, metric)]
+            assert steps == list(range(every, 401, every)), (key, metric, steps)   # none missing, none twice
+    t001 = next(x for x in recs if x["key"] == "t001")
+    assert [h["step"] for h in t001["history"] if h.get("val/accuracy") is not None] == list(range(50, 401, 50))

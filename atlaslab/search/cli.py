@@ -41,6 +41,9 @@ def _finish(summary, quiet: bool) -> int:
     msg = (f"{summary['trials']} trials: {summary['completed']} completed, {summary['failed']} failed"
            + (f", {summary['pruned']} stopped early" if summary.get("pruned") else "")
            + f" in {summary['wall_s']:.0f} s. Report: {summary['report']}")
+    if summary.get("status") == "interrupted":
+        msg += (f"\nInterrupted with {summary['unfinished']} trials unfinished: "
+                f"`atlaslab resume {summary['run_dir']}` finishes them.")
     print(msg, file=sys.stderr if quiet else sys.stdout)
     if not quiet:
         print(Path(summary["report"]).read_text())

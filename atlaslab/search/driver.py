@@ -245,7 +245,8 @@ def _max_concurrent(exp: ExperimentConfig, num_cpus: Optional[int]) -> int:
     return max(1, int(cpus // max(exp.resources.cpus_per_trial, 1e-9)))
 
 
-def build_tuner(p: Prepared, run_dir: Path, meta: Dict[str, Any], num_cpus: Optional[int], progress):
+def build_tuner(p: Prepared, run_dir: Path, meta: Dict[str, Any], num_cpus: Optional[int], progress,
+                stop: Any = None):
     from ray import tune
     exp = p.exp
     search_alg = None
@@ -267,7 +268,7 @@ def build_tuner(p: Prepared, run_dir: Path, meta: Dict[str, Any], num_cpus: Opti
         name=TUNE_NAME, storage_path=str((run_dir / "ray").resolve()),
         failure_config=tune.FailureConfig(max_failures=exp.max_failures),
         checkpoint_config=tune.CheckpointConfig(num_to_keep=2),
-        verbose=0, callbacks=[progress], log_to_file=True)
+        verbose=0, callbacks=[progress], log_to_file=True, stop=stop)
     return tune.Tuner(_trainable(exp), param_space=space, tune_config=tune_config, run_config=run_config)
 
 
@@ -286,7 +287,29 @@ def _clean_metrics(m: Mapping[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def collect(p: Prepared, result_grid, run_dir: Path, partial: bool = False) -> List[Dict[str, Any]]:
+def saved_statuses(tune_path: os.PathLike) -> Dict[str, str]:
+    """Trial folder name → status in Tune's newest saved experiment state (what a restore resumes from;
+    after an interruption the in-memory trials read TERMINATED although they will be resumed)."""
+    files = sorted(Path(tune_path).glob("experiment_state-*.json"))
+    if not files:
+        return {}
+    try:
+        data = json.loads(files[-1].read_text())
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    for entry in data.get("trial_data", []):
+        try:
+            t = json.loads(entry[0] if isinstance(entry, (list, tuple)) else entry)
+        except (TypeError, ValueError):
+            continue
+        name = t.get("custom_dirname") or t.get("relative_logdir") or t.get("trial_id")
+        out[str(name)] = str(t.get("status"))
+    return out
+
+
+def collect(p: Prepared, result_grid, run_dir: Path, partial: bool = False,
+            statuses: Optional[Mapping[str, str]] = None) -> List[Dict[str, Any]]:
     """One record per trial from Tune's results: status, reason, final metrics, learning curve.
 
     ``partial`` (an experiment that has not finished): a trial without its final result is ``unfinished``
@@ -305,7 +328,10 @@ def collect(p: Prepared, result_grid, run_dir: Path, partial: bool = False) -> L
             trial = trial_from_params(exp, params, key=str(key))
             trial["info"] = {}
         m = _clean_metrics(r.metrics or {})
-        if r.error is not None:
+        saved = (statuses or {}).get(str(key))
+        if saved in ("RUNNING", "PENDING", "PAUSED") and r.error is None and m.get("final") != 1:
+            status, message = "unfinished", (f"last report at step {m.get('step')}" if m else "not started")
+        elif r.error is not None:
             status = "error"
             err = str(r.error).strip().splitlines()
             message = next((line for line in reversed(err) if line.strip()), "error")[:500]
@@ -385,8 +411,11 @@ def _parent_run(exp: ExperimentConfig, run_dir: Path, uri: str, node: Mapping[st
 
 def run(p: Prepared, run_dir: Optional[os.PathLike] = None, ray_address: Optional[str] = None,
         tracking_uri: Optional[str] = None, num_cpus: Optional[int] = None, quiet: bool = False,
-        command: Optional[str] = None) -> Dict[str, Any]:
-    """Run a prepared experiment into ``run_dir`` (default ``runs/<name>-<time>``); returns the summary."""
+        command: Optional[str] = None, stop: Any = None) -> Dict[str, Any]:
+    """Run a prepared experiment into ``run_dir`` (default ``runs/<name>-<time>``); returns the summary.
+
+    ``stop``: a Tune stopper (``RunConfig(stop=…)``); one that ends the whole experiment early leaves it
+    resumable, like an interruption."""
     from .tracking import default_tracking_uri, is_local_uri
     exp = p.exp
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(exp.name)
@@ -415,7 +444,7 @@ def run(p: Prepared, run_dir: Optional[os.PathLike] = None, ray_address: Optiona
                               len(p.trials) if exp.kind == "grid" else exp.num_samples)
         pool.shutdown(wait=False)
     return _execute(p, run_dir, state, resume=False, ray_address=addr, num_cpus=num_cpus, quiet=quiet,
-                    pending_tracking=pending)
+                    pending_tracking=pending, stop=stop)
 
 
 def resume(run_dir: os.PathLike, ray_address: Optional[str] = None, num_cpus: Optional[int] = None,
@@ -443,7 +472,7 @@ def resume(run_dir: os.PathLike, ray_address: Optional[str] = None, num_cpus: Op
 
 
 def _execute(p: Prepared, run_dir: Path, state: Dict[str, Any], resume: bool, ray_address: Optional[str],
-             num_cpus: Optional[int], quiet: bool, pending_tracking=None) -> Dict[str, Any]:
+             num_cpus: Optional[int], quiet: bool, pending_tracking=None, stop: Any = None) -> Dict[str, Any]:
     exp = p.exp
     total = len(p.trials) if exp.kind == "grid" else exp.num_samples
     t0 = time.time()
@@ -481,16 +510,19 @@ def _execute(p: Prepared, run_dir: Path, state: Dict[str, Any], resume: bool, ra
                 if not quiet:
                     print(f"[{exp.name}] resuming {state['tune_path']}", flush=True)
             else:
-                tuner = build_tuner(p, run_dir, meta, num_cpus, progress)
+                tuner = build_tuner(p, run_dir, meta, num_cpus, progress, stop)
                 if not quiet:
                     print(f"[{exp.name}] {total} trials → {run_dir}  (MLflow: {tracking.get('uri', 'off')})",
                           flush=True)
             lap("tuner_setup_s")
             results = tuner.fit()
             lap("fit_s")
-            records = collect(p, results, run_dir)
+            statuses = saved_statuses(state["tune_path"])
+            interrupted = len(results) < total or any(v in ("RUNNING", "PENDING", "PAUSED")
+                                                      for v in statuses.values())
+            records = collect(p, results, run_dir, partial=interrupted, statuses=statuses)
             mark[0] = time.time()
-        status = "finished"
+        status = "interrupted" if interrupted else "finished"
     finally:
         lap("ray_shutdown_s")
         state["status"] = status
@@ -505,7 +537,8 @@ def _execute(p: Prepared, run_dir: Path, state: Dict[str, Any], resume: bool, ra
                "failed": sum(r["failed"] for r in records),
                "completed": sum(r["status"] in ("completed", "early_stopped") for r in records),
                "pruned": sum(r["status"] == "pruned" for r in records), "wall_s": time.time() - t0,
-               "report": str(rep)}
+               "report": str(rep), "status": status,
+               "unfinished": sum(r["status"] in ("unfinished", "pending") for r in records)}
     if tracking.get("parent_run_id"):
         from . import tracking as T
         c = T.client(tracking["uri"])
@@ -517,7 +550,8 @@ def _execute(p: Prepared, run_dir: Path, state: Dict[str, Any], resume: bool, ra
             if f.is_file():
                 T.retry(c.log_artifact, tracking["parent_run_id"], str(f),
                         "plots" if f.suffix == ".png" else None, what="log report")
-        T.retry(c.set_terminated, tracking["parent_run_id"], status="FINISHED", what="end parent run")
+        T.retry(c.set_terminated, tracking["parent_run_id"], status="FINISHED" if status == "finished" else "KILLED",
+                what="end parent run")
         lap("mlflow_final_s")
     _write_json(run_dir / "state.json", state)
     return summary

@@ -555,8 +555,9 @@ def report_from_dir(run_dir: Path, refresh: bool = False) -> Path:
         from .driver import Prepared, collect
         trials = json.loads((run_dir / "trials.json").read_text()) if (run_dir / "trials.json").is_file() else []
         p = Prepared(node, exp, trials)
+        from .driver import saved_statuses
         records = collect(p, ResultGrid(ExperimentAnalysis(str(tune_path))), run_dir,
-                          partial=state.get("status") != "finished")
+                          partial=state.get("status") != "finished", statuses=saved_statuses(tune_path))
     return write_report(run_dir, exp, records, state)
 
 

@@ -259,6 +259,13 @@ class ExperimentConfig:
     report: ReportNode = field(default_factory=ReportNode)
     space: Dict[str, ParamNode] = field(default_factory=dict)   # filled from search.space (validated)
 
+    def check(self) -> None:
+        for name in ("eval", "protocol", "scheduler", "resources"):
+            try:
+                getattr(self, name).check()
+            except ConfigError as exc:
+                raise exc.prefixed(name) from None
+
     @property
     def kind(self) -> str:
         return "search" if self.search is not None else "grid"

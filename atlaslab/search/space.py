@@ -75,15 +75,20 @@ def sample(space: Mapping[str, ParamNode], trial: Any) -> Dict[str, Any]:
     return values
 
 
-def define_by_run(space: Mapping[str, ParamNode]) -> Callable[[Any], None]:
-    """The define-by-run function for ``OptunaSearch(space=fn)``: suggests only; no computation."""
-    space = dict(space)
+class DefineByRun:
+    """The define-by-run function for ``OptunaSearch(space=fn)``: suggests only, computes nothing.
+    A class rather than a closure: OptunaSearch pickles itself into Tune's experiment checkpoint."""
 
-    def fn(trial: Any) -> None:
-        sample(space, trial)
+    def __init__(self, space: Mapping[str, ParamNode]):
+        self.space = dict(space)
+
+    def __call__(self, trial: Any) -> None:
+        sample(self.space, trial)
         return None
 
-    return fn
+
+def define_by_run(space: Mapping[str, ParamNode]) -> Callable[[Any], None]:
+    return DefineByRun(space)
 
 
 def decode_params(space: Mapping[str, ParamNode], config: Mapping[str, Any]) -> Dict[str, Any]:

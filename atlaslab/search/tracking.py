@@ -78,6 +78,17 @@ def flatten(d: Any, prefix: str = "", out: Optional[Dict[str, str]] = None) -> D
     return out
 
 
+def config_params(config: Mapping[str, Any]) -> Dict[str, str]:
+    """MLflow params of a trial config: flattened, model overrides as ``model.overrides.<key>`` (last wins)."""
+    cfg = dict(config)
+    model = dict(cfg.get("model") or {})
+    ovs = model.get("overrides") or []
+    if isinstance(ovs, list):
+        model["overrides"] = {str(o[0]): o[1] for o in ovs if isinstance(o, (list, tuple)) and len(o) >= 2}
+    cfg["model"] = model
+    return flatten(cfg)
+
+
 def safe_key(k: str) -> str:
     import re
     k = re.sub(r"[^A-Za-z0-9_\-. /:]", "_", k)
@@ -180,7 +191,7 @@ class TrialRun:
             self.last_step = max((int(m.step) for m in hist), default=-1)
             set_tags(self.c, self.run_id, {"atlaslab.resumed": "true"})
         set_tags(self.c, self.run_id, tags)
-        params = flatten(trial["config"])
+        params = config_params(trial["config"])
         params.update({f"param.{k}": v for k, v in flatten(trial.get("params", {})).items()})
         info = trial.get("info", {})
         for k in ("num_parameters", "state_size", "state_size_fixed", "state_size_per_token"):
@@ -238,5 +249,5 @@ def finalize_child(uri: str, experiment_id: str, parent_id: str, trial_key: str,
         retry(c.set_terminated, run.info.run_id, status=status, what="end run")
 
 
-__all__ = ["TAG_KEY", "TrialRun", "children", "client", "default_tracking_uri", "ensure_experiment",
+__all__ = ["TAG_KEY", "TrialRun", "children", "client", "config_params", "default_tracking_uri", "ensure_experiment",
            "finalize_child", "flatten", "is_local_uri", "log_metrics", "log_params", "retry", "set_tags"]

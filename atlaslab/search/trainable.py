@@ -73,13 +73,18 @@ def run_trial(config: Dict[str, Any]) -> None:
     ckpt = tune.get_checkpoint()
     if ckpt is not None:
         with ckpt.as_directory() as d:
+            m = Path(d) / CKPT_META
+            ck_meta = json.loads(m.read_text()) if m.is_file() else {}
+            if ck_meta.get("final"):
+                # finished before an interruption that Tune did not record: report the stored result again,
+                # train nothing and leave the MLflow run as it is
+                tune.report(ck_meta["final"])
+                return None
             src = Path(d) / CHECKPOINT_NAME
             if src.is_file():
                 shutil.copyfile(src, work / (CHECKPOINT_NAME + ".part"))
                 os.replace(work / (CHECKPOINT_NAME + ".part"), work / CHECKPOINT_NAME)
-            m = Path(d) / CKPT_META
-            if m.is_file():
-                reported_step = int(json.loads(m.read_text()).get("reported_step", -1))
+            reported_step = int(ck_meta.get("reported_step", -1))
     elif (work / CHECKPOINT_NAME).exists():
         (work / CHECKPOINT_NAME).unlink()          # a fresh start: no stale state from an earlier attempt
 
@@ -112,8 +117,8 @@ def run_trial(config: Dict[str, Any]) -> None:
                 return None
             prev = state["prev_eval"]
             state["prev_eval"] = step
-            if step <= reported_step:
-                return None
+            if step <= reported_step or step >= tcfg.steps:
+                return None        # replayed after a restore / the last one: the final report carries it
             rep = {**state["last_train"], **metrics, "step": step, "final": 0,
                    "elapsed_s": time.time() - state["t0"], "setup_s": setup_s, "t_start": t_start}
             _report(rep, work / CHECKPOINT_NAME if prev is not None else None, step)
@@ -136,7 +141,11 @@ def run_trial(config: Dict[str, Any]) -> None:
             tags = {"atlaslab.status": result.status}
         if mlrun is not None:
             mlrun.log({k: v for k, v in final.items() if k in ("failed", "wall_time_s", "setup_s")}, result.steps)
-        _report(final, work / CHECKPOINT_NAME, result.steps)
+        _report(final, work / CHECKPOINT_NAME, result.steps, final=True)
+    except SystemExit:
+        # Tune stops a trial (ASHA, a stopper) by exiting its thread from inside tune.report
+        status, tags = "FINISHED", {"atlaslab.status": "pruned"}
+        raise
     except BaseException as exc:
         tags = {"atlaslab.status": "error", "atlaslab.failure": f"{type(exc).__name__}: {exc}"[:4000]}
         if mlrun is not None:
@@ -158,7 +167,7 @@ def _node_id() -> str:
         return ""
 
 
-def _report(metrics: Dict[str, Any], ckpt_file: Optional[Path], step: int) -> None:
+def _report(metrics: Dict[str, Any], ckpt_file: Optional[Path], step: int, final: bool = False) -> None:
     from ray import tune
     clean = {}
     for k, v in metrics.items():
@@ -171,7 +180,11 @@ def _report(metrics: Dict[str, Any], ckpt_file: Optional[Path], step: int) -> No
         return
     with tempfile.TemporaryDirectory(prefix="atlaslab-ckpt-") as d:
         shutil.copyfile(ckpt_file, Path(d) / ckpt_file.name)
-        (Path(d) / CKPT_META).write_text(json.dumps({"reported_step": step}))
+        meta = {"reported_step": step}
+        if final:
+            meta["final"] = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                             for k, v in clean.items()}
+        (Path(d) / CKPT_META).write_text(json.dumps(meta))
         tune.report(clean, checkpoint=tune.Checkpoint.from_directory(d))
 
 
