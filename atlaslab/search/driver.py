@@ -37,6 +37,8 @@ os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_
 # Ray runs workers at niceness 15 by default, so on a shared machine any other process starves the trials;
 # trials are this program's main work (a local Ray started here only; a cluster keeps its own setting)
 os.environ.setdefault("RAY_worker_niceness", "0")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")     # inherited by the trials
+os.environ.setdefault("DO_NOT_TRACK", "true")
 
 from omegaconf import OmegaConf  # noqa: E402
 

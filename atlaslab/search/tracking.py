@@ -21,6 +21,9 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 log = logging.getLogger("atlaslab.search")
+# nothing leaves the machine but what the user points MLflow at (MLflow 3 otherwise sends usage telemetry)
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("DO_NOT_TRACK", "true")
 
 TAG_KEY = "atlaslab.trial_key"
 TAG_EXPERIMENT = "atlaslab.experiment"
@@ -177,7 +180,8 @@ class TrialRun:
             tags[f"component.{k}"] = v
         if run is None:
             from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME
-            run = retry(self.c.create_run, experiment_id, tags={**tags, MLFLOW_RUN_NAME: run_name},
+            run = retry(self.c.create_run, experiment_id,
+                        tags={k: str(v) for k, v in {**tags, MLFLOW_RUN_NAME: run_name}.items()},
                         run_name=run_name, what="create child run")
             if run is None:
                 return
