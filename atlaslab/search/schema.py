@@ -49,10 +49,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException
 
-from ..registry import ConfigError, check_choice, check_range, to_container
-from ..registry.errors import join_path
+from ..registry import ConfigError, check_choice, check_range, to_container, validate_structured
 
 #: roots a dotted key may start with
 KEY_ROOTS = ("model", "task", "tasks", "train", "eval")
@@ -63,30 +62,7 @@ PARAM_TYPES = ("float", "int", "categorical")
 
 def _structured(cls: type, node: Any, path: str) -> Any:
     """Validate a mapping against dataclass ``cls`` (unknown key / bad type → ConfigError at ``path``)."""
-    node = to_container(node)
-    if node is None:
-        node = {}
-    if not isinstance(node, Mapping):
-        raise ConfigError(path, f"expected a mapping, got {node!r}.")
-    fields = [f.name for f in dataclasses.fields(cls)]
-    for key in node:
-        if key not in fields:
-            raise ConfigError(join_path(path, str(key)), f"unknown key '{key}'.", value=str(key), choices=fields)
-    try:
-        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), dict(node)))
-    except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or getattr(exc, "key", None) or ""
-        if isinstance(exc, ConfigKeyError):
-            raise ConfigError(join_path(path, str(key)), f"unknown key '{key}'.", value=str(key),
-                              choices=fields) from None
-        raise ConfigError(join_path(path, str(key)), f"bad value ({str(exc).splitlines()[0]}).") from None
-    check = getattr(obj, "check", None)
-    if check is not None:
-        try:
-            check()
-        except ConfigError as exc:
-            raise exc.prefixed(path) from None
-    return obj
+    return validate_structured(cls, node, path, what="key")
 
 
 @dataclass
