@@ -85,7 +85,8 @@ def test_cluster_and_tracking_server(tmp_path):
         children = [x for x in runs if "mlflow.parentRunId" in x.data.tags]
         assert len(parents) == 1 and len(children) == 2
         assert all(x.info.status == "FINISHED" for x in runs)
-        assert [a.path for a in c.list_artifacts(children[0].info.run_id)] == ["trial_config.yaml"]
+        assert {a.path for a in c.list_artifacts(children[0].info.run_id)} == {"trial_config.yaml",
+                                                                               "resolved_config.yaml"}
         assert not (tmp_path / "run" / "mlruns.db").exists()        # nothing tracked locally
     finally:
         cluster.shutdown()

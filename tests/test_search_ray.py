@@ -65,13 +65,15 @@ def mlflow_runs(uri):
 
 def test_parallel_trials_nan_failure_and_mlflow(local_ray, tmp_path):
     node = tiny("par", grid={"variants": {"GDN": {}, "GDN lr 1e-2": {"train.lr": 1e-2},
-                                          "NaN": {"train.lr": 1e12}}, "baseline": "GDN"},
-                max_concurrent=2)
+                                          "NaN": {"train.lr": 1e12},
+                                          "raises": {"eval.lengths": [4]}},   # MQAR cannot make length 4
+                             "baseline": "GDN"},
+                max_concurrent=2, max_failures=1)
     p = prepare(node=node)
     summary = run(p, run_dir=tmp_path / "run", num_cpus=2, quiet=True)
     run_dir = tmp_path / "run"
     recs = {r["key"]: r for r in json.loads((run_dir / "results.json").read_text())}
-    assert summary["trials"] == 3 and summary["failed"] == 1 and summary["completed"] == 2
+    assert summary["trials"] == 4 and summary["failed"] == 2 and summary["completed"] == 2
 
     # two trials ran at the same time (overlapping wall-clock intervals)
     a, b = recs["t000"]["metrics"], recs["t001"]["metrics"]
@@ -81,24 +83,26 @@ def test_parallel_trials_nan_failure_and_mlflow(local_ray, tmp_path):
     nan = recs["t002"]
     assert nan["status"] == "diverged" and nan["failed"] and "diverged at step" in nan["message"]
     assert "nan" in nan["message"]
+    err = recs["t003"]                    # raised (at its final evaluation), retried once, then recorded
+    assert err["status"] == "error" and err["failed"] and "length 4" in err["message"], err
     for k in ("t000", "t001"):
         assert recs[k]["status"] == "completed" and recs[k]["metrics"]["step"] == 30
         assert 0.0 <= recs[k]["metrics"]["test/accuracy"] <= 1.0
         assert [h["step"] for h in recs[k]["history"] if h.get("val/accuracy") is not None][:3] == [10, 20, 30]
     report = (run_dir / "report.md").read_text()
     assert "| GDN (baseline) |" in report and "| GDN lr 1e-2 |" in report
-    assert "## Failed trials" in report and "diverged at step" in report
+    assert "## Failed trials" in report and "diverged at step" in report and "| t003 | raises |" in report
     assert (run_dir / "plots" / "curves.png").is_file() and (run_dir / "report.csv").is_file()
 
     # MLflow: one parent, one child per trial, with params, per-step metrics, tags and the config artifact
     state = json.loads((run_dir / "state.json").read_text())
     c, parents, children = mlflow_runs(state["tracking"]["uri"])
-    assert len(parents) == 1 and len(children) == 3
+    assert len(parents) == 1 and len(children) == 4
     parent = parents[0]
     assert parent.info.status == "FINISHED" and parent.info.run_id == state["tracking"]["parent_run_id"]
     assert {x.path for x in c.list_artifacts(parent.info.run_id)} >= {"report.md", "experiment.yaml", "plots"}
     by_key = {r.data.tags["atlaslab.trial_key"]: r for r in children}
-    assert set(by_key) == {"t000", "t001", "t002"}
+    assert set(by_key) == {"t000", "t001", "t002", "t003"}
     assert all(r.data.tags["mlflow.parentRunId"] == parent.info.run_id for r in children)
     ok = by_key["t001"]
     assert ok.info.status == "FINISHED"
@@ -110,10 +114,13 @@ def test_parallel_trials_nan_failure_and_mlflow(local_ray, tmp_path):
     assert [m.step for m in c.get_metric_history(ok.info.run_id, "val/accuracy")] == [10, 20, 30]
     assert [m.step for m in c.get_metric_history(ok.info.run_id, "train/loss")] == [5, 10, 15, 20, 25, 30]
     assert "test/accuracy" in ok.data.metrics
-    assert [x.path for x in c.list_artifacts(ok.info.run_id)] == ["trial_config.yaml"]
+    assert [x.path for x in c.list_artifacts(ok.info.run_id)] == ["resolved_config.yaml", "trial_config.yaml"]
     bad = by_key["t002"]
     assert bad.info.status == "FAILED" and bad.data.tags["atlaslab.status"] == "diverged"
     assert "diverged at step" in bad.data.tags["atlaslab.failure"]
+    raised = by_key["t003"]
+    assert raised.info.status == "FAILED" and raised.data.tags["atlaslab.status"] == "error"
+    assert "length 4" in raised.data.tags["atlaslab.failure"]
 
 
 def test_optuna_search_with_asha_conditional_space(local_ray, tmp_path):

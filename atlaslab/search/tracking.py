@@ -210,13 +210,18 @@ class TrialRun:
     def ok(self) -> bool:
         return self.run_id is not None
 
-    def log_config(self, trial: Mapping[str, Any]) -> None:
+    def log_config(self, trial: Mapping[str, Any], resolved: Optional[Mapping[str, Any]] = None) -> None:
+        """Artifacts: ``trial_config.yaml`` (the trial as expanded: overrides and their sources) and
+        ``resolved_config.yaml`` (model with every default filled in, task, training settings)."""
         if not self.ok or self.artifact_logged:
             return
         import yaml
-        text = yaml.safe_dump(json.loads(json.dumps({k: trial[k] for k in trial if k != "config"} |
-                                                    {"config": trial["config"]}, default=str)), sort_keys=False)
-        retry(self.c.log_text, self.run_id, text, "trial_config.yaml", what="log config")
+        plain = json.loads(json.dumps(dict(trial), default=str))
+        retry(self.c.log_text, self.run_id, yaml.safe_dump(plain, sort_keys=False), "trial_config.yaml",
+              what="log config")
+        if resolved is not None:
+            text = yaml.safe_dump(json.loads(json.dumps(dict(resolved), default=str)), sort_keys=False)
+            retry(self.c.log_text, self.run_id, text, "resolved_config.yaml", what="log resolved config")
         set_tags(self.c, self.run_id, {"atlaslab.config_logged": "1"})
         self.artifact_logged = True
 
@@ -248,6 +253,10 @@ def finalize_child(uri: str, experiment_id: str, parent_id: str, trial_key: str,
     run = retry(find_child, c, experiment_id, parent_id, trial_key, what="find child run")
     if run is None:
         return
+    have = run.data.tags
+    # what the trial recorded itself (its status and reason) is more precise than the driver's view
+    tags = {k: v for k, v in tags.items() if have.get(k) in (None, "", "running")
+            or (k == "atlaslab.status" and v == "pruned")}
     set_tags(c, run.info.run_id, tags)
     if run.info.status != status:
         retry(c.set_terminated, run.info.run_id, status=status, what="end run")

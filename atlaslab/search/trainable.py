@@ -93,7 +93,6 @@ def run_trial(config: Dict[str, Any]) -> None:
     if tr.get("uri") and tr.get("parent_run_id"):
         mlrun = TrialRun(tr["uri"], tr["experiment_id"], tr["parent_run_id"], trial,
                          run_name=f"{trial['key']} {trial['label']}"[:200])
-        mlrun.log_config(trial)
 
     cfg = trial["config"]
     status, tags = "FAILED", {}
@@ -102,6 +101,9 @@ def run_trial(config: Dict[str, Any]) -> None:
         tcfg = resolve_train_config(cfg["train"], "train")
         torch.manual_seed(tcfg.seed)
         model = build_model(model_config(cfg["model"], task.vocab_size))
+        if mlrun is not None:
+            mlrun.log_config(trial, {"model": model.resolved.to_dict(), "task": task.info(),
+                                     "train": tcfg.to_dict()})
         info = trial.get("info", {})
         eval_prefix = tcfg.eval_split + "/"
         state = {"prev_eval": None, "last_train": {}, "t0": time.time()}
