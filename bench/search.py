@@ -59,11 +59,11 @@ def run_plain(node: dict) -> dict:
     """The same trials in this process, sequentially, with the training loop only."""
     import torch
 
+    from atlaslab.presets import build_model
     from atlaslab.search.driver import prepare
     from atlaslab.search.expand import model_config
     from atlaslab.tasks.base import build_task
     from atlaslab.train import train
-    from atlaslab.presets import build_model
     torch.set_num_threads(1)
     p = prepare(node=node)
     t0, l0 = time.time(), load()

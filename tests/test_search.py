@@ -4,7 +4,6 @@ Ray / MLflow end-to-end behaviour is in ``test_search_ray.py``.
 """
 import json
 import math
-import os
 import subprocess
 import sys
 import textwrap

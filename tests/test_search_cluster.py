@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -44,7 +43,6 @@ def wait_http(url: str, timeout: float = 120) -> None:
 def test_cluster_and_tracking_server(tmp_path):
     import yaml
     from ray.cluster_utils import Cluster
-
     from test_search_ray import descendants, tiny
 
     port = free_port()

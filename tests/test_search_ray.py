@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -18,9 +17,9 @@ import pytest
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-from ray.tune import Stopper  # noqa: E402
+from ray.tune import Stopper
 
-from atlaslab.search.driver import prepare, run  # noqa: E402
+from atlaslab.search.driver import prepare, run
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -40,11 +40,21 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")     # inherited by the trials
 os.environ.setdefault("DO_NOT_TRACK", "true")
 
-from omegaconf import OmegaConf  # noqa: E402
+from omegaconf import OmegaConf
 
-from ..registry import ConfigError, to_container  # noqa: E402
-from .expand import Validator, expand_grid, fmt_value, short_key, trial_from_params, trial_hash  # noqa: E402
-from .schema import ExperimentConfig, load_experiment, load_experiment_node, validate_experiment  # noqa: E402
+from ..registry import ConfigError
+from .expand import (
+    Validator,
+    expand_grid,
+    fmt_value,
+    trial_from_params,
+)
+from .schema import (
+    ExperimentConfig,
+    load_experiment,
+    load_experiment_node,
+    validate_experiment,
+)
 
 TUNE_NAME = "tune"
 
@@ -316,7 +326,7 @@ def collect(p: Prepared, result_grid, run_dir: Path, partial: bool = False,
 
     ``partial`` (an experiment that has not finished): a trial without its final result is ``unfinished``
     rather than stopped by the scheduler."""
-    import pandas as pd  # noqa: F401  (metrics_dataframe)
+
     from .space import decode_params
     exp = p.exp
     records = []
@@ -350,7 +360,7 @@ def collect(p: Prepared, result_grid, run_dir: Path, partial: bool = False,
         history = []
         try:
             df = r.metrics_dataframe
-        except Exception:  # noqa: BLE001
+        except Exception:
             df = None
         if df is not None and len(df):
             keep = [c for c in df.columns if "/" in c or c == "step"]

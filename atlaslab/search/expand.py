@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -31,7 +31,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 from omegaconf import DictConfig, OmegaConf
 
 from ..registry import ConfigError, to_container
-from .schema import ExperimentConfig, ParamNode
+from .schema import ExperimentConfig
 
 Override = Tuple[str, Any, str]   # (key inside the model config, value, source path in the experiment)
 

@@ -117,7 +117,7 @@ class Progress(Callback):
         try:
             from .tracking import finalize_child
             finalize_child(tr["uri"], tr["experiment_id"], tr["parent_run_id"], key, status, tags)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self._out(f"warning: could not end the MLflow run of {key}: {exc}")
 
 

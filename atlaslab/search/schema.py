@@ -51,7 +51,13 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ..registry import ConfigError, check_choice, check_range, to_container, validate_structured
+from ..registry import (
+    ConfigError,
+    check_choice,
+    check_range,
+    to_container,
+    validate_structured,
+)
 
 #: roots a dotted key may start with
 KEY_ROOTS = ("model", "task", "tasks", "train", "eval")
@@ -411,8 +417,8 @@ def _preset_names() -> List[str]:
 
 
 def _task_names() -> List[str]:
-    from ..registry import get_registry
     from .. import tasks  # noqa: F401
+    from ..registry import get_registry
     return get_registry("task").names()
 
 
@@ -474,6 +480,21 @@ def import_module(name: str) -> None:
         raise ConfigError("imports", f"cannot import {name!r} ({exc}).", value=name) from None
 
 
-__all__ = ["EvalNode", "ExperimentConfig", "GridNode", "KEY_ROOTS", "ModelNode", "ParamNode", "ProtocolNode",
-           "ReportNode", "ResourcesNode", "SchedulerNode", "SearchNode", "TrackingNode", "load_experiment",
-           "load_experiment_node", "parse_override", "validate_experiment"]
+__all__ = [
+    "KEY_ROOTS",
+    "EvalNode",
+    "ExperimentConfig",
+    "GridNode",
+    "ModelNode",
+    "ParamNode",
+    "ProtocolNode",
+    "ReportNode",
+    "ResourcesNode",
+    "SchedulerNode",
+    "SearchNode",
+    "TrackingNode",
+    "load_experiment",
+    "load_experiment_node",
+    "parse_override",
+    "validate_experiment",
+]

@@ -84,7 +84,6 @@ class DefineByRun:
 
     def __call__(self, trial: Any) -> None:
         sample(self.space, trial)
-        return None
 
 
 def define_by_run(space: Mapping[str, ParamNode]) -> Callable[[Any], None]:

@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 log = logging.getLogger("atlaslab.search")
 # nothing leaves the machine but what the user points MLflow at (MLflow 3 otherwise sends usage telemetry)
@@ -57,7 +57,7 @@ def retry(fn, *args, tries: int = 5, what: str = "mlflow", **kwargs):
     for i in range(tries):
         try:
             return fn(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - tracking must never kill a trial
+        except Exception as exc:
             if i == tries - 1:
                 log.warning("%s failed after %d tries: %s", what, tries, exc)
                 return None

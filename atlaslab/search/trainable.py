@@ -58,8 +58,8 @@ def run_trial(config: Dict[str, Any]) -> None:
     threads = max(1, int(meta.get("cpus_per_trial", 1)))
     torch.set_num_threads(threads)
 
-    from ..tasks.base import build_task
     from ..presets import build_model
+    from ..tasks.base import build_task
     from ..train.config import resolve_train_config
     from ..train.loop import CHECKPOINT_NAME, train
     from .expand import model_config
@@ -79,7 +79,7 @@ def run_trial(config: Dict[str, Any]) -> None:
                 # finished before an interruption that Tune did not record: report the stored result again,
                 # train nothing and leave the MLflow run as it is
                 tune.report(ck_meta["final"])
-                return None
+                return
             src = Path(d) / CHECKPOINT_NAME
             if src.is_file():
                 shutil.copyfile(src, work / (CHECKPOINT_NAME + ".part"))
@@ -116,15 +116,15 @@ def run_trial(config: Dict[str, Any]) -> None:
             if train_part:
                 state["last_train"] = train_part
             if not any(k.startswith(eval_prefix) for k in metrics):
-                return None
+                return
             prev = state["prev_eval"]
             state["prev_eval"] = step
             if step <= reported_step or step >= tcfg.steps:
-                return None        # replayed after a restore / the last one: the final report carries it
+                return        # replayed after a restore / the last one: the final report carries it
             rep = {**state["last_train"], **metrics, "step": step, "final": 0,
                    "elapsed_s": time.time() - state["t0"], "setup_s": setup_s, "t_start": t_start}
             _report(rep, work / CHECKPOINT_NAME if prev is not None else None, step)
-            return None
+            return
 
         result = train(model, task, tcfg, callback=callback, checkpoint_dir=work)
         final = {**result.metrics, "step": result.steps, "final": 1, "status": result.status,
@@ -153,7 +153,7 @@ def run_trial(config: Dict[str, Any]) -> None:
         if mlrun is not None:
             try:
                 mlrun.c.log_text(mlrun.run_id, traceback.format_exc(), "error.txt")
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
         raise
     finally:
@@ -165,7 +165,7 @@ def _node_id() -> str:
     try:
         import ray
         return ray.get_runtime_context().get_node_id()
-    except Exception:  # noqa: BLE001
+    except Exception:
         return ""
 
 
