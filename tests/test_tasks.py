@@ -15,13 +15,7 @@ from atlaslab.tasks.babilong import COUNT_WORDS, OBJECTS, World
 from atlaslab.tasks.learnability import TARGETS, make_mlp_learner
 from atlaslab.tasks.mad import MAD_PROTOCOL, CompressionHead
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one intra-op thread is faster (and immune to oversubscribed CPUs)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 TOKEN_TASKS = {

@@ -2,7 +2,6 @@
 config validation and the ``atlaslab train`` command. Tiny self-contained models keep it CPU-fast."""
 import json
 import math
-import os
 import subprocess
 import sys
 import textwrap
@@ -22,13 +21,7 @@ from atlaslab.train.cli import run_config
 TESTS = Path(__file__).resolve().parent
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one intra-op thread is faster (and immune to oversubscribed CPUs)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class TinyAttention(nn.Module):
