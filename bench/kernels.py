@@ -6,7 +6,7 @@
 
 Rows (each at every T):
 - ``gdn`` (Gated DeltaNet: linear memory, ℓ2, decay before the step, b = 1): ``memorize(mode="triton")``
-  (the chunk kernel; its backward is autograd through a torch recompute) vs ``memorize(mode="chunked")``
+  (the chunk kernel, forward and backward kernels) vs ``memorize(mode="chunked")``
   (the exact torch chunk engine) vs ``sdpa`` (torch causal scaled-dot-product attention of the same B, H, D);
   forward+backward. ``triton-fused_recurrent``: the token-by-token kernel, forward only (its use is decoding).
 - ``newton_schulz`` (5 quintic steps, one D × D matrix per token and head): fused kernel vs the torch

@@ -5,7 +5,9 @@ Kernels (each beside its plain-torch reference in :mod:`.reference` / :mod:`atla
 - :func:`.newton_schulz.newton_schulz`: fused Newton–Schulz (Muon quintic) for batches of small matrices;
 - :func:`.fused_recurrent.fused_recurrent_delta_rule`: token-by-token linear delta / Hebbian rule (decoding,
   ``cu_seqlens``);
-- :func:`.chunk.chunk_delta_rule`: chunk-parallel forward of the same rules (fla-style stages).
+- :func:`.chunk.chunk_delta_rule`: chunk-parallel forward and backward of the same rules (fla-style stages;
+  the backward recomputes the chunk states, sweeps the chunks in reverse for dS, then forms dq, dk, dv, dβ,
+  dα and the initial state's gradient per chunk in parallel).
 
 Dispatch, in the spirit of fla's backend registry: a Triton kernel is used only when
 
@@ -24,8 +26,11 @@ default ``memorize`` mode and every torch engine stay as they are.
 
 Status: every kernel is tested against its torch reference under the interpreter (``tests/test_triton.py``);
 none has yet run on a GPU. On a CUDA machine run ``TRITON_INTERPRET=0 pytest tests/test_triton.py`` (the
-same tests on the device) and then ``python bench/kernels.py`` (correctness-gated timings). All backward
-passes are autograd through a torch recompute (exact, torch speed); no backward kernel exists yet.
+same tests on the device) and then ``python bench/kernels.py`` (correctness-gated timings). The chunk kernel's
+backward runs on Triton backward kernels (``tests/test_triton_chunk_bwd.py``: every input gradient against the
+float64 token loop, RMS-error ratio ~1e-7 in fp32 under the interpreter); its torch recompute remains as the
+reference and the ``ATLASLAB_CHUNK_BACKWARD=torch`` fallback. The token-by-token and Newton–Schulz kernels'
+backward passes are still autograd through a torch recompute (exact, torch speed).
 """
 from __future__ import annotations
 

@@ -1,29 +1,52 @@
-"""Chunked Triton forward of the linear-memory (gated) delta / Hebbian rule, fla-style stages.
+"""Chunked Triton forward AND backward of the linear-memory (gated) delta / Hebbian rule, fla-style stages.
 
-The math is :func:`.reference.delta_rule_chunk` (exact for the online b = 1 rule), split as in fla's
+Rules (spec ../shared/spec/ATLAS_FAMILY.md §15.4 for the two decay placements), one head's state S ``[D_v, D_k]``:
+
+    l2,  before_step:  S_t = α_t S_{t−1} − β_t (α_t S_{t−1} k_t − v_t) k_tᵀ      (Gated DeltaNet)
+    l2,  after_step:   S_t = α_t S_{t−1} − β_t (S_{t−1} k_t − v_t) k_tᵀ          (Titans / ATLAS)
+    dot (either):      S_t = α_t S_{t−1} + β_t v_t k_tᵀ
+    read token: o_t = S_t q_t;   read chunk (b = 1): o_t = S_{t−1} q_t
+
+Forward: the math is :func:`.reference.delta_rule_chunk` (exact for the online b = 1 rule), split as in fla's
 ``chunk_gated_delta_rule_fwd``:
 
 1. ``_chunk_ut_kernel`` (one program per chunk × head, all chunks in parallel): chunk-local cumsum of log α,
    the strictly lower A[t, s] = β_t e^{G_t − g_s} k_t·k_s, its unit-triangular inverse (forward substitution in
-   registers) and the UT/WY factors u = (I + A)⁻¹ β v, w_k = (I + A)⁻¹ (β e^G k);
+   registers) and the UT/WY factors u = (I + A)⁻¹ β v, w_k = (I + A)⁻¹ (β e^G k) (and, for the backward,
+   (I + A)⁻¹ itself, ``[B, T, H, BT]``);
 2. ``_chunk_state_kernel`` (one program per value block × head, sequential over chunks): pseudo-values
    w = u − w_k S_0ᵀ against the chunk-start state, stores every chunk-start state, and steps
    S ← e^{g_L} S + Σ_s e^{g_L − g_s} w_s k_sᵀ;
 3. ``_chunk_out_kernel`` (value block × chunk × head, parallel): o = e^{g} (q S_0ᵀ) + [causal e^{g_t − g_s} q kᵀ] w.
 
 The dot-product (Hebbian) bias skips stage 1's solve (w = β v). Intermediates (g, u, w_k, w, chunk states)
-are fp32. Backward: :class:`ChunkFunction` recomputes the torch chunk form under ``enable_grad`` and uses
-``torch.autograd.grad`` (exact gradients, torch speed; a backward kernel is future work).
+are fp32.
 
-``cu_seqlens`` is handled by running the kernels once per packed sequence (a Python loop; fla's
-chunk-index tables would remove it).
+Backward (:func:`chunk_backward`, plain reference :func:`.reference.delta_rule_chunk_backward`, whose docstring
+gives every equation), as fla's ``chunk_gated_delta_rule_bwd``: nothing but the inputs is saved by the forward;
+
+1. stages 1–2 are re-run (recompute g, w_k, (I + A)⁻¹, w and the chunk-start states S_0 in a forward sweep);
+2. ``_chunk_bwd_dh_kernel`` (value block × head, reverse over chunks): dS = ∂L/∂(chunk-end state), from
+   ``dht``; dw = Pᵀ do + e^{g_L − g} ⊙ k dSᵀ; dS ← e^{g_L} dS + (e^{gq} do)ᵀ q − [l2] dwᵀ w_k; the last dS is
+   the initial state's gradient;
+3. ``_chunk_bwd_grad_kernel`` (chunk × head, parallel, a loop over value blocks): dr = (I + A)⁻ᵀ dw, then dq,
+   dk, dv, dβ and d log α (a reverse cumsum of dg inside the chunk); dα = d log α / α in torch.
+
+:class:`ChunkFunction` uses these kernels; ``BACKWARD = "torch"`` (or ``ATLASLAB_CHUNK_BACKWARD=torch``) switches
+to autograd through the torch chunk form recomputed under ``enable_grad`` (the reference, kept as a fallback).
+
+``cu_seqlens`` is handled by running the kernels once per packed sequence, forward and backward (a Python
+loop; fla's chunk-index tables would remove it).
 
 Performance notes (unmeasured: no GPU was available when this was written): the in-register forward
 substitution costs BT iterations of O(BT²) work; fla's 16×16 diagonal solves merged by tl.dot are faster
-for BT = 64. fp32 dots use IEEE precision by default (``allow_tf32=True`` trades ~1e-3 accuracy for speed).
+for BT = 64. The backward grad kernel holds five ``[BT, BK]`` fp32 accumulators and two ``[BT, BT]`` ones per
+program (fla splits dq/dk and dv/dw kernels to lower register pressure; for D_k = 256 that split, or BT = 32,
+will be needed). fp32 dots use IEEE precision by default (``allow_tf32=True`` trades ~1e-3 accuracy for speed).
 """
 from __future__ import annotations
 
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -46,10 +69,10 @@ def _pow2(n: int, floor: int = 16) -> int:
 if triton is not None:
 
     @triton.jit
-    def _chunk_ut_kernel(k, v, beta, la, g_out, u_out, wk_out, T, H: tl.constexpr, K: tl.constexpr,
+    def _chunk_ut_kernel(k, v, beta, la, g_out, u_out, wk_out, ainv_out, T, H: tl.constexpr, K: tl.constexpr,
                          V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BVV: tl.constexpr,
                          HAS_ALPHA: tl.constexpr, IS_L2: tl.constexpr, BEFORE: tl.constexpr,
-                         PRECISION: tl.constexpr):
+                         STORE_AINV: tl.constexpr, PRECISION: tl.constexpr):
         i_t = tl.program_id(0)
         i_bh = tl.program_id(1)
         i_b = i_bh // H
@@ -92,6 +115,8 @@ if triton is not None:
             b_wk = tl.dot(Ti, (b_beta * tl.exp(b_G))[:, None] * b_k, input_precision=PRECISION)
             tl.store(u_out + rows[:, None] * V + o_v[None, :], b_u, mask=m_t[:, None] & m_v[None, :])
             tl.store(wk_out + rows[:, None] * K + o_k[None, :], b_wk, mask=m_t[:, None] & m_k[None, :])
+            if STORE_AINV:   # (I + A)⁻¹ rows, [B, T, H, BT], for the backward's dr = (I + A)⁻ᵀ dw
+                tl.store(ainv_out + rows[:, None] * BT + o_i[None, :], Ti, mask=m_t[:, None])
 
     @triton.jit
     def _chunk_state_kernel(k, v, beta, g, u, wk, h0, w_out, hs, ht, T, NT, H: tl.constexpr, K: tl.constexpr,
@@ -175,58 +200,324 @@ if triton is not None:
         b_o += tl.dot(qk, b_w, input_precision=PRECISION)
         tl.store(o + rows[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
+    @triton.jit
+    def _chunk_bwd_dh_kernel(q, k, la, g, wk, do, dht, dhs, dw, dh0, T, NT, H: tl.constexpr, K: tl.constexpr,
+                             V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                             HAS_ALPHA: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
+                             IS_L2: tl.constexpr, READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
+        """Reverse sweep over chunks (one program per value block × head). dS = ∂L/∂S_L of the chunk end:
+        dw = Pᵀ do + e^{g_L − g} ⊙ (k dSᵀ);  dS ← e^{g_L} dS + (e^{gq} ⊙ do)ᵀ q − [l2] dwᵀ w_k."""
+        i_v = tl.program_id(0)
+        i_bh = tl.program_id(1)
+        i_b = i_bh // H
+        i_h = i_bh % H
+        o_i = tl.arange(0, BT)
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k = o_k < K
+        m_v = o_v < V
+        m_h = m_v[:, None] & m_k[None, :]
+        h_offs = o_v[:, None] * K + o_k[None, :]
+        dh = tl.zeros([BV, BK], dtype=tl.float32)
+        if HAS_DHT:
+            dh += tl.load(dht + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
+        for j in range(0, NT):
+            i_t = NT - 1 - j
+            # ∂L/∂(end state of chunk i_t), [B, NT, H, V, K]
+            tl.store(dhs + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * V * K + h_offs, dh, mask=m_h)
+            o_t = i_t * BT + o_i
+            m_t = o_t < T
+            rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+            m_tk = m_t[:, None] & m_k[None, :]
+            m_tv = m_t[:, None] & m_v[None, :]
+            b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+            b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+            b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+            b_g = tl.load(g + rows, mask=m_t, other=0.0)
+            last = tl.minimum(T - i_t * BT, BT) - 1
+            g_last = tl.load(g + (i_b.to(tl.int64) * T + i_t * BT + last) * H + i_h)
+            if READ_TOKEN:
+                b_gq = b_g
+                causal = (o_i[:, None] >= o_i[None, :]) & m_t[None, :]
+            else:
+                if HAS_ALPHA:
+                    b_gq = b_g - tl.load(la + rows, mask=m_t, other=0.0).to(tl.float32)
+                else:
+                    b_gq = b_g
+                causal = (o_i[:, None] > o_i[None, :]) & m_t[None, :]
+            qk = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
+            P = tl.where(causal, qk * tl.exp(tl.where(causal, b_gq[:, None] - b_g[None, :], 0.0)), 0.0)
+            decay = tl.exp(tl.where(m_t, g_last - b_g, 0.0))
+            b_dw = tl.dot(tl.trans(P), b_do, input_precision=PRECISION) \
+                + decay[:, None] * tl.dot(b_k, tl.trans(dh), input_precision=PRECISION)
+            tl.store(dw + rows[:, None] * V + o_v[None, :], b_dw, mask=m_tv)
+            dh = dh * tl.exp(g_last) + tl.dot(tl.trans(b_do * tl.exp(b_gq)[:, None]), b_q, input_precision=PRECISION)
+            if IS_L2:
+                b_wk = tl.load(wk + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+                dh -= tl.dot(tl.trans(b_dw), b_wk, input_precision=PRECISION)
+        if HAS_H0:
+            tl.store(dh0 + i_bh.to(tl.int64) * V * K + h_offs, dh, mask=m_h)
+
+    @triton.jit
+    def _chunk_bwd_grad_kernel(q, k, v, beta, la, g, ainv, w, hs, dhs, do, dw, dq, dk, dv, dbeta, dla, T, NT,
+                               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                               BK: tl.constexpr, BV: tl.constexpr, HAS_ALPHA: tl.constexpr, IS_L2: tl.constexpr,
+                               BEFORE: tl.constexpr, READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
+        """Per chunk × head (all chunks in parallel, a loop over value blocks): dq, dk, dv, dβ, d log α from
+        S_0 (chunk start), dS (chunk end), w, dw and (I + A)⁻¹ — the equations of
+        :func:`.reference.delta_rule_chunk_backward` step 3; d log α is a reverse cumsum of dg within the chunk."""
+        i_t = tl.program_id(0)
+        i_bh = tl.program_id(1)
+        i_b = i_bh // H
+        i_h = i_bh % H
+        o_i = tl.arange(0, BT)
+        o_k = tl.arange(0, BK)
+        m_k = o_k < K
+        o_t = i_t * BT + o_i
+        m_t = o_t < T
+        rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_beta = tl.load(beta + rows, mask=m_t, other=0.0).to(tl.float32)
+        b_g = tl.load(g + rows, mask=m_t, other=0.0)
+        if HAS_ALPHA:
+            b_la = tl.load(la + rows, mask=m_t, other=0.0).to(tl.float32)
+        else:
+            b_la = tl.zeros([BT], dtype=tl.float32)
+        last = tl.minimum(T - i_t * BT, BT) - 1
+        g_last = tl.load(g + (i_b.to(tl.int64) * T + i_t * BT + last) * H + i_h)
+        if READ_TOKEN:
+            b_gq = b_g
+            causal = (o_i[:, None] >= o_i[None, :]) & m_t[None, :]
+        else:
+            b_gq = b_g - b_la
+            causal = (o_i[:, None] > o_i[None, :]) & m_t[None, :]
+        if BEFORE:
+            b_G = b_g
+        else:
+            b_G = b_g - b_la
+        e_gq = tl.exp(b_gq)
+        e_G = tl.exp(b_G)
+        decay = tl.exp(tl.where(m_t, g_last - b_g, 0.0))
+        Eq = tl.where(causal, tl.exp(tl.where(causal, b_gq[:, None] - b_g[None, :], 0.0)), 0.0)
+        b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dks = tl.zeros([BT, BK], dtype=tl.float32)       # (e^{g_L − g} ⊙ w) dS: the state path
+        b_dkl = tl.zeros([BT, BK], dtype=tl.float32)       # −β e^G ⊙ (dr S_0): the l2 residual path
+        b_dP = tl.zeros([BT, BT], dtype=tl.float32)        # do wᵀ
+        b_dA = tl.zeros([BT, BT], dtype=tl.float32)        # −dr wᵀ
+        b_db = tl.zeros([BT], dtype=tl.float32)
+        b_dG = tl.zeros([BT], dtype=tl.float32)
+        b_dgl = tl.zeros([BV, BK], dtype=tl.float32)       # ⟨dS, S_0⟩, summed at the end
+        h_base = ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * V * K
+        if IS_L2:
+            Ti = tl.load(ainv + rows[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            m_tv = m_t[:, None] & m_v[None, :]
+            m_h = m_v[:, None] & m_k[None, :]
+            b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+            b_w = tl.load(w + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+            b_dw = tl.load(dw + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+            b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+            S0 = tl.load(hs + h_base + o_v[:, None] * K + o_k[None, :], mask=m_h, other=0.0)
+            dS = tl.load(dhs + h_base + o_v[:, None] * K + o_k[None, :], mask=m_h, other=0.0)
+            b_dq += tl.dot(b_do * e_gq[:, None], S0, input_precision=PRECISION)
+            b_dP += tl.dot(b_do, tl.trans(b_w), input_precision=PRECISION)
+            b_dks += tl.dot(b_w * decay[:, None], dS, input_precision=PRECISION)
+            b_dgl += dS * S0
+            if IS_L2:
+                b_dr = tl.dot(tl.trans(Ti), b_dw, input_precision=PRECISION)
+                b_kS = tl.dot(b_k, tl.trans(S0), input_precision=PRECISION)
+                b_db += tl.sum(b_dr * (b_v - e_G[:, None] * b_kS), axis=1)
+                b_dG -= b_beta * e_G * tl.sum(b_dr * b_kS, axis=1)
+                b_dkl -= (b_beta * e_G)[:, None] * tl.dot(b_dr, S0, input_precision=PRECISION)
+                b_dA -= tl.dot(b_dr, tl.trans(b_w), input_precision=PRECISION)
+                b_dv = b_beta[:, None] * b_dr
+            else:
+                b_db += tl.sum(b_dw * b_v, axis=1)
+                b_dv = b_beta[:, None] * b_dw
+            tl.store(dv + rows[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_tv)
+        b_dP = b_dP * Eq
+        b_dq += tl.dot(b_dP, b_k, input_precision=PRECISION)
+        b_dkp = tl.dot(tl.trans(b_dP), b_q, input_precision=PRECISION)
+        b_dgq = tl.sum(b_q * b_dq, axis=1)
+        ks = tl.sum(b_k * b_dks, axis=1)
+        b_dg = b_dgq - tl.sum(b_k * b_dkp, axis=1) - ks
+        dgl = tl.exp(g_last) * tl.sum(tl.sum(b_dgl, axis=1), axis=0) + tl.sum(ks, axis=0)
+        b_dg += tl.where(o_i == last, dgl, 0.0)
+        b_dk = b_dkp + b_dks + b_dkl
+        if IS_L2:
+            strict = (o_i[:, None] > o_i[None, :]) & m_t[None, :]
+            E = tl.where(strict, tl.exp(tl.where(strict, b_G[:, None] - b_g[None, :], 0.0)), 0.0)
+            kk = tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)
+            b_dA = tl.where(strict, b_dA, 0.0)
+            Z = b_dA * b_beta[:, None] * E                  # ∂L/∂(k_t·k_s)
+            Ad = Z * kk                                     # dA ⊙ A
+            b_db += tl.sum(b_dA * E * kk, axis=1)
+            b_dG += tl.sum(Ad, axis=1)
+            b_dg -= tl.sum(Ad, axis=0)
+            b_dk += tl.dot(Z, b_k, input_precision=PRECISION) + tl.dot(tl.trans(Z), b_k, input_precision=PRECISION)
+        tl.store(dq + rows[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
+        tl.store(dk + rows[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
+        tl.store(dbeta + rows, b_db.to(dbeta.dtype.element_ty), mask=m_t)
+        if HAS_ALPHA:
+            b_dla = tl.cumsum(b_dg + b_dG, axis=0, reverse=True)     # g = chunk-local cumsum of log α
+            if not BEFORE:
+                b_dla -= b_dG                                        # G = g − log α
+            if not READ_TOKEN:
+                b_dla -= b_dgq                                       # gq = g − log α
+            tl.store(dla + rows, b_dla, mask=m_t)
+
+
+def _sizes(K: int, V: int, chunk_size: int):
+    """Block sizes: BT (chunk), BK / BVV (padded head dims), BV (value block of the state kernels)."""
+    if max(K, V) > MAX_D:
+        raise ValueError(f"chunk (triton): head dims D_k = {K}, D_v = {V} must be ≤ {MAX_D}")
+    BK, BVV = _pow2(K), _pow2(V)
+    return _pow2(chunk_size), BK, BVV, min(BVV, max(16, 8192 // BK))
+
+
+def _forward_stages(k, v, beta, la, h0, *, bias, placement, chunk_size, prec, store_ainv=False):
+    """Stages 1–2 (gate cumsum, UT transform, inter-chunk state sweep) on contiguous inputs.
+
+    Returns a dict of fp32 tensors: ``g [B, T, H]``, ``wk [B, T, H, K]`` (l2), ``ainv [B, T, H, BT]`` (l2 and
+    ``store_ainv``), ``w [B, T, H, V]``, ``hs [B, NT, H, V, K]`` (chunk-start states), ``ht [B, H, V, K]``.
+    """
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    BT, BK, BVV, BV = _sizes(K, V, chunk_size)
+    NT = triton.cdiv(T, BT)
+    f32 = dict(dtype=torch.float32, device=k.device)
+    is_l2 = bias == "l2"
+    g = torch.empty(B, T, H, **f32)
+    u = torch.empty(B, T, H, V, **f32) if is_l2 else None
+    wk = torch.empty(B, T, H, K, **f32) if is_l2 else None
+    ainv = torch.empty(B, T, H, BT, **f32) if (is_l2 and store_ainv) else None
+    w = torch.empty(B, T, H, V, **f32)
+    hs = torch.empty(B, NT, H, V, K, **f32)
+    ht = torch.empty(B, H, V, K, **f32)
+    dummy = g
+    _chunk_ut_kernel[(NT, B * H)](
+        k, v, beta, la if la is not None else dummy, g, u if is_l2 else dummy, wk if is_l2 else dummy,
+        ainv if ainv is not None else dummy, T, H=H, K=K, V=V, BT=BT, BK=BK, BVV=BVV, HAS_ALPHA=la is not None,
+        IS_L2=is_l2, BEFORE=placement == "before_step", STORE_AINV=ainv is not None, PRECISION=prec, num_warps=4)
+    _chunk_state_kernel[(triton.cdiv(V, BV), B * H)](
+        k, v, beta, g, u if is_l2 else dummy, wk if is_l2 else dummy, h0 if h0 is not None else dummy, w, hs, ht,
+        T, NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_H0=h0 is not None, IS_L2=is_l2, PRECISION=prec,
+        num_warps=4)
+    return dict(g=g, wk=wk, ainv=ainv, w=w, hs=hs, ht=ht)
+
 
 def chunk_forward(q, k, v, beta, alpha=None, initial_state=None, *, bias="l2", placement="before_step",
                   read="token", cu_seqlens=None, chunk_size: int = 64, allow_tf32: bool = False):
-    """The three kernels, no autograd; arguments as :func:`chunk_delta_rule`."""
+    """The three forward kernels, no autograd; arguments as :func:`chunk_delta_rule`."""
     check_args(q, k, v, beta, alpha, initial_state, bias, placement, read, cu_seqlens)
     opts = dict(bias=bias, placement=placement, read=read, chunk_size=chunk_size, allow_tf32=allow_tf32)
     if cu_seqlens is not None:
         return _per_sequence(chunk_forward, q, k, v, beta, alpha, initial_state, cu_seqlens, **opts)
     B, T, H, K = q.shape
     V = v.shape[-1]
-    if max(K, V) > MAX_D:
-        raise ValueError(f"chunk (triton): head dims D_k = {K}, D_v = {V} must be ≤ {MAX_D}")
-    BT = _pow2(chunk_size)
+    BT, BK, BVV, BV = _sizes(K, V, chunk_size)
     NT = triton.cdiv(T, BT)
-    BK, BVV = _pow2(K), _pow2(V)
-    BV = min(BVV, max(16, 8192 // BK))
     q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
     la = log_decay(alpha.float(), q).contiguous() if alpha is not None else None
-    f32 = dict(dtype=torch.float32, device=q.device)
-    g = torch.empty(B, T, H, **f32)
-    is_l2 = bias == "l2"
-    u = torch.empty(B, T, H, V, **f32) if is_l2 else None
-    wk = torch.empty(B, T, H, K, **f32) if is_l2 else None
-    w = torch.empty(B, T, H, V, **f32)
-    hs = torch.empty(B, NT, H, V, K, **f32)
-    ht = torch.empty(B, H, V, K, **f32)
-    o = torch.empty_like(v)
     h0 = initial_state.contiguous() if initial_state is not None else None
     prec = "tf32" if allow_tf32 else "ieee"
-    dummy = g
-    _chunk_ut_kernel[(NT, B * H)](
-        k, v, beta, la if la is not None else dummy, g, u if is_l2 else dummy, wk if is_l2 else dummy, T,
-        H=H, K=K, V=V, BT=BT, BK=BK, BVV=BVV, HAS_ALPHA=la is not None, IS_L2=is_l2,
-        BEFORE=placement == "before_step", PRECISION=prec, num_warps=4)
-    _chunk_state_kernel[(triton.cdiv(V, BV), B * H)](
-        k, v, beta, g, u if is_l2 else dummy, wk if is_l2 else dummy, h0 if h0 is not None else dummy, w, hs, ht,
-        T, NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_H0=h0 is not None, IS_L2=is_l2, PRECISION=prec,
-        num_warps=4)
+    st = _forward_stages(k, v, beta, la, h0, bias=bias, placement=placement, chunk_size=chunk_size, prec=prec)
+    o = torch.empty_like(v)
     _chunk_out_kernel[(triton.cdiv(V, BV), NT, B * H)](
-        q, k, la if la is not None else dummy, g, w, hs, o, T, NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
-        HAS_ALPHA=la is not None, READ_TOKEN=read == "token", PRECISION=prec, num_warps=4)
-    return o, ht.to(initial_state.dtype if initial_state is not None else q.dtype)
+        q, k, la if la is not None else st["g"], st["g"], st["w"], st["hs"], o, T, NT, H=H, K=K, V=V, BT=BT, BK=BK,
+        BV=BV, HAS_ALPHA=la is not None, READ_TOKEN=read == "token", PRECISION=prec, num_warps=4)
+    return o, st["ht"].to(initial_state.dtype if initial_state is not None else q.dtype)
+
+
+def chunk_backward(q, k, v, beta, alpha, initial_state, do, dht, *, bias="l2", placement="before_step",
+                   read="token", cu_seqlens=None, chunk_size: int = 64, allow_tf32: bool = False):
+    """Gradients of :func:`chunk_forward` on the backward kernels (the Triton twin of
+    :func:`.reference.delta_rule_chunk_backward`).
+
+    Args: as :func:`chunk_delta_rule`, plus ``do: [B, T, H, D_v]`` and ``dht: [N, H, D_v, D_k]`` or None.
+
+    Returns:
+        ``(dq, dk, dv, dbeta, dalpha, dh0)`` in the dtypes of the inputs (``dalpha`` / ``dh0`` None when
+        ``alpha`` / ``initial_state`` are None).
+
+    Kernels: the forward stages 1–2 are re-run (recomputing g, w_k, (I + A)⁻¹, w and the chunk-start states),
+    ``_chunk_bwd_dh_kernel`` sweeps the chunks in reverse for dS and dw, and ``_chunk_bwd_grad_kernel`` forms
+    the per-input gradients of every chunk in parallel.
+    """
+    check_args(q, k, v, beta, alpha, initial_state, bias, placement, read, cu_seqlens)
+    opts = dict(bias=bias, placement=placement, read=read, chunk_size=chunk_size, allow_tf32=allow_tf32)
+    if cu_seqlens is not None:
+        bounds = cu_seqlens.tolist()
+        parts = []
+        for n, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+            sl = slice(s, e)
+            parts.append(chunk_backward(
+                q[:, sl], k[:, sl], v[:, sl], beta[:, sl], None if alpha is None else alpha[:, sl],
+                None if initial_state is None else initial_state[n:n + 1], do[:, sl],
+                None if dht is None else dht[n:n + 1], **opts))
+        cat = [torch.cat(x, 1) if x[0] is not None else None for x in zip(*(p[:5] for p in parts))]
+        return (*cat, torch.cat([p[5] for p in parts], 0) if initial_state is not None else None)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    BT, BK, BVV, BV = _sizes(K, V, chunk_size)
+    NT = triton.cdiv(T, BT)
+    q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
+    la = log_decay(alpha.float(), q).contiguous() if alpha is not None else None
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    dht = dht.contiguous() if dht is not None else None
+    prec = "tf32" if allow_tf32 else "ieee"
+    is_l2 = bias == "l2"
+    st = _forward_stages(k, v, beta, la, h0, bias=bias, placement=placement, chunk_size=chunk_size, prec=prec,
+                         store_ainv=True)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    dhs = torch.empty(B, NT, H, V, K, **f32)
+    dw = torch.empty(B, T, H, V, **f32)
+    dh0 = torch.empty(B, H, V, K, **f32) if h0 is not None else None
+    dummy = st["g"]
+    _chunk_bwd_dh_kernel[(triton.cdiv(V, BV), B * H)](
+        q, k, la if la is not None else dummy, st["g"], st["wk"] if is_l2 else dummy, do,
+        dht if dht is not None else dummy, dhs, dw, dh0 if dh0 is not None else dummy, T, NT, H=H, K=K, V=V,
+        BT=BT, BK=BK, BV=BV, HAS_ALPHA=la is not None, HAS_DHT=dht is not None, HAS_H0=dh0 is not None,
+        IS_L2=is_l2, READ_TOKEN=read == "token", PRECISION=prec, num_warps=4)
+    dq = torch.empty(B, T, H, K, **f32)
+    dk = torch.empty(B, T, H, K, **f32)
+    dv = torch.empty(B, T, H, V, **f32)
+    dbeta = torch.empty(B, T, H, **f32)
+    dla = torch.empty(B, T, H, **f32) if la is not None else None
+    _chunk_bwd_grad_kernel[(NT, B * H)](
+        q, k, v, beta, la if la is not None else dummy, st["g"], st["ainv"] if is_l2 else dummy, st["w"], st["hs"],
+        dhs, do, dw, dq, dk, dv, dbeta, dla if dla is not None else dummy, T, NT, H=H, K=K, V=V, BT=BT, BK=BK,
+        BV=BV, HAS_ALPHA=la is not None, IS_L2=is_l2, BEFORE=placement == "before_step",
+        READ_TOKEN=read == "token", PRECISION=prec, num_warps=4)
+    dalpha = None
+    if alpha is not None:   # log_decay clamps α at the smallest normal: no gradient below it
+        a = alpha.float()
+        tiny = torch.finfo(a.dtype).tiny
+        dalpha = torch.where(a >= tiny, dla / a.clamp_min(tiny), torch.zeros_like(a)).to(alpha.dtype)
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbeta.to(beta.dtype), dalpha,
+            dh0.to(initial_state.dtype) if dh0 is not None else None)
+
+
+#: Which backward :class:`ChunkFunction` uses: ``"triton"`` (the backward kernels) or ``"torch"`` (autograd
+#: through the torch chunk form, recomputed: the reference, kept as a fallback). ``ATLASLAB_CHUNK_BACKWARD``
+#: sets the default.
+BACKWARD = os.environ.get("ATLASLAB_CHUNK_BACKWARD", "triton").strip().lower()
 
 
 class ChunkFunction(torch.autograd.Function):
-    """Kernel forward; backward = autograd of the torch chunk form, recomputed (no backward kernel)."""
+    """Kernel forward; backward on the backward kernels (:func:`chunk_backward`), or, with
+    ``BACKWARD == "torch"``, autograd of the torch chunk form recomputed under ``enable_grad``."""
 
     @staticmethod
     def forward(ctx, q, k, v, beta, alpha, initial_state, bias, placement, read, cu_seqlens, chunk_size, allow_tf32):
         ctx.save_for_backward(q, k, v, beta, alpha, initial_state)
         ctx.opts = dict(bias=bias, placement=placement, read=read, cu_seqlens=cu_seqlens)
         ctx.chunk_size = chunk_size
+        ctx.allow_tf32 = allow_tf32
         return chunk_forward(q, k, v, beta, alpha, initial_state, bias=bias, placement=placement, read=read,
                              cu_seqlens=cu_seqlens, chunk_size=chunk_size, allow_tf32=allow_tf32)
 
@@ -234,17 +525,27 @@ class ChunkFunction(torch.autograd.Function):
     def backward(ctx, do, dht):
         saved = ctx.saved_tensors
         need = ctx.needs_input_grad[:6]
-        with torch.enable_grad():
-            inputs = [_upcast(x).detach().requires_grad_(True) if x is not None else None for x in saved]
-            o, ht = delta_rule_chunk(*inputs, chunk_size=ctx.chunk_size, **ctx.opts)
-            outs, grads_out = [o], [do.to(o.dtype)]
-            if dht is not None:
-                outs.append(ht)
-                grads_out.append(dht.to(ht.dtype))
-            leaves = [x for x, n in zip(inputs, need) if x is not None and n]
-            grads = iter(torch.autograd.grad(outs, leaves, grads_out, allow_unused=True) if leaves else ())
-        out = [next(grads).to(x.dtype) if (x is not None and n) else None for x, n in zip(saved, need)]
-        return (*out, None, None, None, None, None, None)
+        if BACKWARD == "torch":
+            grads = _torch_backward(saved, need, do, dht, ctx.opts, ctx.chunk_size)
+        else:
+            grads = chunk_backward(*saved, do, dht, chunk_size=ctx.chunk_size, allow_tf32=ctx.allow_tf32,
+                                   **ctx.opts)
+            grads = [gr if n else None for gr, n in zip(grads, need)]
+        return (*grads, None, None, None, None, None, None)
+
+
+def _torch_backward(saved, need, do, dht, opts, chunk_size):
+    """The reference backward: autograd of :func:`.reference.delta_rule_chunk`, recomputed (≥ fp32)."""
+    with torch.enable_grad():
+        inputs = [_upcast(x).detach().requires_grad_(True) if x is not None else None for x in saved]
+        o, ht = delta_rule_chunk(*inputs, chunk_size=chunk_size, **opts)
+        outs, grads_out = [o], [do.to(o.dtype)]
+        if dht is not None:
+            outs.append(ht)
+            grads_out.append(dht.to(ht.dtype))
+        leaves = [x for x, n in zip(inputs, need) if x is not None and n]
+        grads = iter(torch.autograd.grad(outs, leaves, grads_out, allow_unused=True) if leaves else ())
+    return [next(grads).to(x.dtype) if (x is not None and n) else None for x, n in zip(saved, need)]
 
 
 def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,

@@ -17,6 +17,9 @@ recompute of the kernels' backward. With P_t = Π_{τ≤t} α_τ (chunk-local, g
 
 then o_t = e^{g_t} S_0 q_t + Σ_{s≤t} e^{g_t − g_s} (q_t·k_s) w_s and S_L = e^{g_L} S_0 + Σ_s e^{g_L − g_s} w_s k_sᵀ.
 Decay ratios are always formed as exp(g_t − g_s) on the causal part only (never a division, never inf).
+
+:func:`delta_rule_chunk_backward` is the hand-derived gradient of :func:`delta_rule_chunk`, stage by stage as the
+Triton backward kernels compute it (tested equal to autograd in float64).
 """
 from __future__ import annotations
 
@@ -158,3 +161,148 @@ def delta_rule_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: to
         g_last = g[..., -1:]
         S = S * g_last.exp().unsqueeze(-1) + ((g_last - g).exp().unsqueeze(-1) * w).transpose(-1, -2) @ kc
     return torch.cat(outs, 2).transpose(1, 2), S
+
+
+def delta_rule_chunk_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                              alpha: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
+                              do: torch.Tensor, dht: Optional[torch.Tensor], *, bias: str = "l2",
+                              placement: str = "before_step", read: str = "token",
+                              cu_seqlens: Optional[torch.Tensor] = None, chunk_size: int = 64):
+    """Hand-derived gradients of :func:`delta_rule_chunk`, stage by stage as the Triton backward computes them.
+
+    Shapes as :func:`delta_rule_chunk`; ``do: [B, T, H, V]``, ``dht: [N, H, V, K]`` or None. Returns
+    ``(dq, dk, dv, dbeta, dalpha, dh0)`` (``dalpha`` / ``dh0`` None when ``alpha`` / ``initial_state`` are).
+
+    Per chunk, with S_0 the chunk-start state, r = β ⊙ (v − e^G ⊙ k S_0ᵀ) (so w = (I + A)⁻¹ r) and
+    P[t, s] = m[t, s] e^{gq_t − g_s} q_t·k_s (m: s ≤ t for read token, s < t for read chunk; gq = g or g − log α):
+
+    1. forward sweep: chunk-start states S_0 (as the forward);
+    2. reverse sweep over chunks, dS = ∂L/∂S_L of the chunk's end state (starting from ``dht``):
+           dw  = Pᵀ do + e^{g_L − g} ⊙ (k dSᵀ)
+           dS ← e^{g_L} dS + (e^{gq} ⊙ do)ᵀ q − [l2] dwᵀ w_k          (w_k = (I + A)⁻¹ (β e^G ⊙ k))
+       and the last dS is ∂L/∂S_init;
+    3. per chunk (parallel): dr = (I + A)⁻ᵀ dw, dA = −strict(dr wᵀ);
+           dq = (e^{gq} ⊙ do) S_0 + dP k,      dP = m ⊙ e^{gq_t − g_s} ⊙ (do wᵀ)
+           dk = dPᵀ q + (e^{g_L − g} ⊙ w) dS − β e^G ⊙ (dr S_0) + Z k + Zᵀ k,   Z = dA ⊙ β_t e^{G_t − g_s}
+           dv = β ⊙ dr                        (dot bias: dv = β ⊙ dw, dβ = Σ_v dw ⊙ v)
+           dβ = Σ_v dr ⊙ (v − e^G ⊙ k S_0ᵀ) + Σ_s dA ⊙ e^{G_t − g_s} k_t·k_s
+           d gq = q ⊙ dq (row sums);  dG = −β e^G dr·(S_0 k) + rowsum(dA ⊙ A)
+           dg  = d gq + dG − colsum(dA ⊙ A) − k·(dPᵀ q + (e^{g_L−g} ⊙ w) dS),
+                 dg_L += e^{g_L} ⟨dS, S_0⟩ + Σ_s k_s·((e^{g_L−g} ⊙ w) dS)_s
+           d log α = reverse-cumsum(dg) − [after_step] dG − [read chunk] d gq;   dα = d log α / α.
+    """
+    check_args(q, k, v, beta, alpha, initial_state, bias, placement, read, cu_seqlens)
+    kw = dict(bias=bias, placement=placement, read=read, chunk_size=chunk_size)
+    if cu_seqlens is not None:
+        bounds = cu_seqlens.tolist()
+        parts = []
+        for n, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+            sl = slice(s, e)
+            parts.append(delta_rule_chunk_backward(
+                q[:, sl], k[:, sl], v[:, sl], beta[:, sl], None if alpha is None else alpha[:, sl],
+                None if initial_state is None else initial_state[n:n + 1], do[:, sl],
+                None if dht is None else dht[n:n + 1], **kw))
+        cat = [torch.cat(x, 1) if x[0] is not None else None for x in zip(*(p[:5] for p in parts))]
+        dh0 = torch.cat([p[5] for p in parts], 0) if initial_state is not None else None
+        return (*cat, dh0)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    tr = lambda x: x.transpose(1, 2)   # noqa: E731
+    qh, kh, vh, bh, doh = tr(q), tr(k), tr(v), tr(beta), tr(do)
+    la_all = tr(log_decay(alpha, q))
+    S = initial_state if initial_state is not None else q.new_zeros(B, H, V, K)
+    L_ = chunk_size
+    chunks = [slice(t0, min(T, t0 + L_)) for t0 in range(0, T, L_)]
+
+    def stage(sl, S0):
+        """Per-chunk quantities of the forward (stages 1-3) at chunk-start state S0."""
+        qc, kc, vc, bc, la = qh[:, :, sl], kh[:, :, sl], vh[:, :, sl], bh[:, :, sl], la_all[:, :, sl]
+        n = qc.shape[2]
+        g = la.cumsum(-1)
+        G = g if placement == "before_step" else g - la
+        gq = g if read == "token" else g - la
+        c = dict(qc=qc, kc=kc, vc=vc, bc=bc, la=la, g=g, G=G, gq=gq)
+        if bias == "l2":
+            E = _causal_exp(G.unsqueeze(-1) - g.unsqueeze(-2), -1)
+            kk = kc @ kc.transpose(-1, -2)
+            A = bc.unsqueeze(-1) * kk * E
+            Ainv = torch.linalg.solve_triangular(A + torch.eye(n, dtype=A.dtype, device=A.device),
+                                                 torch.eye(n, dtype=A.dtype, device=A.device).expand_as(A),
+                                                 upper=False, unitriangular=True)
+            kS = kc @ S0.transpose(-1, -2)
+            r = bc.unsqueeze(-1) * (vc - G.exp().unsqueeze(-1) * kS)
+            w = Ainv @ r
+            wk = Ainv @ ((bc * G.exp()).unsqueeze(-1) * kc)
+            c.update(E=E, kk=kk, A=A, Ainv=Ainv, kS=kS, w=w, wk=wk)
+        else:
+            c.update(w=bc.unsqueeze(-1) * vc)
+        Pm = _causal_exp(gq.unsqueeze(-1) - g.unsqueeze(-2), 0 if read == "token" else -1)
+        c.update(Pm=Pm, qk=qc @ kc.transpose(-1, -2))
+        return c
+
+    # 1. forward sweep: chunk-start states
+    starts, cs = [], []
+    for sl in chunks:
+        c = stage(sl, S)
+        starts.append(S)
+        cs.append(c)
+        g_last = c["g"][..., -1:]
+        decayed_w = (g_last - c["g"]).exp().unsqueeze(-1) * c["w"]
+        S = S * g_last.exp().unsqueeze(-1) + decayed_w.transpose(-1, -2) @ c["kc"]
+    # 2. reverse sweep: dS at each chunk end, dw per chunk
+    dS = dht if dht is not None else q.new_zeros(B, H, V, K)
+    dSs, dws = [None] * len(chunks), [None] * len(chunks)
+    for i in reversed(range(len(chunks))):
+        c, do_c = cs[i], doh[:, :, chunks[i]]
+        dSs[i] = dS
+        g, gl = c["g"], c["g"][..., -1:]
+        P = c["Pm"] * c["qk"]
+        dw = P.transpose(-1, -2) @ do_c + (gl - g).exp().unsqueeze(-1) * (c["kc"] @ dS.transpose(-1, -2))
+        dws[i] = dw
+        dS = gl.exp().unsqueeze(-1) * dS + (c["gq"].exp().unsqueeze(-1) * do_c).transpose(-1, -2) @ c["qc"]
+        if bias == "l2":
+            dS = dS - dw.transpose(-1, -2) @ c["wk"]
+    dh0 = dS
+    # 3. per chunk, in parallel
+    dq, dk, dv, dbeta, dla = [], [], [], [], []
+    for i, sl in enumerate(chunks):
+        c, do_c, S0, dSn, dw = cs[i], doh[:, :, sl], starts[i], dSs[i], dws[i]
+        qc, kc, vc, bc, g, G, gq, w = c["qc"], c["kc"], c["vc"], c["bc"], c["g"], c["G"], c["gq"], c["w"]
+        gl = g[..., -1:]
+        dP = c["Pm"] * (do_c @ w.transpose(-1, -2))
+        dq_c = (gq.exp().unsqueeze(-1) * do_c) @ S0 + dP @ kc
+        dk_p = dP.transpose(-1, -2) @ qc
+        dk_s = ((gl - g).exp().unsqueeze(-1) * w) @ dSn
+        dg = (qc * dq_c).sum(-1) - (kc * (dk_p + dk_s)).sum(-1)       # d gq, and g_s in P and in S_L
+        dgl = gl.exp().squeeze(-1) * (dSn * S0).sum((-1, -2)) + (kc * dk_s).sum((-1, -2))
+        dg = dg.clone()
+        dg[..., -1] += dgl
+        dk_c = dk_p + dk_s
+        dG = torch.zeros_like(g)
+        if bias == "l2":
+            dr = c["Ainv"].transpose(-1, -2) @ dw
+            dA = -(dr @ w.transpose(-1, -2)).tril(-1)
+            Ad = dA * c["A"]
+            eG = G.exp()
+            dv_c = bc.unsqueeze(-1) * dr
+            db_c = (dr * (vc - eG.unsqueeze(-1) * c["kS"])).sum(-1) + (dA * c["E"] * c["kk"]).sum(-1)
+            dG = -bc * eG * (dr * c["kS"]).sum(-1) + Ad.sum(-1)
+            dg = dg - Ad.sum(-2)
+            Z = dA * bc.unsqueeze(-1) * c["E"]
+            dk_c = dk_c - (bc * eG).unsqueeze(-1) * (dr @ S0) + Z @ kc + Z.transpose(-1, -2) @ kc
+        else:
+            dv_c = bc.unsqueeze(-1) * dw
+            db_c = (dw * vc).sum(-1)
+        dg_tot = dg + dG
+        dla_c = dg_tot.flip(-1).cumsum(-1).flip(-1)
+        if placement == "after_step":
+            dla_c = dla_c - dG
+        if read == "chunk":
+            dla_c = dla_c - (qc * dq_c).sum(-1)
+        dq.append(dq_c), dk.append(dk_c), dv.append(dv_c), dbeta.append(db_c), dla.append(dla_c)
+    cat = lambda xs: torch.cat(xs, 2).transpose(1, 2)   # noqa: E731
+    dalpha = None
+    if alpha is not None:
+        tiny = torch.finfo(alpha.dtype).tiny
+        dalpha = torch.where(alpha >= tiny, cat(dla) / alpha.clamp_min(tiny), torch.zeros_like(alpha))
+    return cat(dq), cat(dk), cat(dv), cat(dbeta), dalpha, (dh0 if initial_state is not None else None)
