@@ -7,28 +7,35 @@ Omega window c with γ gates. The online recurrence (spec §3, §15.4)
     w_{t,j} = −η_t γ_j (M_{t−1} Diag(B_t) x_j − v_j)      (ℓ2; B_t = a_t before_step, 1 after_step)
     w_{t,j} =  η_t γ_j v_j                                  (dot product)
 
-is computed for a block of L tokens at once (Yang et al. 2024, "Parallelizing Linear Transformers with the
-Delta Rule over Sequence Length", generalised to rank-c steps and to both decay placements). With
-P_t = Π_{τ≤t} a_τ (block-local) and G_t = P_t (before_step) or P_{t−1} (after_step), the pseudo-values w
-solve the unit lower-triangular system
+is computed in blocks of L tokens (Yang et al. 2024, "Parallelizing Linear Transformers with the Delta Rule
+over Sequence Length", generalised to rank-c steps and to both decay placements). With P_t = Π_{τ≤t} a_τ
+(block-local) and G_t = P_t (before_step) or P_{t−1} (after_step), the pseudo-values w of a block solve the
+unit lower-triangular system (L·c unknowns)
 
-    w_{t,j} + η_t γ_j Σ_{s<t} Σ_i [(G_t ⊙ x_j)·(x_i / P_s)] w_{s,i} = −η_t γ_j (M_0 (G_t ⊙ x_j) − v_j),
+    w_{t,j} + η_t γ_j Σ_{s<t} Σ_i [(G_t ⊙ x_j)·(x_i / P_s)] w_{s,i} = −η_t γ_j (M_0 (G_t ⊙ x_j) − v_j).
 
-then y_t = M_0 (P_t ⊙ q_t) + Σ_{s≤t} Σ_i [(P_t/P_s ⊙ x_i)·q_t] w_{s,i} and M_L follows the same way. The L·c
-unknowns of a block are found with one triangular solve; nothing of size T × d_v × d_k is formed.
+The right side is affine in the block-start memory M_0, so (UT transform) w = U − X M_0ᵀ with U, X solved
+once from M_0-free right sides. Everything then splits into
 
-Scalar decay ratios are formed as exp(log P_t − log P_s), never by division; channel-wise decay uses the
-factorised x ⊙ P and x / P inside a block (keep blocks short, e.g. ≤ 32, when channels forget fast).
+1. block-local work for ALL blocks at once (batched over blocks, no dependence on M_0):
+   U, X, the read operators Y_u = K_q U and Q_eff = (P ⊙ q) − K_q X (K_q the causal decayed q·x matrix), and
+   the block transition M_L = M_0 Φ + Δ with Φ = Diag(P_L) − Xᵀ X_d, Δ = Uᵀ X_d (X_d = x ⊙ P_L/P_s);
+2. the only sequential part: M_{n+1} = M_n Φ_n + Δ_n over the T/L blocks (one matmul and one add each);
+3. all reads in one batched product: y = Y_u + Q_eff M_nᵀ.
+
+Nothing of size T × d_v × d_k is formed (the block-start states are T/L × d_v × d_k). Scalar decay ratios are
+exp(log P_t − log P_s), never divisions; channel-wise decay uses the factorised x ⊙ P and x / P inside a
+block (keep blocks short, e.g. ≤ 32, when channels forget fast).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from .recurrent import _bh, _keep_last
-from .state import Gates, MemoryState, split_time
+from .state import Gates, MemoryState
 
 if TYPE_CHECKING:
     from ..components.memory_spec import MemoryParts
@@ -42,120 +49,162 @@ def supports(parts: "MemoryParts", chunk_size: int) -> bool:
             and s.retention.name in ("none", "decay") and parts.window.size is not None)
 
 
-def _slots(x_ext: torch.Tensor, h: int, L: int, c: int) -> tuple:
-    """Gather window slots: ext index of (t, j) = h + t − c + 1 + j. ``x_ext: [B, H, h+L, ...]``.
-
-    Returns the gathered tensor ``[B, H, L, c, ...]`` and a validity mask ``[L, c]`` (ext index ≥ 0).
-    """
-    idx = torch.arange(L, device=x_ext.device).unsqueeze(1) + h - c + 1 + torch.arange(c, device=x_ext.device)
-    valid = idx >= 0
-    gathered = x_ext[:, :, idx.clamp_min(0)]
-    return gathered, valid
+def _slots(x_ext: torch.Tensor, h: int, T: int, c: int) -> torch.Tensor:
+    """Window slots of every token: ``x_ext [B, H, h+T, ...]`` → ``[B, H, T, c, ...]``, slot (t, j) = ext index
+    h + t − c + 1 + j (slots before the sequence hold ext index 0; their coefficient is zeroed by the caller)."""
+    idx = torch.arange(T, device=x_ext.device).unsqueeze(1) + (h - c + 1) + torch.arange(c, device=x_ext.device)
+    return x_ext[:, :, idx.clamp_min(0)]
 
 
-def _masked_exp(log_ratio: torch.Tensor, diagonal: int) -> torch.Tensor:
-    """exp of ``[..., t, s]`` log-ratios on the causal part (s ≤ t + diagonal); 0 elsewhere, never inf."""
+def _blocks(x: Optional[torch.Tensor], n_blocks: int, L: int) -> Optional[torch.Tensor]:
+    """``[B, H, T, ...]`` → zero-padded ``[B, H, N, L, ...]`` (padded tokens have zero coefficient and a = 1)."""
+    if x is None:
+        return None
+    pad = n_blocks * L - x.shape[2]
+    if pad:
+        x = torch.cat([x, x.new_zeros(*x.shape[:2], pad, *x.shape[3:])], 2)
+    return x.reshape(*x.shape[:2], n_blocks, L, *x.shape[3:])
+
+
+def _causal_exp(log_ratio: torch.Tensor, diagonal: int) -> torch.Tensor:
+    """exp of ``[..., t, s]`` log-ratios where s ≤ t + diagonal; exactly 0 elsewhere (never inf)."""
     L = log_ratio.shape[-1]
     keep = torch.ones(L, L, dtype=torch.bool, device=log_ratio.device).tril(diagonal)
     return log_ratio.masked_fill(~keep, float("-inf")).exp()
 
 
-def _block(parts, M0, x_ext, v_ext, g_ext, q_blk, lr, log_a, h, L, c, is_l2, before, read_token, channel):
-    """One block. Shapes: ``M0 [B,H,V,K]``, ``x_ext [B,H,h+L,K]``, ``q_blk [B,H,L,K]``, ``lr [B,H,L]``,
-    ``log_a [B,H,L]`` or ``[B,H,L,K]`` (channel-wise) or None. Returns (y ``[B,H,L,V]``, M_L)."""
-    B, H = M0.shape[:2]
-    x, valid = _slots(x_ext, h, L, c)                       # [B,H,L,c,K]
-    v, _ = _slots(v_ext, h, L, c)                           # [B,H,L,c,V]
-    gam, _ = _slots(g_ext, h, L, c)                         # [B,H,L,c]
-    coef = lr.unsqueeze(-1) * gam * valid.to(gam.dtype)     # η_t γ_j, zero on slots before the sequence
-    N = L * c
+def _ratio(log_t: torch.Tensor, log_s: torch.Tensor, diagonal: int, decays: bool) -> torch.Tensor:
+    """``[..., t, s]`` = exp(log_t − log_s) for s ≤ t + diagonal, else 0 (a plain causal mask without decay)."""
+    if not decays:
+        L = log_t.shape[-1]
+        mask = torch.ones(L, L, dtype=log_t.dtype, device=log_t.device).tril(diagonal)
+        return mask.expand(*log_t.shape, L)
+    return _causal_exp(log_t.unsqueeze(-1) - log_s.unsqueeze(-2), diagonal)
+
+
+def block_operators(x, v, coef, q, log_a, is_l2: bool, before: bool, read_token: bool):
+    """Block-local operators of every block, independent of the block-start memory.
+
+    Shapes (N blocks of L tokens, c window slots): ``x [B,H,N,L,c,K]``, ``v [B,H,N,L,c,V]``,
+    ``coef [B,H,N,L,c]`` (η_t γ_j, zero on empty slots), ``q [B,H,N,L,K]``, ``log_a`` None, ``[B,H,N,L]`` or
+    ``[B,H,N,L,K]`` (channel-wise). Returns ``(Y_u [B,H,N,L,V], Q_eff [B,H,N,L,K], Φ [B,H,N,K,K] or the
+    diagonal [B,H,N,K] when the bias is the dot product, Δ [B,H,N,V,K])`` so that for a block with start
+    memory M_0: y = Y_u + Q_eff M_0ᵀ and M_L = M_0 Φ + Δ.
+    """
+    B, H, N, L, c, K = x.shape
+    channel = log_a is not None and log_a.dim() == 5
+    decays = log_a is not None
     if log_a is None:
-        logP = torch.zeros(B, H, L, dtype=M0.dtype, device=M0.device)
-    else:
-        logP = log_a.cumsum(2)                              # [B,H,L] or [B,H,L,K]
-    logP_prev = torch.cat([torch.zeros_like(logP[:, :, :1]), logP[:, :, :-1]], 2)
+        log_a = x.new_zeros(B, H, N, L)
+    logP = log_a.cumsum(3)
+    logP_prev = logP - log_a
     logG = logP if before else logP_prev
+    lp = logP if read_token else logP_prev              # the decay a read at t sees
+    logP_L = logP[:, :, :, -1]                          # [B,H,N] or [B,H,N,K]
+    flat = (B, H, N, L * c)
+    xf = x.reshape(*flat, K)
 
     if channel:
-        xg = x * logG.unsqueeze(3).exp()                     # G_t ⊙ x_{t,j}
-        xp = x * (-logP).unsqueeze(3).exp()                  # x_{s,i} / P_s
-        qp = q_blk * logP.exp()                              # P_t ⊙ q_t   (read token)
-        qp_prev = q_blk * logP_prev.exp()
-        M0_on_g = torch.einsum("bhvk,bhtjk->bhtjv", M0, xg)
+        x_over_P = (x * (-logP).exp().unsqueeze(4)).reshape(*flat, K)         # x_{s,i} / P_s
+        xG = x * logG.exp().unsqueeze(4)                                       # G_t ⊙ x_{t,j}
+        q_eff = q * lp.exp()                                                   # P_t ⊙ q_t
+        x_d = x_over_P * logP_L.exp().unsqueeze(3)                             # x ⊙ P_L / P_s
+        diag_L = logP_L.exp()                                                  # [B,H,N,K]
     else:
-        M0_on_g = torch.einsum("bhvk,bhtjk->bhtjv", M0, x) * logG.exp()[..., None, None]
+        xG = x * logG.exp()[..., None, None]
+        q_eff = q * lp.exp().unsqueeze(-1)
+        x_d = (x * (logP_L.unsqueeze(-1) - logP).exp()[..., None, None]).reshape(*flat, K)
+        diag_L = logP_L.exp().unsqueeze(-1).expand(B, H, N, K)
 
+    rhs_v = coef.unsqueeze(-1) * v                                             # [B,H,N,L,c,V]
+    read_ratio = None
+    if not channel:
+        read_ratio = _ratio(lp, logP, 0 if read_token else -1, decays)
     if is_l2:
-        rhs = -coef.unsqueeze(-1) * (M0_on_g - v)    # [B,H,L,c,V]
+        V = v.shape[-1]
+        cxG = coef.unsqueeze(-1) * xG                                          # η_t γ_j G_t ⊙ x_{t,j}
+        rhs = torch.cat([rhs_v, cxG], -1).reshape(*flat, V + K)
         if channel:
-            scores = torch.einsum("bhtjk,bhsik->bhtjsi", xg, xp)
+            A = cxG.reshape(*flat, K) @ x_over_P.mT
+        elif c == 1:
+            # the read's decay ratio doubles as the system's when G = the read's P and the read mask is strict
+            # or the diagonal is ignored (the solve is unit-triangular: only the strict lower part is read)
+            same = logG is lp
+            ratio = read_ratio if same else _ratio(logG, logP, -1, decays)
+            A = ((coef.unsqueeze(-1) * x).reshape(*flat, K) @ xf.mT) * ratio
         else:
-            ratio = _masked_exp(logG.unsqueeze(-1) - logP.unsqueeze(-2), -1)  # [B,H,t,s] = G_t / P_s, s < t
-            scores = torch.einsum("bhtjk,bhsik->bhtjsi", x, x) * ratio[:, :, :, None, :, None]
-        strict = torch.ones(L, L, dtype=torch.bool, device=x.device).tril(-1)
-        A = scores * coef[..., None, None] * strict[None, None, :, None, :, None]
-        A = A.reshape(B, H, N, N) + torch.eye(N, dtype=A.dtype, device=A.device)
-        w = torch.linalg.solve_triangular(A, rhs.reshape(B, H, N, -1), upper=False, unitriangular=True)
-        w = w.reshape(B, H, L, c, -1)
+            ratio = _ratio(logG, logP, -1, decays)                             # G_t / P_s, s < t
+            A = ((coef.unsqueeze(-1) * x).reshape(*flat, K) @ xf.mT).reshape(B, H, N, L, c, L, c)
+            A = (A * ratio[:, :, :, :, None, :, None]).reshape(*flat, L * c)
+        if channel and c > 1:   # zero the t = s blocks (slots of one token do not see each other)
+            strict = torch.ones(L, L, dtype=torch.bool, device=x.device).tril(-1)
+            A = A.reshape(B, H, N, L, c, L, c) * strict[:, None, :, None]
+            A = A.reshape(*flat, L * c)
+        sol = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)   # [U | X]: w = U − X M_0ᵀ
     else:
-        w = coef.unsqueeze(-1) * v
+        sol = None
 
-    # reads: y_t = M_t q_t (token) or M_{t−1} q_t (chunk = the state before the token when b = 1)
-    mask = torch.ones(L, L, dtype=torch.bool, device=x.device).tril(0 if read_token else -1)
     if channel:
-        qq = qp if read_token else qp_prev
-        y = torch.einsum("bhvk,bhtk->bhtv", M0, qq)
-        kq = torch.einsum("bhtk,bhsik->bhtsi", qq, xp)
+        read_mask = torch.ones(L, L, dtype=torch.bool, device=x.device).tril(0 if read_token else -1)
+        kq = (q_eff @ x_over_P.mT).reshape(B, H, N, L, L, c) * read_mask[..., None]
+    elif c == 1:
+        kq = (q @ xf.mT) * read_ratio
     else:
-        lp = logP if read_token else logP_prev
-        y = torch.einsum("bhvk,bhtk->bhtv", M0, q_blk) * lp.exp().unsqueeze(-1)
-        ratio = _masked_exp(lp.unsqueeze(-1) - logP.unsqueeze(-2), 0 if read_token else -1)
-        kq = torch.einsum("bhtk,bhsik->bhtsi", q_blk, x) * ratio[..., None]
-    y = y + torch.einsum("bhtsi,bhsiv->bhtv", kq * mask[None, None, :, :, None], w)
+        kq = (q @ xf.mT).reshape(B, H, N, L, L, c) * read_ratio.unsqueeze(-1)
+    kq = kq.reshape(B, H, N, L, L * c)
+    if sol is None:   # dot product: w = η γ v does not depend on M_0, and Φ is the decay alone
+        U = rhs_v.reshape(*flat, -1)
+        return kq @ U, q_eff, diag_L, U.mT @ x_d
+    V = v.shape[-1]
+    read = kq @ sol                                                            # [K_q U | K_q X]
+    moved = sol.mT @ x_d                                                       # [Uᵀ X_d ; Xᵀ X_d]
+    phi = torch.diag_embed(diag_L) - moved[..., V:, :]                         # [B,H,N,K,K]
+    return read[..., :V], q_eff - read[..., V:], phi, moved[..., :V, :]
 
-    # final state M_L = M_0 ⊙ P_L + Σ w_{s,i} (x_i ⊙ P_L/P_s)ᵀ
-    if channel:
-        last = logP[:, :, -1]                                                 # [B,H,K]
-        M_L = M0 * last.exp().unsqueeze(-2) + torch.einsum("bhsiv,bhsik->bhvk", w, xp * last.exp()[:, :, None, None])
-    else:
-        decay_to_end = (logP[:, :, -1:] - logP).exp()                         # [B,H,L]
-        M_L = M0 * logP[:, :, -1].exp()[..., None, None] + torch.einsum(
-            "bhsiv,bhsik->bhvk", w * decay_to_end[..., None, None], x)
-    return y, M_L
+
+def chain_blocks(M0: torch.Tensor, phi: torch.Tensor, delta: torch.Tensor):
+    """M_{n+1} = M_n Φ_n + Δ_n (Φ full ``[B,H,N,K,K]`` or diagonal ``[B,H,N,K]``) → (block-start states
+    ``[B,H,N,V,K]``, final state ``[B,H,V,K]``). The only sequential part of the engine."""
+    starts, M = [], M0
+    for phi_n, delta_n in zip(phi.unbind(2), delta.unbind(2)):   # unbind: one gradient buffer, not N
+        starts.append(M)
+        M = torch.addcmul(delta_n, M, phi_n.unsqueeze(-2)) if phi_n.dim() == M.dim() - 1 else delta_n + M @ phi_n
+    return torch.stack(starts, 2), M
 
 
 def memorize_linear_delta(q, k, v, parts: "MemoryParts", gates: Gates, state: MemoryState, block_size: int):
     """Online linear rules over ``q, k: [B, T, H, D_k]``, ``v: [B, T, H, D_v]`` in blocks of ``block_size``."""
     state = dataclasses.replace(state)
     spec = parts.spec
-    is_l2 = spec.attentional_bias.name == "l2"
     ret = parts.retention
-    channel = ret.channel_wise
-    before = ret.placement == "before_step" and gates.retention is not None
-    c = parts.window.size
-    fm = parts.feature_map
+    c, fm = parts.window.size, parts.feature_map
     T = q.shape[1]
-    M = state.weights["W"]
-    outputs = []
-    sizes = [min(block_size, T - t0) for t0 in range(0, T, block_size)]
-    for q_b, k_b, v_b, g_b in split_time(sizes, q, k, v, gates):
-        L = q_b.shape[1]
-        h = state.hist_k.shape[1]
-        k_ext = torch.cat([state.hist_k, k_b], 1)
-        v_ext = torch.cat([state.hist_v, v_b], 1)
-        g_ext = torch.cat([state.hist_gamma, g_b.window], 1)
-        log_a = None
-        if g_b.retention is not None and ret.uses_alpha:
-            a = g_b.retention.transpose(1, 2)
-            log_a = a.clamp_min(torch.finfo(a.dtype).tiny).log()
-        y, M = _block(parts, M, _bh(fm(k_ext)), _bh(v_ext), _bh(g_ext), _bh(fm(q_b)),
-                      _bh(g_b.lr), log_a, h, L, c, is_l2, before, parts.read == "token", channel)
-        outputs.append(y.transpose(1, 2))
-        keep = parts.window.history()
-        state.hist_k, state.hist_v, state.hist_gamma = (_keep_last(z, keep) for z in (k_ext, v_ext, g_ext))
-        if g_b.retention is not None:
-            state.chunk_alpha = g_b.retention[:, -1]
-        state.position += L
+    L = max(1, min(block_size, T))
+    N = -(-T // L)
+    h = state.hist_k.shape[1]
+    k_ext = torch.cat([state.hist_k, k], 1)
+    v_ext = torch.cat([state.hist_v, v], 1)
+    g_ext = torch.cat([state.hist_gamma, gates.window], 1)
+    x = _slots(_bh(fm(k_ext)), h, T, c)                                    # [B,H,T,c,K]
+    vs = _slots(_bh(v_ext), h, T, c)
+    valid = (torch.arange(T, device=q.device).unsqueeze(1) + (h - c + 1) + torch.arange(c, device=q.device)) >= 0
+    coef = _bh(gates.lr).unsqueeze(-1) * _slots(_bh(g_ext), h, T, c) * valid
+    log_a = None
+    if gates.retention is not None and ret.uses_alpha:
+        a = _bh(gates.retention)
+        log_a = a.clamp_min(torch.finfo(a.dtype).tiny).log()
+    before = ret.placement == "before_step" and gates.retention is not None
+    y_u, q_eff, phi, delta = block_operators(
+        _blocks(x, N, L), _blocks(vs, N, L), _blocks(coef, N, L), _blocks(_bh(fm(q)), N, L), _blocks(log_a, N, L),
+        spec.attentional_bias.name == "l2", before, parts.read == "token")
+    starts, M = chain_blocks(state.weights["W"], phi, delta)
+    y = (y_u + q_eff @ starts.mT).flatten(2, 3)[:, :, :T]                   # [B,H,T,V]
+
+    keep = parts.window.history()
+    state.hist_k, state.hist_v, state.hist_gamma = (_keep_last(z, keep) for z in (k_ext, v_ext, g_ext))
+    if gates.retention is not None:
+        state.chunk_alpha = gates.retention[:, -1]
+    state.position += T
     state.weights = {"W": M}
     state.anchor = state.weights   # with b = 1 the anchor is refreshed at every token
-    return torch.cat(outputs, 1), state
+    return y.transpose(1, 2), state
