@@ -7,7 +7,7 @@ Kernels (each beside its plain-torch reference in :mod:`.reference` / :mod:`atla
   ``cu_seqlens``);
 - :func:`.chunk.chunk_delta_rule`: chunk-parallel forward and backward of the same rules (fla-style stages;
   the backward recomputes the chunk states, sweeps the chunks in reverse for dS, then forms dq, dk, dv, dβ,
-  dα and the initial state's gradient per chunk in parallel).
+  dα and the initial state's gradient per chunk in parallel), per-head or channel-wise (GLA-style) decay.
 
 Dispatch, in the spirit of fla's backend registry: a Triton kernel is used only when
 
@@ -17,8 +17,8 @@ Dispatch, in the spirit of fla's backend registry: a Triton kernel is used only 
    while the interpreter is on (the interpreter's bf16 ``tl.dot`` is wrong; it is ~1000× slower than torch,
    so it is for tests only);
 3. the spec is one the kernel computes exactly: linear memory (any non-kernel-trick feature map, applied in
-   torch), ℓ2 or dot bias, GD, no retention or per-head scalar decay (either placement), Omega window c = 1,
-   semantic chunk b = 1, ``read`` token or chunk; head dims ≤ 256.
+   torch), ℓ2 or dot bias, GD, no retention, per-head scalar decay or channel-wise (per key channel, GLA-style)
+   decay (either placement), Omega window c = 1, semantic chunk b = 1, ``read`` token or chunk; head dims ≤ 256.
 
 :func:`select_kernel` returns an engine with the ``MODES`` signature or None; ``memorize(mode="triton")``
 (:func:`memorize_triton`) uses it and falls back to the torch ``chunked`` engine. Nothing else changes: the
@@ -28,8 +28,9 @@ Status: every kernel is tested against its torch reference under the interpreter
 none has yet run on a GPU. On a CUDA machine run ``TRITON_INTERPRET=0 pytest tests/test_triton.py`` (the
 same tests on the device) and then ``python bench/kernels.py`` (correctness-gated timings). The chunk kernel's
 backward runs on Triton backward kernels (``tests/test_triton_chunk_bwd.py``: every input gradient against the
-float64 token loop, RMS-error ratio ~1e-7 in fp32 under the interpreter); its torch recompute remains as the
-reference and the ``ATLASLAB_CHUNK_BACKWARD=torch`` fallback. The token-by-token and Newton–Schulz kernels'
+float64 token loop, RMS-error ratio ~1e-7 in fp32 under the interpreter; channel-wise decay in
+``tests/test_triton_channel.py``, the same bar); its torch recompute remains as the reference and the
+``ATLASLAB_CHUNK_BACKWARD=torch`` fallback. The token-by-token and Newton–Schulz kernels'
 backward passes are still autograd through a torch recompute (exact, torch speed).
 """
 from __future__ import annotations
@@ -101,7 +102,6 @@ def spec_reason(parts, chunk_size: int) -> Optional[str]:
         (s.attentional_bias.name in ("l2", "dot"), f"attentional bias '{s.attentional_bias.name}' (l2, dot)"),
         (s.inner_optimizer.name == "gd", f"inner optimizer '{s.inner_optimizer.name}' (gd)"),
         (s.retention.name in ("none", "decay"), f"retention '{s.retention.name}' (none, decay)"),
-        (not parts.retention.channel_wise, "channel-wise decay"),
         (parts.window.size == 1, f"window size {parts.window.size} (c = 1)"),
         (chunk_size == 1, f"chunk_size b = {chunk_size} (b = 1)"),
         (parts.read in ("token", "chunk"), f"read '{parts.read}'"),

@@ -35,6 +35,16 @@ gives every equation), as fla's ``chunk_gated_delta_rule_bwd``: nothing but the 
 :class:`ChunkFunction` uses these kernels; ``BACKWARD = "torch"`` (or ``ATLASLAB_CHUNK_BACKWARD=torch``) switches
 to autograd through the torch chunk form recomputed under ``enable_grad`` (the reference, kept as a fallback).
 
+Channel-wise (per key channel, GLA-style) decay, α ``[B, T, H, D_k]`` and S_t = S_{t−1} Diag(α_t) (+ the write):
+the same stages on the ``_cw_*`` kernels, with g ``[B, T, H, D_k]``; a write at s reaches t with its key decayed
+channel by channel, k_s ⊙ e^{g_t − g_s}, so A[t, s] = β_t Σ_c k_tc k_sc e^{G_tc − g_sc}, the intra-chunk read is
+P[t, s] = Σ_c q_tc k_sc e^{gq_tc − g_sc}, the inter-chunk read is (q ⊙ e^{gq}) S_0ᵀ and the state steps as
+S ← S Diag(e^{g_L}) + wᵀ (k ⊙ e^{g_L − g}) (equations and gradients: :func:`.reference._chunk_channel_wise`,
+:func:`.reference._channel_wise_backward`). The pairwise decays are formed exactly (every exponent ≤ 0, no
+e^{−g} factorisation, so no overflow at any decay strength) by a loop over the chunk's columns on CUDA cores
+(``_decayed_dot`` / ``_decayed_mm``, O(BT² D_k) per chunk); fla's GLA kernels instead use 16-token sub-chunks
+with tensor-core products between sub-chunks, the faster choice on a GPU (not done here).
+
 ``cu_seqlens`` is handled by running the kernels once per packed sequence, forward and backward (a Python
 loop; fla's chunk-index tables would remove it).
 
@@ -370,6 +380,325 @@ if triton is not None:
                 b_dla -= b_dgq                                       # gq = g − log α
             tl.store(dla + rows, b_dla, mask=m_t)
 
+    # ------------------------------------------------------------------ channel-wise (GLA-style) decay
+    # la, g: [B, T, H, K]. Every intra-chunk decay is formed pairwise, e^{a_tc − b_sc} with a causal exponent
+    # ≤ 0, by a loop over the chunk's columns s (no e^{−g} factorisation, so no overflow at any decay).
+
+    @triton.jit
+    def _row(x, sel):
+        """Row ``sel`` (a one-hot [BT] mask) of a [BT, N] block, as an [N] vector."""
+        return tl.sum(tl.where(sel[:, None], x, 0.0), axis=0)
+
+    @triton.jit
+    def _decayed_dot(x, y, a, b, o_i, BT: tl.constexpr, STRICT: tl.constexpr):
+        """M[t, s] = Σ_c x[t, c] y[s, c] e^{a[t, c] − b[s, c]} for s < t (STRICT) or s ≤ t, else 0. [BT, BT]."""
+        M = tl.zeros([BT, BT], dtype=tl.float32)
+        for s in range(0, BT):
+            sel = o_i == s
+            if STRICT:
+                rows = o_i > s
+            else:
+                rows = o_i >= s
+            e = tl.exp(tl.where(rows[:, None], a - _row(b, sel)[None, :], 0.0))
+            col = tl.sum(x * _row(y, sel)[None, :] * e, axis=1)
+            M = tl.where(sel[None, :] & rows[:, None], col[:, None], M)
+        return M
+
+    @triton.jit
+    def _decayed_mm(D, x, y, a, b, o_i, BT: tl.constexpr, STRICT: tl.constexpr):
+        """For D [BT, BT] (used on its causal part): R[t, c] = Σ_s D[t, s] y[s, c] e^{a_tc − b_sc} and
+        C[s, c] = Σ_t D[t, s] x[t, c] e^{a_tc − b_sc}, both [BT, N] (the two gradients of :func:`_decayed_dot`)."""
+        R = tl.zeros_like(x)
+        C = tl.zeros_like(x)
+        for s in range(0, BT):
+            sel = o_i == s
+            if STRICT:
+                rows = o_i > s
+            else:
+                rows = o_i >= s
+            d_s = tl.where(rows, tl.sum(tl.where(sel[None, :], D, 0.0), axis=1), 0.0)
+            e = tl.exp(tl.where(rows[:, None], a - _row(b, sel)[None, :], 0.0))
+            R += d_s[:, None] * _row(y, sel)[None, :] * e
+            C = tl.where(sel[:, None], tl.sum(d_s[:, None] * x * e, axis=0)[None, :], C)
+        return R, C
+
+    @triton.jit
+    def _cw_ut_kernel(k, v, beta, la, g_out, u_out, wk_out, ainv_out, T, H: tl.constexpr, K: tl.constexpr,
+                      V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BVV: tl.constexpr, IS_L2: tl.constexpr,
+                      BEFORE: tl.constexpr, STORE_AINV: tl.constexpr, PRECISION: tl.constexpr):
+        """Stage 1, channel-wise: g = chunk-local cumsum of log α per key channel; for l2,
+        A[t, s] = β_t Σ_c k_tc k_sc e^{G_tc − g_sc} (s < t), (I + A)⁻¹, u = (I + A)⁻¹ β v,
+        w_k = (I + A)⁻¹ β (k ⊙ e^G)."""
+        i_t = tl.program_id(0)
+        i_bh = tl.program_id(1)
+        i_b = i_bh // H
+        i_h = i_bh % H
+        o_i = tl.arange(0, BT)
+        o_k = tl.arange(0, BK)
+        m_k = o_k < K
+        o_t = i_t * BT + o_i
+        m_t = o_t < T
+        rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_la = tl.load(la + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_g = tl.cumsum(b_la, axis=0)
+        tl.store(g_out + rows[:, None] * K + o_k[None, :], b_g, mask=m_tk)
+        if IS_L2:
+            o_v = tl.arange(0, BVV)
+            m_v = o_v < V
+            b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+            b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                          other=0.0).to(tl.float32)
+            b_beta = tl.load(beta + rows, mask=m_t, other=0.0).to(tl.float32)
+            if BEFORE:
+                b_G = b_g
+            else:
+                b_G = b_g - b_la
+            A = b_beta[:, None] * _decayed_dot(b_k, b_k, b_G, b_g, o_i, BT, True)
+            Ti = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
+            for i in range(1, BT):
+                a_i = tl.sum(tl.where(o_i[:, None] == i, A, 0.0), axis=0)
+                new = tl.where(o_i == i, 1.0, 0.0) - tl.sum(a_i[:, None] * Ti, axis=0)
+                Ti = tl.where(o_i[:, None] == i, new[None, :], Ti)
+            b_u = tl.dot(Ti, b_beta[:, None] * b_v, input_precision=PRECISION)
+            b_wk = tl.dot(Ti, b_beta[:, None] * b_k * tl.exp(b_G), input_precision=PRECISION)
+            tl.store(u_out + rows[:, None] * V + o_v[None, :], b_u, mask=m_t[:, None] & m_v[None, :])
+            tl.store(wk_out + rows[:, None] * K + o_k[None, :], b_wk, mask=m_tk)
+            if STORE_AINV:
+                tl.store(ainv_out + rows[:, None] * BT + o_i[None, :], Ti, mask=m_t[:, None])
+
+    @triton.jit
+    def _cw_state_kernel(k, v, beta, g, u, wk, h0, w_out, hs, ht, T, NT, H: tl.constexpr, K: tl.constexpr,
+                         V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                         HAS_H0: tl.constexpr, IS_L2: tl.constexpr, PRECISION: tl.constexpr):
+        """Stage 2, channel-wise: w = u − w_k S_0ᵀ; S ← S Diag(e^{g_L}) + Σ_s w_s (k_s ⊙ e^{g_L − g_s})ᵀ."""
+        i_v = tl.program_id(0)
+        i_bh = tl.program_id(1)
+        i_b = i_bh // H
+        i_h = i_bh % H
+        o_i = tl.arange(0, BT)
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k = o_k < K
+        m_v = o_v < V
+        m_h = m_v[:, None] & m_k[None, :]
+        h_offs = o_v[:, None] * K + o_k[None, :]
+        h = tl.zeros([BV, BK], dtype=tl.float32)
+        if HAS_H0:
+            h += tl.load(h0 + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
+        for i_t in range(0, NT):
+            tl.store(hs + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * V * K + h_offs, h, mask=m_h)
+            o_t = i_t * BT + o_i
+            m_t = o_t < T
+            rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+            m_tk = m_t[:, None] & m_k[None, :]
+            m_tv = m_t[:, None] & m_v[None, :]
+            b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+            if IS_L2:
+                b_u = tl.load(u + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+                b_wk = tl.load(wk + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+                b_w = b_u - tl.dot(b_wk, tl.trans(h), input_precision=PRECISION)
+            else:
+                b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+                b_beta = tl.load(beta + rows, mask=m_t, other=0.0).to(tl.float32)
+                b_w = b_beta[:, None] * b_v
+            tl.store(w_out + rows[:, None] * V + o_v[None, :], b_w, mask=m_tv)
+            b_g = tl.load(g + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+            last = tl.minimum(T - i_t * BT, BT) - 1
+            g_last = tl.load(g + (i_b.to(tl.int64) * T + i_t * BT + last) * H * K + i_h * K + o_k, mask=m_k,
+                             other=0.0)
+            b_kd = b_k * tl.exp(tl.where(m_tk, g_last[None, :] - b_g, 0.0))
+            h = h * tl.exp(g_last)[None, :] + tl.dot(tl.trans(b_w), b_kd, input_precision=PRECISION)
+        tl.store(ht + i_bh.to(tl.int64) * V * K + h_offs, h, mask=m_h)
+
+    @triton.jit
+    def _cw_out_kernel(q, k, la, g, w, hs, o, T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, READ_TOKEN: tl.constexpr,
+                       PRECISION: tl.constexpr):
+        """Stage 3, channel-wise: o = (q ⊙ e^{gq}) S_0ᵀ + P w, P[t, s] = Σ_c q_tc k_sc e^{gq_tc − g_sc} (causal)."""
+        i_v = tl.program_id(0)
+        i_t = tl.program_id(1)
+        i_bh = tl.program_id(2)
+        i_b = i_bh // H
+        i_h = i_bh % H
+        o_i = tl.arange(0, BT)
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k = o_k < K
+        m_v = o_v < V
+        o_t = i_t * BT + o_i
+        m_t = o_t < T
+        rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_g = tl.load(g + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+        if READ_TOKEN:
+            b_gq = b_g
+        else:
+            b_gq = b_g - tl.load(la + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_w = tl.load(w + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        h = tl.load(hs + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * V * K + o_v[:, None] * K + o_k[None, :],
+                    mask=m_v[:, None] & m_k[None, :], other=0.0)
+        b_o = tl.dot(b_q * tl.exp(b_gq), tl.trans(h), input_precision=PRECISION)
+        P = _decayed_dot(b_q, b_k, b_gq, b_g, o_i, BT, not READ_TOKEN)
+        b_o += tl.dot(P, b_w, input_precision=PRECISION)
+        tl.store(o + rows[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+
+    @triton.jit
+    def _cw_bwd_dh_kernel(q, k, la, g, wk, do, dht, dhs, dw, dh0, T, NT, H: tl.constexpr, K: tl.constexpr,
+                          V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                          HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, IS_L2: tl.constexpr,
+                          READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
+        """Reverse sweep, channel-wise: dw = Pᵀ do + (k ⊙ e^{g_L − g}) dSᵀ;
+        dS ← dS Diag(e^{g_L}) + doᵀ (q ⊙ e^{gq}) − [l2] dwᵀ w_k."""
+        i_v = tl.program_id(0)
+        i_bh = tl.program_id(1)
+        i_b = i_bh // H
+        i_h = i_bh % H
+        o_i = tl.arange(0, BT)
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k = o_k < K
+        m_v = o_v < V
+        m_h = m_v[:, None] & m_k[None, :]
+        h_offs = o_v[:, None] * K + o_k[None, :]
+        dh = tl.zeros([BV, BK], dtype=tl.float32)
+        if HAS_DHT:
+            dh += tl.load(dht + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
+        for j in range(0, NT):
+            i_t = NT - 1 - j
+            tl.store(dhs + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * V * K + h_offs, dh, mask=m_h)
+            o_t = i_t * BT + o_i
+            m_t = o_t < T
+            rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+            m_tk = m_t[:, None] & m_k[None, :]
+            m_tv = m_t[:, None] & m_v[None, :]
+            b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+            b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+            b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+            b_g = tl.load(g + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+            last = tl.minimum(T - i_t * BT, BT) - 1
+            g_last = tl.load(g + (i_b.to(tl.int64) * T + i_t * BT + last) * H * K + i_h * K + o_k, mask=m_k,
+                             other=0.0)
+            if READ_TOKEN:
+                b_gq = b_g
+            else:
+                b_gq = b_g - tl.load(la + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+            P = _decayed_dot(b_q, b_k, b_gq, b_g, o_i, BT, not READ_TOKEN)
+            b_kd = b_k * tl.exp(tl.where(m_tk, g_last[None, :] - b_g, 0.0))
+            b_dw = tl.dot(tl.trans(P), b_do, input_precision=PRECISION) \
+                + tl.dot(b_kd, tl.trans(dh), input_precision=PRECISION)
+            tl.store(dw + rows[:, None] * V + o_v[None, :], b_dw, mask=m_tv)
+            dh = dh * tl.exp(g_last)[None, :] + tl.dot(tl.trans(b_do), b_q * tl.exp(b_gq), input_precision=PRECISION)
+            if IS_L2:
+                b_wk = tl.load(wk + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+                dh -= tl.dot(tl.trans(b_dw), b_wk, input_precision=PRECISION)
+        if HAS_H0:
+            tl.store(dh0 + i_bh.to(tl.int64) * V * K + h_offs, dh, mask=m_h)
+
+    @triton.jit
+    def _cw_bwd_grad_kernel(q, k, v, beta, la, g, ainv, w, hs, dhs, do, dw, dq, dk, dv, dbeta, dla, T, NT,
+                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                            BV: tl.constexpr, IS_L2: tl.constexpr, BEFORE: tl.constexpr, READ_TOKEN: tl.constexpr,
+                            PRECISION: tl.constexpr):
+        """Per chunk × head, channel-wise: the equations of :func:`.reference._channel_wise_backward` step 3;
+        d log α ``[B, T, H, K]`` is a reverse cumsum over the chunk of dg per channel."""
+        i_t = tl.program_id(0)
+        i_bh = tl.program_id(1)
+        i_b = i_bh // H
+        i_h = i_bh % H
+        o_i = tl.arange(0, BT)
+        o_k = tl.arange(0, BK)
+        m_k = o_k < K
+        o_t = i_t * BT + o_i
+        m_t = o_t < T
+        rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_beta = tl.load(beta + rows, mask=m_t, other=0.0).to(tl.float32)
+        b_g = tl.load(g + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_la = tl.load(la + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        last = tl.minimum(T - i_t * BT, BT) - 1
+        g_last = tl.load(g + (i_b.to(tl.int64) * T + i_t * BT + last) * H * K + i_h * K + o_k, mask=m_k, other=0.0)
+        if READ_TOKEN:
+            b_gq = b_g
+        else:
+            b_gq = b_g - b_la
+        if BEFORE:
+            b_G = b_g
+        else:
+            b_G = b_g - b_la
+        e_G = tl.exp(b_G)
+        b_kG = b_k * e_G
+        decay = tl.exp(tl.where(m_tk, g_last[None, :] - b_g, 0.0))
+        b_dq = tl.zeros([BT, BK], dtype=tl.float32)        # do S_0, then ⊙ e^{gq}
+        b_dks = tl.zeros([BT, BK], dtype=tl.float32)       # w dS, then ⊙ e^{g_L − g}
+        b_dkG = tl.zeros([BT, BK], dtype=tl.float32)       # −β (dr S_0): gradient of k ⊙ e^G in r
+        b_D = tl.zeros([BT, BT], dtype=tl.float32)         # do wᵀ
+        b_dA = tl.zeros([BT, BT], dtype=tl.float32)        # −dr wᵀ
+        b_db = tl.zeros([BT], dtype=tl.float32)
+        b_dgl = tl.zeros([BK], dtype=tl.float32)           # Σ_v dS ⊙ S_0
+        h_base = ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * V * K
+        if IS_L2:
+            Ti = tl.load(ainv + rows[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            m_tv = m_t[:, None] & m_v[None, :]
+            m_h = m_v[:, None] & m_k[None, :]
+            b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+            b_w = tl.load(w + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+            b_dw = tl.load(dw + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+            b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+            S0 = tl.load(hs + h_base + o_v[:, None] * K + o_k[None, :], mask=m_h, other=0.0)
+            dS = tl.load(dhs + h_base + o_v[:, None] * K + o_k[None, :], mask=m_h, other=0.0)
+            b_dq += tl.dot(b_do, S0, input_precision=PRECISION)
+            b_D += tl.dot(b_do, tl.trans(b_w), input_precision=PRECISION)
+            b_dks += tl.dot(b_w, dS, input_precision=PRECISION)
+            b_dgl += tl.sum(dS * S0, axis=0)
+            if IS_L2:
+                b_dr = tl.dot(tl.trans(Ti), b_dw, input_precision=PRECISION)
+                b_kS = tl.dot(b_kG, tl.trans(S0), input_precision=PRECISION)
+                b_db += tl.sum(b_dr * (b_v - b_kS), axis=1)
+                b_dkG -= b_beta[:, None] * tl.dot(b_dr, S0, input_precision=PRECISION)
+                b_dA -= tl.dot(b_dr, tl.trans(b_w), input_precision=PRECISION)
+                b_dv = b_beta[:, None] * b_dr
+            else:
+                b_db += tl.sum(b_dw * b_v, axis=1)
+                b_dv = b_beta[:, None] * b_dw
+            tl.store(dv + rows[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_tv)
+        b_dq = b_dq * tl.exp(b_gq)
+        b_dks = b_dks * decay
+        dq_p, dk_p = _decayed_mm(b_D, b_q, b_k, b_gq, b_g, o_i, BT, not READ_TOKEN)
+        b_dq += dq_p
+        b_dgq = b_q * b_dq
+        ks = b_k * b_dks
+        b_dg = b_dgq - b_k * dk_p - ks
+        dgl = tl.exp(g_last) * b_dgl + tl.sum(ks, axis=0)
+        b_dg += tl.where((o_i == last)[:, None], dgl[None, :], 0.0)
+        b_dk = dk_p + b_dks
+        b_dG = tl.zeros([BT, BK], dtype=tl.float32)
+        if IS_L2:
+            # A[t, s] = β_t Σ_c k_tc k_sc e^{G_tc − g_sc}:  dA (strict) → dβ, dk (both sides), dG, dg
+            # R[t] = Σ_s dA[t, s] k_s e^{G_t − g_s};  Z2[s] = Σ_t β_t dA[t, s] k_t e^{G_t − g_s}
+            dA1, Z2 = _decayed_mm(b_dA, b_beta[:, None] * b_k, b_k, b_G, b_g, o_i, BT, True)
+            b_db += tl.sum(b_k * dA1, axis=1)
+            dA1 = b_beta[:, None] * dA1
+            b_dk += b_dkG * e_G + dA1 + Z2
+            b_dG = b_dkG * b_kG + b_k * dA1
+            b_dg -= b_k * Z2
+        tl.store(dq + rows[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
+        tl.store(dk + rows[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
+        tl.store(dbeta + rows, b_db.to(dbeta.dtype.element_ty), mask=m_t)
+        b_dla = tl.cumsum(b_dg + b_dG, axis=0, reverse=True)
+        if not BEFORE:
+            b_dla -= b_dG
+        if not READ_TOKEN:
+            b_dla -= b_dgq
+        tl.store(dla + rows[:, None] * K + o_k[None, :], b_dla, mask=m_tk)
+
 
 def _sizes(K: int, V: int, chunk_size: int):
     """Block sizes: BT (chunk), BK / BVV (padded head dims), BV (value block of the state kernels)."""
@@ -391,7 +720,8 @@ def _forward_stages(k, v, beta, la, h0, *, bias, placement, chunk_size, prec, st
     NT = triton.cdiv(T, BT)
     f32 = dict(dtype=torch.float32, device=k.device)
     is_l2 = bias == "l2"
-    g = torch.empty(B, T, H, **f32)
+    cw = la is not None and la.dim() == 4
+    g = torch.empty(*la.shape, **f32) if cw else torch.empty(B, T, H, **f32)
     u = torch.empty(B, T, H, V, **f32) if is_l2 else None
     wk = torch.empty(B, T, H, K, **f32) if is_l2 else None
     ainv = torch.empty(B, T, H, BT, **f32) if (is_l2 and store_ainv) else None
@@ -399,11 +729,18 @@ def _forward_stages(k, v, beta, la, h0, *, bias, placement, chunk_size, prec, st
     hs = torch.empty(B, NT, H, V, K, **f32)
     ht = torch.empty(B, H, V, K, **f32)
     dummy = g
-    _chunk_ut_kernel[(NT, B * H)](
-        k, v, beta, la if la is not None else dummy, g, u if is_l2 else dummy, wk if is_l2 else dummy,
-        ainv if ainv is not None else dummy, T, H=H, K=K, V=V, BT=BT, BK=BK, BVV=BVV, HAS_ALPHA=la is not None,
-        IS_L2=is_l2, BEFORE=placement == "before_step", STORE_AINV=ainv is not None, PRECISION=prec, num_warps=4)
-    _chunk_state_kernel[(triton.cdiv(V, BV), B * H)](
+    flags = dict(IS_L2=is_l2, BEFORE=placement == "before_step", STORE_AINV=ainv is not None, PRECISION=prec,
+                 num_warps=4)
+    if cw:
+        _cw_ut_kernel[(NT, B * H)](
+            k, v, beta, la, g, u if is_l2 else dummy, wk if is_l2 else dummy, ainv if ainv is not None else dummy,
+            T, H=H, K=K, V=V, BT=BT, BK=BK, BVV=BVV, **flags)
+    else:
+        _chunk_ut_kernel[(NT, B * H)](
+            k, v, beta, la if la is not None else dummy, g, u if is_l2 else dummy, wk if is_l2 else dummy,
+            ainv if ainv is not None else dummy, T, H=H, K=K, V=V, BT=BT, BK=BK, BVV=BVV,
+            HAS_ALPHA=la is not None, **flags)
+    (_cw_state_kernel if cw else _chunk_state_kernel)[(triton.cdiv(V, BV), B * H)](
         k, v, beta, g, u if is_l2 else dummy, wk if is_l2 else dummy, h0 if h0 is not None else dummy, w, hs, ht,
         T, NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_H0=h0 is not None, IS_L2=is_l2, PRECISION=prec,
         num_warps=4)
@@ -427,9 +764,12 @@ def chunk_forward(q, k, v, beta, alpha=None, initial_state=None, *, bias="l2", p
     prec = "tf32" if allow_tf32 else "ieee"
     st = _forward_stages(k, v, beta, la, h0, bias=bias, placement=placement, chunk_size=chunk_size, prec=prec)
     o = torch.empty_like(v)
-    _chunk_out_kernel[(triton.cdiv(V, BV), NT, B * H)](
-        q, k, la if la is not None else st["g"], st["g"], st["w"], st["hs"], o, T, NT, H=H, K=K, V=V, BT=BT, BK=BK,
-        BV=BV, HAS_ALPHA=la is not None, READ_TOKEN=read == "token", PRECISION=prec, num_warps=4)
+    args = (q, k, la if la is not None else st["g"], st["g"], st["w"], st["hs"], o, T, NT)
+    meta = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, READ_TOKEN=read == "token", PRECISION=prec, num_warps=4)
+    if la is not None and la.dim() == 4:
+        _cw_out_kernel[(triton.cdiv(V, BV), NT, B * H)](*args, **meta)
+    else:
+        _chunk_out_kernel[(triton.cdiv(V, BV), NT, B * H)](*args, HAS_ALPHA=la is not None, **meta)
     return o, st["ht"].to(initial_state.dtype if initial_state is not None else q.dtype)
 
 
@@ -478,21 +818,24 @@ def chunk_backward(q, k, v, beta, alpha, initial_state, do, dht, *, bias="l2", p
     dw = torch.empty(B, T, H, V, **f32)
     dh0 = torch.empty(B, H, V, K, **f32) if h0 is not None else None
     dummy = st["g"]
-    _chunk_bwd_dh_kernel[(triton.cdiv(V, BV), B * H)](
+    cw = la is not None and la.dim() == 4
+    meta = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, IS_L2=is_l2, READ_TOKEN=read == "token", PRECISION=prec,
+                num_warps=4)
+    if not cw:
+        meta["HAS_ALPHA"] = la is not None
+    (_cw_bwd_dh_kernel if cw else _chunk_bwd_dh_kernel)[(triton.cdiv(V, BV), B * H)](
         q, k, la if la is not None else dummy, st["g"], st["wk"] if is_l2 else dummy, do,
-        dht if dht is not None else dummy, dhs, dw, dh0 if dh0 is not None else dummy, T, NT, H=H, K=K, V=V,
-        BT=BT, BK=BK, BV=BV, HAS_ALPHA=la is not None, HAS_DHT=dht is not None, HAS_H0=dh0 is not None,
-        IS_L2=is_l2, READ_TOKEN=read == "token", PRECISION=prec, num_warps=4)
+        dht if dht is not None else dummy, dhs, dw, dh0 if dh0 is not None else dummy, T, NT,
+        HAS_DHT=dht is not None, HAS_H0=dh0 is not None, **meta)
     dq = torch.empty(B, T, H, K, **f32)
     dk = torch.empty(B, T, H, K, **f32)
     dv = torch.empty(B, T, H, V, **f32)
     dbeta = torch.empty(B, T, H, **f32)
-    dla = torch.empty(B, T, H, **f32) if la is not None else None
-    _chunk_bwd_grad_kernel[(NT, B * H)](
+    dla = torch.empty(*la.shape, **f32) if la is not None else None
+    (_cw_bwd_grad_kernel if cw else _chunk_bwd_grad_kernel)[(NT, B * H)](
         q, k, v, beta, la if la is not None else dummy, st["g"], st["ainv"] if is_l2 else dummy, st["w"], st["hs"],
-        dhs, do, dw, dq, dk, dv, dbeta, dla if dla is not None else dummy, T, NT, H=H, K=K, V=V, BT=BT, BK=BK,
-        BV=BV, HAS_ALPHA=la is not None, IS_L2=is_l2, BEFORE=placement == "before_step",
-        READ_TOKEN=read == "token", PRECISION=prec, num_warps=4)
+        dhs, do, dw, dq, dk, dv, dbeta, dla if dla is not None else dummy, T, NT,
+        BEFORE=placement == "before_step", **meta)
     dalpha = None
     if alpha is not None:   # log_decay clamps α at the smallest normal: no gradient below it
         a = alpha.float()
@@ -558,7 +901,8 @@ def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: to
     Args:
         q, k: ``[B, T, H, D_k]``; v: ``[B, T, H, D_v]`` (D_k, D_v ≤ 256).
         beta: ``[B, T, H]`` step size β_t = η_t γ_t.
-        alpha: ``[B, T, H]`` per-head kept fraction α_t, or None.
+        alpha: ``[B, T, H]`` per-head kept fraction α_t, ``[B, T, H, D_k]`` channel-wise (S ← S Diag(α_t)), or
+            None.
         initial_state: ``[N, H, D_v, D_k]`` or None (zeros).
         bias, placement, read: as :func:`.fused_recurrent.fused_recurrent_delta_rule`.
         cu_seqlens: ``[N + 1]`` offsets of packed sequences (B = 1), or None.

@@ -3,7 +3,8 @@
 For inference / decoding with a cached state (fla's ``fused_recurrent``): one program per (value block,
 sequence, head) keeps its rows of the state S ``[BV, D_k]`` in registers over the whole sequence and writes
 only o_t (and S_T at the end). The rules are those of :mod:`.reference` (l2 or dot bias, GD with step β_t,
-per-head scalar decay α_t placed ``before_step`` or ``after_step``, window c = 1, ``read`` token or chunk).
+per-head scalar or per-key-channel decay α_t placed ``before_step`` or ``after_step``, window c = 1, ``read``
+token or chunk).
 The state rows of a delta-rule memory evolve independently (S ← S(αI − βkkᵀ) + βvkᵀ acts on the right), so
 splitting D_v across programs is exact.
 
@@ -39,7 +40,8 @@ if triton is not None:
     @triton.jit
     def _fused_recurrent_kernel(q, k, v, beta, alpha, h0, o, ht, cu_seqlens, T, H: tl.constexpr,
                                 K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                                HAS_ALPHA: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
+                                HAS_ALPHA: tl.constexpr, CHANNEL: tl.constexpr, HAS_H0: tl.constexpr,
+                                STORE_FINAL: tl.constexpr,
                                 IS_L2: tl.constexpr, BEFORE: tl.constexpr, READ_TOKEN: tl.constexpr,
                                 IS_VARLEN: tl.constexpr):
         i_v = tl.program_id(0)
@@ -71,7 +73,10 @@ if triton is not None:
             if not READ_TOKEN:
                 b_o = tl.sum(h * b_q[None, :], axis=1)
             if HAS_ALPHA:
-                b_a = tl.load(alpha + row).to(tl.float32)
+                if CHANNEL:   # S Diag(α_t): scales the key columns
+                    b_a = tl.load(alpha + row * K + o_k, mask=m_k, other=1.0).to(tl.float32)[None, :]
+                else:
+                    b_a = tl.load(alpha + row).to(tl.float32)
                 if BEFORE:
                     h = h * b_a
             if IS_L2:
@@ -110,7 +115,8 @@ def fused_recurrent_forward(q, k, v, beta, alpha=None, initial_state=None, *, bi
     _fused_recurrent_kernel[grid](
         q, k, v, beta, alpha if alpha is not None else dummy, h0 if h0 is not None else dummy, o,
         ht if ht is not None else dummy, cu_seqlens if cu_seqlens is not None else dummy, T,
-        H=H, K=K, V=V, BK=BK, BV=BV, HAS_ALPHA=alpha is not None, HAS_H0=h0 is not None,
+        H=H, K=K, V=V, BK=BK, BV=BV, HAS_ALPHA=alpha is not None, CHANNEL=alpha is not None and alpha.dim() == 4,
+        HAS_H0=h0 is not None,
         STORE_FINAL=ht is not None, IS_L2=bias == "l2", BEFORE=placement == "before_step",
         READ_TOKEN=read == "token", IS_VARLEN=cu_seqlens is not None, num_warps=4)
     if ht is not None:
@@ -153,7 +159,8 @@ def fused_recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         q, k: ``[B, T, H, D_k]`` queries and keys (featurised already; ℓ2-normalised keys keep the delta rule stable).
         v: ``[B, T, H, D_v]`` values.
         beta: ``[B, T, H]`` step size β_t = η_t γ_t.
-        alpha: ``[B, T, H]`` kept fraction α_t of the per-head decay, or None (no retention).
+        alpha: ``[B, T, H]`` kept fraction α_t of the per-head decay, ``[B, T, H, D_k]`` channel-wise decay
+            (S ← S Diag(α_t), GLA-style), or None (no retention).
         initial_state: ``[N, H, D_v, D_k]`` state to continue from (N = B, or the number of sequences with
             ``cu_seqlens``), or None (zeros).
         bias: ``"l2"`` (delta rule) or ``"dot"`` (Hebbian / linear attention).

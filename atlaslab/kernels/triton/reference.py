@@ -39,8 +39,9 @@ def check_args(q, k, v, beta, alpha, initial_state, bias, placement, read, cu_se
                          f"k {list(k.shape)}, v {list(v.shape)}")
     if beta.shape != q.shape[:3]:
         raise ValueError(f"beta: expected {list(q.shape[:3])}, got {list(beta.shape)}")
-    if alpha is not None and alpha.shape != q.shape[:3]:
-        raise ValueError(f"alpha: expected {list(q.shape[:3])} (per-head scalar decay), got {list(alpha.shape)}")
+    if alpha is not None and alpha.shape not in (q.shape[:3], q.shape):
+        raise ValueError(f"alpha: expected {list(q.shape[:3])} (per-head scalar decay) or {list(q.shape)} "
+                         f"(channel-wise decay of the key channels), got {list(alpha.shape)}")
     for name, val, valid in (("bias", bias, BIASES), ("placement", placement, PLACEMENTS), ("read", read, READS)):
         if val not in valid:
             raise ValueError(f"{name}: '{val}' is not one of {', '.join(valid)}")
@@ -80,8 +81,9 @@ def delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta
                          alpha: Optional[torch.Tensor] = None, initial_state: Optional[torch.Tensor] = None, *,
                          bias: str = "l2", placement: str = "before_step", read: str = "token",
                          cu_seqlens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Token loop. ``q, k: [B, T, H, K]``, ``v: [B, T, H, V]``, ``beta, alpha: [B, T, H]``,
-    ``initial_state: [N, H, V, K]`` → ``o: [B, T, H, V]``, final state ``[N, H, V, K]``."""
+    """Token loop. ``q, k: [B, T, H, K]``, ``v: [B, T, H, V]``, ``beta: [B, T, H]``, ``alpha: [B, T, H]`` or
+    ``[B, T, H, K]`` (channel-wise: S ← S Diag(α_t)), ``initial_state: [N, H, V, K]`` → ``o: [B, T, H, V]``,
+    final state ``[N, H, V, K]``."""
     check_args(q, k, v, beta, alpha, initial_state, bias, placement, read, cu_seqlens)
     kw = dict(bias=bias, placement=placement, read=read)
     if cu_seqlens is not None:
@@ -92,7 +94,10 @@ def delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta
     outs = []
     for t in range(T):
         q_t, k_t, v_t, b_t = q[:, t], k[:, t], v[:, t], beta[:, t, :, None, None]
-        a_t = alpha[:, t, :, None, None] if alpha is not None else None
+        if alpha is None:
+            a_t = None
+        else:   # per head: scales S; channel-wise: scales S's key columns (S Diag(α_t))
+            a_t = alpha[:, t, :, None, None] if alpha.dim() == 3 else alpha[:, t, :, None, :]
         if read == "chunk":
             outs.append(torch.einsum("bhvk,bhk->bhv", S, q_t))
         if bias == "l2":
@@ -114,8 +119,20 @@ def _causal_exp(diff: torch.Tensor, diagonal: int) -> torch.Tensor:
     return diff.masked_fill(~keep, float("-inf")).exp()
 
 
+def _causal_exp3(a: torch.Tensor, b: torch.Tensor, diagonal: int) -> torch.Tensor:
+    """Channel-wise decays: exp(a[..., t, c] − b[..., s, c]) ``[..., L, L, K]`` where s ≤ t + diagonal, else 0."""
+    L = a.shape[-2]
+    keep = torch.ones(L, L, dtype=torch.bool, device=a.device).tril(diagonal).unsqueeze(-1)
+    return (a.unsqueeze(-2) - b.unsqueeze(-3)).masked_fill(~keep, float("-inf")).exp()
+
+
+def _decayed_dot(x: torch.Tensor, y: torch.Tensor, decay3: torch.Tensor) -> torch.Tensor:
+    """Σ_c x[t, c] y[s, c] decay3[t, s, c]: ``[..., L, L]`` (GLA's decay-weighted q kᵀ)."""
+    return torch.einsum("...tc,...sc,...tsc->...ts", x, y, decay3)
+
+
 def log_decay(alpha: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    """log α ``[B, T, H]`` (0 without retention), α clamped at the smallest positive normal."""
+    """log α ``[B, T, H]`` or ``[B, T, H, K]`` (0 without retention), α clamped at the smallest positive normal."""
     if alpha is None:
         return like.new_zeros(like.shape[:3])
     return alpha.clamp_min(torch.finfo(alpha.dtype).tiny).log()
@@ -135,6 +152,8 @@ def delta_rule_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: to
     tr = lambda x: x.transpose(1, 2)   # noqa: E731  [B, T, H, ...] → [B, H, T, ...]
     qh, kh, vh, bh, lah = tr(q), tr(k), tr(v), tr(beta), tr(log_decay(alpha, q))
     S = initial_state if initial_state is not None else q.new_zeros(B, H, v.shape[-1], K)
+    if alpha is not None and alpha.dim() == 4:
+        return _chunk_channel_wise(qh, kh, vh, bh, lah, S, bias, placement, read, chunk_size)
     outs = []
     for t0 in range(0, T, chunk_size):
         sl = slice(t0, min(T, t0 + chunk_size))
@@ -160,6 +179,39 @@ def delta_rule_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: to
         outs.append(gq.exp().unsqueeze(-1) * (qc @ S.transpose(-1, -2)) + qk @ w)
         g_last = g[..., -1:]
         S = S * g_last.exp().unsqueeze(-1) + ((g_last - g).exp().unsqueeze(-1) * w).transpose(-1, -2) @ kc
+    return torch.cat(outs, 2).transpose(1, 2), S
+
+
+def _chunk_channel_wise(qh, kh, vh, bh, lah, S, bias, placement, read, chunk_size):
+    """:func:`delta_rule_chunk` with channel-wise decay (``[B, H, T, ·]`` inputs, la ``[B, H, T, K]``).
+
+    With g the chunk-local cumsum of log α per key channel, a write at s reaches t with the key decayed channel
+    by channel, k_s ⊙ e^{g_t − g_s}; so A[t, s] = β_t Σ_c k_tc k_sc e^{G_tc − g_sc}, w = (I + A)⁻¹ β (v − (k ⊙ e^G)
+    S_0ᵀ), o_t = S_0 (q_t ⊙ e^{gq_t}) + Σ_s [Σ_c q_tc k_sc e^{gq_tc − g_sc}] w_s, S_L = S_0 Diag(e^{g_L}) +
+    Σ_s w_s (k_s ⊙ e^{g_L − g_s})ᵀ. Every exponent is ≤ 0 on the causal part (no e^{−g} factorisation).
+    """
+    T = qh.shape[2]
+    outs = []
+    for t0 in range(0, T, chunk_size):
+        sl = slice(t0, min(T, t0 + chunk_size))
+        qc, kc, vc, bc, la = qh[:, :, sl], kh[:, :, sl], vh[:, :, sl], bh[:, :, sl], lah[:, :, sl]
+        L = qc.shape[2]
+        g = la.cumsum(-2)
+        if bias == "l2":
+            G = g if placement == "before_step" else g - la
+            A = bc.unsqueeze(-1) * _decayed_dot(kc, kc, _causal_exp3(G, g, -1))
+            A = A + torch.eye(L, dtype=A.dtype, device=A.device)
+            rhs = torch.cat([bc.unsqueeze(-1) * vc, bc.unsqueeze(-1) * kc * G.exp()], -1)
+            sol = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+            u, wk = sol[..., :vc.shape[-1]], sol[..., vc.shape[-1]:]
+            w = u - wk @ S.transpose(-1, -2)
+        else:
+            w = bc.unsqueeze(-1) * vc
+        gq, diag = (g, 0) if read == "token" else (g - la, -1)
+        P = _decayed_dot(qc, kc, _causal_exp3(gq, g, diag))
+        outs.append((qc * gq.exp()) @ S.transpose(-1, -2) + P @ w)
+        g_last = g[..., -1:, :]
+        S = S * g_last.exp() + w.transpose(-1, -2) @ (kc * (g_last - g).exp())
     return torch.cat(outs, 2).transpose(1, 2), S
 
 
@@ -211,6 +263,11 @@ def delta_rule_chunk_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     qh, kh, vh, bh, doh = tr(q), tr(k), tr(v), tr(beta), tr(do)
     la_all = tr(log_decay(alpha, q))
     S = initial_state if initial_state is not None else q.new_zeros(B, H, V, K)
+    if alpha is not None and alpha.dim() == 4:
+        dq, dk, dv, dbeta, dla, dh0 = _channel_wise_backward(qh, kh, vh, bh, doh, la_all, S, dht, **kw)
+        tiny = torch.finfo(alpha.dtype).tiny
+        dalpha = torch.where(alpha >= tiny, tr(dla) / alpha.clamp_min(tiny), torch.zeros_like(alpha))
+        return tr(dq), tr(dk), tr(dv), tr(dbeta), dalpha, (dh0 if initial_state is not None else None)
     L_ = chunk_size
     chunks = [slice(t0, min(T, t0 + L_)) for t0 in range(0, T, L_)]
 
@@ -306,3 +363,100 @@ def delta_rule_chunk_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         tiny = torch.finfo(alpha.dtype).tiny
         dalpha = torch.where(alpha >= tiny, cat(dla) / alpha.clamp_min(tiny), torch.zeros_like(alpha))
     return cat(dq), cat(dk), cat(dv), cat(dbeta), dalpha, (dh0 if initial_state is not None else None)
+
+
+def _channel_wise_backward(qh, kh, vh, bh, doh, lah, S, dht, *, bias, placement, read, chunk_size):
+    """:func:`delta_rule_chunk_backward` for channel-wise decay (``[B, H, T, ·]`` tensors; la ``[B, H, T, K]``).
+
+    The scalar equations with every decay per key channel (E3[t, s, c] = e^{a_tc − b_sc} on the causal part):
+    dw = Pᵀ do + (k ⊙ e^{g_L − g}) dSᵀ;  dS ← dS Diag(e^{g_L}) + doᵀ (q ⊙ e^{gq}) − [l2] dwᵀ w_k;
+    dq = (do S_0) ⊙ e^{gq} + Σ_s D[t, s] k_s ⊙ e^{gq_t − g_s}, D = do wᵀ (causal);
+    dk = Σ_t D[t, s] q_t ⊙ e^{gq_t − g_s} + (w dS) ⊙ e^{g_L − g} − β e^G ⊙ (dr S_0) + Σ_s Z[t, s] k_s ⊙ e^{G_t − g_s}
+         + Σ_t Z[t, s] k_t ⊙ e^{G_t − g_s},  Z = β_t dA[t, s];
+    dg (per channel) = q ⊙ dq − k ⊙ (dk_P + dk_S) + dG − k ⊙ dk_{A,2}, dG = k ⊙ e^G ⊙ dk̃ + k ⊙ dk_{A,1},
+    dg_L += e^{g_L} ⊙ Σ_v dS ⊙ S_0 + Σ_s k_s ⊙ dk_S,s; d log α = reverse-cumsum(dg) − [after] dG − [chunk] q ⊙ dq.
+    """
+    B, H, T, K = qh.shape
+    chunks = [slice(t0, min(T, t0 + chunk_size)) for t0 in range(0, T, chunk_size)]
+    diag = 0 if read == "token" else -1
+
+    def stage(sl, S0):
+        qc, kc, vc, bc, la = qh[:, :, sl], kh[:, :, sl], vh[:, :, sl], bh[:, :, sl], lah[:, :, sl]
+        g = la.cumsum(-2)
+        G = g if placement == "before_step" else g - la
+        gq = g if read == "token" else g - la
+        c = dict(qc=qc, kc=kc, vc=vc, bc=bc, g=g, G=G, gq=gq, Pm3=_causal_exp3(gq, g, diag))
+        if bias == "l2":
+            n = qc.shape[2]
+            E3 = _causal_exp3(G, g, -1)
+            At = _decayed_dot(kc, kc, E3)                       # A / β
+            eye = torch.eye(n, dtype=At.dtype, device=At.device)
+            Ainv = torch.linalg.solve_triangular(bc.unsqueeze(-1) * At + eye, eye.expand_as(At), upper=False,
+                                                 unitriangular=True)
+            kG = kc * G.exp()
+            kS = kG @ S0.transpose(-1, -2)
+            w = Ainv @ (bc.unsqueeze(-1) * (vc - kS))
+            c.update(E3=E3, Ainv=Ainv, kG=kG, kS=kS, w=w, wk=Ainv @ (bc.unsqueeze(-1) * kG))
+        else:
+            c.update(w=bc.unsqueeze(-1) * vc)
+        c["P"] = _decayed_dot(qc, kc, c["Pm3"])
+        return c
+
+    starts, cs = [], []
+    for sl in chunks:
+        c = stage(sl, S)
+        starts.append(S)
+        cs.append(c)
+        gl = c["g"][..., -1:, :]
+        S = S * gl.exp() + c["w"].transpose(-1, -2) @ (c["kc"] * (gl - c["g"]).exp())
+    dS = dht if dht is not None else S.new_zeros(S.shape)
+    dSs, dws = [None] * len(chunks), [None] * len(chunks)
+    for i in reversed(range(len(chunks))):
+        c, do_c = cs[i], doh[:, :, chunks[i]]
+        dSs[i] = dS
+        g, gl = c["g"], c["g"][..., -1:, :]
+        dw = c["P"].transpose(-1, -2) @ do_c + (c["kc"] * (gl - g).exp()) @ dS.transpose(-1, -2)
+        dws[i] = dw
+        dS = dS * gl.exp() + do_c.transpose(-1, -2) @ (c["qc"] * c["gq"].exp())
+        if bias == "l2":
+            dS = dS - dw.transpose(-1, -2) @ c["wk"]
+    dh0 = dS
+    out = {n: [] for n in ("dq", "dk", "dv", "db", "dla")}
+    for i, sl in enumerate(chunks):
+        c, do_c, S0, dSn, dw = cs[i], doh[:, :, sl], starts[i], dSs[i], dws[i]
+        qc, kc, vc, bc, g, G, gq, w = (c[n] for n in ("qc", "kc", "vc", "bc", "g", "G", "gq", "w"))
+        gl = g[..., -1:, :]
+        D = do_c @ w.transpose(-1, -2)
+        dq = (do_c @ S0) * gq.exp() + torch.einsum("...ts,...sc,...tsc->...tc", D, kc, c["Pm3"])
+        dk_p = torch.einsum("...ts,...tc,...tsc->...sc", D, qc, c["Pm3"])
+        dk_s = (w @ dSn) * (gl - g).exp()
+        dg = qc * dq - kc * (dk_p + dk_s)
+        dg = dg.clone()
+        dg[..., -1, :] += gl.exp().squeeze(-2) * (dSn * S0).sum(-2) + (kc * dk_s).sum(-2)
+        dk = dk_p + dk_s
+        dG = torch.zeros_like(g)
+        if bias == "l2":
+            dr = c["Ainv"].transpose(-1, -2) @ dw
+            dA = -(dr @ w.transpose(-1, -2)).tril(-1)
+            dv = bc.unsqueeze(-1) * dr
+            dkA1 = torch.einsum("...ts,...sc,...tsc->...tc", dA, kc, c["E3"])    # before the β_t factor
+            db = (dr * (vc - c["kS"])).sum(-1) + (kc * dkA1).sum(-1)
+            Z = dA * bc.unsqueeze(-1)
+            dkA1 = bc.unsqueeze(-1) * dkA1
+            dkA2 = torch.einsum("...ts,...tc,...tsc->...sc", Z, kc, c["E3"])
+            dkG = -bc.unsqueeze(-1) * (dr @ S0)
+            dk = dk + dkG * G.exp() + dkA1 + dkA2
+            dG = dkG * c["kG"] + kc * dkA1
+            dg = dg - kc * dkA2
+        else:
+            dv = bc.unsqueeze(-1) * dw
+            db = (dw * vc).sum(-1)
+        dla = (dg + dG).flip(-2).cumsum(-2).flip(-2)
+        if placement == "after_step":
+            dla = dla - dG
+        if read == "chunk":
+            dla = dla - qc * dq
+        for n, x in zip(("dq", "dk", "dv", "db", "dla"), (dq, dk, dv, db, dla)):
+            out[n].append(x)
+    cat = {n: torch.cat(x, 2) for n, x in out.items()}
+    return cat["dq"], cat["dk"], cat["dv"], cat["db"], cat["dla"], dh0
