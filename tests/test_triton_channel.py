@@ -115,6 +115,12 @@ def test_chunk_channel_wise_matches_float64_token_loop(bias, placement, read):
                            dict(bias=bias, placement=placement, read=read), chunk_size=16))
 
 
+def test_chunk_channel_wise_short_sequence_without_initial_state():
+    # T = 5 < chunk, zero initial state (no dh0)
+    _assert_ratios(_ratios(chunk_delta_rule, _inputs(2, 5, 1, 8, 16, seed=6, h0=False),
+                           dict(bias="l2", placement="after_step", read="token"), chunk_size=16))
+
+
 def test_chunk_channel_wise_cu_seqlens():
     cu = torch.tensor([0, 3, 20], device=DEVICE)
     _assert_ratios(_ratios(chunk_delta_rule, _inputs(1, 20, 1, 16, 8, seed=2, N=2),

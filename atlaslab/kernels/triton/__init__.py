@@ -24,8 +24,8 @@ Dispatch, in the spirit of fla's backend registry: a Triton kernel is used only 
 (:func:`memorize_triton`) uses it and falls back to the torch ``chunked`` engine. Nothing else changes: the
 default ``memorize`` mode and every torch engine stay as they are.
 
-Status: every kernel is tested against its torch reference under the interpreter (``tests/test_triton.py``);
-none has yet run on a GPU. On a CUDA machine run ``TRITON_INTERPRET=0 pytest tests/test_triton.py`` (the
+Status: every kernel is tested against its torch reference under the interpreter (``tests/test_triton*.py``);
+none has yet run on a GPU. On a CUDA machine run ``TRITON_INTERPRET=0 pytest tests/test_triton*.py`` (the
 same tests on the device) and then ``python bench/kernels.py`` (correctness-gated timings). The chunk kernel's
 backward runs on Triton backward kernels (``tests/test_triton_chunk_bwd.py``: every input gradient against the
 float64 token loop, RMS-error ratio ~1e-7 in fp32 under the interpreter; channel-wise decay in
