@@ -8,6 +8,7 @@
   decay, without an initial state, without a final-state gradient, T not a multiple of the chunk, T < chunk,
   ``cu_seqlens``;
 - ``ChunkFunction`` runs the backward kernels (not the torch recompute) unless ``BACKWARD = "torch"``; both agree;
+  the token-by-token kernel's backward runs on the same kernels;
 - half-precision inputs get gradients in their dtype.
 
 Outputs the kernels allocate are NaN-poisoned (fla's conftest trick). Shapes are tiny (the interpreter is slow).
@@ -28,6 +29,7 @@ if not tk.available():
 
 from atlaslab.kernels.triton import chunk as chunk_mod  # noqa: E402
 from atlaslab.kernels.triton.chunk import chunk_backward, chunk_delta_rule  # noqa: E402
+from atlaslab.kernels.triton.fused_recurrent import fused_recurrent_delta_rule  # noqa: E402
 
 TOL = 1e-3
 DEVICE = "cuda" if torch.cuda.is_available() and not tk.interpreting() else "cpu"
@@ -174,6 +176,27 @@ def test_chunk_function_uses_backward_kernels_and_torch_fallback_agrees(monkeypa
     monkeypatch.setattr(chunk_mod, "BACKWARD", "torch")
     monkeypatch.setattr(chunk_mod, "chunk_backward", boom)
     g_torch = grads()
+    for a, b in zip(g_kernel, g_torch):
+        assert rms_ratio(a, b) <= TOL
+
+
+def test_fused_recurrent_backward_on_chunk_kernels_and_torch_fallback_agree(monkeypatch):
+    x = _inputs(1, 7, 2, 8, 8, seed=10)
+    opts = dict(bias="l2", placement="after_step", read="chunk")
+
+    def grads():
+        leaves = [t.clone().requires_grad_() for t in x]
+        o, ht = fused_recurrent_delta_rule(*leaves, **opts)
+        (o.square().sum() + ht.sum()).backward()
+        return [t.grad for t in leaves]
+
+    calls = []
+    monkeypatch.setattr(chunk_mod, "chunk_backward", lambda *a, **kw: calls.append(1) or chunk_backward(*a, **kw))
+    g_kernel = grads()
+    assert calls                                          # the chunk backward kernels ran
+    monkeypatch.setattr(chunk_mod, "BACKWARD", "torch")
+    g_torch = grads()
+    assert len(calls) == 1
     for a, b in zip(g_kernel, g_torch):
         assert rms_ratio(a, b) <= TOL
 

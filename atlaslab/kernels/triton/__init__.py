@@ -30,8 +30,8 @@ same tests on the device) and then ``python bench/kernels.py`` (correctness-gate
 backward runs on Triton backward kernels (``tests/test_triton_chunk_bwd.py``: every input gradient against the
 float64 token loop, RMS-error ratio ~1e-7 in fp32 under the interpreter; channel-wise decay in
 ``tests/test_triton_channel.py``, the same bar); its torch recompute remains as the reference and the
-``ATLASLAB_CHUNK_BACKWARD=torch`` fallback. The token-by-token and Newton–Schulz kernels'
-backward passes are still autograd through a torch recompute (exact, torch speed).
+``ATLASLAB_CHUNK_BACKWARD=torch`` fallback. The token-by-token kernel's backward runs on the same chunk backward
+kernels; the Newton–Schulz kernel's backward is still autograd through a torch recompute (exact, torch speed).
 """
 from __future__ import annotations
 

@@ -11,8 +11,9 @@ splitting D_v across programs is exact.
 Variable-length batches: ``cu_seqlens [N + 1]`` packs N sequences into B = 1; the state restarts from
 ``initial_state[n]`` (or zero) at each boundary.
 
-Backward: :class:`FusedRecurrentFunction` recomputes the exact torch chunk form (:func:`.reference.delta_rule_chunk`)
-under ``enable_grad`` and differentiates it with ``torch.autograd.grad``; there is no backward kernel.
+Backward: :class:`FusedRecurrentFunction` runs the chunk backward kernels (:func:`.chunk.chunk_backward`, the same
+rule's exact gradients); with ``chunk.BACKWARD == "torch"`` (``ATLASLAB_CHUNK_BACKWARD=torch``) it recomputes the
+exact torch chunk form (:func:`.reference.delta_rule_chunk`) under ``enable_grad`` and differentiates it instead.
 """
 from __future__ import annotations
 
@@ -125,7 +126,7 @@ def fused_recurrent_forward(q, k, v, beta, alpha=None, initial_state=None, *, bi
 
 
 class FusedRecurrentFunction(torch.autograd.Function):
-    """Kernel forward; backward = autograd of the exact torch chunk form, recomputed (no backward kernel)."""
+    """Kernel forward; backward on the chunk backward kernels (or autograd of the torch chunk form, recomputed)."""
 
     @staticmethod
     def forward(ctx, q, k, v, beta, alpha, initial_state, bias, placement, read, cu_seqlens):
@@ -137,6 +138,11 @@ class FusedRecurrentFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         saved = ctx.saved_tensors
+        from . import chunk
+        if chunk.BACKWARD != "torch":   # the chunk backward kernels compute the same rule's gradients
+            T = saved[0].shape[1]
+            grads = chunk.chunk_backward(*saved, do, dht, chunk_size=min(64, max(16, T)), **ctx.opts)
+            return (*[g if n else None for g, n in zip(grads, ctx.needs_input_grad[:6])], None, None, None, None)
         with torch.enable_grad():
             inputs = [_upcast(x).detach().requires_grad_(True) if x is not None else None for x in saved]
             o, ht = delta_rule_chunk(*inputs, chunk_size=64, **ctx.opts)
