@@ -153,3 +153,58 @@ def test_activation_checkpointing_gives_the_same_gradients(name):
     assert torch.equal(res[0][0], res[1][0])
     for a, b_ in zip(res[0][1], res[1][1]):
         assert rms_ratio(b_, a) < 1e-12
+
+
+KERNEL_TRICK = {   # φ* on a linear memory: the slot bank in chunk-parallel dual form (kernels/kernel_trick.py)
+    "l2_before_step": {"memory": {"name": "linear", "init": "zeros"}, "feature_map": "exp", "window": {"size": 3},
+                       "retention": {"name": "decay", "placement": "before_step"}},
+    "dot_global_decay": {"memory": {"name": "linear", "init": "zeros"}, "feature_map": "exp",
+                         "attentional_bias": "dot", "window": "global", "retention": "decay"},
+    "huber_momentum_read_chunk": {"memory": {"name": "linear", "init": "zeros"}, "feature_map": "exp",
+                                  "attentional_bias": "huber", "inner_optimizer": "momentum", "read": "chunk",
+                                  "window": {"size": 2}, "retention": "decay"},
+    "softmax_window": {"memory": {"name": "linear", "init": "zeros"}, "attentional_bias": "dot",
+                       "feature_map": {"name": "exp", "normalize": True}, "window": {"size": 2},
+                       "retention": "decay"},
+}
+
+
+@pytest.mark.parametrize("b", [1, 3, 8])
+@pytest.mark.parametrize("name", list(KERNEL_TRICK))
+def test_kernel_trick_chunked_equals_recurrent(name, b):
+    parts = build(KERNEL_TRICK[name])
+    assert parts.kernel_trick
+    compare(parts, T=11, b=b)
+
+
+@pytest.mark.parametrize("name", ["dot_kernel", "titans"])
+def test_chunked_calls_starting_mid_chunk_continue_exactly(name):
+    """A chunked call that starts inside a training chunk finishes it, then runs whole chunks batched."""
+    parts = build(SPECS[name])
+    q, k, v = random_qkv(B, 13, H, D)
+    g = gates_for(parts, T=13)
+    full, s_full = memorize(q, k, v, parts, g, mode="recurrent", chunk_size=4)
+    pieces, state = [], None
+    for lo, hi in [(0, 6), (6, 13)]:
+        o, state = memorize(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], parts, {n: x[:, lo:hi] for n, x in g.items()},
+                            mode="chunked", chunk_size=4, initial_state=state)
+        pieces.append(o)
+    assert rms_ratio(torch.cat(pieces, 1), full) < TOL
+    if s_full.weights is not None:
+        for name_w in s_full.weights:
+            assert rms_ratio(state.weights[name_w], s_full.weights[name_w]) < TOL
+    else:
+        assert rms_ratio(state.bank_u, s_full.bank_u) < TOL
+
+
+@pytest.mark.parametrize("name", ["dot_global_decay", "softmax_window"])
+def test_kernel_trick_dot_bias_pieces_may_span_chunks(name):
+    """Dot bias + token read: pieces of `block_size` cross chunk ends; outputs and state stay the reference's."""
+    parts = build(KERNEL_TRICK[name])
+    q, k, v = random_qkv(B, 17, H, D)
+    g = gates_for(parts, T=17)
+    o_r, s_r = memorize(q, k, v, parts, g, mode="recurrent", chunk_size=3)
+    o_c, s_c = memorize(q, k, v, parts, g, mode="chunked", chunk_size=3, block_size=5)
+    assert rms_ratio(o_c, o_r) < TOL
+    for field in ("bank_u", "anchor_u", "chunk_alpha"):
+        assert rms_ratio(getattr(s_c, field), getattr(s_r, field)) < TOL

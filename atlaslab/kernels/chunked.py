@@ -25,7 +25,8 @@ import torch.utils.checkpoint
 from torch.func import vjp, vmap
 
 from . import linear_delta
-from .recurrent import _bh, _keep_last, memorize_recurrent
+from .kernel_trick import memorize_kernel_trick
+from .recurrent import _bh, _keep_last
 from .fast_weights import DualForm, PerPosition, Tape
 from .scan import cumulative, decay_matrix, scan_weights
 from .state import Gates, MemoryState, split_time
@@ -210,6 +211,102 @@ def _dual_segment(parts, state: MemoryState, C, x, v, d, lr, theta, alpha, xq) -
     return y
 
 
+def _window_slots(ext: Optional[torch.Tensor], h0: int, n_chunks: int, b: int, before: int):
+    """Each chunk's window tokens: ``ext [B, H, h0+T, ...]`` → ``[B, H, N, before+b, ...]`` (ext indices
+    h0 + n·b − before + e, clamped into range) and a validity mask ``[N, before+b]`` (inside the call's ext)."""
+    if ext is None:
+        return None, None
+    idx = (torch.arange(n_chunks, device=ext.device).unsqueeze(1) * b + (h0 - before)
+           + torch.arange(before + b, device=ext.device))
+    valid = (idx >= 0) & (idx < ext.shape[2])
+    return ext[:, :, idx.clamp(0, ext.shape[2] - 1)], valid
+
+
+def _pad_chunks(x: Optional[torch.Tensor], n_chunks: int, b: int, value: float) -> Optional[torch.Tensor]:
+    """``[B, H, T, ...]`` → ``[B, H, N, b, ...]``, the tail filled with ``value``."""
+    if x is None:
+        return None
+    pad = n_chunks * b - x.shape[2]
+    if pad:
+        x = torch.cat([x, x.new_full((*x.shape[:2], pad, *x.shape[3:]), value)], 2)
+    return x.reshape(*x.shape[:2], n_chunks, b, *x.shape[3:])
+
+
+def _dual_chunk(parts, end: int, weights: Weights, momentum: Optional[Weights], x, v, d, xq, P, Q, A, Th, S_coef):
+    """One aligned training chunk in the dual form: → (y ``[B, H, b, V]``, weights and momentum after its
+    position ``end`` (its last real token))."""
+    factors = gradient_factors(parts, weights, x, v, d)
+    dual = {name: DualForm([(P, weights[name])] + ([(Q, momentum[name])] if Q is not None else []), A, *f)
+            for name, f in factors.items()}
+    y = parts.memory(weights if parts.read == "chunk" else dual, xq)
+    if S_coef is not None:
+        momentum = {name: DualForm([(Th, momentum[name])], S_coef, *f).at(end) for name, f in factors.items()}
+    return y, {name: f.at(end) for name, f in dual.items()}, momentum
+
+
+def _dual_aligned(parts, state: MemoryState, gates: Gates, q, k, v, b: int, checkpoint: bool) -> torch.Tensor:
+    """Whole chunks from a chunk boundary (the last may be partial) in the dual form, with every coefficient
+    that does not depend on the memory — windows, decay and momentum matrices of all chunks — formed at once;
+    only the gradient factors at each chunk's anchor, the reads and the chunk-end states are sequential.
+
+    Padded tail positions have η = 0 and α = θ = 1 (they change no real position); the final state is read at
+    the last real token. Mutates ``state``; returns ``[B, T, H, V]``.
+    """
+    fm, ret = parts.feature_map, parts.retention
+    T = q.shape[1]
+    N = -(-T // b)
+    c = parts.window.size
+    h0 = state.hist_k.shape[1]
+    k_ext = torch.cat([state.hist_k, k], 1)
+    v_ext = torch.cat([state.hist_v, v], 1)
+    g_ext = torch.cat([state.hist_gamma, gates.window], 1)
+    d_ext = torch.cat([state.hist_delta, gates.delta], 1) if gates.delta is not None else None
+    x, valid = _window_slots(_bh(fm(k_ext)), h0, N, b, c - 1)                   # [B, H, N, W, F]
+    vw, _ = _window_slots(_bh(v_ext), h0, N, b, c - 1)
+    dw, _ = _window_slots(_bh(d_ext) if d_ext is not None else None, h0, N, b, c - 1)
+    gw, _ = _window_slots(_bh(g_ext), h0, N, b, c - 1)
+    C = window_matrix(c - 1, b, c, gw * valid)                                 # [B, H, N, b, W]
+    lr = _pad_chunks(_bh(gates.lr), N, b, 0.0)                                 # [B, H, N, b]
+    alpha = gates.retention.transpose(1, 2) if (gates.retention is not None and ret.uses_alpha) else None
+    a = _pad_chunks(alpha, N, b, 1.0) if alpha is not None else torch.ones_like(lr)
+    D_a, P = decay_matrix(a), cumulative(a)
+    eta_C = lr.unsqueeze(-1) * C
+    Q = Th = S_coef = None
+    if parts.inner_optimizer.cfg.name == "momentum":
+        theta = _pad_chunks(_bh(gates.momentum), N, b, 1.0)
+        D_t, Th = decay_matrix(theta), cumulative(theta)
+        S_coef = -(D_t @ eta_C)
+        A = D_a @ S_coef
+        Q = (D_a @ Th.unsqueeze(-1)).squeeze(-1)
+    else:
+        A = -(D_a @ eta_C)
+    xq = _pad_chunks(_bh(fm(q)), N, b, 0.0)
+
+    def per_chunk(z):
+        return [None] * N if z is None else z.unbind(2)
+
+    ys, weights, momentum = [], state.weights, state.momentum
+    last = T - (N - 1) * b                                                      # real tokens of the last chunk
+    for n, args in enumerate(zip(*(per_chunk(z) for z in (x, vw, dw, xq, P, Q, A, Th, S_coef)))):
+        state.anchor = weights
+        end = b - 1 if n < N - 1 else last - 1
+        if checkpoint and torch.is_grad_enabled():
+            y, weights, momentum = torch.utils.checkpoint.checkpoint(
+                _dual_chunk, parts, end, weights, momentum, *args, use_reentrant=False)
+        else:
+            y, weights, momentum = _dual_chunk(parts, end, weights, momentum, *args)
+        ys.append(y)
+    state.weights, state.momentum = weights, momentum
+    state.chunk_alpha = P[:, :, -1, last - 1] if alpha is not None else state.chunk_alpha.new_ones(
+        state.chunk_alpha.shape)
+    state.chunk_lr = torch.zeros_like(state.chunk_lr)
+    keep = parts.window.history()
+    state.hist_k, state.hist_v, state.hist_gamma = (_keep_last(z, keep) for z in (k_ext, v_ext, g_ext))
+    state.hist_delta = _keep_last(d_ext, keep)
+    state.position += T
+    return torch.stack(ys, 2).flatten(2, 3)[:, :, :T].transpose(1, 2)
+
+
 def _segment(parts, state: MemoryState, gates: Gates, q, k, v, b: int, outputs: list):
     """Process one piece of the call (``q: [B, L, H, D]``), all inside one training chunk. Mutates ``state``."""
     fm, mem, ret, opt = parts.feature_map, parts.memory, parts.retention, parts.inner_optimizer
@@ -314,15 +411,24 @@ def memorize_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parts: "
     """
     if linear_delta.supports(parts, chunk_size):
         return linear_delta.memorize_linear_delta(q, k, v, parts, gates, state, block_size)
-    if parts.kernel_trick:   # the φ* slot memory is attention-like; its chunked form is the reference loop
-        return memorize_recurrent(q, k, v, parts, gates, chunk_size, state)
+    if parts.kernel_trick:   # the φ* slot memory: attention-like, one dual-form piece per chunk
+        return memorize_kernel_trick(q, k, v, parts, gates, chunk_size, state, block_size)
     state = dataclasses.replace(state)
     b, T = chunk_size, q.shape[1]
     sizes, pos = [], state.position
     while sum(sizes) < T:                    # pieces end at training-chunk boundaries
         sizes.append(min(T - sum(sizes), b - (pos + sum(sizes)) % b))
     outputs: list = []
-    for piece in split_time(sizes, q, k, v, gates):
+    if uses_dual_form(parts, gates.retention) and parts.window.size is not None:
+        if state.position % b:               # finish the chunk a previous call left open, then batch the rest
+            first, (q, k, v, gates) = split_time([sizes[0], T - sizes[0]], q, k, v, gates)
+            y, state = _run_piece(parts, state, first, b)
+            outputs.append(y)
+        if q.shape[1]:
+            outputs.append(_dual_aligned(parts, state, gates, q, k, v, b, checkpoint))
+        return torch.cat(outputs, 1), state
+    pieces = split_time(sizes, q, k, v, gates)
+    for piece in pieces:
         if checkpoint and torch.is_grad_enabled():
             y, state = torch.utils.checkpoint.checkpoint(_run_piece, parts, state, piece, b, use_reentrant=False)
         else:
