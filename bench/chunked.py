@@ -33,6 +33,8 @@ SPECS = {
     "gated_deltanet": {"memory": {"name": "linear", "init": "zeros"},
                        "retention": {"name": "decay", "placement": "before_step"}},
     "titans": {"memory": "mlp", "retention": "decay", "inner_optimizer": "momentum", "chunk_size": 16},
+    "titans_read_chunk": {"memory": "mlp", "retention": "decay", "inner_optimizer": "momentum", "chunk_size": 16,
+                          "read": "chunk"},
     "omeganet": {"memory": {"name": "mlp", "residual": False, "expansion": 1}, "feature_map": "polynomial",
                  "retention": "decay", "window": {"size": 4}, "chunk_size": 16},
     "atlas": {"memory": {"name": "mlp", "residual": False, "expansion": 1}, "feature_map": "polynomial",
@@ -41,6 +43,9 @@ SPECS = {
                        "retention": "decay", "window": {"size": 4}, "chunk_size": 16, "read": "chunk",
                        "inner_optimizer": {"name": "muon", "ns_granularity": "chunk"}},
     "moneta": {"memory": "mlp_ln", "attentional_bias": "lp", "retention": "lq", "chunk_size": 16},
+    # φ* kernel trick on a linear memory, normalised: softmax attention as a memory (DeepTransformer → Transformer)
+    "softmax_kernel": {"memory": {"name": "linear", "init": "zeros"}, "attentional_bias": "dot",
+                       "feature_map": {"name": "exp", "normalize": True}},
 }
 
 
@@ -165,7 +170,8 @@ def main() -> None:
     for T in lengths:
         rows.append(run_case(dict(kind="sdpa", B=B, T=T, H=H, D=D, threads=th), args.timeout))
         print(rows[-1], flush=True)
-    titans_2k = [run_case(dict(kind="memory", spec="titans", mode=m, B=B, T=2048, H=H, D=D, repeats=1,
+    titans_2k = [run_case(dict(kind="memory", spec="titans", mode=m, B=B, T=2048, H=H, D=D,
+                               repeats=3 if m == "chunked" else 1,
                                threads=th), args.timeout) for m in ("chunked", "recurrent")]
     gdn_issue = [run_case(dict(kind="memory", spec="gated_deltanet", mode=m, B=2, T=2048, H=4, D=32,
                                repeats=3 if m == "chunked" else 1, threads=th), args.timeout)
@@ -217,8 +223,8 @@ def report(rows, titans_2k, gdn_issue, lengths, threads, ns):
     if gc:
         lines.append(f"Gated DeltaNet (b = 1) at B = 2, T = 2048, H = 4, D = 32: chunked {gc:.3f} s fwd+bwd"
                      + (f", recurrent {gr:.2f} s → {gr / gc:.0f}× (target ≥ 50×)" if gr else "")
-                     + ". Issue #7 quotes fla's naive_chunk_gated_delta_rule at 0.156 s on this CPU; fla was not "
-                       "run side by side here.")
+                     + ". fla's naive_chunk_gated_delta_rule at the same shape, side by side: "
+                       "bench/results/peers_cpu.md (`python bench/peers.py`).")
     if ns.get("ns_gflops"):
         lines.append(f"Newton–Schulz-5 on {ns['N']} matrices of {ns['rows']}×{ns['cols']} (one Atlas chunk's per-token "
                      f"NS for one weight): {ns['ns_gflops']:.1f} GFLOP/s vs a batched matmul of the same shapes "

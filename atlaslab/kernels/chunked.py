@@ -13,6 +13,17 @@ computed at once (compute block = b):
 
 Only one chunk's per-position weights ``[B, H, b, size(M)]`` exist at a time. Results equal
 ``recurrent`` (same state object, so calls chain and modes can be mixed).
+
+Paths, in the order :func:`memorize_chunked` tries them:
+
+- online (b = 1) linear rules: ``linear_delta.py`` (exact WY/UT blocks, any compute block);
+- the φ* kernel trick: ``kernel_trick.py`` (slot bank in dual form, attention-like cost);
+- GD / momentum on tape-capable memories with scalar after-step decay (Titans, TTT, OmegaNet-GD, …): the
+  dual form, with every coefficient that does not depend on the memory (window, decay and momentum matrices)
+  formed for all chunks at once (:func:`_dual_aligned`); per chunk only the gradient factors at the anchor,
+  the reads and the chunk-end state remain;
+- everything else (Muon, mirror maps, before-step decay, implicit / multi-step GD, user memories without a
+  tape): one chunk at a time (:func:`_segment`).
 """
 from __future__ import annotations
 
