@@ -1,0 +1,456 @@
+"""Chunked Triton forward of a LINEAR memory trained by momentum GD at semantic chunk size b > 1 (Titans with a
+matrix memory), its plain torch reference, and the ``memorize`` engine that uses them.
+
+Spec (../shared/spec/ATLAS_FAMILY.md §15.2 chunk semantics, §15.4 placement, §15.5 momentum; Titans §3.2 Eq.16-18):
+memory linear, ℓ2 or dot-product bias, inner optimizer ``momentum``, retention none or per-head scalar decay with
+placement ``after_step`` (either placement for the dot bias, whose gradient does not depend on M), Omega window
+c = 1, read ``token`` or ``chunk``. One head's memory M and momentum S are ``[D_v, D_k]``; per token s of a chunk
+that starts from the anchor M_a = M_{t'} (and momentum S_a), with step β_s = η_s γ_s (learning rate × the c = 1
+window gate), momentum gate θ_s and kept fraction α_s (1 without retention):
+
+    e_s = M_a k_s − v_s  (ℓ2)   or   e_s = −v_s  (dot)            every gradient at the chunk start (§15.2)
+    S_s = θ_s S_{s−1} − β_s e_s k_sᵀ,      M_s = α_s M_{s−1} + S_s                               (§15.5)
+
+Unrolled over the chunk (the TTT / Titans dual form; ``_dual_segment`` in ``kernels/chunked.py``), with the
+chunk-local cumulative products P_s = Π_{τ≤s} α_τ, Θ_s = Π_{τ≤s} θ_τ and the decay matrices
+D_α[s, r] = Π_{τ=r+1}^{s} α_τ, D_θ[r, i] = Π_{τ=i+1}^{r} θ_τ (r ≥ i, else 0):
+
+    S_s = Θ_s S_a − Σ_{i≤s} D_θ[s, i] β_i e_i k_iᵀ
+    M_s = P_s M_a + Q_s S_a + Σ_{i≤s} A[s, i] e_i k_iᵀ,      Q = D_α Θ,   A = −D_α D_θ diag(β)
+
+so a read needs no per-position matrix:
+
+    read token:  y_s = P_s (M_a q_s) + Q_s (S_a q_s) + Σ_{i≤s} A[s, i] (k_i·q_s) e_i
+    read chunk:  y_s = M_a q_s                                                                   (§15.11)
+
+and the next chunk starts from M_L, S_L (L = the chunk's last real token; the last chunk may be partial).
+Decay products are formed in log space as exp(g_s − g_r) on the causal part only (α, θ clamped at the smallest
+positive normal, as :func:`.reference.log_decay`), so no ratio ever overflows.
+
+Pieces:
+
+- :func:`momentum_chunk_reference`: exactly these equations in plain torch, one chunk at a time (the reference of
+  the kernels, and the recompute of their backward);
+- Triton forward, three kernels as in fla's chunk ops (``chunk.py``):
+  1. ``_mom_coef_kernel`` (one program per chunk × batch·head, all chunks in parallel): g_α, g_θ (chunk-local
+     cumsums of log α, log θ), D_α, D_θ, A = −D_α (D_θ diag β) by one ``tl.dot``, P, Θ, Q, the chunk-end rows
+     a_end = A[L, :] and s_end = −D_θ[L, :] β, and (read token) the intra-chunk read matrix A ⊙ (q kᵀ);
+  2. ``_mom_state_kernel`` (one program per value block × batch·head, sequential over chunks): carries (M, S),
+     stores every chunk-start pair, forms e = k M_aᵀ − v (one matmul per chunk) and steps
+     M ← P_L M + Q_L S + (a_end ⊙ e)ᵀ k,  S ← Θ_L S + (s_end ⊙ e)ᵀ k;
+  3. ``_mom_out_kernel`` (value block × chunk × batch·head, parallel): y = P ⊙ (q M_aᵀ) + Q ⊙ (q S_aᵀ) + (A ⊙ q kᵀ) e,
+     or q M_aᵀ for read chunk.
+  Intermediates are fp32; fp32 dots use IEEE precision unless ``allow_tf32``.
+- **The backward is torch**: :class:`ChunkMomentumFunction` recomputes :func:`momentum_chunk_reference` (≥ fp32)
+  under ``enable_grad`` and differentiates it with autograd (exact, torch speed; as ``chunk.py``'s
+  ``ChunkFunction`` did before its backward kernels). Backward kernels are not written.
+- :func:`memorize_chunk_momentum`: the ``MODES``-signature engine ``memorize(mode="triton")`` dispatches to for
+  this spec (:func:`spec_reason`); it updates the :class:`MemoryState` exactly as the torch engines do. A call that
+  starts mid-chunk (``state.position % b ≠ 0``) finishes the open chunk on the torch ``chunked`` engine and runs the
+  kernels from the next chunk boundary on.
+
+Status: tested only under ``TRITON_INTERPRET=1`` on CPU (``tests/test_triton_momentum.py``); nothing has run on a
+GPU and nothing is tuned (one config, ``num_warps=4``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+MAX_D = 256
+#: largest semantic chunk b the kernels take (the coefficient kernel holds [b, b] blocks in registers)
+MAX_CHUNK = 64
+BIASES = ("l2", "dot")
+READS = ("token", "chunk")
+
+
+def _pow2(n: int, floor: int = 16) -> int:
+    return max(floor, 1 << (int(n) - 1).bit_length())
+
+
+def _log_gate(x: torch.Tensor) -> torch.Tensor:
+    """log x, x clamped at the smallest positive normal (so log is finite; no gradient below it)."""
+    return x.clamp_min(torch.finfo(x.dtype).tiny).log()
+
+
+def _upcast(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if x is None:
+        return None
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def check_args(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read) -> None:
+    """Validate shapes and options (see :func:`chunk_momentum`)."""
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"expected q, k: [B, T, H, D_k] and v: [B, T, H, D_v]; got q {list(q.shape)}, "
+                         f"k {list(k.shape)}, v {list(v.shape)}")
+    for name, g in (("beta", beta), ("theta", theta), ("alpha", alpha)):
+        if g is not None and g.shape != q.shape[:3]:
+            raise ValueError(f"{name}: expected {list(q.shape[:3])}, got {list(g.shape)}")
+    B, T, H, K = q.shape
+    want = (B, H, v.shape[-1], K)
+    for name, x in (("initial_state", m0), ("initial_momentum", s0)):
+        if tuple(x.shape) != want:
+            raise ValueError(f"{name}: expected [B, H, D_v, D_k] = {list(want)}, got {list(x.shape)}")
+    if bias not in BIASES or read not in READS:
+        raise ValueError(f"bias must be one of {BIASES} and read one of {READS}; got '{bias}', '{read}'")
+    if int(chunk_size) < 1:
+        raise ValueError(f"chunk_size must be ≥ 1, got {chunk_size}")
+
+
+# ------------------------------------------------------------------------------------------ torch reference
+
+def momentum_chunk_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                             theta: torch.Tensor, alpha: Optional[torch.Tensor], m0: torch.Tensor,
+                             s0: torch.Tensor, *, chunk_size: int, bias: str = "l2", read: str = "token"
+                             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The module docstring's chunk equations in plain torch, one chunk at a time (differentiable).
+
+    Args: as :func:`chunk_momentum`. Returns ``(o [B, T, H, D_v], M_T, S_T, M_anchor)``, the three states
+    ``[B, H, D_v, D_k]``; ``M_anchor`` is the memory at the start of the last chunk.
+    """
+    check_args(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read)
+    b, T = int(chunk_size), q.shape[1]
+    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))                        # [B, H, T, D]
+    lb = beta.transpose(1, 2)
+    lt = _log_gate(theta).transpose(1, 2)
+    la = _log_gate(alpha).transpose(1, 2) if alpha is not None else torch.zeros_like(lt)
+    M, S, anchor, outs = m0, s0, m0, []
+    for t0 in range(0, T, b):
+        sl = slice(t0, min(T, t0 + b))
+        qc, kc, vc, bc = qh[:, :, sl], kh[:, :, sl], vh[:, :, sl], lb[:, :, sl]
+        L = qc.shape[2]
+        ga, gt = la[:, :, sl].cumsum(-1), lt[:, :, sl].cumsum(-1)               # log P, log Θ
+        upper = torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1)
+        D_a = (ga.unsqueeze(-1) - ga.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+        D_t = (gt.unsqueeze(-1) - gt.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+        P, Th = ga.exp(), gt.exp()
+        Q = (D_a @ Th.unsqueeze(-1)).squeeze(-1)                                # Q = D_α Θ
+        A = -(D_a @ (D_t * bc.unsqueeze(-2)))                                   # A = −D_α D_θ diag(β)
+        e = kc @ M.mT - vc if bias == "l2" else -vc                             # e_i = M_a k_i − v_i (ℓ2)
+        y = qc @ M.mT
+        if read == "token":
+            y = P.unsqueeze(-1) * y + Q.unsqueeze(-1) * (qc @ S.mT) + (A * (qc @ kc.mT)) @ e
+        outs.append(y)
+        anchor = M
+        a_end = A[:, :, -1]                                                     # [B, H, L]
+        s_end = -D_t[:, :, -1] * bc
+        M, S = (P[:, :, -1, None, None] * M + Q[:, :, -1, None, None] * S + (a_end.unsqueeze(-1) * e).mT @ kc,
+                Th[:, :, -1, None, None] * S + (s_end.unsqueeze(-1) * e).mT @ kc)
+    o = torch.cat(outs, 2).transpose(1, 2) if outs else v.new_zeros(v.shape)
+    return o, M, S, anchor
+
+
+# ------------------------------------------------------------------------------------------ Triton kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _mom_coef_kernel(q, k, beta, lth, la, p_out, qc_out, th_out, aend_out, send_out, aq_out, T, b,
+                         H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                         HAS_ALPHA: tl.constexpr, READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
+        """Stage 1, per chunk: P, Θ, Q = D_α Θ, A = −D_α D_θ diag(β), a_end = A[L, :], s_end = −D_θ[L, :] β,
+        and (read token) A ⊙ (q kᵀ) as rows ``[B, T, H, BT]``."""
+        i_t = tl.program_id(0)
+        i_bh = tl.program_id(1)
+        i_b = i_bh // H
+        i_h = i_bh % H
+        o_i = tl.arange(0, BT)
+        o_t = i_t * b + o_i
+        m_t = (o_i < b) & (o_t < T)
+        rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+        b_beta = tl.load(beta + rows, mask=m_t, other=0.0).to(tl.float32)
+        b_gt = tl.cumsum(tl.load(lth + rows, mask=m_t, other=0.0).to(tl.float32), axis=0)
+        if HAS_ALPHA:
+            b_ga = tl.cumsum(tl.load(la + rows, mask=m_t, other=0.0).to(tl.float32), axis=0)
+        else:
+            b_ga = tl.zeros([BT], dtype=tl.float32)
+        causal = o_i[:, None] >= o_i[None, :]
+        D_a = tl.where(causal, tl.exp(tl.where(causal, b_ga[:, None] - b_ga[None, :], 0.0)), 0.0)
+        D_t = tl.where(causal, tl.exp(tl.where(causal, b_gt[:, None] - b_gt[None, :], 0.0)), 0.0)
+        A = -tl.dot(D_a, D_t * b_beta[None, :], input_precision=PRECISION)
+        b_th = tl.exp(b_gt)
+        b_qc = tl.sum(D_a * b_th[None, :], axis=1)
+        last = tl.minimum(T - i_t * b, b) - 1
+        sel = o_i == last
+        a_end = tl.sum(tl.where(sel[:, None], A, 0.0), axis=0)
+        s_end = -tl.sum(tl.where(sel[:, None], D_t, 0.0), axis=0) * b_beta
+        tl.store(p_out + rows, tl.exp(b_ga), mask=m_t)
+        tl.store(qc_out + rows, b_qc, mask=m_t)
+        tl.store(th_out + rows, b_th, mask=m_t)
+        tl.store(aend_out + rows, a_end, mask=m_t)
+        tl.store(send_out + rows, s_end, mask=m_t)
+        if READ_TOKEN:
+            o_k = tl.arange(0, BK)
+            m_tk = m_t[:, None] & (o_k < K)[None, :]
+            b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+            b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+            qk = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
+            tl.store(aq_out + rows[:, None] * BT + o_i[None, :], A * qk, mask=m_t[:, None])
+
+    @triton.jit
+    def _mom_state_kernel(k, v, p, qc, th, aend, send, m0, s0, e_out, hm, hs, mt, st, T, b, NT,
+                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                          BV: tl.constexpr, IS_L2: tl.constexpr, PRECISION: tl.constexpr):
+        """Stage 2, sequential over chunks: store (M_a, S_a), e = k M_aᵀ − v (ℓ2) or −v (dot), then
+        M ← P_L M + Q_L S + (a_end ⊙ e)ᵀ k and S ← Θ_L S + (s_end ⊙ e)ᵀ k."""
+        i_v = tl.program_id(0)
+        i_bh = tl.program_id(1)
+        i_b = i_bh // H
+        i_h = i_bh % H
+        o_i = tl.arange(0, BT)
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k = o_k < K
+        m_v = o_v < V
+        m_h = m_v[:, None] & m_k[None, :]
+        h_offs = o_v[:, None] * K + o_k[None, :]
+        b_M = tl.load(m0 + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
+        b_S = tl.load(s0 + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
+        for i_t in range(0, NT):
+            h_base = ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * V * K
+            tl.store(hm + h_base + h_offs, b_M, mask=m_h)
+            tl.store(hs + h_base + h_offs, b_S, mask=m_h)
+            o_t = i_t * b + o_i
+            m_t = (o_i < b) & (o_t < T)
+            rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+            m_tv = m_t[:, None] & m_v[None, :]
+            b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
+                          other=0.0).to(tl.float32)
+            b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+            if IS_L2:
+                b_e = tl.dot(b_k, tl.trans(b_M), input_precision=PRECISION) - b_v
+            else:
+                b_e = -b_v
+            tl.store(e_out + rows[:, None] * V + o_v[None, :], b_e, mask=m_tv)
+            last = tl.minimum(T - i_t * b, b) - 1
+            r_last = (i_b.to(tl.int64) * T + i_t * b + last) * H + i_h
+            p_l = tl.load(p + r_last)
+            q_l = tl.load(qc + r_last)
+            t_l = tl.load(th + r_last)
+            b_ae = tl.load(aend + rows, mask=m_t, other=0.0)
+            b_se = tl.load(send + rows, mask=m_t, other=0.0)
+            new_M = p_l * b_M + q_l * b_S + tl.dot(tl.trans(b_e * b_ae[:, None]), b_k, input_precision=PRECISION)
+            b_S = t_l * b_S + tl.dot(tl.trans(b_e * b_se[:, None]), b_k, input_precision=PRECISION)
+            b_M = new_M
+        tl.store(mt + i_bh.to(tl.int64) * V * K + h_offs, b_M, mask=m_h)
+        tl.store(st + i_bh.to(tl.int64) * V * K + h_offs, b_S, mask=m_h)
+
+    @triton.jit
+    def _mom_out_kernel(q, p, qc, aq, e, hm, hs, o, T, b, NT, H: tl.constexpr, K: tl.constexpr,
+                        V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                        READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
+        """Stage 3, per chunk: y = P ⊙ (q M_aᵀ) + Q ⊙ (q S_aᵀ) + (A ⊙ q kᵀ) e (read token), or q M_aᵀ (read chunk)."""
+        i_v = tl.program_id(0)
+        i_t = tl.program_id(1)
+        i_bh = tl.program_id(2)
+        i_b = i_bh // H
+        i_h = i_bh % H
+        o_i = tl.arange(0, BT)
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k = o_k < K
+        m_v = o_v < V
+        m_h = m_v[:, None] & m_k[None, :]
+        o_t = i_t * b + o_i
+        m_t = (o_i < b) & (o_t < T)
+        rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+        m_tv = m_t[:, None] & m_v[None, :]
+        h_offs = ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * V * K + o_v[:, None] * K + o_k[None, :]
+        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
+                      other=0.0).to(tl.float32)
+        b_M = tl.load(hm + h_offs, mask=m_h, other=0.0)
+        b_o = tl.dot(b_q, tl.trans(b_M), input_precision=PRECISION)
+        if READ_TOKEN:
+            b_S = tl.load(hs + h_offs, mask=m_h, other=0.0)
+            b_p = tl.load(p + rows, mask=m_t, other=0.0)
+            b_qc = tl.load(qc + rows, mask=m_t, other=0.0)
+            b_aq = tl.load(aq + rows[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
+            b_e = tl.load(e + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+            b_o = b_p[:, None] * b_o + b_qc[:, None] * tl.dot(b_q, tl.trans(b_S), input_precision=PRECISION) \
+                + tl.dot(b_aq, b_e, input_precision=PRECISION)
+        tl.store(o + rows[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+
+
+def chunk_momentum_forward(q, k, v, beta, theta, alpha, m0, s0, *, chunk_size: int, bias: str = "l2",
+                           read: str = "token", allow_tf32: bool = False):
+    """The three forward kernels, no autograd; arguments and results as :func:`chunk_momentum`."""
+    check_args(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    b = int(chunk_size)
+    if max(K, V) > MAX_D or b > MAX_CHUNK:
+        raise ValueError(f"chunk_momentum (triton): needs D_k, D_v ≤ {MAX_D} and b ≤ {MAX_CHUNK}; "
+                         f"got D_k = {K}, D_v = {V}, b = {b}")
+    BT, BK, BVV = _pow2(b), _pow2(K), _pow2(V)
+    BV = min(BVV, max(16, 4096 // BK))        # two [BV, BK] fp32 states live in the state kernel
+    NT = triton.cdiv(T, b)
+    q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
+    lth = _log_gate(theta.float()).contiguous()
+    la = _log_gate(alpha.float()).contiguous() if alpha is not None else None
+    m0, s0 = m0.contiguous(), s0.contiguous()
+    prec = "tf32" if allow_tf32 else "ieee"
+    f32 = dict(dtype=torch.float32, device=q.device)
+    coef = [torch.empty(B, T, H, **f32) for _ in range(5)]                    # P, Q, Θ, a_end, s_end
+    token = read == "token"
+    aq = torch.empty(B, T, H, BT, **f32) if token else coef[0]
+    _mom_coef_kernel[(NT, B * H)](q, k, beta, lth, la if la is not None else lth, *coef, aq, T, b, H=H, K=K,
+                                  BT=BT, BK=BK, HAS_ALPHA=la is not None, READ_TOKEN=token, PRECISION=prec,
+                                  num_warps=4)
+    e = torch.empty(B, T, H, V, **f32)
+    hm = torch.empty(B, NT, H, V, K, **f32)
+    hs = torch.empty(B, NT, H, V, K, **f32)
+    mt = torch.empty(B, H, V, K, **f32)
+    st = torch.empty(B, H, V, K, **f32)
+    p, qc, th, a_end, s_end = coef
+    _mom_state_kernel[(triton.cdiv(V, BV), B * H)](k, v, p, qc, th, a_end, s_end, m0, s0, e, hm, hs, mt, st, T, b,
+                                                   NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, IS_L2=bias == "l2",
+                                                   PRECISION=prec, num_warps=4)
+    o = torch.empty_like(v)
+    _mom_out_kernel[(triton.cdiv(V, BV), NT, B * H)](q, p, qc, aq, e, hm, hs, o, T, b, NT, H=H, K=K, V=V, BT=BT,
+                                                     BK=BK, BV=BV, READ_TOKEN=token, PRECISION=prec, num_warps=4)
+    out_dtype = m0.dtype
+    return o, mt.to(out_dtype), st.to(out_dtype), hm[:, NT - 1].to(out_dtype)
+
+
+class ChunkMomentumFunction(torch.autograd.Function):
+    """Triton forward (:func:`chunk_momentum_forward`); the backward is torch: autograd of
+    :func:`momentum_chunk_reference` recomputed (≥ fp32) under ``enable_grad``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read, allow_tf32):
+        ctx.save_for_backward(q, k, v, beta, theta, alpha, m0, s0)
+        ctx.opts = dict(chunk_size=chunk_size, bias=bias, read=read)
+        return chunk_momentum_forward(q, k, v, beta, theta, alpha, m0, s0, allow_tf32=allow_tf32, **ctx.opts)
+
+    @staticmethod
+    def backward(ctx, do, dmt, dst, dma):
+        saved = ctx.saved_tensors
+        need = ctx.needs_input_grad[:8]
+        grads = [None] * 8
+        if any(need):
+            with torch.enable_grad():
+                inputs = [_upcast(x).detach().requires_grad_(n) if x is not None else None
+                          for x, n in zip(saved, need)]
+                outs = momentum_chunk_reference(*inputs, **ctx.opts)
+                leaves = [i for i, (x, n) in enumerate(zip(inputs, need)) if x is not None and n]
+                got = torch.autograd.grad(outs, [inputs[i] for i in leaves],
+                                          [g.to(x.dtype) for g, x in zip((do, dmt, dst, dma), outs)],
+                                          allow_unused=True)
+            for i, g in zip(leaves, got):
+                grads[i] = (torch.zeros_like(saved[i]) if g is None else g).to(saved[i].dtype)
+        return (*grads, None, None, None, None)
+
+
+def chunk_momentum(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, theta: torch.Tensor,
+                   alpha: Optional[torch.Tensor], initial_state: torch.Tensor, initial_momentum: torch.Tensor, *,
+                   chunk_size: int, bias: str = "l2", read: str = "token", allow_tf32: bool = False
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Linear memory + momentum GD at semantic chunk size b (module docstring), Triton forward, torch backward.
+
+    Args:
+        q, k: ``[B, T, H, D_k]`` (feature map already applied); v: ``[B, T, H, D_v]`` (D_k, D_v ≤ 256).
+        beta: ``[B, T, H]`` step β_t = η_t γ_t.
+        theta: ``[B, T, H]`` momentum gate θ_t.
+        alpha: ``[B, T, H]`` per-head kept fraction α_t (after-step decay), or None.
+        initial_state, initial_momentum: M and S before the first token, ``[B, H, D_v, D_k]``; the call starts at
+            a chunk boundary.
+        chunk_size: the semantic chunk b (2 ≤ b ≤ 64 on the kernels; it changes the result).
+        bias: ``l2`` or ``dot``; read: ``token`` or ``chunk``.
+        allow_tf32: let fp32 dots use TF32.
+
+    Returns:
+        ``o: [B, T, H, D_v]``, the final memory M_T and momentum S_T, and the memory at the start of the last chunk
+        (the ``MemoryState`` anchor), each ``[B, H, D_v, D_k]``.
+    """
+    return ChunkMomentumFunction.apply(q, k, v, beta, theta, alpha, initial_state, initial_momentum,
+                                       int(chunk_size), bias, read, bool(allow_tf32))
+
+
+# ------------------------------------------------------------------------------------------ dispatch + engine
+
+def spec_reason(parts, chunk_size: int) -> Optional[str]:
+    """None when the momentum chunk kernel computes ``parts`` at semantic chunk ``chunk_size`` exactly, else why not."""
+    s, ret = parts.spec, parts.retention
+    bias = s.attentional_bias.name
+    checks = [
+        (s.memory.name == "linear", f"memory '{s.memory.name}' (momentum kernel: linear)"),
+        (not parts.kernel_trick, "the exp kernel trick"),
+        (bias in BIASES, f"attentional bias '{bias}' (momentum kernel: l2, dot)"),
+        (s.inner_optimizer.name == "momentum", f"inner optimizer '{s.inner_optimizer.name}' (momentum)"),
+        (s.retention.name in ("none", "decay"), f"retention '{s.retention.name}' (none, decay)"),
+        (not getattr(ret, "channel_wise", False), "channel-wise decay (momentum kernel: per-head scalar)"),
+        (ret.placement == "after_step" or bias == "dot" or not ret.uses_alpha,
+         "before_step decay with the l2 bias (momentum kernel: after_step)"),
+        (parts.window.size == 1, f"window size {parts.window.size} (c = 1)"),
+        (2 <= chunk_size <= MAX_CHUNK, f"chunk_size b = {chunk_size} (momentum kernel: 2 ≤ b ≤ {MAX_CHUNK})"),
+        (parts.read in READS, f"read '{parts.read}'"),
+        (max(parts.feature_map.out_dim, parts.value_dim) <= MAX_D, f"head dims > {MAX_D}"),
+    ]
+    for ok, why in checks:
+        if not ok:
+            return why
+    return None
+
+
+def memorize_chunk_momentum(q, k, v, parts, gates, chunk_size, state, block_size: int = 64, **engine_options):
+    """``MODES``-signature engine: ``q, k: [B, T, H, D_k]``, ``v: [B, T, H, D_v]`` → ``([B, T, H, D_v], state)``.
+
+    Updates weights, momentum, anchor, ``chunk_alpha`` (Π α over the last chunk), ``chunk_lr``, the (empty, c = 1)
+    window history and ``position`` exactly as the torch engines. A call that starts mid-chunk runs its first
+    piece (up to the next chunk boundary) on the torch ``chunked`` engine (``engine_options`` go there), then the
+    kernels. ``block_size`` is unused (the kernels' block is the semantic chunk b).
+    """
+    from ..chunked import memorize_chunked
+    from ..recurrent import _keep_last
+    from ..state import split_time
+
+    b, T = int(chunk_size), q.shape[1]
+    if T == 0:
+        return memorize_chunked(q, k, v, parts, gates, b, state, block_size=block_size, **engine_options)
+    outputs = []
+    if state.position % b:
+        n0 = min(T, b - state.position % b)
+        (q0, k0, v0, g0), (q, k, v, gates) = split_time([n0, T - n0], q, k, v, gates)
+        y, state = memorize_chunked(q0, k0, v0, parts, g0, b, state, block_size=block_size, **engine_options)
+        outputs.append(y)
+        if q.shape[1] == 0:
+            return y, state
+    state = dataclasses.replace(state)
+    T = q.shape[1]
+    fm, ret = parts.feature_map, parts.retention
+    alpha = gates.retention if (ret.uses_alpha and gates.retention is not None) else None
+    beta = gates.lr * gates.window                    # c = 1: the window gate scales the step
+    o, M, S, anchor = chunk_momentum(fm(q), fm(k), v, beta, gates.momentum, alpha, state.weights["W"],
+                                     state.momentum["W"], chunk_size=b, bias=parts.spec.attentional_bias.name,
+                                     read=parts.read)
+    state.weights, state.momentum, state.anchor = {"W": M}, {"W": S}, {"W": anchor}
+    last = T - (-(-T // b) - 1) * b                  # real tokens of the last chunk
+    if alpha is not None:
+        state.chunk_alpha = alpha[:, T - last:].prod(1)
+    else:
+        state.chunk_alpha = torch.ones_like(state.chunk_alpha)
+    state.chunk_lr = torch.zeros_like(state.chunk_lr)
+    keep = parts.window.history()
+    state.hist_k = _keep_last(torch.cat([state.hist_k, k], 1), keep)
+    state.hist_v = _keep_last(torch.cat([state.hist_v, v], 1), keep)
+    state.hist_gamma = _keep_last(torch.cat([state.hist_gamma, gates.window], 1), keep)
+    if state.hist_delta is not None and gates.delta is not None:
+        state.hist_delta = _keep_last(torch.cat([state.hist_delta, gates.delta], 1), keep)
+    state.position += T
+    outputs.append(o)
+    return torch.cat(outputs, 1), state
+
+
+memorize_chunk_momentum.kernel = "chunk_momentum"
+
+__all__ = ["ChunkMomentumFunction", "chunk_momentum", "chunk_momentum_forward", "memorize_chunk_momentum",
+           "momentum_chunk_reference", "spec_reason"]
