@@ -1154,6 +1154,11 @@ def window_torch_backward(saved, need, do, dht, opts, chunk_size):
     return out
 
 
+def window_backward(saved, need, do, dht, opts, chunk_size):
+    """Gradients of a window kernel's ``(q, xs, vs, coef, alpha, initial_state)`` (None where not needed)."""
+    return window_torch_backward(saved, need, do, dht, opts, chunk_size)
+
+
 class WindowChunkFunction(torch.autograd.Function):
     """Window kernel forward; backward by autograd of the torch chunk form, recomputed
     (:func:`window_torch_backward`)."""
@@ -1171,7 +1176,7 @@ class WindowChunkFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         K, V, c = saved[0].shape[-1], saved[2].shape[-1], saved[1].shape[2]
         BT = _win_sizes(K, V, c, ctx.chunk_size)[0]
-        grads = window_torch_backward(saved, ctx.needs_input_grad[:6], do, dht, ctx.opts, BT)
+        grads = window_backward(saved, ctx.needs_input_grad[:6], do, dht, ctx.opts, BT)
         return (*grads, None, None, None, None, None)
 
 

@@ -178,3 +178,127 @@ def fused_recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         ``o: [B, T, H, D_v]`` (dtype of v) and the final state ``[N, H, D_v, D_k]``.
     """
     return FusedRecurrentFunction.apply(q, k, v, beta, alpha, initial_state, bias, placement, read, cu_seqlens)
+
+
+# ============================================================================ Omega windows (c > 1)
+
+if triton is not None:
+
+    @triton.jit
+    def _fused_window_kernel(q, xs, vs, coef, alpha, h0, o, ht, T, H: tl.constexpr, K: tl.constexpr,
+                             V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                             HAS_ALPHA: tl.constexpr, CHANNEL: tl.constexpr, HAS_H0: tl.constexpr,
+                             STORE_FINAL: tl.constexpr, IS_L2: tl.constexpr, BEFORE: tl.constexpr,
+                             READ_TOKEN: tl.constexpr):
+        """One program per (value block, sequence, head): at token t, the C window slots' errors are all taken at
+        the pre-step (decayed, before_step) state, then S ← S Diag(a_t) + Σ_j coef_j (v_j − S x_j) x_jᵀ."""
+        i_v = tl.program_id(0)
+        i_nh = tl.program_id(1)
+        i_n = i_nh // H
+        i_h = i_nh % H
+        bos = i_n.to(tl.int64) * T
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k = o_k < K
+        m_v = o_v < V
+        m_h = m_v[:, None] & m_k[None, :]
+        state_offs = i_nh.to(tl.int64) * V * K + o_v[:, None] * K + o_k[None, :]
+        h = tl.zeros([BV, BK], dtype=tl.float32)
+        if HAS_H0:
+            h += tl.load(h0 + state_offs, mask=m_h, other=0.0).to(tl.float32)
+        for t in range(0, T):
+            row = (bos + t) * H + i_h
+            b_q = tl.load(q + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            if not READ_TOKEN:
+                b_o = tl.sum(h * b_q[None, :], axis=1)
+            if HAS_ALPHA:
+                if CHANNEL:
+                    b_a = tl.load(alpha + row * K + o_k, mask=m_k, other=1.0).to(tl.float32)[None, :]
+                else:
+                    b_a = tl.load(alpha + row).to(tl.float32)
+                if BEFORE:
+                    h = h * b_a
+            upd = tl.zeros([BV, BK], dtype=tl.float32)
+            for j in tl.static_range(C):
+                srow = ((bos + t) * C + j) * H + i_h          # slot (t, j) of [B, T, C, H, ...]
+                b_x = tl.load(xs + srow * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+                b_v = tl.load(vs + srow * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+                b_c = tl.load(coef + srow).to(tl.float32)
+                if IS_L2:
+                    e = b_c * (b_v - tl.sum(h * b_x[None, :], axis=1))
+                else:
+                    e = b_c * b_v
+                upd += e[:, None] * b_x[None, :]
+            if HAS_ALPHA:
+                if not BEFORE:
+                    h = h * b_a
+            h += upd
+            if READ_TOKEN:
+                b_o = tl.sum(h * b_q[None, :], axis=1)
+            tl.store(o + row * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+        if STORE_FINAL:
+            tl.store(ht + state_offs, h.to(ht.dtype.element_ty), mask=m_h)
+
+
+def fused_window_forward(q, xs, vs, coef, alpha=None, initial_state=None, *, bias="l2", placement="before_step",
+                         read="token", output_final_state=True):
+    """The token-by-token window kernel alone (no autograd); arguments as :func:`fused_recurrent_window_rule`."""
+    from .reference import check_window_args
+    c = check_window_args(q, xs, vs, coef, alpha, initial_state, bias, placement, read)
+    B, T, H, K = q.shape
+    V = vs.shape[-1]
+    if K > MAX_DK:
+        raise ValueError(f"fused_recurrent: D_k = {K} > {MAX_DK} does not fit one program's state rows")
+    q, xs, vs, coef = (x.contiguous() for x in (q, xs, vs, coef))
+    alpha = alpha.contiguous() if alpha is not None else None
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    o = torch.empty(B, T, H, V, dtype=vs.dtype, device=q.device)
+    ht = torch.empty(B, H, V, K, dtype=torch.float32, device=q.device) if output_final_state else None
+    BK = _pow2(K, 16)
+    BV = min(_pow2(V, 16), max(16, 8192 // BK))
+    dummy = q
+    _fused_window_kernel[(triton.cdiv(V, BV), B * H)](
+        q, xs, vs, coef, alpha if alpha is not None else dummy, h0 if h0 is not None else dummy, o,
+        ht if ht is not None else dummy, T, H=H, K=K, V=V, C=c, BK=BK, BV=BV, HAS_ALPHA=alpha is not None,
+        CHANNEL=alpha is not None and alpha.dim() == 4, HAS_H0=h0 is not None, STORE_FINAL=ht is not None,
+        IS_L2=bias == "l2", BEFORE=placement == "before_step", READ_TOKEN=read == "token", num_warps=4)
+    if ht is not None:
+        ht = ht.to(initial_state.dtype if initial_state is not None else q.dtype)
+    return o, ht
+
+
+class FusedWindowFunction(torch.autograd.Function):
+    """Token-by-token window kernel forward; backward by autograd of the torch window chunk form, recomputed."""
+
+    @staticmethod
+    def forward(ctx, q, xs, vs, coef, alpha, initial_state, bias, placement, read):
+        ctx.save_for_backward(q, xs, vs, coef, alpha, initial_state)
+        ctx.opts = dict(bias=bias, placement=placement, read=read)
+        return fused_window_forward(q, xs, vs, coef, alpha, initial_state, bias=bias, placement=placement, read=read)
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        from .chunk import window_backward
+        grads = window_backward(ctx.saved_tensors, ctx.needs_input_grad[:6], do, dht, ctx.opts, 16)
+        return (*grads, None, None, None)
+
+
+def fused_recurrent_window_rule(q: torch.Tensor, xs: torch.Tensor, vs: torch.Tensor, coef: torch.Tensor,
+                                alpha: Optional[torch.Tensor] = None, initial_state: Optional[torch.Tensor] = None,
+                                *, bias: str = "l2", placement: str = "before_step", read: str = "token"
+                                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Omega-window (c ≥ 1) linear rule, token by token on one fused Triton kernel (the rule of
+    :func:`.reference.window_rule_recurrent`).
+
+    Args:
+        q: ``[B, T, H, D_k]``; xs ``[B, T, c, H, D_k]``, vs ``[B, T, c, H, D_v]``, coef ``[B, T, c, H]``: the window
+            slots (:func:`.reference.window_slots`; coef = η_t γ_j, 0 on slots before the history).
+        alpha: ``[B, T, H]`` per head, ``[B, T, H, D_k]`` channel-wise, or None.
+        initial_state: ``[B, H, D_v, D_k]`` or None. bias, placement, read: as :func:`fused_recurrent_delta_rule`.
+
+    Returns:
+        ``o: [B, T, H, D_v]`` and the final state ``[B, H, D_v, D_k]``.
+
+    Backward: as :func:`.chunk.chunk_window_rule`'s (:func:`.chunk.window_backward`).
+    """
+    return FusedWindowFunction.apply(q, xs, vs, coef, alpha, initial_state, bias, placement, read)
