@@ -7,7 +7,9 @@ Kernels (each beside its plain-torch reference in :mod:`.reference` / :mod:`atla
   ``cu_seqlens``);
 - :func:`.chunk.chunk_delta_rule`: chunk-parallel forward and backward of the same rules (fla-style stages;
   the backward recomputes the chunk states, sweeps the chunks in reverse for dS, then forms dq, dk, dv, dβ,
-  dα and the initial state's gradient per chunk in parallel), per-head or channel-wise (GLA-style) decay.
+  dα and the initial state's gradient per chunk in parallel), per-head or channel-wise (GLA-style) decay;
+- :func:`.chunk_momentum.chunk_momentum`: linear memory trained by momentum GD at semantic chunk size b > 1
+  (Titans with a matrix memory), the TTT/Titans dual form per chunk; Triton forward, torch-recompute backward.
 
 Dispatch, in the spirit of fla's backend registry: a Triton kernel is used only when
 
@@ -18,7 +20,10 @@ Dispatch, in the spirit of fla's backend registry: a Triton kernel is used only 
    so it is for tests only);
 3. the spec is one the kernel computes exactly: linear memory (any non-kernel-trick feature map, applied in
    torch), ℓ2 or dot bias, GD, no retention, per-head scalar decay or channel-wise (per key channel, GLA-style)
-   decay (either placement), Omega window c = 1, semantic chunk b = 1, ``read`` token or chunk; head dims ≤ 256.
+   decay (either placement), Omega window c = 1, semantic chunk b = 1, ``read`` token or chunk; head dims ≤ 256;
+   or, for the momentum kernel (:func:`.chunk_momentum.spec_reason`): linear memory, ℓ2 or dot bias, inner
+   optimizer momentum, no retention or per-head scalar decay placed after_step, c = 1, 2 ≤ b ≤ 64, read token or
+   chunk (a call starting mid-chunk finishes that chunk on the torch ``chunked`` engine, then runs the kernel).
 
 :func:`select_kernel` returns an engine with the ``MODES`` signature or None; ``memorize(mode="triton")``
 (:func:`memorize_triton`) uses it and falls back to the torch ``chunked`` engine. Nothing else changes: the
@@ -31,7 +36,9 @@ backward runs on Triton backward kernels (``tests/test_triton_chunk_bwd.py``: ev
 float64 token loop, RMS-error ratio ~1e-7 in fp32 under the interpreter; channel-wise decay in
 ``tests/test_triton_channel.py``, the same bar); its torch recompute remains as the reference and the
 ``ATLASLAB_CHUNK_BACKWARD=torch`` fallback. The token-by-token kernel's backward runs on the same chunk backward
-kernels; the Newton–Schulz kernel's backward is still autograd through a torch recompute (exact, torch speed).
+kernels; the Newton–Schulz kernel's backward is still autograd through a torch recompute (exact, torch speed), and
+so is the momentum chunk kernel's (``tests/test_triton_momentum.py``: outputs, final memory and momentum and every
+input gradient against the float64 token loop at b = 4, 8, RMS-error ratio ~1e-7 in fp32 under the interpreter).
 """
 from __future__ import annotations
 
@@ -96,6 +103,9 @@ def device_ok(x: torch.Tensor) -> Optional[str]:
 def spec_reason(parts, chunk_size: int) -> Optional[str]:
     """None when the linear delta kernels compute ``parts`` exactly, else the first reason they do not."""
     s = parts.spec
+    if s.inner_optimizer.name == "momentum":      # only the momentum chunk kernel (chunk_momentum.py) takes it
+        from .chunk_momentum import spec_reason as momentum_reason
+        return momentum_reason(parts, chunk_size)
     checks = [
         (s.memory.name == "linear", f"memory '{s.memory.name}' (kernels: linear)"),
         (not parts.kernel_trick, "the exp kernel trick"),
@@ -159,7 +169,15 @@ def _engine(kind: str) -> Callable:
     return run
 
 
-ENGINES = {"fused_recurrent": _engine("fused_recurrent"), "chunk": _engine("chunk")}
+def _momentum_engine(*args, **kwargs):
+    """The momentum chunk kernel's engine (:func:`.chunk_momentum.memorize_chunk_momentum`), imported lazily."""
+    from .chunk_momentum import memorize_chunk_momentum
+    return memorize_chunk_momentum(*args, **kwargs)
+
+
+_momentum_engine.kernel = "chunk_momentum"
+ENGINES = {"fused_recurrent": _engine("fused_recurrent"), "chunk": _engine("chunk"),
+           "chunk_momentum": _momentum_engine}
 _MODE_ALIASES = {"auto": "auto", "triton": "auto", "chunk": "chunk", "chunked": "chunk",
                  "fused_recurrent": "fused_recurrent", "recurrent": "fused_recurrent"}
 
@@ -172,7 +190,8 @@ def select_kernel(parts, q: torch.Tensor, chunk_size: int, mode: str = "auto") -
         q: ``[B, T, H, D_k]`` queries (their device, dtype and T decide).
         chunk_size: the semantic chunk b of the call.
         mode: ``auto`` / ``triton`` (token-by-token kernel for T ≤ 64, chunk kernel above), ``chunk`` /
-            ``chunked``, or ``fused_recurrent`` / ``recurrent``.
+            ``chunked``, or ``fused_recurrent`` / ``recurrent``. A momentum spec has only the chunk kernel
+            (``chunk_momentum``): ``auto`` and ``chunk`` select it, ``fused_recurrent`` returns None.
 
     Returns:
         A function with the ``MODES`` engine signature ``(q, k, v, parts, gates, chunk_size, state, block_size)``
@@ -183,6 +202,8 @@ def select_kernel(parts, q: torch.Tensor, chunk_size: int, mode: str = "auto") -
     if explain(parts, q, chunk_size) is not None:
         return None
     kind = _MODE_ALIASES[mode]
+    if parts.spec.inner_optimizer.name == "momentum":
+        return ENGINES["chunk_momentum"] if kind in ("auto", "chunk") else None
     if kind == "auto":
         kind = "fused_recurrent" if q.shape[1] <= RECURRENT_MAX_T else "chunk"
     return ENGINES[kind]

@@ -1,0 +1,179 @@
+"""The momentum chunk kernel (atlaslab/kernels/triton/chunk_momentum.py) against the float64 token loop.
+
+Linear memory + momentum GD at semantic chunk size b ∈ {4, 8} (Titans with a matrix memory; spec §15.2, §15.5):
+``memorize(mode="triton")`` (Triton forward under TRITON_INTERPRET=1, torch-recompute backward) vs
+``memorize(mode="recurrent")`` in float64 — outputs, final memory and momentum, anchor, and the gradients of q, k,
+v, the lr / momentum / decay / window gates and the learned initial memory, fla's RMS-error ratio ≤ 1e-3 in fp32 —
+with T not a multiple of b, ℓ2 and dot bias, read token and chunk, with and without decay; the kernel's torch
+reference equals ``mode="chunked"``; chained calls (one ending mid-chunk) equal one call; the dispatch.
+Kernel allocations are poisoned with NaN, so an unwritten element fails.
+"""
+import copy
+
+import pytest
+import torch
+from helpers import random_gates, random_qkv, rms_ratio
+
+pytest.importorskip("triton", reason="triton is not installed: the Triton kernels are not tested")
+
+from atlaslab import memorize  # noqa: E402
+from atlaslab.components import build_memory  # noqa: E402
+from atlaslab.kernels import triton as tk  # noqa: E402
+
+if not tk.available():
+    pytest.skip("Triton kernels cannot run here (no CUDA device and TRITON_INTERPRET is not 1)",
+                allow_module_level=True)
+
+from atlaslab.kernels.triton import chunk_momentum as cm  # noqa: E402
+
+TOL = 1e-3
+DEVICE = "cuda" if torch.cuda.is_available() and not tk.interpreting() else "cpu"
+H, D = 2, 8
+MOM = {"memory": "linear", "inner_optimizer": "momentum"}
+CASES = {   # name: (spec, b, T)
+    "l2_decay_token_b4": (dict(MOM, retention="decay"), 4, 11),
+    "l2_decay_token_b8": (dict(MOM, retention="decay"), 8, 13),
+    "l2_decay_chunk_b4": (dict(MOM, retention="decay", read="chunk"), 4, 10),
+    "l2_token_b8": (MOM, 8, 11),
+    "dot_decay_token_b4": (dict(MOM, attentional_bias="dot", retention="decay"), 4, 9),
+    "dot_chunk_b8": (dict(MOM, attentional_bias="dot", read="chunk"), 8, 11),
+    "dot_before_step_b4": (dict(MOM, attentional_bias="dot",
+                                retention={"name": "decay", "placement": "before_step"}), 4, 7),
+}
+
+
+@pytest.fixture(autouse=True)
+def poison_empty(monkeypatch):
+    """torch.empty / empty_like return NaN-filled float tensors, so a kernel that skips an element fails."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def nan(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: nan(empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: nan(empty_like(*a, **kw)))
+
+
+def _parts(spec):
+    torch.manual_seed(0)
+    parts = build_memory(spec, H, D, D)
+    for p in parts.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return parts.to(DEVICE)
+
+
+def _data(parts, T, seed=0, B=2):
+    """float64 q, k, v and gates (lr, window, momentum, retention when used)."""
+    q, k, v = random_qkv(B, T, H, D, seed=seed)
+    names = ("lr", "window", "momentum") + (("retention",) if parts.retention.uses_alpha else ())
+    gates = random_gates(B, T, H, seed=seed + 1, names=names, low=0.5, high=0.95)
+    return (q, k, v), gates
+
+
+def _run(parts, data, dtype, mode, b):
+    """memorize in ``dtype``; → (o, state, grads of [q, k, v, *gates, *parameters])."""
+    parts = copy.deepcopy(parts).to(dtype)
+    (q, k, v), gates = data
+    q, k, v = (x.to(DEVICE, dtype).requires_grad_() for x in (q, k, v))
+    gates = {n: x.to(DEVICE, dtype).requires_grad_() for n, x in gates.items()}
+    leaves = [q, k, v, *gates.values(), *parts.parameters()]
+    o, state = memorize(q, k, v, parts, gates, mode=mode, chunk_size=b)
+    g = torch.Generator().manual_seed(7)
+    w_o, w_m, w_s = (torch.randn(x.shape, generator=g, dtype=torch.float64).to(o)
+                     for x in (o, state.weights["W"], state.momentum["W"]))
+    loss = (o * w_o).sum() + (state.weights["W"] * w_m).sum() + (state.momentum["W"] * w_s).sum()
+    return o, state, torch.autograd.grad(loss, leaves)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_memorize_triton_momentum_matches_recurrent(name, monkeypatch):
+    spec, b, T = CASES[name]
+    parts = _parts(spec)
+    q = torch.zeros(2, T, H, D, device=DEVICE)
+    assert tk.explain(parts, q, b) is None and tk.select_kernel(parts, q, b).kernel == "chunk_momentum"
+    calls = []
+    forward = cm.chunk_momentum_forward
+    monkeypatch.setattr(cm, "chunk_momentum_forward", lambda *a, **kw: calls.append(1) or forward(*a, **kw))
+    data = _data(parts, T)
+    o_r, s_r, g_r = _run(parts, data, torch.float64, "recurrent", b)
+    o_t, s_t, g_t = _run(parts, data, torch.float32, "triton", b)
+    assert calls, "the Triton kernel did not run"
+    assert o_t.dtype == torch.float32 and torch.isfinite(o_t).all()
+    assert rms_ratio(o_t.double(), o_r) <= TOL
+    for f in ("weights", "momentum", "anchor"):
+        assert rms_ratio(getattr(s_t, f)["W"].double(), getattr(s_r, f)["W"]) <= TOL, f
+    assert s_t.position == s_r.position == T
+    assert rms_ratio(s_t.chunk_alpha.double(), s_r.chunk_alpha) <= TOL
+    assert s_t.hist_k.shape == s_r.hist_k.shape and s_t.hist_gamma.shape == s_r.hist_gamma.shape
+    for a, r in zip(g_t, g_r):     # q, k, v, lr, window, momentum, (retention), initial W
+        assert torch.isfinite(a).all() and rms_ratio(a.double(), r) <= TOL
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_reference_equals_chunked_engine(name):
+    """:func:`momentum_chunk_reference` (the kernels' math) equals ``mode="chunked"`` in float64."""
+    spec, b, T = CASES[name]
+    parts = _parts(spec).double()
+    (q, k, v), gates = _data(parts, T, seed=3)
+    o_c, s_c = memorize(q, k, v, parts, gates, mode="chunked", chunk_size=b)
+    fm, w0 = parts.feature_map, parts.memory.initial_weights(2)["W"]
+    o, M, S, anchor = cm.momentum_chunk_reference(
+        fm(q), fm(k), v, gates["lr"] * gates["window"], gates["momentum"], gates.get("retention"), w0,
+        torch.zeros_like(w0), chunk_size=b, bias=parts.spec.attentional_bias.name, read=parts.read)
+    assert rms_ratio(o, o_c) < 1e-12
+    assert rms_ratio(M, s_c.weights["W"]) < 1e-12 and rms_ratio(S, s_c.momentum["W"]) < 1e-12
+    assert rms_ratio(anchor, s_c.anchor["W"]) < 1e-12
+
+
+def test_kernel_forward_matches_reference_with_initial_momentum():
+    """Direct op: nonzero initial momentum, D_k ≠ D_v, b = 8 over T = 21 (two full chunks and a ragged one)."""
+    g = torch.Generator().manual_seed(0)
+    B, T, K, V = 1, 21, 8, 12
+    q, k = (torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=g), dim=-1) for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=g)
+    beta, theta, alpha = (lo + (1 - lo) * torch.rand(B, T, H, generator=g) for lo in (0.2, 0.5, 0.6))
+    m0, s0 = (0.4 * torch.randn(B, H, V, K, generator=g) for _ in range(2))
+    x = [t.to(DEVICE) for t in (q, k, v, beta, theta, alpha, m0, s0)]
+    for bias, read in (("l2", "token"), ("dot", "chunk")):
+        out = cm.chunk_momentum_forward(*x, chunk_size=8, bias=bias, read=read)
+        ref = cm.momentum_chunk_reference(*(t.double() for t in x), chunk_size=8, bias=bias, read=read)
+        for a, r in zip(out, ref):
+            assert rms_ratio(a.double(), r.cpu().to(a.device)) <= TOL
+
+
+def test_chained_calls_equal_one_call():
+    """A first call that ends mid-chunk; the second finishes that chunk on torch, then runs the kernel."""
+    parts = _parts(dict(MOM, retention="decay"))
+    b, T, cut = 4, 13, 6
+    (q, k, v), gates = _data(parts, T, seed=5, B=1)
+    ref = copy.deepcopy(parts).double()
+    full, s_full = memorize(q, k, v, ref, gates, mode="recurrent", chunk_size=b)
+    q, k, v = (x.float().to(DEVICE) for x in (q, k, v))
+    gates = {n: x.float().to(DEVICE) for n, x in gates.items()}
+    pieces, state, outs = [(0, cut), (cut, cut + 1), (cut + 1, T)], None, []   # 6 | 1 (inside a chunk) | 6
+    for s, e in pieces:
+        o, state = memorize(q[:, s:e], k[:, s:e], v[:, s:e], parts, {n: x[:, s:e] for n, x in gates.items()},
+                            mode="triton", chunk_size=b, initial_state=state)
+        outs.append(o)
+    assert rms_ratio(torch.cat(outs, 1).double(), full) <= TOL and state.position == T
+    for f in ("weights", "momentum", "anchor"):
+        assert rms_ratio(getattr(state, f)["W"].double(), getattr(s_full, f)["W"]) <= TOL, f
+
+
+def test_dispatch(monkeypatch):
+    q = torch.zeros(1, 8, H, D, device=DEVICE)
+    parts = _parts(dict(MOM, retention="decay"))
+    assert tk.select_kernel(parts, q, 4).kernel == "chunk_momentum"
+    assert tk.select_kernel(parts, q, 4, mode="chunk").kernel == "chunk_momentum"
+    assert tk.select_kernel(parts, q, 4, mode="fused_recurrent") is None    # no token-by-token momentum kernel
+    assert tk.select_kernel(parts, q.double(), 4) is None                    # fp64 stays on torch
+    for b in (1, cm.MAX_CHUNK + 1):
+        assert tk.select_kernel(parts, q, b) is None and "chunk_size" in tk.spec_reason(parts, b)
+    for spec in (dict(MOM, retention={"name": "decay", "channel_wise": True}),
+                 dict(MOM, retention={"name": "decay", "placement": "before_step"}),   # l2: gradient at α M_a
+                 dict(MOM, window={"size": 3}), dict(MOM, memory="mlp"),
+                 {"memory": "linear", "inner_optimizer": "muon"}):
+        p = _parts(spec)
+        assert tk.select_kernel(p, q, 4) is None and tk.spec_reason(p, 4)
+    monkeypatch.setenv(tk.FORCE_TORCH_ENV, "1")
+    assert tk.select_kernel(parts, q, 4) is None
