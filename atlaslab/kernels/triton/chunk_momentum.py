@@ -38,8 +38,8 @@ Pieces:
   2. ``_mom_state_kernel`` (one program per value block × batch·head, sequential over chunks): carries (M, S),
      stores every chunk-start pair, forms e = k M_aᵀ − v (one matmul per chunk) and steps
      M ← P_L M + Q_L S + (a_end ⊙ e)ᵀ k,  S ← Θ_L S + (s_end ⊙ e)ᵀ k;
-  3. ``_mom_out_kernel`` (value block × chunk × batch·head, parallel): y = P ⊙ (q M_aᵀ) + Q ⊙ (q S_aᵀ) + (A ⊙ q kᵀ) e,
-     or q M_aᵀ for read chunk.
+  3. ``_mom_out_kernel`` (value block × chunk × batch·head, parallel):
+     y = P ⊙ (q M_aᵀ) + Q ⊙ (q S_aᵀ) + (A ⊙ q kᵀ) e, or q M_aᵀ for read chunk.
   Intermediates are fp32; fp32 dots use IEEE precision unless ``allow_tf32``.
 - **The backward is torch**: :class:`ChunkMomentumFunction` recomputes :func:`momentum_chunk_reference` (≥ fp32)
   under ``enable_grad`` and differentiates it with autograd (exact, torch speed; as ``chunk.py``'s
@@ -95,7 +95,7 @@ def check_args(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read) -> N
     for name, g in (("beta", beta), ("theta", theta), ("alpha", alpha)):
         if g is not None and g.shape != q.shape[:3]:
             raise ValueError(f"{name}: expected {list(q.shape[:3])}, got {list(g.shape)}")
-    B, T, H, K = q.shape
+    B, _, H, K = q.shape
     want = (B, H, v.shape[-1], K)
     for name, x in (("initial_state", m0), ("initial_momentum", s0)):
         if tuple(x.shape) != want:
@@ -248,7 +248,7 @@ if triton is not None:
     def _mom_out_kernel(q, p, qc, aq, e, hm, hs, o, T, b, NT, H: tl.constexpr, K: tl.constexpr,
                         V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                         READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
-        """Stage 3, per chunk: y = P ⊙ (q M_aᵀ) + Q ⊙ (q S_aᵀ) + (A ⊙ q kᵀ) e (read token), or q M_aᵀ (read chunk)."""
+        """Stage 3, per chunk: y = P ⊙ (q M_aᵀ) + Q ⊙ (q S_aᵀ) + (A ⊙ q kᵀ) e (read token); q M_aᵀ (read chunk)."""
         i_v = tl.program_id(0)
         i_t = tl.program_id(1)
         i_bh = tl.program_id(2)
