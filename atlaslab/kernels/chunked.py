@@ -243,28 +243,45 @@ def _pad_chunks(x: Optional[torch.Tensor], n_chunks: int, b: int, value: float) 
     return x.reshape(*x.shape[:2], n_chunks, b, *x.shape[3:])
 
 
-def _dual_chunk(parts, end: int, weights: Weights, momentum: Optional[Weights], x, v, d, xq, P, Q, A, Th, S_coef):
-    """One aligned training chunk in the dual form: → (y ``[B, H, b, V]``, weights and momentum after its
-    position ``end`` (its last real token))."""
+def _dual_step(parts, weights: Weights, momentum: Optional[Weights], x, v, d, P_e, Q_e, A_e, Th_e, S_e):
+    """The sequential part of one aligned chunk: the rank-1 gradient factors at its anchor ``weights`` and the
+    state after its last real token e, M_e = P_e M + Q_e S + Σ_i A[e, i] l_i r_iᵀ, S_e = Θ_e S + Σ_i
+    S_coef[e, i] l_i r_iᵀ (row e of the dual-form coefficients: ``P_e [B, H]``, ``A_e [B, H, W]``)."""
     factors = gradient_factors(parts, weights, x, v, d)
-    dual = {name: DualForm([(P, weights[name])] + ([(Q, momentum[name])] if Q is not None else []), A, *f)
-            for name, f in factors.items()}
-    y = parts.memory(weights if parts.read == "chunk" else dual, xq)
-    if S_coef is not None:
-        momentum = {name: DualForm([(Th, momentum[name])], S_coef, *f).at(end) for name, f in factors.items()}
-    return y, {name: f.at(end) for name, f in dual.items()}, momentum
+
+    def at(coef_row, bases):
+        return {name: (left * coef_row.unsqueeze(-1)).mT @ r + sum(c[..., None, None] * base[name] for c, base in bases)
+                for name, (left, r) in factors.items()}
+
+    new_weights = at(A_e, [(P_e, weights)] + ([(Q_e, momentum)] if Q_e is not None else []))
+    new_momentum = at(S_e, [(Th_e, momentum)]) if S_e is not None else momentum
+    return factors, new_weights, new_momentum
+
+
+def _over_chunks(per_chunk: list) -> torch.Tensor:
+    """N tensors ``[B, H, ...]`` → ``[B·N, H, ...]`` (chunk n of batch b at row b·N + n)."""
+    return torch.stack(per_chunk, 1).flatten(0, 1)
+
+
+def _chunks_as_batch(z: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``[B, H, N, ...]`` → ``[B·N, H, ...]``, the same row order as :func:`_over_chunks`."""
+    return None if z is None else z.transpose(1, 2).flatten(0, 1)
 
 
 def _dual_aligned(parts, state: MemoryState, gates: Gates, q, k, v, b: int, checkpoint: bool) -> torch.Tensor:
-    """Whole chunks from a chunk boundary (the last may be partial) in the dual form, with every coefficient
-    that does not depend on the memory — windows, decay and momentum matrices of all chunks — formed at once;
-    only the gradient factors at each chunk's anchor, the reads and the chunk-end states are sequential.
+    """Whole chunks from a chunk boundary (the last may be partial) in the dual form.
+
+    Every coefficient that does not depend on the memory — windows, decay and momentum matrices of all chunks —
+    is formed at once; the loop over chunks computes only each chunk's gradient factors at its anchor and its
+    end state (:func:`_dual_step`); then the reads of ALL chunks run as one memory call with the chunks folded
+    into the batch (each chunk's weights in dual form over its own anchor, momentum and factors).
 
     Padded tail positions have η = 0 and α = θ = 1 (they change no real position); the final state is read at
-    the last real token. Mutates ``state``; returns ``[B, T, H, V]``.
+    the last real token. ``checkpoint`` recomputes each chunk's step in the backward pass. Mutates ``state``;
+    returns ``[B, T, H, V]``.
     """
     fm, ret = parts.feature_map, parts.retention
-    T = q.shape[1]
+    B, T = q.shape[:2]
     N = -(-T // b)
     c = parts.window.size
     h0 = state.hist_k.shape[1]
@@ -291,22 +308,48 @@ def _dual_aligned(parts, state: MemoryState, gates: Gates, q, k, v, b: int, chec
         Q = (D_a @ Th.unsqueeze(-1)).squeeze(-1)
     else:
         A = -(D_a @ eta_C)
-    xq = _pad_chunks(_bh(fm(q)), N, b, 0.0)
+
+    # row e of every coefficient: the chunk's last real position (b − 1, or the last token of a partial chunk)
+    last = T - (N - 1) * b
+    ends = torch.full((N,), b - 1, device=q.device)
+    ends[-1] = last - 1
+    chunk = torch.arange(N, device=q.device)
+
+    def end_row(z):
+        return None if z is None else z[:, :, chunk, ends]
 
     def per_chunk(z):
         return [None] * N if z is None else z.unbind(2)
 
-    ys, weights, momentum = [], state.weights, state.momentum
-    last = T - (N - 1) * b                                                      # real tokens of the last chunk
-    for n, args in enumerate(zip(*(per_chunk(z) for z in (x, vw, dw, xq, P, Q, A, Th, S_coef)))):
-        state.anchor = weights
-        end = b - 1 if n < N - 1 else last - 1
+    steps = zip(*(per_chunk(z) for z in (x, vw, dw)), *(per_chunk(end_row(z)) for z in (P, Q, A, Th, S_coef)))
+    anchors, momenta, factors = [], [], []
+    weights, momentum = state.weights, state.momentum
+    for args in steps:
+        anchors.append(weights)
+        momenta.append(momentum)
         if checkpoint and torch.is_grad_enabled():
-            y, weights, momentum = torch.utils.checkpoint.checkpoint(
-                _dual_chunk, parts, end, weights, momentum, *args, use_reentrant=False)
+            f, weights, momentum = torch.utils.checkpoint.checkpoint(
+                _dual_step, parts, weights, momentum, *args, use_reentrant=False)
         else:
-            y, weights, momentum = _dual_chunk(parts, end, weights, momentum, *args)
-        ys.append(y)
+            f, weights, momentum = _dual_step(parts, weights, momentum, *args)
+        factors.append(f)
+
+    # all reads at once: chunks folded into the batch
+    names = list(factors[0])
+    W_all = {n: _over_chunks([w[n] for w in anchors]) for n in names}
+    xq = _chunks_as_batch(_pad_chunks(_bh(fm(q)), N, b, 0.0))                  # [B·N, H, b, F]
+    if parts.read == "chunk":
+        y = parts.memory(W_all, xq)
+    else:
+        S_all = {n: _over_chunks([s[n] for s in momenta]) for n in names} if Q is not None else None
+        P_all, Q_all, A_all = (_chunks_as_batch(z) for z in (P, Q, A))
+        dual = {n: DualForm([(P_all, W_all[n])] + ([(Q_all, S_all[n])] if Q_all is not None else []), A_all,
+                            _over_chunks([f[n][0] for f in factors]), _over_chunks([f[n][1] for f in factors]))
+                for n in names}
+        y = parts.memory(dual, xq)                                              # [B·N, H, b, V]
+    y = y.reshape(B, N, *y.shape[1:]).permute(0, 1, 3, 2, 4).flatten(1, 2)[:, :T]   # [B, T, H, V]
+
+    state.anchor = anchors[-1]
     state.weights, state.momentum = weights, momentum
     state.chunk_alpha = P[:, :, -1, last - 1] if alpha is not None else state.chunk_alpha.new_ones(
         state.chunk_alpha.shape)
@@ -315,7 +358,7 @@ def _dual_aligned(parts, state: MemoryState, gates: Gates, q, k, v, b: int, chec
     state.hist_k, state.hist_v, state.hist_gamma = (_keep_last(z, keep) for z in (k_ext, v_ext, g_ext))
     state.hist_delta = _keep_last(d_ext, keep)
     state.position += T
-    return torch.stack(ys, 2).flatten(2, 3)[:, :, :T].transpose(1, 2)
+    return y
 
 
 def _segment(parts, state: MemoryState, gates: Gates, q, k, v, b: int, outputs: list):
