@@ -20,7 +20,8 @@ Dispatch, in the spirit of fla's backend registry: a Triton kernel is used only 
    so it is for tests only);
 3. the spec is one the kernel computes exactly: linear memory (any non-kernel-trick feature map, applied in
    torch), ℓ2 or dot bias, GD, no retention, per-head scalar decay or channel-wise (per key channel, GLA-style)
-   decay (either placement), Omega window c = 1, semantic chunk b = 1, ``read`` token or chunk; head dims ≤ 256;
+   decay (either placement), Omega window c ≤ 8 (c > 1: without channel-wise decay), semantic chunk b = 1,
+   ``read`` token or chunk; head dims ≤ 256;
    or, for the momentum kernel (:func:`.chunk_momentum.spec_reason`): linear memory, ℓ2 or dot bias, inner
    optimizer momentum, no retention or per-head scalar decay placed after_step, c = 1, 2 ≤ b ≤ 64, read token or
    chunk (a call starting mid-chunk finishes that chunk on the torch ``chunked`` engine, then runs the kernel).
@@ -39,6 +40,16 @@ float64 token loop, RMS-error ratio ~1e-7 in fp32 under the interpreter; channel
 kernels; the Newton–Schulz kernel's backward is still autograd through a torch recompute (exact, torch speed), and
 so is the momentum chunk kernel's (``tests/test_triton_momentum.py``: outputs, final memory and momentum and every
 input gradient against the float64 token loop at b = 4, 8, RMS-error ratio ~1e-7 in fp32 under the interpreter).
+
+Omega windows c > 1 (ATLAS Eq.9 with γ gates, b = 1; ``chunk_window_rule`` / ``fused_recurrent_window_rule``,
+references ``reference.window_rule_recurrent`` / ``window_rule_chunk``): the engine gathers every token's c window
+slots (key, value, coefficient η_t γ_j; the window's start from the state's history) in torch; the chunk kernel
+solves the UT system over a chunk's BT·c slot rows with decays and masks at the slots' tokens, the token-by-token
+kernel takes the c rank-1 terms of each step from the pre-step state. Their forward runs on Triton; their backward
+is autograd through the torch chunk form recomputed (exact, torch speed; no window backward kernel yet). Tested
+under the interpreter only (``tests/test_triton_window.py``: outputs, final state and the gradients of q, k, v, η,
+γ, α and the initial state against ``memorize(mode="recurrent")`` in float64, c = 2, 3, chained calls; RMS-error
+ratio ~1e-7 in fp32); never run on a GPU.
 """
 from __future__ import annotations
 
@@ -57,6 +68,7 @@ FORCE_TORCH_ENV = "ATLASLAB_FORCE_TORCH"
 #: T at or below which ``auto`` picks the token-by-token kernel (fla switches to fused_recurrent at ≤ 64).
 RECURRENT_MAX_T = 64
 MAX_HEAD_DIM = 256
+MAX_WINDOW = 8              # the window kernels' largest Omega window c (= reference.MAX_WINDOW)
 CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INTERPRETER_DTYPES = (torch.float32, torch.float16)
 
@@ -112,7 +124,10 @@ def spec_reason(parts, chunk_size: int) -> Optional[str]:
         (s.attentional_bias.name in ("l2", "dot"), f"attentional bias '{s.attentional_bias.name}' (l2, dot)"),
         (s.inner_optimizer.name == "gd", f"inner optimizer '{s.inner_optimizer.name}' (gd)"),
         (s.retention.name in ("none", "decay"), f"retention '{s.retention.name}' (none, decay)"),
-        (parts.window.size == 1, f"window size {parts.window.size} (c = 1)"),
+        (parts.window.size is not None and parts.window.size <= MAX_WINDOW,
+         f"window size {parts.window.size} (c ≤ {MAX_WINDOW})"),
+        (parts.window.size == 1 or not getattr(parts.retention, "channel_wise", False),
+         "channel-wise decay with an Omega window c > 1"),
         (chunk_size == 1, f"chunk_size b = {chunk_size} (b = 1)"),
         (parts.read in ("token", "chunk"), f"read '{parts.read}'"),
         (max(parts.feature_map.out_dim, parts.value_dim) <= MAX_HEAD_DIM, f"head dims > {MAX_HEAD_DIM}"),
@@ -140,19 +155,28 @@ def _engine(kind: str) -> Callable:
     def run(q, k, v, parts, gates, chunk_size, state, block_size: int = 64, **engine_options):
         # engine_options (e.g. ``checkpoint``) concern the torch engines; the kernels recompute in backward anyway
         if kind == "chunk":
-            from .chunk import chunk_delta_rule as kernel
+            from .chunk import chunk_delta_rule as kernel, chunk_window_rule as window_kernel
             extra = dict(chunk_size=min(64, max(16, int(block_size))))
         else:
-            from .fused_recurrent import fused_recurrent_delta_rule as kernel
+            from .fused_recurrent import (fused_recurrent_delta_rule as kernel,
+                                          fused_recurrent_window_rule as window_kernel)
             extra = {}
         state = dataclasses.replace(state)
         ret = parts.retention
         alpha = gates.retention if (ret.uses_alpha and gates.retention is not None) else None
         placement = ret.placement if alpha is not None else "after_step"
-        beta = gates.lr * gates.window            # c = 1: the window gate scales the step
         fm = parts.feature_map
-        o, W = kernel(fm(q), fm(k), v, beta, alpha, state.weights["W"], bias=parts.spec.attentional_bias.name,
-                      placement=placement, read=parts.read, **extra)
+        opts = dict(bias=parts.spec.attentional_bias.name, placement=placement, read=parts.read, **extra)
+        c = parts.window.size
+        if c == 1:
+            beta = gates.lr * gates.window            # c = 1: the window gate scales the step
+            o, W = kernel(fm(q), fm(k), v, beta, alpha, state.weights["W"], **opts)
+        else:   # Omega window: every token's c slots; the window's first tokens come from the state's history
+            from .reference import window_slots
+            h = state.hist_k.shape[1]
+            x_ext = fm(torch.cat([state.hist_k, k], 1))
+            xs, vs, gs = window_slots(x_ext[:, h:], v, gates.window, c, x_ext[:, :h], state.hist_v, state.hist_gamma)
+            o, W = window_kernel(fm(q), xs, vs, gates.lr.unsqueeze(2) * gs, alpha, state.weights["W"], **opts)
         state.weights = {"W": W}
         state.anchor = state.weights              # b = 1: the anchor is refreshed at every token
         keep = parts.window.history()

@@ -61,7 +61,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .reference import _per_sequence, _upcast, check_args, delta_rule_chunk, log_decay
+from .reference import MAX_WINDOW, _per_sequence, _upcast, check_args, delta_rule_chunk, log_decay
 
 try:
     import triton
@@ -1064,10 +1064,6 @@ if triton is not None:
         qx = tl.where(causal, qx * tl.exp(tl.where(causal, b_gq[:, None] - b_gs[None, :], 0.0)), 0.0)
         b_o += tl.dot(qx, b_w, input_precision=PRECISION)
         tl.store(o + rows[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
-
-
-#: The largest Omega window the window kernels take (a chunk's BT·c slot rows live in one program's registers).
-MAX_WINDOW = 8
 
 
 def _win_sizes(K: int, V: int, c: int, chunk_size: int):

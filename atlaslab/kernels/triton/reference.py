@@ -30,6 +30,8 @@ import torch
 BIASES = ("l2", "dot")
 PLACEMENTS = ("before_step", "after_step")
 READS = ("token", "chunk")
+#: The largest Omega window c the Triton window kernels take (a chunk's BT·c slot rows live in one program).
+MAX_WINDOW = 8
 
 
 def check_args(q, k, v, beta, alpha, initial_state, bias, placement, read, cu_seqlens) -> int:
