@@ -208,3 +208,18 @@ def test_kernel_trick_dot_bias_pieces_may_span_chunks(name):
     assert rms_ratio(o_c, o_r) < TOL
     for field in ("bank_u", "anchor_u", "chunk_alpha"):
         assert rms_ratio(getattr(s_c, field), getattr(s_r, field)) < TOL
+
+
+def test_channel_wise_decay_that_forgets_fast_stays_finite_in_float32():
+    """GLA with α = 0.02 on every channel: blocks are capped (linear_delta.CHANNEL_BLOCK) so x / Π α stays finite."""
+    parts64 = build(SPECS["gla"])
+    parts32 = build(SPECS["gla"]).float()
+    q, k, v = random_qkv(1, 70, H, D)
+    g = gates_for(parts64, T=70, B=1)
+    g["retention"] = torch.full_like(g["retention"], 0.02)
+    ref, _ = memorize(q, k, v, parts64, g, mode="recurrent")
+    q32, k32, v32 = (t.float().requires_grad_(True) for t in (q, k, v))
+    out, _ = memorize(q32, k32, v32, parts32, {n: x.float() for n, x in g.items()}, mode="chunked", block_size=64)
+    assert rms_ratio(out.double(), ref) < 1e-3
+    out.square().sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q32, k32, v32))

@@ -25,7 +25,7 @@ once from M_0-free right sides. Everything then splits into
 
 Nothing of size T × d_v × d_k is formed (the block-start states are T/L × d_v × d_k). Scalar decay ratios are
 exp(log P_t − log P_s), never divisions; channel-wise decay uses the factorised x ⊙ P and x / P inside a
-block (keep blocks short, e.g. ≤ 32, when channels forget fast).
+block, so its blocks are capped at ``CHANNEL_BLOCK`` = 16 tokens (fla's GLA sub-chunk length).
 """
 from __future__ import annotations
 
@@ -39,6 +39,10 @@ from .state import Gates, MemoryState
 
 if TYPE_CHECKING:
     from ..components.memory_spec import MemoryParts
+
+
+#: longest block for channel-wise decay: 1 / Π α over 16 steps stays inside float32 range for α ≥ 0.005
+CHANNEL_BLOCK = 16
 
 
 def supports(parts: "MemoryParts", chunk_size: int) -> bool:
@@ -180,6 +184,8 @@ def memorize_linear_delta(q, k, v, parts: "MemoryParts", gates: Gates, state: Me
     c, fm = parts.window.size, parts.feature_map
     T = q.shape[1]
     L = max(1, min(block_size, T))
+    if ret.channel_wise and gates.retention is not None:
+        L = min(L, CHANNEL_BLOCK)   # x / P_s is formed per channel: short blocks keep it finite
     N = -(-T // L)
     h = state.hist_k.shape[1]
     k_ext = torch.cat([state.hist_k, k], 1)
