@@ -1,11 +1,12 @@
 """The momentum chunk kernel (atlaslab/kernels/triton/chunk_momentum.py) against the float64 token loop.
 
 Linear memory + momentum GD at semantic chunk size b ∈ {4, 8} (Titans with a matrix memory; spec §15.2, §15.5):
-``memorize(mode="triton")`` (Triton forward under TRITON_INTERPRET=1, torch-recompute backward) vs
+``memorize(mode="triton")`` (Triton forward and backward under TRITON_INTERPRET=1) vs
 ``memorize(mode="recurrent")`` in float64 — outputs, final memory and momentum, anchor, and the gradients of q, k,
 v, the lr / momentum / decay / window gates and the learned initial memory, fla's RMS-error ratio ≤ 1e-3 in fp32 —
 with T not a multiple of b, ℓ2 and dot bias, read token and chunk, with and without decay; the kernel's torch
-reference equals ``mode="chunked"``; chained calls (one ending mid-chunk) equal one call; the dispatch.
+reference equals ``mode="chunked"``; the op against that reference (several value blocks, T < b, initial
+momentum); the torch-recompute fallback backward; chained calls (one ending mid-chunk) equal one call; the dispatch.
 Kernel allocations are poisoned with NaN, so an unwritten element fails.
 """
 import copy
@@ -125,20 +126,47 @@ def test_reference_equals_chunked_engine(name):
     assert rms_ratio(anchor, s_c.anchor["W"]) < 1e-12
 
 
-def test_kernel_forward_matches_reference_with_initial_momentum():
-    """Direct op: nonzero initial momentum, D_k ≠ D_v, b = 8 over T = 21 (two full chunks and a ragged one)."""
+OP_SHAPES = [   # (B, T, H, D_k, D_v, b, bias, read)
+    (1, 21, 2, 8, 12, 8, "l2", "token"),     # two full chunks and a ragged one, D_k ≠ D_v
+    (1, 21, 2, 8, 12, 8, "dot", "chunk"),
+    (1, 8, 1, 128, 48, 8, "l2", "token"),    # two value blocks in the state kernels (the second one ragged)
+    (2, 3, 1, 8, 8, 4, "l2", "chunk"),       # T < b
+]
+
+
+@pytest.mark.parametrize("B, T, nh, K, V, b, bias, read", OP_SHAPES)
+def test_op_matches_reference_with_initial_momentum(B, T, nh, K, V, b, bias, read):
+    """:func:`chunk_momentum` (Triton forward and backward) vs :func:`momentum_chunk_reference` in float64, with a
+    nonzero initial momentum: all four outputs and the gradients of all eight inputs."""
     g = torch.Generator().manual_seed(0)
-    B, T, K, V = 1, 21, 8, 12
-    q, k = (torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=g), dim=-1) for _ in range(2))
-    v = torch.randn(B, T, H, V, generator=g)
-    beta, theta, alpha = (lo + (1 - lo) * torch.rand(B, T, H, generator=g) for lo in (0.2, 0.5, 0.6))
-    m0, s0 = (0.4 * torch.randn(B, H, V, K, generator=g) for _ in range(2))
+    q, k = (torch.nn.functional.normalize(torch.randn(B, T, nh, K, generator=g), dim=-1) for _ in range(2))
+    v = torch.randn(B, T, nh, V, generator=g)
+    beta, theta, alpha = (lo + (1 - lo) * torch.rand(B, T, nh, generator=g) for lo in (0.2, 0.5, 0.6))
+    m0, s0 = (0.4 * torch.randn(B, nh, V, K, generator=g) for _ in range(2))
     x = [t.to(DEVICE) for t in (q, k, v, beta, theta, alpha, m0, s0)]
-    for bias, read in (("l2", "token"), ("dot", "chunk")):
-        out = cm.chunk_momentum_forward(*x, chunk_size=8, bias=bias, read=read)
-        ref = cm.momentum_chunk_reference(*(t.double() for t in x), chunk_size=8, bias=bias, read=read)
-        for a, r in zip(out, ref):
-            assert rms_ratio(a.double(), r.cpu().to(a.device)) <= TOL
+    leaves = [t.clone().requires_grad_() for t in x]
+    refs = [t.double().requires_grad_() for t in x]
+    out = cm.chunk_momentum(*leaves, chunk_size=b, bias=bias, read=read)
+    ref = cm.momentum_chunk_reference(*refs, chunk_size=b, bias=bias, read=read)
+    w = [torch.randn(o.shape, generator=torch.Generator().manual_seed(i)).to(o) for i, o in enumerate(out)]
+    for a, r in zip(out, ref):
+        assert torch.isfinite(a).all() and rms_ratio(a.double(), r) <= TOL
+    g_k = torch.autograd.grad(sum((o * wi).sum() for o, wi in zip(out, w)), leaves)
+    g_r = torch.autograd.grad(sum((o * wi.double()).sum() for o, wi in zip(ref, w)), refs)
+    for a, r in zip(g_k, g_r):
+        assert torch.isfinite(a).all() and rms_ratio(a.double(), r) <= TOL
+
+
+def test_torch_fallback_backward_matches_recurrent(monkeypatch):
+    """``ATLASLAB_MOMENTUM_BACKWARD=torch``: autograd through the recomputed torch reference, the same bar."""
+    monkeypatch.setattr(cm, "BACKWARD", "torch")
+    spec, b, T = CASES["l2_decay_token_b4"]
+    parts = _parts(spec)
+    data = _data(parts, T, seed=2)
+    _, _, g_r = _run(parts, data, torch.float64, "recurrent", b)
+    _, _, g_t = _run(parts, data, torch.float32, "triton", b)
+    for a, r in zip(g_t, g_r):
+        assert rms_ratio(a.double(), r) <= TOL
 
 
 def test_chained_calls_equal_one_call():

@@ -41,20 +41,35 @@ Pieces:
   3. ``_mom_out_kernel`` (value block × chunk × batch·head, parallel):
      y = P ⊙ (q M_aᵀ) + Q ⊙ (q S_aᵀ) + (A ⊙ q kᵀ) e, or q M_aᵀ for read chunk.
   Intermediates are fp32; fp32 dots use IEEE precision unless ``allow_tf32``.
-- **The backward is torch**: :class:`ChunkMomentumFunction` recomputes :func:`momentum_chunk_reference` (≥ fp32)
-  under ``enable_grad`` and differentiates it with autograd (exact, torch speed; as ``chunk.py``'s
-  ``ChunkFunction`` did before its backward kernels). Backward kernels are not written.
+- backward (:func:`chunk_momentum_backward`; nothing but the inputs is saved by the forward):
+  1. stages 1–2 are re-run (coefficients, A, e and the chunk-start states M_a, S_a);
+  2. ``_mom_bwd_state_kernel`` (value block × batch·head, reverse over chunks) carries dM, dS = ∂L/∂(chunk-end
+     M, S) from the final-state gradients (plus the anchor output's at the last chunk start):
+     dE = (A ⊙ q kᵀ)ᵀ dO + a_end ⊙ (k dMᵀ) + s_end ⊙ (k dSᵀ);
+     dM ← P_L dM + (P ⊙ dO)ᵀ q + [ℓ2] dEᵀ k  (read chunk: dOᵀ q instead of the P term);
+     dS ← Q_L dM + Θ_L dS + (Q ⊙ dO)ᵀ q;  the last pair is the initial memory's and momentum's gradient;
+  3. ``_mom_bwd_grad_kernel`` (chunk × batch·head, parallel, a loop over value blocks): with G = dO eᵀ,
+     dq = P ⊙ (dO M_a) + Q ⊙ (dO S_a) + (G ⊙ A) k,  dk = (G ⊙ A)ᵀ q + [ℓ2] dE M_a + a_end ⊙ (e dM) + s_end ⊙ (e dS),
+     dv = −dE, and the coefficients' gradients dP, dQ, dΘ_L, d a_end, d s_end, dA = G ⊙ q kᵀ;
+  4. **torch**: autograd through :func:`chunk_coefficients` (stage 1 in torch, all chunks at once, O(T·b) work and
+     no memory-sized tensor) maps the coefficients' gradients to dβ, dθ, dα.
+  ``BACKWARD = "torch"`` (or ``ATLASLAB_MOMENTUM_BACKWARD=torch``) instead recomputes
+  :func:`momentum_chunk_reference` (≥ fp32) under ``enable_grad`` and differentiates it with autograd (the
+  reference backward, kept as a fallback).
 - :func:`memorize_chunk_momentum`: the ``MODES``-signature engine ``memorize(mode="triton")`` dispatches to for
   this spec (:func:`spec_reason`); it updates the :class:`MemoryState` exactly as the torch engines do. A call that
   starts mid-chunk (``state.position % b ≠ 0``) finishes the open chunk on the torch ``chunked`` engine and runs the
   kernels from the next chunk boundary on.
 
-Status: tested only under ``TRITON_INTERPRET=1`` on CPU (``tests/test_triton_momentum.py``); nothing has run on a
-GPU and nothing is tuned (one config, ``num_warps=4``).
+Status: tested only under ``TRITON_INTERPRET=1`` on CPU (``tests/test_triton_momentum.py``: outputs, states and every
+input gradient vs the float64 token loop, RMS-error ratio ~1e-7 in fp32); nothing has run on a GPU and nothing is
+tuned (one config, ``num_warps=4``; the backward grad kernel holds a few [BT, BK] and [BT, BT] fp32 accumulators per
+program, which for D_k = 256 may need a smaller value block or split kernels, as fla does).
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -154,9 +169,10 @@ def momentum_chunk_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 if triton is not None:
 
     @triton.jit
-    def _mom_coef_kernel(q, k, beta, lth, la, p_out, qc_out, th_out, aend_out, send_out, aq_out, T, b,
+    def _mom_coef_kernel(q, k, beta, lth, la, p_out, qc_out, th_out, aend_out, send_out, aq_out, a_out, T, b,
                          H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                         HAS_ALPHA: tl.constexpr, READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
+                         HAS_ALPHA: tl.constexpr, READ_TOKEN: tl.constexpr, STORE_A: tl.constexpr,
+                         PRECISION: tl.constexpr):
         """Stage 1, per chunk: P, Θ, Q = D_α Θ, A = −D_α D_θ diag(β), a_end = A[L, :], s_end = −D_θ[L, :] β,
         and (read token) A ⊙ (q kᵀ) as rows ``[B, T, H, BT]``."""
         i_t = tl.program_id(0)
@@ -188,6 +204,8 @@ if triton is not None:
         tl.store(th_out + rows, b_th, mask=m_t)
         tl.store(aend_out + rows, a_end, mask=m_t)
         tl.store(send_out + rows, s_end, mask=m_t)
+        if STORE_A:     # A's rows, [B, T, H, BT], for the backward
+            tl.store(a_out + rows[:, None] * BT + o_i[None, :], A, mask=m_t[:, None])
         if READ_TOKEN:
             o_k = tl.arange(0, BK)
             m_tk = m_t[:, None] & (o_k < K)[None, :]
@@ -280,81 +298,365 @@ if triton is not None:
         tl.store(o + rows[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
-def chunk_momentum_forward(q, k, v, beta, theta, alpha, m0, s0, *, chunk_size: int, bias: str = "l2",
-                           read: str = "token", allow_tf32: bool = False):
-    """The three forward kernels, no autograd; arguments and results as :func:`chunk_momentum`."""
-    check_args(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read)
+    @triton.jit
+    def _mom_bwd_state_kernel(q, k, do, aq, p, qc, th, aend, send, dmt, dst, dma, de_out, dhm, dhs, dm0, ds0,
+                              T, b, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                              BK: tl.constexpr, BV: tl.constexpr, IS_L2: tl.constexpr, READ_TOKEN: tl.constexpr,
+                              HAS_DMT: tl.constexpr, HAS_DST: tl.constexpr, HAS_DMA: tl.constexpr,
+                              PRECISION: tl.constexpr):
+        """Backward stage 2, reverse over chunks (value block × batch·head). dM, dS = ∂L/∂(chunk-end M, S):
+        dE = (A ⊙ q kᵀ)ᵀ dO + a_end ⊙ (k dMᵀ) + s_end ⊙ (k dSᵀ);
+        dM ← P_L dM + (P ⊙ dO)ᵀ q + [ℓ2] dEᵀ k   (read chunk: dOᵀ q);   dS ← Q_L dM + Θ_L dS + (Q ⊙ dO)ᵀ q."""
+        i_v = tl.program_id(0)
+        i_bh = tl.program_id(1)
+        i_b = i_bh // H
+        i_h = i_bh % H
+        o_i = tl.arange(0, BT)
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k = o_k < K
+        m_v = o_v < V
+        m_h = m_v[:, None] & m_k[None, :]
+        h_offs = o_v[:, None] * K + o_k[None, :]
+        b_dM = tl.zeros([BV, BK], dtype=tl.float32)
+        b_dS = tl.zeros([BV, BK], dtype=tl.float32)
+        if HAS_DMT:
+            b_dM += tl.load(dmt + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
+        if HAS_DST:
+            b_dS += tl.load(dst + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
+        for j in range(0, NT):
+            i_t = NT - 1 - j
+            h_base = ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * V * K
+            tl.store(dhm + h_base + h_offs, b_dM, mask=m_h)
+            tl.store(dhs + h_base + h_offs, b_dS, mask=m_h)
+            o_t = i_t * b + o_i
+            m_t = (o_i < b) & (o_t < T)
+            rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+            m_tk = m_t[:, None] & m_k[None, :]
+            m_tv = m_t[:, None] & m_v[None, :]
+            b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+            b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+            b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+            b_ae = tl.load(aend + rows, mask=m_t, other=0.0)
+            b_se = tl.load(send + rows, mask=m_t, other=0.0)
+            last = tl.minimum(T - i_t * b, b) - 1
+            r_last = (i_b.to(tl.int64) * T + i_t * b + last) * H + i_h
+            p_l = tl.load(p + r_last)
+            q_l = tl.load(qc + r_last)
+            t_l = tl.load(th + r_last)
+            b_de = b_ae[:, None] * tl.dot(b_k, tl.trans(b_dM), input_precision=PRECISION) \
+                + b_se[:, None] * tl.dot(b_k, tl.trans(b_dS), input_precision=PRECISION)
+            if READ_TOKEN:
+                b_aq = tl.load(aq + rows[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
+                b_de += tl.dot(tl.trans(b_aq), b_do, input_precision=PRECISION)
+                b_p = tl.load(p + rows, mask=m_t, other=0.0)
+                b_qc = tl.load(qc + rows, mask=m_t, other=0.0)
+                new_dM = p_l * b_dM + tl.dot(tl.trans(b_do * b_p[:, None]), b_q, input_precision=PRECISION)
+                b_dS = q_l * b_dM + t_l * b_dS \
+                    + tl.dot(tl.trans(b_do * b_qc[:, None]), b_q, input_precision=PRECISION)
+            else:
+                new_dM = p_l * b_dM + tl.dot(tl.trans(b_do), b_q, input_precision=PRECISION)
+                b_dS = q_l * b_dM + t_l * b_dS
+            if IS_L2:
+                new_dM += tl.dot(tl.trans(b_de), b_k, input_precision=PRECISION)
+            b_dM = new_dM
+            tl.store(de_out + rows[:, None] * V + o_v[None, :], b_de, mask=m_tv)
+            if HAS_DMA:         # the anchor output is the start state of the last chunk
+                if j == 0:
+                    b_dM += tl.load(dma + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
+        tl.store(dm0 + i_bh.to(tl.int64) * V * K + h_offs, b_dM, mask=m_h)
+        tl.store(ds0 + i_bh.to(tl.int64) * V * K + h_offs, b_dS, mask=m_h)
+
+    @triton.jit
+    def _mom_bwd_grad_kernel(q, k, do, a, p, qc, aend, send, e, de, hm, hs, dhm, dhs, dq, dk, dv, dp, dqc, dth,
+                             dae, dse, da, T, b, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                             BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_L2: tl.constexpr,
+                             READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
+        """Backward stage 3, per chunk × batch·head (a loop over value blocks), from M_a, S_a (chunk start) and
+        dM, dS (chunk end): G = dO eᵀ; dq = P ⊙ (dO M_a) + Q ⊙ (dO S_a) + (G ⊙ A) k (read chunk: dO M_a);
+        dk = (G ⊙ A)ᵀ q + [ℓ2] dE M_a + a_end ⊙ (e dM) + s_end ⊙ (e dS); dv = −dE; and the coefficients' grads
+        dP = rowsum(dO ⊙ q M_aᵀ) (+⟨dM, M_a⟩ at L), dQ = rowsum(dO ⊙ q S_aᵀ) (+⟨dM, S_a⟩ at L), dΘ = ⟨dS, S_a⟩ at L,
+        d a_end = rowsum(k ⊙ e dM), d s_end = rowsum(k ⊙ e dS), dA = G ⊙ q kᵀ (read token)."""
+        i_t = tl.program_id(0)
+        i_bh = tl.program_id(1)
+        i_b = i_bh // H
+        i_h = i_bh % H
+        o_i = tl.arange(0, BT)
+        o_k = tl.arange(0, BK)
+        m_k = o_k < K
+        o_t = i_t * b + o_i
+        m_t = (o_i < b) & (o_t < T)
+        rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_p = tl.load(p + rows, mask=m_t, other=0.0)
+        b_qc = tl.load(qc + rows, mask=m_t, other=0.0)
+        b_ae = tl.load(aend + rows, mask=m_t, other=0.0)
+        b_se = tl.load(send + rows, mask=m_t, other=0.0)
+        last = tl.minimum(T - i_t * b, b) - 1
+        h_base = ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * V * K
+        b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+        b_G = tl.zeros([BT, BT], dtype=tl.float32)
+        b_dp = tl.zeros([BT], dtype=tl.float32)
+        b_dqc = tl.zeros([BT], dtype=tl.float32)
+        b_dae = tl.zeros([BT], dtype=tl.float32)
+        b_dse = tl.zeros([BT], dtype=tl.float32)
+        b_mm = tl.zeros([BV, BK], dtype=tl.float32)        # dM ⊙ M_a, dM ⊙ S_a, dS ⊙ S_a: summed at the end
+        b_ms = tl.zeros([BV, BK], dtype=tl.float32)
+        b_ss = tl.zeros([BV, BK], dtype=tl.float32)
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            m_tv = m_t[:, None] & m_v[None, :]
+            m_h = m_v[:, None] & m_k[None, :]
+            h_offs = h_base + o_v[:, None] * K + o_k[None, :]
+            b_M = tl.load(hm + h_offs, mask=m_h, other=0.0)
+            b_S = tl.load(hs + h_offs, mask=m_h, other=0.0)
+            b_dM = tl.load(dhm + h_offs, mask=m_h, other=0.0)
+            b_dS = tl.load(dhs + h_offs, mask=m_h, other=0.0)
+            b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+            b_e = tl.load(e + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+            b_de = tl.load(de + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+            tl.store(dv + rows[:, None] * V + o_v[None, :], (-b_de).to(dv.dtype.element_ty), mask=m_tv)
+            b_doM = tl.dot(b_do, b_M, input_precision=PRECISION)
+            if READ_TOKEN:
+                b_doS = tl.dot(b_do, b_S, input_precision=PRECISION)
+                b_dq += b_p[:, None] * b_doM + b_qc[:, None] * b_doS
+                b_dp += tl.sum(b_q * b_doM, axis=1)
+                b_dqc += tl.sum(b_q * b_doS, axis=1)
+                b_G += tl.dot(b_do, tl.trans(b_e), input_precision=PRECISION)
+            else:
+                b_dq += b_doM
+            if IS_L2:
+                b_dk += tl.dot(b_de, b_M, input_precision=PRECISION)
+            b_eM = tl.dot(b_e, b_dM, input_precision=PRECISION)
+            b_eS = tl.dot(b_e, b_dS, input_precision=PRECISION)
+            b_dk += b_ae[:, None] * b_eM + b_se[:, None] * b_eS
+            b_dae += tl.sum(b_k * b_eM, axis=1)
+            b_dse += tl.sum(b_k * b_eS, axis=1)
+            b_mm += b_dM * b_M
+            b_ms += b_dM * b_S
+            b_ss += b_dS * b_S
+        if READ_TOKEN:
+            b_A = tl.load(a + rows[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
+            b_W = b_G * b_A
+            b_dq += tl.dot(b_W, b_k, input_precision=PRECISION)
+            b_dk += tl.dot(tl.trans(b_W), b_q, input_precision=PRECISION)
+            causal = (o_i[:, None] >= o_i[None, :]) & m_t[None, :]
+            qk = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
+            tl.store(da + rows[:, None] * BT + o_i[None, :], tl.where(causal, b_G * qk, 0.0), mask=m_t[:, None])
+        sel = o_i == last
+        b_dp += tl.where(sel, tl.sum(tl.sum(b_mm, axis=1), axis=0), 0.0)
+        b_dqc += tl.where(sel, tl.sum(tl.sum(b_ms, axis=1), axis=0), 0.0)
+        b_dth = tl.where(sel, tl.sum(tl.sum(b_ss, axis=1), axis=0), 0.0)
+        tl.store(dq + rows[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
+        tl.store(dk + rows[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
+        tl.store(dp + rows, b_dp, mask=m_t)
+        tl.store(dqc + rows, b_dqc, mask=m_t)
+        tl.store(dth + rows, b_dth, mask=m_t)
+        tl.store(dae + rows, b_dae, mask=m_t)
+        tl.store(dse + rows, b_dse, mask=m_t)
+
+
+def _forward_stages(q, k, v, beta, theta, alpha, m0, s0, *, b: int, bias: str, read: str, prec: str,
+                    store_a: bool = False) -> dict:
+    """Stages 1–2 on contiguous inputs → fp32 ``p, qc, th, aend, send [B, T, H]``, ``aq`` / ``a [B, T, H, BT]``
+    (read token / ``store_a``), ``e [B, T, H, V]``, ``hm, hs [B, NT, H, V, K]`` (chunk-start M, S), ``mt, st``."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    b = int(chunk_size)
+    BT, BK, BVV = _pow2(b), _pow2(K), _pow2(V)
+    BV = min(BVV, max(16, 4096 // BK))        # two [BV, BK] fp32 states live in the state kernels
+    NT = triton.cdiv(T, b)
+    lth = _log_gate(theta.float()).contiguous()
+    la = _log_gate(alpha.float()).contiguous() if alpha is not None else None
+    f32 = {"dtype": torch.float32, "device": q.device}
+    st = {name: torch.empty(B, T, H, **f32) for name in ("p", "qc", "th", "aend", "send")}
+    token = read == "token"
+    st["aq"] = torch.empty(B, T, H, BT, **f32) if token else None
+    st["a"] = torch.empty(B, T, H, BT, **f32) if store_a else None
+    dummy = st["p"]
+    _mom_coef_kernel[(NT, B * H)](q, k, beta, lth, la if la is not None else lth, st["p"], st["qc"], st["th"],
+                                  st["aend"], st["send"], st["aq"] if token else dummy,
+                                  st["a"] if store_a else dummy, T, b, H=H, K=K, BT=BT, BK=BK,
+                                  HAS_ALPHA=la is not None, READ_TOKEN=token, STORE_A=store_a, PRECISION=prec,
+                                  num_warps=4)
+    st["e"] = torch.empty(B, T, H, V, **f32)
+    for name in ("hm", "hs"):
+        st[name] = torch.empty(B, NT, H, V, K, **f32)
+    for name in ("mt", "st"):
+        st[name] = torch.empty(B, H, V, K, **f32)
+    _mom_state_kernel[(triton.cdiv(V, BV), B * H)](
+        k, v, st["p"], st["qc"], st["th"], st["aend"], st["send"], m0, s0, st["e"], st["hm"], st["hs"], st["mt"],
+        st["st"], T, b, NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, IS_L2=bias == "l2", PRECISION=prec, num_warps=4)
+    st["sizes"] = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV)
+    st["NT"] = NT
+    return st
+
+
+def _prepare(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read):
+    check_args(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read)
+    K, V, b = q.shape[-1], v.shape[-1], int(chunk_size)
     if max(K, V) > MAX_D or b > MAX_CHUNK:
         raise ValueError(f"chunk_momentum (triton): needs D_k, D_v ≤ {MAX_D} and b ≤ {MAX_CHUNK}; "
                          f"got D_k = {K}, D_v = {V}, b = {b}")
-    BT, BK, BVV = _pow2(b), _pow2(K), _pow2(V)
-    BV = min(BVV, max(16, 4096 // BK))        # two [BV, BK] fp32 states live in the state kernel
-    NT = triton.cdiv(T, b)
-    q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
-    lth = _log_gate(theta.float()).contiguous()
-    la = _log_gate(alpha.float()).contiguous() if alpha is not None else None
-    m0, s0 = m0.contiguous(), s0.contiguous()
-    prec = "tf32" if allow_tf32 else "ieee"
-    f32 = dict(dtype=torch.float32, device=q.device)
-    coef = [torch.empty(B, T, H, **f32) for _ in range(5)]                    # P, Q, Θ, a_end, s_end
-    token = read == "token"
-    aq = torch.empty(B, T, H, BT, **f32) if token else coef[0]
-    _mom_coef_kernel[(NT, B * H)](q, k, beta, lth, la if la is not None else lth, *coef, aq, T, b, H=H, K=K,
-                                  BT=BT, BK=BK, HAS_ALPHA=la is not None, READ_TOKEN=token, PRECISION=prec,
-                                  num_warps=4)
-    e = torch.empty(B, T, H, V, **f32)
-    hm = torch.empty(B, NT, H, V, K, **f32)
-    hs = torch.empty(B, NT, H, V, K, **f32)
-    mt = torch.empty(B, H, V, K, **f32)
-    st = torch.empty(B, H, V, K, **f32)
-    p, qc, th, a_end, s_end = coef
-    _mom_state_kernel[(triton.cdiv(V, BV), B * H)](k, v, p, qc, th, a_end, s_end, m0, s0, e, hm, hs, mt, st, T, b,
-                                                   NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, IS_L2=bias == "l2",
-                                                   PRECISION=prec, num_warps=4)
+    return [x.contiguous() if x is not None else None for x in (q, k, v, beta, theta, alpha, m0, s0)]
+
+
+def chunk_momentum_forward(q, k, v, beta, theta, alpha, m0, s0, *, chunk_size: int, bias: str = "l2",
+                           read: str = "token", allow_tf32: bool = False):
+    """The three forward kernels, no autograd; arguments and results as :func:`chunk_momentum`."""
+    q, k, v, beta, theta, alpha, m0, s0 = _prepare(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read)
+    B, T, H, _ = q.shape
+    b = int(chunk_size)
+    st = _forward_stages(q, k, v, beta, theta, alpha, m0, s0, b=b, bias=bias, read=read,
+                         prec="tf32" if allow_tf32 else "ieee")
+    sz, NT = st["sizes"], st["NT"]
     o = torch.empty_like(v)
-    _mom_out_kernel[(triton.cdiv(V, BV), NT, B * H)](q, p, qc, aq, e, hm, hs, o, T, b, NT, H=H, K=K, V=V, BT=BT,
-                                                     BK=BK, BV=BV, READ_TOKEN=token, PRECISION=prec, num_warps=4)
+    token = read == "token"
+    _mom_out_kernel[(triton.cdiv(sz["V"], sz["BV"]), NT, B * H)](
+        q, st["p"], st["qc"], st["aq"] if token else st["p"], st["e"], st["hm"], st["hs"], o, T, b, NT, **sz,
+        READ_TOKEN=token, PRECISION="tf32" if allow_tf32 else "ieee", num_warps=4)
     out_dtype = m0.dtype
-    return o, mt.to(out_dtype), st.to(out_dtype), hm[:, NT - 1].to(out_dtype)
+    return o, st["mt"].to(out_dtype), st["st"].to(out_dtype), st["hm"][:, NT - 1].to(out_dtype)
+
+
+def chunk_coefficients(beta: torch.Tensor, theta: torch.Tensor, alpha: Optional[torch.Tensor], chunk_size: int):
+    """Stage 1 in torch, all chunks at once (differentiable; the backward maps the coefficients' gradients to
+    β, θ, α through it): per token ``P, Q, Θ, a_end, s_end: [B, T, H]`` and ``A: [B, T, H, b]`` (row s of its
+    chunk's A; a_end / s_end are indexed by the column i, as in the kernels)."""
+    B, T, H = beta.shape
+    b = int(chunk_size)
+    N = -(-T // b)
+    pad = N * b - T
+
+    def chunks(x):      # [B, T, H] → [B, H, N, b], padded with 0 (β = 0; log-gate 0 = factor 1)
+        x = x.transpose(1, 2)
+        return torch.nn.functional.pad(x, (0, pad)).reshape(B, H, N, b)
+
+    def tokens(x):      # [B, H, N, b, ...] → [B, T, H, ...]
+        return x.reshape(B, H, N * b, *x.shape[4:])[:, :, :T].transpose(1, 2)
+
+    lb = chunks(beta)
+    gt = chunks(_log_gate(theta)).cumsum(-1)
+    ga = chunks(_log_gate(alpha)).cumsum(-1) if alpha is not None else torch.zeros_like(gt)
+    upper = torch.ones(b, b, dtype=torch.bool, device=beta.device).triu(1)
+    D_a = (ga.unsqueeze(-1) - ga.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    D_t = (gt.unsqueeze(-1) - gt.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    P, Th = ga.exp(), gt.exp()
+    Q = (D_a @ Th.unsqueeze(-1)).squeeze(-1)
+    A = -(D_a @ (D_t * lb.unsqueeze(-2)))
+    n = torch.arange(N, device=beta.device)
+    last = torch.full((N,), b - 1, device=beta.device)
+    last[-1] = T - (N - 1) * b - 1
+    a_end = A[:, :, n, last]                                                    # [B, H, N, b]
+    s_end = -D_t[:, :, n, last] * lb
+    return tokens(P), tokens(Q), tokens(Th), tokens(a_end), tokens(s_end), tokens(A)
+
+
+def chunk_momentum_backward(q, k, v, beta, theta, alpha, m0, s0, do, dmt, dst, dma, *, chunk_size: int,
+                            bias: str = "l2", read: str = "token", allow_tf32: bool = False):
+    """Gradients of :func:`chunk_momentum_forward` → ``(dq, dk, dv, dβ, dθ, dα, dM_0, dS_0)`` (dα None without α).
+
+    Stages 1–2 are re-run (coefficients, e, chunk-start states), ``_mom_bwd_state_kernel`` sweeps the chunks in
+    reverse for the chunk-end state gradients and dE, ``_mom_bwd_grad_kernel`` forms dq, dk, dv and the
+    coefficients' gradients per chunk in parallel, and autograd through :func:`chunk_coefficients` (torch, no
+    memory-sized tensor) maps those to dβ, dθ, dα.
+    """
+    q, k, v, beta, theta, alpha, m0, s0 = _prepare(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    b = int(chunk_size)
+    prec = "tf32" if allow_tf32 else "ieee"
+    token = read == "token"
+    do = do.contiguous()
+    st = _forward_stages(q, k, v, beta, theta, alpha, m0, s0, b=b, bias=bias, read=read, prec=prec,
+                         store_a=token)
+    sz, NT = st["sizes"], st["NT"]
+    f32 = {"dtype": torch.float32, "device": q.device}
+    dhm, dhs = (torch.empty(B, NT, H, V, K, **f32) for _ in range(2))
+    de = torch.empty(B, T, H, V, **f32)
+    dm0, ds0 = (torch.empty(B, H, V, K, **f32) for _ in range(2))
+    dummy = st["p"]
+    meta = dict(sz, IS_L2=bias == "l2", READ_TOKEN=token, PRECISION=prec, num_warps=4)
+    _mom_bwd_state_kernel[(triton.cdiv(V, sz["BV"]), B * H)](
+        q, k, do, st["aq"] if token else dummy, st["p"], st["qc"], st["th"], st["aend"], st["send"],
+        *(x.contiguous() if x is not None else dummy for x in (dmt, dst, dma)), de, dhm, dhs, dm0, ds0, T, b, NT,
+        HAS_DMT=dmt is not None, HAS_DST=dst is not None, HAS_DMA=dma is not None, **meta)
+    dq = torch.empty(B, T, H, K, **f32)
+    dk = torch.empty(B, T, H, K, **f32)
+    dv = torch.empty(B, T, H, V, **f32)
+    dp, dqc, dth, dae, dse = (torch.empty(B, T, H, **f32) for _ in range(5))
+    da = torch.empty(B, T, H, sz["BT"], **f32) if token else None
+    _mom_bwd_grad_kernel[(NT, B * H)](
+        q, k, do, st["a"] if token else dummy, st["p"], st["qc"], st["aend"], st["send"], st["e"], de, st["hm"],
+        st["hs"], dhm, dhs, dq, dk, dv, dp, dqc, dth, dae, dse, da if token else dummy, T, b, NT, **meta)
+    with torch.enable_grad():
+        gates = [x.detach().float().requires_grad_(True) if x is not None else None for x in (beta, theta, alpha)]
+        coef = chunk_coefficients(*gates, b)
+        grads_out = [dp, dqc, dth, dae, dse] + ([da[..., :b]] if token else [])
+        pairs = [(c, g) for c, g in zip(coef, grads_out) if c.requires_grad]   # P is constant without α
+        leaves = [g for g in gates if g is not None]
+        dgates = torch.autograd.grad([c for c, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)
+    dgates = [torch.zeros_like(g) if d is None else d for g, d in zip(leaves, dgates)]
+    dbeta, dtheta = dgates[0].to(beta.dtype), dgates[1].to(theta.dtype)
+    dalpha = dgates[2].to(alpha.dtype) if alpha is not None else None
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbeta, dtheta, dalpha, dm0.to(m0.dtype),
+            ds0.to(s0.dtype))
+
+
+#: Which backward :class:`ChunkMomentumFunction` uses: ``"triton"`` (the backward kernels + autograd through
+#: :func:`chunk_coefficients`) or ``"torch"`` (autograd through :func:`momentum_chunk_reference`, recomputed).
+#: ``ATLASLAB_MOMENTUM_BACKWARD`` sets the default.
+BACKWARD = os.environ.get("ATLASLAB_MOMENTUM_BACKWARD", "triton").strip().lower()
 
 
 class ChunkMomentumFunction(torch.autograd.Function):
-    """Triton forward (:func:`chunk_momentum_forward`); the backward is torch: autograd of
+    """Triton forward (:func:`chunk_momentum_forward`); backward on the backward kernels
+    (:func:`chunk_momentum_backward`), or, with ``BACKWARD == "torch"``, autograd of
     :func:`momentum_chunk_reference` recomputed (≥ fp32) under ``enable_grad``."""
 
     @staticmethod
     def forward(ctx, q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read, allow_tf32):
         ctx.save_for_backward(q, k, v, beta, theta, alpha, m0, s0)
-        ctx.opts = dict(chunk_size=chunk_size, bias=bias, read=read)
+        ctx.opts = {"chunk_size": chunk_size, "bias": bias, "read": read}
+        ctx.allow_tf32 = allow_tf32
         return chunk_momentum_forward(q, k, v, beta, theta, alpha, m0, s0, allow_tf32=allow_tf32, **ctx.opts)
 
     @staticmethod
     def backward(ctx, do, dmt, dst, dma):
         saved = ctx.saved_tensors
         need = ctx.needs_input_grad[:8]
-        grads = [None] * 8
-        if any(need):
-            with torch.enable_grad():
-                inputs = [_upcast(x).detach().requires_grad_(n) if x is not None else None
-                          for x, n in zip(saved, need)]
-                outs = momentum_chunk_reference(*inputs, **ctx.opts)
-                leaves = [i for i, (x, n) in enumerate(zip(inputs, need)) if x is not None and n]
-                got = torch.autograd.grad(outs, [inputs[i] for i in leaves],
-                                          [g.to(x.dtype) for g, x in zip((do, dmt, dst, dma), outs)],
-                                          allow_unused=True)
-            for i, g in zip(leaves, got):
-                grads[i] = (torch.zeros_like(saved[i]) if g is None else g).to(saved[i].dtype)
+        if not any(need):
+            return (None,) * 12
+        if BACKWARD == "torch":
+            grads = _torch_backward(saved, need, (do, dmt, dst, dma), ctx.opts)
+        else:
+            grads = chunk_momentum_backward(*saved, do, dmt, dst, dma, allow_tf32=ctx.allow_tf32, **ctx.opts)
+            grads = [g if n else None for g, n in zip(grads, need)]
         return (*grads, None, None, None, None)
 
+
+def _torch_backward(saved, need, grads_out, opts):
+    """The reference backward: autograd of :func:`momentum_chunk_reference`, recomputed (≥ fp32)."""
+    grads = [None] * 8
+    with torch.enable_grad():
+        inputs = [_upcast(x).detach().requires_grad_(n) if x is not None else None for x, n in zip(saved, need)]
+        outs = momentum_chunk_reference(*inputs, **opts)
+        leaves = [i for i, (x, n) in enumerate(zip(inputs, need)) if x is not None and n]
+        pairs = [(o, g) for o, g in zip(outs, grads_out) if g is not None]
+        got = torch.autograd.grad([o for o, _ in pairs], [inputs[i] for i in leaves],
+                                  [g.to(o.dtype) for o, g in pairs], allow_unused=True)
+    for i, g in zip(leaves, got):
+        grads[i] = (torch.zeros_like(saved[i]) if g is None else g).to(saved[i].dtype)
+    return grads
 
 def chunk_momentum(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, theta: torch.Tensor,
                    alpha: Optional[torch.Tensor], initial_state: torch.Tensor, initial_momentum: torch.Tensor, *,
                    chunk_size: int, bias: str = "l2", read: str = "token", allow_tf32: bool = False
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Linear memory + momentum GD at semantic chunk size b (module docstring), Triton forward, torch backward.
+    """Linear memory + momentum GD at semantic chunk size b (module docstring), Triton forward and backward.
 
     Args:
         q, k: ``[B, T, H, D_k]`` (feature map already applied); v: ``[B, T, H, D_v]`` (D_k, D_v ≤ 256).
