@@ -9,7 +9,8 @@ Kernels (each beside its plain-torch reference in :mod:`.reference` / :mod:`atla
   the backward recomputes the chunk states, sweeps the chunks in reverse for dS, then forms dq, dk, dv, dβ,
   dα and the initial state's gradient per chunk in parallel), per-head or channel-wise (GLA-style) decay;
 - :func:`.chunk_momentum.chunk_momentum`: linear memory trained by momentum GD at semantic chunk size b > 1
-  (Titans with a matrix memory), the TTT/Titans dual form per chunk; Triton forward, torch-recompute backward.
+  (Titans with a matrix memory), the TTT/Titans dual form per chunk; Triton forward and backward (the gates'
+  gradients by autograd through the torch stage-1 coefficients, no memory-sized tensor).
 
 Dispatch, in the spirit of fla's backend registry: a Triton kernel is used only when
 
@@ -37,9 +38,11 @@ backward runs on Triton backward kernels (``tests/test_triton_chunk_bwd.py``: ev
 float64 token loop, RMS-error ratio ~1e-7 in fp32 under the interpreter; channel-wise decay in
 ``tests/test_triton_channel.py``, the same bar); its torch recompute remains as the reference and the
 ``ATLASLAB_CHUNK_BACKWARD=torch`` fallback. The token-by-token kernel's backward runs on the same chunk backward
-kernels; the Newton–Schulz kernel's backward is still autograd through a torch recompute (exact, torch speed), and
-so is the momentum chunk kernel's (``tests/test_triton_momentum.py``: outputs, final memory and momentum and every
-input gradient against the float64 token loop at b = 4, 8, RMS-error ratio ~1e-7 in fp32 under the interpreter).
+kernels; the Newton–Schulz kernel's backward is still autograd through a torch recompute (exact, torch speed).
+The momentum chunk kernel's backward runs on Triton backward kernels (reverse dM/dS sweep, per-chunk dq, dk, dv)
+with torch only for the gates' coefficient gradients; ``ATLASLAB_MOMENTUM_BACKWARD=torch`` falls back to autograd
+through its torch reference (``tests/test_triton_momentum.py``: outputs, final memory and momentum and every input
+gradient against the float64 token loop at b = 4, 8, RMS-error ratio ~1e-7 in fp32 under the interpreter).
 
 Omega windows c > 1 (ATLAS Eq.9 with γ gates, b = 1; ``chunk_window_rule`` / ``fused_recurrent_window_rule``,
 references ``reference.window_rule_recurrent`` / ``window_rule_chunk``): the engine gathers every token's c window
