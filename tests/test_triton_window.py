@@ -8,6 +8,7 @@
   start carried in the state's history, gradients through it);
 - the window kernels called directly (history slots, initial state, read chunk, channel-wise decay on the
   token-by-token kernel) against the float64 token loop;
+- the window backward kernels equal autograd of the torch chunk form (which ``BACKWARD = "torch"`` selects);
 - dispatch: windows up to c = 8 select a kernel; channel-wise decay with c > 1 and the global window fall back.
 
 Outputs the kernels allocate are NaN-poisoned (fla's conftest trick). Shapes are tiny (the interpreter is slow).
@@ -29,7 +30,9 @@ if not tk.available():
     pytest.skip("Triton kernels cannot run here (no CUDA device and TRITON_INTERPRET is not 1)",
                 allow_module_level=True)
 
-from atlaslab.kernels.triton.chunk import chunk_window_rule  # noqa: E402
+from atlaslab.kernels.triton import chunk as chunk_mod  # noqa: E402
+from atlaslab.kernels.triton.chunk import (chunk_window_rule, window_chunk_backward,  # noqa: E402
+                                           window_torch_backward)
 from atlaslab.kernels.triton.fused_recurrent import fused_recurrent_window_rule  # noqa: E402
 
 TOL = 1e-3
@@ -213,6 +216,39 @@ def test_chunk_window_kernel_rejects_channel_wise_and_large_windows():
     big = torch.zeros(1, 4, MAX_WINDOW + 1, 1, 8, device=DEVICE)
     with pytest.raises(ValueError, match="window"):
         chunk_window_rule(q, big, big, big[..., 0])
+
+
+@pytest.mark.parametrize("c, opts, decay, h0", [
+    (3, dict(bias="l2", placement="after_step", read="chunk"), True, False),
+    (2, dict(bias="dot", placement="before_step", read="token"), False, True)])
+def test_window_backward_kernels_equal_torch_recompute(c, opts, decay, h0, monkeypatch):
+    g = torch.Generator().manual_seed(11)
+    B, T, K, V = 1, 18, 8, 12
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=g), dim=-1)
+    xs = torch.nn.functional.normalize(torch.randn(B, T, c, H, K, generator=g), dim=-1)
+    vs = torch.randn(B, T, c, H, V, generator=g)
+    coef = 0.1 + 0.5 * torch.rand(B, T, c, H, generator=g)
+    a = 0.6 + 0.39 * torch.rand(B, T, H, generator=g) if decay else None
+    s0 = 0.5 * torch.randn(B, H, V, K, generator=g) if h0 else None
+    do, dht = torch.randn(B, T, H, V, generator=g), torch.randn(B, H, V, K, generator=g)
+    saved = [x.to(DEVICE) if x is not None else None for x in (q, xs, vs, coef, a, s0)]
+    kern = window_chunk_backward(*saved, do.to(DEVICE), dht.to(DEVICE), chunk_size=16 * c, **opts)
+    ref = window_torch_backward([x.double() if x is not None else None for x in saved], [True] * 6, do.double(),
+                                dht.double(), opts, 16)
+    for x, r in zip(kern, ref):
+        assert (x is None) == (r is None)
+        if r is not None:
+            assert rms_ratio(x.double().cpu(), r.cpu()) <= TOL
+    # the autograd Function runs the kernels unless BACKWARD == "torch"; both agree
+    leaves = [x.clone().requires_grad_() if x is not None else None for x in saved]
+    grads = []
+    for mode in ("triton", "torch"):
+        monkeypatch.setattr(chunk_mod, "BACKWARD", mode)
+        o, ht = chunk_window_rule(*leaves, chunk_size=16 * c, **opts)
+        grads.append(torch.autograd.grad((o * do.to(o)).sum() + (ht * dht.to(ht)).sum(),
+                                         [x for x in leaves if x is not None]))
+    for x, r in zip(*grads):
+        assert rms_ratio(x.double(), r.double()) <= TOL
 
 
 # -------------------------------------------------------------------------------------------------- dispatch

@@ -48,11 +48,13 @@ Omega windows c > 1 (ATLAS Eq.9 with γ gates, b = 1; ``chunk_window_rule`` / ``
 references ``reference.window_rule_recurrent`` / ``window_rule_chunk``): the engine gathers every token's c window
 slots (key, value, coefficient η_t γ_j; the window's start from the state's history) in torch; the chunk kernel
 solves the UT system over a chunk's BT·c slot rows with decays and masks at the slots' tokens, the token-by-token
-kernel takes the c rank-1 terms of each step from the pre-step state. Their forward runs on Triton; their backward
-is autograd through the torch chunk form recomputed (exact, torch speed; no window backward kernel yet). Tested
-under the interpreter only (``tests/test_triton_window.py``: outputs, final state and the gradients of q, k, v, η,
-γ, α and the initial state against ``memorize(mode="recurrent")`` in float64, c = 2, 3, chained calls; RMS-error
-ratio ~1e-7 in fp32); never run on a GPU.
+kernel takes the c rank-1 terms of each step from the pre-step state. Both backwards run on the window backward
+kernels (``chunk.window_chunk_backward``; the slots' gradients reach k, v, η, γ and the history through the torch
+gather), with autograd of the torch chunk form recomputed for channel-wise decay (token-by-token kernel only) and
+under ``ATLASLAB_CHUNK_BACKWARD=torch``. Tested under the interpreter only (``tests/test_triton_window.py``:
+outputs, final state and the gradients of q, k, v, η, γ, α and the initial state against
+``memorize(mode="recurrent")`` in float64, c = 2, 3, chained calls; RMS-error ratio ~1e-7 in fp32); never run on
+a GPU, so neither speed nor register pressure (a chunk's BT·c ≤ 128 slot rows per program) is measured.
 """
 from __future__ import annotations
 

@@ -923,6 +923,9 @@ def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: to
 # t holds the key / value of token t − C + 1 + j, coefficient η_t γ_j); decays and causal masks are taken at the
 # slots' tokens (slot → token: s // C, so the C slots of one token never see each other). g (the chunk-local
 # cumsum of log α, per token) is formed in torch. A chunk holds BT tokens and BS = pow2(BT·C) slot rows.
+# Backward (:func:`window_chunk_backward`): the c = 1 backward's stages on the slot rows (``_win_bwd_dh_kernel``,
+# ``_win_bwd_grad_kernel``); the slots' dg / dG terms are summed into their tokens before the reverse cumsum, and
+# the gradients of xs, vs, coef reach k, v, η, γ and the history through the torch gather of the slots.
 
 if triton is not None:
 
@@ -1066,6 +1069,198 @@ if triton is not None:
         tl.store(o + rows[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
 
+    @triton.jit
+    def _win_bwd_dh_kernel(q, xs, la, g, wk, do, dht, dhs, dw, dh0, T, NT, H: tl.constexpr, K: tl.constexpr,
+                           V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
+                           BV: tl.constexpr, HAS_ALPHA: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
+                           IS_L2: tl.constexpr, READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
+        """Reverse sweep over chunks (value block × head): dw = Pᵀ do + e^{g_L − g_τ} ⊙ (x dSᵀ) on the slots;
+        dS ← e^{g_L} dS + (e^{gq} ⊙ do)ᵀ q − [l2] dwᵀ w_k."""
+        i_v = tl.program_id(0)
+        i_bh = tl.program_id(1)
+        i_b = i_bh // H
+        i_h = i_bh % H
+        o_i = tl.arange(0, BT)
+        o_s = tl.arange(0, BS)
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k = o_k < K
+        m_v = o_v < V
+        m_h = m_v[:, None] & m_k[None, :]
+        h_offs = o_v[:, None] * K + o_k[None, :]
+        tau = o_s // C
+        dh = tl.zeros([BV, BK], dtype=tl.float32)
+        if HAS_DHT:
+            dh += tl.load(dht + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
+        for j in range(0, NT):
+            i_t = NT - 1 - j
+            tl.store(dhs + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * V * K + h_offs, dh, mask=m_h)
+            o_t = i_t * BT + o_i
+            m_t = o_t < T
+            rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+            tok = i_t * BT + tau
+            m_s = (o_s < BT * C) & (tok < T)
+            srow = (i_b.to(tl.int64) * T * C + i_t * BT * C + o_s) * H + i_h
+            trow = (i_b.to(tl.int64) * T + tok) * H + i_h
+            m_sk = m_s[:, None] & m_k[None, :]
+            b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
+                          other=0.0).to(tl.float32)
+            b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                           other=0.0).to(tl.float32)
+            b_x = tl.load(xs + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0).to(tl.float32)
+            b_g = tl.load(g + rows, mask=m_t, other=0.0)
+            b_gs = tl.load(g + trow, mask=m_s, other=0.0)
+            last = tl.minimum(T - i_t * BT, BT) - 1
+            g_last = tl.load(g + (i_b.to(tl.int64) * T + i_t * BT + last) * H + i_h)
+            if READ_TOKEN:
+                b_gq = b_g
+                causal = (tau[None, :] <= o_i[:, None]) & m_s[None, :]
+            else:
+                if HAS_ALPHA:
+                    b_gq = b_g - tl.load(la + rows, mask=m_t, other=0.0).to(tl.float32)
+                else:
+                    b_gq = b_g
+                causal = (tau[None, :] < o_i[:, None]) & m_s[None, :]
+            qx = tl.dot(b_q, tl.trans(b_x), input_precision=PRECISION)
+            P = tl.where(causal, qx * tl.exp(tl.where(causal, b_gq[:, None] - b_gs[None, :], 0.0)), 0.0)
+            decay = tl.exp(tl.where(m_s, g_last - b_gs, 0.0))
+            b_dw = tl.dot(tl.trans(P), b_do, input_precision=PRECISION) \
+                + decay[:, None] * tl.dot(b_x, tl.trans(dh), input_precision=PRECISION)
+            tl.store(dw + srow[:, None] * V + o_v[None, :], b_dw, mask=m_s[:, None] & m_v[None, :])
+            dh = dh * tl.exp(g_last) + tl.dot(tl.trans(b_do * tl.exp(b_gq)[:, None]), b_q, input_precision=PRECISION)
+            if IS_L2:
+                b_wk = tl.load(wk + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0)
+                dh -= tl.dot(tl.trans(b_dw), b_wk, input_precision=PRECISION)
+        if HAS_H0:
+            tl.store(dh0 + i_bh.to(tl.int64) * V * K + h_offs, dh, mask=m_h)
+
+    @triton.jit
+    def _win_bwd_grad_kernel(q, xs, vs, coef, la, g, ainv, w, hs, dhs, do, dw, dq, dx, dv, dcoef, dla, T, NT,
+                             H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr,
+                             BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_ALPHA: tl.constexpr,
+                             IS_L2: tl.constexpr, BEFORE: tl.constexpr, READ_TOKEN: tl.constexpr,
+                             PRECISION: tl.constexpr):
+        """Per chunk × head: dq (tokens), dx, dv, dcoef (slots) and d log α (tokens) — the c = 1 grad kernel's
+        equations with the slot rows in place of the tokens; slot terms of dg / dG are summed into their tokens
+        (a one-hot [BT, BS] reduction) before the reverse cumsum."""
+        i_t = tl.program_id(0)
+        i_bh = tl.program_id(1)
+        i_b = i_bh // H
+        i_h = i_bh % H
+        o_i = tl.arange(0, BT)
+        o_s = tl.arange(0, BS)
+        o_k = tl.arange(0, BK)
+        m_k = o_k < K
+        o_t = i_t * BT + o_i
+        m_t = o_t < T
+        rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+        tau = o_s // C
+        tok = i_t * BT + tau
+        m_s = (o_s < BT * C) & (tok < T)
+        srow = (i_b.to(tl.int64) * T * C + i_t * BT * C + o_s) * H + i_h
+        trow = (i_b.to(tl.int64) * T + tok) * H + i_h
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_sk = m_s[:, None] & m_k[None, :]
+        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_x = tl.load(xs + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0).to(tl.float32)
+        b_c = tl.load(coef + srow, mask=m_s, other=0.0).to(tl.float32)
+        b_g = tl.load(g + rows, mask=m_t, other=0.0)
+        b_gs = tl.load(g + trow, mask=m_s, other=0.0)
+        if HAS_ALPHA:
+            b_la = tl.load(la + rows, mask=m_t, other=0.0).to(tl.float32)
+            b_las = tl.load(la + trow, mask=m_s, other=0.0).to(tl.float32)
+        else:
+            b_la = tl.zeros([BT], dtype=tl.float32)
+            b_las = tl.zeros([BS], dtype=tl.float32)
+        last = tl.minimum(T - i_t * BT, BT) - 1
+        g_last = tl.load(g + (i_b.to(tl.int64) * T + i_t * BT + last) * H + i_h)
+        if READ_TOKEN:
+            b_gq = b_g
+            causal = (tau[None, :] <= o_i[:, None]) & m_s[None, :]
+        else:
+            b_gq = b_g - b_la
+            causal = (tau[None, :] < o_i[:, None]) & m_s[None, :]
+        if BEFORE:
+            b_G = b_gs
+        else:
+            b_G = b_gs - b_las
+        e_gq = tl.exp(b_gq)
+        e_G = tl.exp(b_G)
+        decay = tl.exp(tl.where(m_s, g_last - b_gs, 0.0))
+        Eq = tl.where(causal, tl.exp(tl.where(causal, b_gq[:, None] - b_gs[None, :], 0.0)), 0.0)
+        b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dks = tl.zeros([BS, BK], dtype=tl.float32)
+        b_dkl = tl.zeros([BS, BK], dtype=tl.float32)
+        b_dP = tl.zeros([BT, BS], dtype=tl.float32)
+        b_dA = tl.zeros([BS, BS], dtype=tl.float32)
+        b_db = tl.zeros([BS], dtype=tl.float32)
+        b_dG = tl.zeros([BS], dtype=tl.float32)
+        b_dgl = tl.zeros([BK], dtype=tl.float32)
+        h_base = ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * V * K
+        if IS_L2:
+            Ti = tl.load(ainv + srow[:, None] * BS + o_s[None, :], mask=m_s[:, None], other=0.0)
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            m_sv = m_s[:, None] & m_v[None, :]
+            m_h = m_v[:, None] & m_k[None, :]
+            b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                           other=0.0).to(tl.float32)
+            b_w = tl.load(w + srow[:, None] * V + o_v[None, :], mask=m_sv, other=0.0)
+            b_dw = tl.load(dw + srow[:, None] * V + o_v[None, :], mask=m_sv, other=0.0)
+            b_v = tl.load(vs + srow[:, None] * V + o_v[None, :], mask=m_sv, other=0.0).to(tl.float32)
+            S0 = tl.load(hs + h_base + o_v[:, None] * K + o_k[None, :], mask=m_h, other=0.0)
+            dS = tl.load(dhs + h_base + o_v[:, None] * K + o_k[None, :], mask=m_h, other=0.0)
+            b_dq += tl.dot(b_do * e_gq[:, None], S0, input_precision=PRECISION)
+            b_dP += tl.dot(b_do, tl.trans(b_w), input_precision=PRECISION)
+            b_dks += tl.dot(b_w * decay[:, None], dS, input_precision=PRECISION)
+            b_dgl += tl.sum(dS * S0, axis=0)
+            if IS_L2:
+                b_dr = tl.dot(tl.trans(Ti), b_dw, input_precision=PRECISION)
+                b_kS = tl.dot(b_x, tl.trans(S0), input_precision=PRECISION)
+                b_db += tl.sum(b_dr * (b_v - e_G[:, None] * b_kS), axis=1)
+                b_dG -= b_c * e_G * tl.sum(b_dr * b_kS, axis=1)
+                b_dkl -= (b_c * e_G)[:, None] * tl.dot(b_dr, S0, input_precision=PRECISION)
+                b_dA -= tl.dot(b_dr, tl.trans(b_w), input_precision=PRECISION)
+                b_dv = b_c[:, None] * b_dr
+            else:
+                b_db += tl.sum(b_dw * b_v, axis=1)
+                b_dv = b_c[:, None] * b_dw
+            tl.store(dv + srow[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_sv)
+        b_dP = b_dP * Eq
+        b_dq += tl.dot(b_dP, b_x, input_precision=PRECISION)
+        b_dkp = tl.dot(tl.trans(b_dP), b_q, input_precision=PRECISION)
+        b_dgq = tl.sum(b_q * b_dq, axis=1)
+        ks = tl.sum(b_x * b_dks, axis=1)
+        b_dgs = -tl.sum(b_x * b_dkp, axis=1) - ks                 # g at the slot's token, key side
+        dgl = tl.exp(g_last) * tl.sum(b_dgl, axis=0) + tl.sum(ks, axis=0)
+        b_dk = b_dkp + b_dks + b_dkl
+        if IS_L2:
+            strict = (tau[:, None] > tau[None, :]) & m_s[None, :]
+            E = tl.where(strict, tl.exp(tl.where(strict, b_G[:, None] - b_gs[None, :], 0.0)), 0.0)
+            xx = tl.dot(b_x, tl.trans(b_x), input_precision=PRECISION)
+            b_dA = tl.where(strict, b_dA, 0.0)
+            Z = b_dA * b_c[:, None] * E
+            Ad = Z * xx
+            b_db += tl.sum(b_dA * E * xx, axis=1)
+            b_dG += tl.sum(Ad, axis=1)
+            b_dgs -= tl.sum(Ad, axis=0)
+            b_dk += tl.dot(Z, b_x, input_precision=PRECISION) + tl.dot(tl.trans(Z), b_x, input_precision=PRECISION)
+        tl.store(dq + rows[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
+        tl.store(dx + srow[:, None] * K + o_k[None, :], b_dk.to(dx.dtype.element_ty), mask=m_sk)
+        tl.store(dcoef + srow, b_db.to(dcoef.dtype.element_ty), mask=m_s)
+        if HAS_ALPHA:
+            own = (tau[None, :] == o_i[:, None]) & m_s[None, :]      # [BT, BS]: slot → its token
+            b_dG_t = tl.sum(tl.where(own, b_dG[None, :], 0.0), axis=1)
+            b_dg = b_dgq + tl.sum(tl.where(own, b_dgs[None, :], 0.0), axis=1) + tl.where(o_i == last, dgl, 0.0)
+            b_dla = tl.cumsum(b_dg + b_dG_t, axis=0, reverse=True)
+            if not BEFORE:
+                b_dla -= b_dG_t
+            if not READ_TOKEN:
+                b_dla -= b_dgq
+            tl.store(dla + rows, b_dla, mask=m_t)
+
+
 def _win_sizes(K: int, V: int, c: int, chunk_size: int):
     """Window block sizes: BT tokens per chunk (a power of two ≥ 16, about chunk_size / c), BS = pow2(BT·c) slot
     rows, BK / BVV padded head dims, BV the state kernels' value block."""
@@ -1131,6 +1326,71 @@ def window_forward(q, xs, vs, coef, alpha=None, initial_state=None, *, bias="l2"
     return o, ht.to(initial_state.dtype if initial_state is not None else q.dtype)
 
 
+def window_chunk_backward(q, xs, vs, coef, alpha, initial_state, do, dht, *, bias="l2", placement="before_step",
+                          read="token", chunk_size: int = 64, allow_tf32: bool = False):
+    """Gradients of :func:`window_forward` on the window backward kernels: ``(dq, dxs, dvs, dcoef, dalpha, dh0)``
+    (``dalpha`` / ``dh0`` None when ``alpha`` / ``initial_state`` are). Re-runs stages 1–2 (storing (I + A)⁻¹),
+    sweeps the chunks in reverse for dS and dw (``_win_bwd_dh_kernel``), then forms every chunk's gradients in
+    parallel (``_win_bwd_grad_kernel``). Per-head decay only."""
+    from .reference import check_window_args
+    c = check_window_args(q, xs, vs, coef, alpha, initial_state, bias, placement, read)
+    if alpha is not None and alpha.dim() == 4:
+        raise NotImplementedError("window_chunk_backward: channel-wise decay")
+    B, T, H, K = q.shape
+    V = vs.shape[-1]
+    BT, BS, BK, BVV, BV = _win_sizes(K, V, c, chunk_size)
+    NT = triton.cdiv(T, BT)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    q_, do_ = q.contiguous(), do.contiguous()
+    xs_, vs_, coef_ = (x.contiguous().flatten(1, 2) for x in (xs, vs, coef))
+    la = log_decay(alpha.float(), q).contiguous() if alpha is not None else None
+    g = _chunk_log_cumsum(la, B, T, H, BT, q.device)
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    dht = dht.contiguous() if dht is not None else None
+    prec = "tf32" if allow_tf32 else "ieee"
+    is_l2 = bias == "l2"
+    dummy = g
+    u = torch.empty(B, T * c, H, V, **f32) if is_l2 else None
+    wk = torch.empty(B, T * c, H, K, **f32) if is_l2 else None
+    ainv = torch.empty(B, T * c, H, BS, **f32) if is_l2 else None
+    w = torch.empty(B, T * c, H, V, **f32)
+    hs = torch.empty(B, NT, H, V, K, **f32)
+    ht = torch.empty(B, H, V, K, **f32)
+    if is_l2:
+        _win_ut_kernel[(NT, B * H)](
+            xs_, vs_, coef_, la if la is not None else dummy, g, u, wk, ainv, T, H=H, K=K, V=V, C=c, BT=BT, BS=BS,
+            BK=BK, BVV=BVV, HAS_ALPHA=la is not None, BEFORE=placement == "before_step", STORE_AINV=True,
+            PRECISION=prec, num_warps=4)
+    _win_state_kernel[(triton.cdiv(V, BV), B * H)](
+        xs_, vs_, coef_, g, u if is_l2 else dummy, wk if is_l2 else dummy, h0 if h0 is not None else dummy, w, hs,
+        ht, T, NT, H=H, K=K, V=V, C=c, BT=BT, BS=BS, BK=BK, BV=BV, HAS_H0=h0 is not None, IS_L2=is_l2,
+        PRECISION=prec, num_warps=4)
+    dhs = torch.empty(B, NT, H, V, K, **f32)
+    dw = torch.empty(B, T * c, H, V, **f32)
+    dh0 = torch.empty(B, H, V, K, **f32) if h0 is not None else None
+    meta = dict(H=H, K=K, V=V, C=c, BT=BT, BS=BS, BK=BK, BV=BV, HAS_ALPHA=la is not None, IS_L2=is_l2,
+                READ_TOKEN=read == "token", PRECISION=prec, num_warps=4)
+    _win_bwd_dh_kernel[(triton.cdiv(V, BV), B * H)](
+        q_, xs_, la if la is not None else dummy, g, wk if is_l2 else dummy, do_, dht if dht is not None else dummy,
+        dhs, dw, dh0 if dh0 is not None else dummy, T, NT, HAS_DHT=dht is not None, HAS_H0=dh0 is not None, **meta)
+    dq = torch.empty(B, T, H, K, **f32)
+    dx = torch.empty(B, T * c, H, K, **f32)
+    dv = torch.empty(B, T * c, H, V, **f32)
+    dcoef = torch.empty(B, T * c, H, **f32)
+    dla = torch.empty(B, T, H, **f32) if la is not None else None
+    _win_bwd_grad_kernel[(NT, B * H)](
+        q_, xs_, vs_, coef_, la if la is not None else dummy, g, ainv if is_l2 else dummy, w, hs, dhs, do_, dw, dq,
+        dx, dv, dcoef, dla if dla is not None else dummy, T, NT, BEFORE=placement == "before_step", **meta)
+    dalpha = None
+    if alpha is not None:
+        a = alpha.float()
+        tiny = torch.finfo(a.dtype).tiny
+        dalpha = torch.where(a >= tiny, dla / a.clamp_min(tiny), torch.zeros_like(a)).to(alpha.dtype)
+    unflat = lambda x, like: x.reshape(like.shape).to(like.dtype)   # noqa: E731
+    return (dq.to(q.dtype), unflat(dx, xs), unflat(dv, vs), unflat(dcoef, coef), dalpha,
+            dh0.to(initial_state.dtype) if dh0 is not None else None)
+
+
 def window_torch_backward(saved, need, do, dht, opts, chunk_size):
     """Backward of a window kernel by autograd of :func:`.reference.window_rule_chunk`, recomputed (≥ fp32)."""
     from .reference import window_rule_chunk
@@ -1151,13 +1411,20 @@ def window_torch_backward(saved, need, do, dht, opts, chunk_size):
 
 
 def window_backward(saved, need, do, dht, opts, chunk_size):
-    """Gradients of a window kernel's ``(q, xs, vs, coef, alpha, initial_state)`` (None where not needed)."""
-    return window_torch_backward(saved, need, do, dht, opts, chunk_size)
+    """Gradients of a window kernel's ``(q, xs, vs, coef, alpha, initial_state)`` (None where not needed): the
+    window backward kernels (:func:`window_chunk_backward`, ``chunk_size`` as :func:`chunk_window_rule`'s), or
+    autograd of the torch chunk form recomputed (:func:`window_torch_backward`) with channel-wise decay or
+    ``BACKWARD == "torch"``."""
+    q, xs, vs, alpha = saved[0], saved[1], saved[2], saved[4]
+    if BACKWARD == "torch" or (alpha is not None and alpha.dim() == 4):
+        BT = _win_sizes(q.shape[-1], vs.shape[-1], xs.shape[2], chunk_size)[0]
+        return window_torch_backward(saved, need, do, dht, opts, BT)
+    grads = window_chunk_backward(*saved, do, dht, chunk_size=chunk_size, **opts)
+    return [gr if n else None for gr, n in zip(grads, need)]
 
 
 class WindowChunkFunction(torch.autograd.Function):
-    """Window kernel forward; backward by autograd of the torch chunk form, recomputed
-    (:func:`window_torch_backward`)."""
+    """Window kernel forward; backward on the window backward kernels (:func:`window_backward`)."""
 
     @staticmethod
     def forward(ctx, q, xs, vs, coef, alpha, initial_state, bias, placement, read, chunk_size, allow_tf32):
@@ -1169,10 +1436,7 @@ class WindowChunkFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        saved = ctx.saved_tensors
-        K, V, c = saved[0].shape[-1], saved[2].shape[-1], saved[1].shape[2]
-        BT = _win_sizes(K, V, c, ctx.chunk_size)[0]
-        grads = window_backward(saved, ctx.needs_input_grad[:6], do, dht, ctx.opts, BT)
+        grads = window_backward(ctx.saved_tensors, ctx.needs_input_grad[:6], do, dht, ctx.opts, ctx.chunk_size)
         return (*grads, None, None, None, None, None)
 
 
@@ -1198,7 +1462,9 @@ def chunk_window_rule(q: torch.Tensor, xs: torch.Tensor, vs: torch.Tensor, coef:
     Returns:
         ``o: [B, T, H, D_v]`` and the final state ``[B, H, D_v, D_k]``.
 
-    Backward: autograd of the torch chunk form, recomputed (exact; torch speed, no backward kernel yet).
+    Backward: the window backward kernels (:func:`window_chunk_backward`: the chunk states recomputed, a reverse
+    sweep for dS, then every chunk's gradients in parallel); ``BACKWARD == "torch"`` switches to autograd of the
+    torch chunk form, recomputed.
     """
     return WindowChunkFunction.apply(q, xs, vs, coef, alpha, initial_state, bias, placement, read, int(chunk_size),
                                      bool(allow_tf32))

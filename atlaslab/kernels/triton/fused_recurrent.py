@@ -268,7 +268,8 @@ def fused_window_forward(q, xs, vs, coef, alpha=None, initial_state=None, *, bia
 
 
 class FusedWindowFunction(torch.autograd.Function):
-    """Token-by-token window kernel forward; backward by autograd of the torch window chunk form, recomputed."""
+    """Token-by-token window kernel forward; backward on the chunk window backward kernels (channel-wise decay or
+    ``chunk.BACKWARD == "torch"``: autograd of the torch window chunk form, recomputed)."""
 
     @staticmethod
     def forward(ctx, q, xs, vs, coef, alpha, initial_state, bias, placement, read):
@@ -279,7 +280,7 @@ class FusedWindowFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         from .chunk import window_backward
-        grads = window_backward(ctx.saved_tensors, ctx.needs_input_grad[:6], do, dht, ctx.opts, 16)
+        grads = window_backward(ctx.saved_tensors, ctx.needs_input_grad[:6], do, dht, ctx.opts, 64)
         return (*grads, None, None, None)
 
 
