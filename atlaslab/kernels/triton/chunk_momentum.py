@@ -1,5 +1,5 @@
-"""Chunked Triton forward of a LINEAR memory trained by momentum GD at semantic chunk size b > 1 (Titans with a
-matrix memory), its plain torch reference, and the ``memorize`` engine that uses them.
+"""Chunked Triton forward and backward of a LINEAR memory trained by momentum GD at semantic chunk size b > 1 (Titans
+with a matrix memory), its plain torch reference, and the ``memorize`` engine that uses them.
 
 Spec (../shared/spec/ATLAS_FAMILY.md §15.2 chunk semantics, §15.4 placement, §15.5 momentum; Titans §3.2 Eq.16-18):
 memory linear, ℓ2 or dot-product bias, inner optimizer ``momentum``, retention none or per-head scalar decay with
@@ -25,7 +25,7 @@ so a read needs no per-position matrix:
 
 and the next chunk starts from M_L, S_L (L = the chunk's last real token; the last chunk may be partial).
 Decay products are formed in log space as exp(g_s − g_r) on the causal part only (α, θ clamped at the smallest
-positive normal, as :func:`.reference.log_decay`), so no ratio ever overflows.
+positive normal, as :func:`.reference.log_decay`, so a gate of exactly 0 gets no gradient), so no ratio overflows.
 
 Pieces:
 
@@ -47,7 +47,7 @@ Pieces:
      M, S) from the final-state gradients (plus the anchor output's at the last chunk start):
      dE = (A ⊙ q kᵀ)ᵀ dO + a_end ⊙ (k dMᵀ) + s_end ⊙ (k dSᵀ);
      dM ← P_L dM + (P ⊙ dO)ᵀ q + [ℓ2] dEᵀ k  (read chunk: dOᵀ q instead of the P term);
-     dS ← Q_L dM + Θ_L dS + (Q ⊙ dO)ᵀ q;  the last pair is the initial memory's and momentum's gradient;
+     dS ← Q_L dM + Θ_L dS [+ (Q ⊙ dO)ᵀ q, read token];  the last pair is the initial M's and S's gradient;
   3. ``_mom_bwd_grad_kernel`` (chunk × batch·head, parallel, a loop over value blocks): with G = dO eᵀ,
      dq = P ⊙ (dO M_a) + Q ⊙ (dO S_a) + (G ⊙ A) k,  dk = (G ⊙ A)ᵀ q + [ℓ2] dE M_a + a_end ⊙ (e dM) + s_end ⊙ (e dS),
      dv = −dE, and the coefficients' gradients dP, dQ, dΘ_L, d a_end, d s_end, dA = G ⊙ q kᵀ;
@@ -498,9 +498,9 @@ def _forward_stages(q, k, v, beta, theta, alpha, m0, s0, *, b: int, bias: str, r
 def _prepare(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read):
     check_args(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read)
     K, V, b = q.shape[-1], v.shape[-1], int(chunk_size)
-    if max(K, V) > MAX_D or b > MAX_CHUNK:
-        raise ValueError(f"chunk_momentum (triton): needs D_k, D_v ≤ {MAX_D} and b ≤ {MAX_CHUNK}; "
-                         f"got D_k = {K}, D_v = {V}, b = {b}")
+    if max(K, V) > MAX_D or b > MAX_CHUNK or q.shape[1] == 0:
+        raise ValueError(f"chunk_momentum (triton): needs D_k, D_v ≤ {MAX_D}, b ≤ {MAX_CHUNK} and T ≥ 1; "
+                         f"got D_k = {K}, D_v = {V}, b = {b}, T = {q.shape[1]}")
     return [x.contiguous() if x is not None else None for x in (q, k, v, beta, theta, alpha, m0, s0)]
 
 
