@@ -262,11 +262,11 @@ def test_force_torch_and_unsupported_specs_fall_back_to_chunked(monkeypatch):
     assert torch.equal(o_c, o_t) and torch.equal(s_c.weights["W"], s_t.weights["W"])
     monkeypatch.delenv(tk.FORCE_TORCH_ENV)
     q = torch.zeros(1, 4, H, D, device=DEVICE)
-    for spec, b in (({"memory": "mlp"}, 1), ({"memory": "linear", "window": {"size": 3}}, 1),
+    for spec, b in (({"memory": "mlp"}, 1), ({"memory": "linear", "window": "global"}, 1),
                     ({"memory": "linear", "inner_optimizer": "momentum"}, 1), ({"memory": "linear"}, 4)):
         assert tk.select_kernel(_parts(spec), q, b) is None and tk.spec_reason(_parts(spec), b)
     assert tk.select_kernel(parts, q.double(), 1) is None               # fp64 stays on torch
-    unsupported = _parts({"memory": "linear", "window": {"size": 3}})
+    unsupported = _parts({"memory": "linear", "window": "global"})
     (o_c, _, _), (o_t, _, _) = _memorize_all(unsupported, 5, ("chunked", "triton"))
     assert torch.equal(o_c, o_t)
     with pytest.raises(ValueError, match="unknown mode"):
