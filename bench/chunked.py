@@ -6,9 +6,9 @@
 Measures forward+backward time (best of repeats; process CPU seconds with one torch thread, so that other
 load on a shared machine distorts the ratios less; wall seconds and the load average are recorded too) and
 peak extra resident memory (each measurement in a fresh subprocess, ru_maxrss after − before) for
-representative specs at T ∈ {256, 1024, 4096}; the chunked-vs-recurrent speed-up where the recurrent reference is affordable; the fitted exponent of chunked
-time in T (1K → 4K); chunked vs torch SDPA causal attention of the same width; and the Gated DeltaNet shape
-of issue #7 (B = 2, T = 2048, H = 4, D = 32). Writes bench/results/chunked_cpu.{json,md}.
+representative specs at T ∈ {256, 1024, 4096}; the chunked-vs-recurrent speed-up where the recurrent
+reference is affordable; the fitted exponent of chunked time in T (1K → 4K); chunked vs torch SDPA causal
+attention of the same width; and the issue #7 cases at T = 2048 (Titans; Gated DeltaNet at D = 32). Writes bench/results/chunked_cpu.{json,md}.
 """
 from __future__ import annotations
 
