@@ -1,0 +1,275 @@
+"""The deep-memory chunk step (atlaslab/kernels/triton/mlp_chunk.py) against its torch reference and ``chunked``.
+
+2-layer residual MLP memory, ℓ2 bias, GD or momentum (spec §15.2, §15.5, §15.10): the Triton kernels (under
+TRITON_INTERPRET=1) vs :func:`mlp_chunk_reference` in float64 for gelu / silu / relu, several hidden blocks and a
+ragged window (fla's RMS-error ratio ≤ 1e-3 in fp32); the autograd Function's gradients (torch-recompute backward) vs
+the float64 reference for x, v, W1, W2, S1, S2 and every coefficient row, and ``gradcheck`` in float64; the reference
+equals ``chunked._dual_step`` in float64; the step equals ``_dual_step`` in float32 on a built spec; the ``chunked``
+engine with the step patched in for ``_dual_step`` matches the float64 engine (outputs, states, all gradients); the
+dispatch. Kernel allocations are poisoned with NaN, so an unwritten element fails.
+"""
+import copy
+
+import pytest
+import torch
+from helpers import random_gates, random_qkv, rms_ratio
+
+pytest.importorskip("triton", reason="triton is not installed: the Triton kernels are not tested")
+
+from atlaslab import memorize  # noqa: E402
+from atlaslab.components import build_memory  # noqa: E402
+from atlaslab.kernels import chunked  # noqa: E402
+from atlaslab.kernels import triton as tk  # noqa: E402
+
+if not tk.available():
+    pytest.skip("Triton kernels cannot run here (no CUDA device and TRITON_INTERPRET is not 1)",
+                allow_module_level=True)
+
+from atlaslab.kernels.triton import mlp_chunk as mc  # noqa: E402
+
+TOL = 1e-3
+DEVICE = "cuda" if torch.cuda.is_available() and not tk.interpreting() else "cpu"
+ACTS = ("gelu", "silu", "relu")
+NAMES = ("x", "v", "W1", "W2", "S1", "S2", "P_e", "Q_e", "A_e", "Th_e", "S_e")
+OUTS = ("delta1", "delta2", "a", "W1_e", "W2_e", "S1_e", "S2_e")
+
+
+@pytest.fixture(autouse=True)
+def poison_empty(monkeypatch):
+    """torch.empty / empty_like return NaN-filled float tensors, so a kernel that skips an element fails."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def nan(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: nan(empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: nan(empty_like(*a, **kw)))
+
+
+def _inputs(B=2, H=2, W=5, D=8, hid=16, momentum=True, seed=0):
+    """float64 op inputs in :data:`NAMES` order (None for the momentum ones under GD)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=1.0):
+        return scale * torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    def u(*shape, low=0.3, high=1.0):
+        return low + (high - low) * torch.rand(*shape, generator=g, dtype=torch.float64)
+
+    x, v = r(B, H, W, D), r(B, H, W, D)
+    W1, W2 = r(B, H, hid, D, scale=0.4), r(B, H, D, hid, scale=0.4)
+    P, A = u(B, H), -u(B, H, W, low=0.05, high=0.5)
+    if not momentum:
+        return [x, v, W1, W2, None, None, P, None, A, None, None]
+    S1, S2 = r(B, H, hid, D, scale=0.2), r(B, H, D, hid, scale=0.2)
+    return [x, v, W1, W2, S1, S2, P, u(B, H), A, u(B, H), -u(B, H, W, low=0.05, high=0.5)]
+
+
+def _to(inputs, dtype, grad=False):
+    return [None if z is None else z.to(DEVICE, dtype).requires_grad_(grad) for z in inputs]
+
+
+def _probe(outs, seed=7):
+    """A random linear functional of every output (the outer loss)."""
+    g = torch.Generator().manual_seed(seed)
+    return sum((o * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o)).sum() for o in outs if o is not None)
+
+
+KERNEL_CASES = [   # (activation, momentum, B, H, W, D, hidden, block_hidden)
+    *[(act, True, 2, 2, 5, 8, 16, None) for act in ACTS],
+    *[(act, False, 2, 2, 8, 8, 16, None) for act in ACTS],
+    ("gelu", True, 1, 2, 7, 12, 48, 16),      # three hidden blocks (the last ragged), D and W not powers of two
+    ("silu", False, 1, 1, 19, 8, 40, 32),     # W > 16, two hidden blocks
+]
+
+
+@pytest.mark.parametrize("act, mom, B, H, W, D, hid, bh", KERNEL_CASES)
+def test_kernel_matches_reference(act, mom, B, H, W, D, hid, bh):
+    """fp32 kernels vs the float64 reference: every output (factors, new weights, new momenta)."""
+    ins = _inputs(B, H, W, D, hid, mom)
+    ref = mc.mlp_chunk_reference(*ins, activation=act)
+    out = mc.mlp_chunk_forward(*_to(ins, torch.float32), activation=act, block_hidden=bh)
+    for name, o, r in zip(OUTS, out, ref):
+        if r is None:
+            assert o is None, name
+            continue
+        assert o.dtype == torch.float32 and o.shape == r.shape and torch.isfinite(o).all(), name
+        assert rms_ratio(o.double().cpu(), r) <= TOL, name
+    out64 = mc.mlp_chunk_forward(*_to(ins, torch.float64), activation=act, block_hidden=bh)
+    for name, o, r in zip(OUTS, out64, ref):
+        if r is not None:
+            assert rms_ratio(o.cpu(), r) < 1e-12, name
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("mom", [True, False])
+def test_function_gradients_match_reference(act, mom):
+    """The autograd Function (fp32 Triton forward, recompute backward) vs autograd of the float64 reference: the
+    outputs and the gradients of x, v, W1, W2, S1, S2 and every coefficient row."""
+    ins = _inputs(momentum=mom, seed=1)
+    ref_leaves = [None if z is None else z.clone().requires_grad_() for z in ins]
+    ref = mc.mlp_chunk_reference(*ref_leaves, activation=act)
+    present = [(n, z) for n, z in zip(NAMES, ref_leaves) if z is not None]
+    g_ref = torch.autograd.grad(_probe(ref), [z for _, z in present])
+
+    leaves = _to(ins, torch.float32, grad=True)
+    out = mc.mlp_chunk_step(*leaves, activation=act)
+    for o, r in zip(out, ref):
+        if r is not None:
+            assert rms_ratio(o.double().cpu(), r.detach()) <= TOL
+    got = torch.autograd.grad(_probe(out), [z for z in leaves if z is not None])
+    for (name, _), g, r in zip(present, got, g_ref):
+        assert g.dtype == torch.float32 and torch.isfinite(g).all(), name
+        assert rms_ratio(g.double().cpu(), r) <= TOL, name
+
+
+def test_function_float64_equals_reference_and_gradcheck():
+    """In float64 the Function's outputs and gradients are the reference's (to rounding), and gradcheck passes
+    (finite differences of the Triton forward against the recompute backward)."""
+    ins = _inputs(momentum=True, seed=2)
+    ref_leaves = [z.clone().requires_grad_() for z in ins]
+    ref = mc.mlp_chunk_reference(*ref_leaves, activation="gelu")
+    g_ref = torch.autograd.grad(_probe(ref), ref_leaves)
+    leaves = _to(ins, torch.float64, grad=True)
+    out = mc.mlp_chunk_step(*leaves, activation="gelu")
+    for o, r in zip(out, ref):
+        assert rms_ratio(o.cpu(), r.detach()) < 1e-12
+    for name, g, r in zip(NAMES, torch.autograd.grad(_probe(out), leaves), g_ref):
+        assert rms_ratio(g.cpu(), r) < 1e-12, name
+
+    small = _to(_inputs(B=1, H=1, W=3, D=4, hid=4, momentum=True, seed=3), torch.float64, grad=True)
+    assert torch.autograd.gradcheck(lambda *z: mc.mlp_chunk_step(*z, activation="silu"), small,
+                                    fast_mode=True, atol=1e-6, rtol=1e-5)
+
+
+def _parts(act="gelu", optimizer="momentum", D=8, expansion=2.0, **extra):
+    torch.manual_seed(0)
+    spec = {"memory": {"name": "mlp", "activation": act, "expansion": expansion}, "inner_optimizer": optimizer,
+            "retention": "decay", "chunk_size": 8, **extra}
+    parts = build_memory(spec, 2, D, D)
+    for p in parts.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return parts
+
+
+def _step_args(parts, dtype, mom=True, W=8, seed=4):
+    ins = _inputs(B=2, H=2, W=W, D=parts.key_dim, hid=parts.memory.hidden, momentum=mom, seed=seed)
+    x, v, W1, W2, S1, S2, P, Q, A, Th, S = (None if z is None else z.to(DEVICE, dtype) for z in ins)
+    momentum = {"W1": S1, "W2": S2} if mom else None
+    return parts, {"W1": W1, "W2": W2}, momentum, x, v, None, P, Q, A, Th, S
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_reference_equals_dual_step_float64(act):
+    """The reference's math is ``gradient_factors`` + ``_dual_step`` (float64, to rounding)."""
+    parts = _parts(act).double()
+    args = _step_args(parts, torch.float64)
+    factors, weights, momentum = chunked._dual_step(*args)
+    _, W, S, x, v, _, P, Q, A, Th, Se = args
+    d1, d2, a, W1_e, W2_e, S1_e, S2_e = mc.mlp_chunk_reference(x, v, W["W1"], W["W2"], S["W1"], S["W2"], P, Q, A,
+                                                               Th, Se, activation=act)
+    for got, want in ((d1, factors["W1"][0]), (d2, factors["W2"][0]), (a, factors["W2"][1]),
+                      (W1_e, weights["W1"]), (W2_e, weights["W2"]), (S1_e, momentum["W1"]), (S2_e, momentum["W2"])):
+        assert rms_ratio(got, want) < 1e-12
+
+
+@pytest.mark.parametrize("act, optimizer", [(a, "momentum") for a in ACTS] + [("gelu", "gd")])
+def test_step_matches_dual_step(act, optimizer):
+    """``mlp_dual_step`` (the Triton step) and ``chunked._dual_step`` give the same factors and states in float32
+    for ``build_memory({"memory": "mlp", "inner_optimizer": ..., "retention": "decay", "chunk_size": 8})``."""
+    parts = _parts(act, optimizer).to(DEVICE)
+    mom = optimizer == "momentum"
+    args = _step_args(parts, torch.float32, mom=mom)
+    x = args[3]
+    step = tk.select_mlp_step(parts, x)
+    assert step is mc.mlp_dual_step
+    f_t, w_t, m_t = step(*args)
+    f_r, w_r, m_r = chunked._dual_step(*args)
+    assert list(f_t) == list(f_r) == ["W1", "W2"]
+    for n in f_r:
+        for got, want in zip(f_t[n], f_r[n]):
+            assert got.shape == want.shape and rms_ratio(got.double(), want.double()) < 1e-5, n
+        assert rms_ratio(w_t[n].double(), w_r[n].double()) < 1e-5, n
+    assert f_t["W1"][1] is x
+    if mom:
+        for n in m_r:
+            assert rms_ratio(m_t[n].double(), m_r[n].double()) < 1e-5, n
+    else:
+        assert m_t is None and m_r is None
+
+
+def _engine_run(parts, data, dtype, b, step=None, monkeypatch=None, checkpoint=False):
+    """memorize(mode="chunked") in ``dtype`` (with ``step`` patched in for ``_dual_step``) → (o, state, grads)."""
+    parts = copy.deepcopy(parts).to(DEVICE, dtype)
+    (q, k, v), gates = data
+    q, k, v = (z.to(DEVICE, dtype).requires_grad_() for z in (q, k, v))
+    gates = {n: z.to(DEVICE, dtype).requires_grad_() for n, z in gates.items()}
+    leaves = [q, k, v, *gates.values(), *parts.parameters()]
+    if step is not None:
+        monkeypatch.setattr(chunked, "_dual_step", step)
+    o, state = memorize(q, k, v, parts, gates, mode="chunked", chunk_size=b, checkpoint=checkpoint)
+    g = torch.Generator().manual_seed(9)
+    loss = (o * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o)).sum()
+    for z in (*state.weights.values(), *state.momentum.values()):
+        loss = loss + (z * torch.randn(z.shape, generator=g, dtype=torch.float64).to(z)).sum()
+    return o, state, torch.autograd.grad(loss, leaves)
+
+
+@pytest.mark.parametrize("act, checkpoint", [("gelu", False), ("relu", True)])
+def test_chunked_engine_with_triton_step(act, checkpoint, monkeypatch):
+    """``chunked._dual_aligned`` with the Triton step in place of ``_dual_step`` (fp32) vs the float64 engine:
+    outputs, final weights and momenta, and the gradients of q, k, v, every gate and the learned initial weights.
+    T = 13 at b = 8: a full chunk and a ragged one; with activation checkpointing the step is re-run in backward."""
+    parts, b, T = _parts(act), 8, 13
+    q, k, v = random_qkv(2, T, 2, 8, seed=5)
+    gates = random_gates(2, T, 2, seed=6, names=("lr", "window", "momentum", "retention"), low=0.5, high=0.95)
+    data = ((q, k, v), gates)
+    o_r, s_r, g_r = _engine_run(parts, data, torch.float64, b)
+    calls = []
+
+    def step(*args):
+        calls.append(1)
+        return mc.mlp_dual_step(*args)
+
+    o_t, s_t, g_t = _engine_run(parts, data, torch.float32, b, step, monkeypatch, checkpoint)
+    assert len(calls) == (4 if checkpoint else 2), "the Triton step did not run once per chunk (twice: checkpoint)"
+    assert rms_ratio(o_t.double(), o_r) <= TOL
+    for n in ("W1", "W2"):
+        assert rms_ratio(s_t.weights[n].double(), s_r.weights[n]) <= TOL
+        assert rms_ratio(s_t.momentum[n].double(), s_r.momentum[n]) <= TOL
+    for a, r in zip(g_t, g_r):
+        assert torch.isfinite(a).all() and rms_ratio(a.double(), r) <= TOL
+
+
+def test_select_mlp_step(monkeypatch):
+    """Chosen for the supported spec on fp32 tensors; None for other dtypes, specs and ATLASLAB_FORCE_TORCH."""
+    x = torch.zeros(2, 8, 2, 8, device=DEVICE)
+    assert tk.select_mlp_step(_parts(), x) is mc.mlp_dual_step
+    assert tk.select_mlp_step(_parts("silu", "gd"), x) is mc.mlp_dual_step
+    if DEVICE == "cpu":
+        assert tk.select_mlp_step(_parts(), x.double()) is None          # the interpreter takes fp32 / fp16
+    torch.manual_seed(0)
+    unsupported = {
+        "tanh": {"memory": {"name": "mlp", "activation": "tanh"}},
+        "depth 3": {"memory": {"name": "mlp", "depth": 3}},
+        "layer norm": {"memory": "mlp_ln"},
+        "linear": {"memory": "linear"},
+        "huber": {"memory": "mlp", "attentional_bias": "huber"},
+        "muon": {"memory": "mlp", "inner_optimizer": "muon"},
+    }
+    for why, spec in unsupported.items():
+        parts = build_memory(dict(spec, retention="decay"), 2, 8, 8)
+        assert mc.spec_reason(parts) is not None, why
+        assert tk.select_mlp_step(parts, x) is None, why
+    monkeypatch.setenv(tk.FORCE_TORCH_ENV, "1")
+    assert tk.select_mlp_step(_parts(), x) is None
+
+
+def test_step_falls_back_beyond_kernel_limits(monkeypatch):
+    """A window longer than the kernels take runs ``chunked._dual_step`` inside the step (same results)."""
+    monkeypatch.setattr(mc, "MAX_W", 4)
+    parts = _parts()
+    args = _step_args(parts, torch.float32, W=6)
+    f_t, w_t, _ = mc.mlp_dual_step(*args)
+    f_r, w_r, _ = chunked._dual_step(*args)
+    assert torch.equal(w_t["W1"], w_r["W1"]) and torch.equal(f_t["W1"][0], f_r["W1"][0])
