@@ -10,7 +10,10 @@ Kernels (each beside its plain-torch reference in :mod:`.reference` / :mod:`atla
   dα and the initial state's gradient per chunk in parallel), per-head or channel-wise (GLA-style) decay;
 - :func:`.chunk_momentum.chunk_momentum`: linear memory trained by momentum GD at semantic chunk size b > 1
   (Titans with a matrix memory), the TTT/Titans dual form per chunk; Triton forward and backward (the gates'
-  gradients by autograd through the torch stage-1 coefficients, no memory-sized tensor).
+  gradients by autograd through the torch stage-1 coefficients, no memory-sized tensor);
+- :func:`.mlp_chunk.mlp_chunk_step`: one chunk's step of the 2-layer residual MLP memory with the ℓ2 bias (the
+  gradient factors δ1, δ2, a at the chunk-start anchor and the chunk-end weights and momenta, GD or momentum);
+  :func:`select_mlp_step` returns its ``chunked._dual_step``-compatible form (:func:`.mlp_chunk.mlp_dual_step`).
 
 Dispatch, in the spirit of fla's backend registry: a Triton kernel is used only when
 
@@ -55,6 +58,14 @@ under ``ATLASLAB_CHUNK_BACKWARD=torch``. Tested under the interpreter only (``te
 outputs, final state and the gradients of q, k, v, η, γ, α and the initial state against
 ``memorize(mode="recurrent")`` in float64, c = 2, 3, chained calls; RMS-error ratio ~1e-7 in fp32); never run on
 a GPU, so neither speed nor register pressure (a chunk's BT·c ≤ 128 slot rows per program) is measured.
+
+Deep-memory chunk step (``mlp_chunk.py``, issue 6): memory ``mlp`` (depth 2, residual, no LayerNorm, σ gelu / silu /
+relu), ℓ2 bias, GD or momentum in the dual form. Two kernels (anchor errors e over hidden blocks; then per hidden
+block δ1 and the block's chunk-end W1, W2, S1, S2); backward by autograd through its torch reference (first-order,
+which is all the outer loss needs). :func:`select_mlp_step` returns the step when a kernel can run, but ``chunked.py``
+does not call it yet (``_dual_aligned`` still uses ``_dual_step``). Tested under the interpreter only
+(``tests/test_triton_mlp.py``: outputs and gradients vs the float64 reference, the step vs ``chunked._dual_step``, the
+engine with the step patched in); never run on a GPU.
 """
 from __future__ import annotations
 
@@ -266,5 +277,21 @@ def orthogonalise(s: torch.Tensor, steps: int = 5, eps: float = 1e-7, coefficien
     return fn(s, steps, eps, coefficients, shape_factor)
 
 
+def select_mlp_step(parts, x: torch.Tensor) -> Optional[Callable]:
+    """The Triton deep-memory chunk step (:func:`.mlp_chunk.mlp_dual_step`, the contract of ``chunked._dual_step``)
+    for ``parts`` on ``x``'s device and dtype (``x``: any of the call's inputs, e.g. ``[B, T, H, D]`` keys), or None.
+
+    Chosen only when Triton runs here (:func:`available`, :func:`device_ok`, ``ATLASLAB_FORCE_TORCH`` unset) and the
+    spec is one it computes (:func:`.mlp_chunk.spec_reason`: memory ``mlp`` of depth 2, residual, no LayerNorm,
+    activation gelu / silu / relu, ℓ2 bias, GD or momentum). Shapes beyond the kernels' limits fall back to
+    ``_dual_step`` inside the returned step.
+    """
+    if forced_torch() or not available() or device_ok(x) is not None:
+        return None
+    from .mlp_chunk import mlp_dual_step, spec_reason as mlp_reason
+    return mlp_dual_step if mlp_reason(parts) is None else None
+
+
 __all__ = ["FORCE_TORCH_ENV", "available", "explain", "forced_torch", "interpreting", "memorize_triton",
-           "orthogonalise", "select_kernel", "select_newton_schulz", "spec_reason", "triton_importable"]
+           "orthogonalise", "select_kernel", "select_mlp_step", "select_newton_schulz", "spec_reason",
+           "triton_importable"]
