@@ -2,7 +2,7 @@
 
 2-layer residual MLP memory, ℓ2 bias, GD or momentum (spec §15.2, §15.5, §15.10): the Triton kernels (under
 TRITON_INTERPRET=1) vs :func:`mlp_chunk_reference` in float64 for gelu / silu / relu, several hidden blocks and a
-ragged window (fla's RMS-error ratio ≤ 1e-3 in fp32); the autograd Function's gradients (torch-recompute backward) vs
+ragged window (fla's RMS-error ratio ≤ 1e-3 in fp32; fp16 inputs ≤ 1e-2); the autograd Function's gradients (torch-recompute backward) vs
 the float64 reference for x, v, W1, W2, S1, S2 and every coefficient row, and ``gradcheck`` in float64; the reference
 equals ``chunked._dual_step`` in float64; the step equals ``_dual_step`` in float32 on a built spec; the ``chunked``
 engine with the step patched in for ``_dual_step`` matches the float64 engine (outputs, states, all gradients); the
@@ -99,6 +99,16 @@ def test_kernel_matches_reference(act, mom, B, H, W, D, hid, bh):
     for name, o, r in zip(OUTS, out64, ref):
         if r is not None:
             assert rms_ratio(o.cpu(), r) < 1e-12, name
+
+
+def test_kernel_fp16_inputs():
+    """fp16 in (the dispatch takes it): fp32 intermediates, fp16 out, within fp16 rounding of the reference."""
+    ins = _inputs(momentum=True, seed=5)
+    ref = mc.mlp_chunk_reference(*ins, activation="gelu")
+    out = mc.mlp_chunk_forward(*_to(ins, torch.float16), activation="gelu")
+    for name, o, r in zip(OUTS, out, ref):
+        assert o.dtype == torch.float16 and torch.isfinite(o).all(), name
+        assert rms_ratio(o.double().cpu(), r) <= 1e-2, name
 
 
 @pytest.mark.parametrize("act", ACTS)
