@@ -2,11 +2,12 @@
 
 2-layer residual MLP memory, ℓ2 bias, GD or momentum (spec §15.2, §15.5, §15.10): the Triton kernels (under
 TRITON_INTERPRET=1) vs :func:`mlp_chunk_reference` in float64 for gelu / silu / relu, several hidden blocks and a
-ragged window (fla's RMS-error ratio ≤ 1e-3 in fp32; fp16 inputs ≤ 1e-2); the autograd Function's gradients (torch-recompute backward) vs
-the float64 reference for x, v, W1, W2, S1, S2 and every coefficient row, and ``gradcheck`` in float64; the reference
-equals ``chunked._dual_step`` in float64; the step equals ``_dual_step`` in float32 on a built spec; the ``chunked``
-engine with the step patched in for ``_dual_step`` matches the float64 engine (outputs, states, all gradients); the
-dispatch. Kernel allocations are poisoned with NaN, so an unwritten element fails.
+ragged window (fla's RMS-error ratio ≤ 1e-3 in fp32; fp16 inputs ≤ 1e-2); the autograd Function's gradients
+(torch-recompute backward) vs the float64 reference for x, v, W1, W2, S1, S2 and every coefficient row, and
+``gradcheck`` in float64; the reference equals ``chunked._dual_step`` in float64; the step equals ``_dual_step`` in
+float32 on a built spec; the ``chunked`` engine with the step patched in for ``_dual_step`` matches the float64 engine
+(outputs, states, all gradients; with and without checkpointing); the dispatch. Kernel allocations are poisoned with
+NaN, so an unwritten element fails.
 """
 import copy
 
