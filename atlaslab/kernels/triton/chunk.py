@@ -14,7 +14,7 @@ Forward: the math is :func:`.reference.delta_rule_chunk` (exact for the online b
    the strictly lower A[t, s] = β_t e^{G_t − g_s} k_t·k_s, its unit-triangular inverse (forward substitution in
    registers) and the UT/WY factors u = (I + A)⁻¹ β v, w_k = (I + A)⁻¹ (β e^G k) (and, for the backward,
    (I + A)⁻¹ itself, ``[B, T, H, BT]``);
-2. ``_chunk_state_kernel`` (one program per value block × head, sequential over chunks): pseudo-values
+2. ``_chunk_state_kernel`` (one program per value block × sequence × head, sequential over chunks): pseudo-values
    w = u − w_k S_0ᵀ against the chunk-start state, stores every chunk-start state, and steps
    S ← e^{g_L} S + Σ_s e^{g_L − g_s} w_s k_sᵀ;
 3. ``_chunk_out_kernel`` (value block × chunk × head, parallel): o = e^{g} (q S_0ᵀ) + [causal e^{g_t − g_s} q kᵀ] w.
@@ -26,7 +26,7 @@ Backward (:func:`chunk_backward`, plain reference :func:`.reference.delta_rule_c
 gives every equation), as fla's ``chunk_gated_delta_rule_bwd``: nothing but the inputs is saved by the forward;
 
 1. stages 1–2 are re-run (recompute g, w_k, (I + A)⁻¹, w and the chunk-start states S_0 in a forward sweep);
-2. ``_chunk_bwd_dh_kernel`` (value block × head, reverse over chunks): dS = ∂L/∂(chunk-end state), from
+2. ``_chunk_bwd_dh_kernel`` (value block × sequence × head, reverse over chunks): dS = ∂L/∂(chunk-end state), from
    ``dht``; dw = Pᵀ do + e^{g_L − g} ⊙ k dSᵀ; dS ← e^{g_L} dS + (e^{gq} do)ᵀ q − [l2] dwᵀ w_k; the last dS is
    the initial state's gradient;
 3. ``_chunk_bwd_grad_kernel`` (chunk × head, parallel, a loop over value blocks): dr = (I + A)⁻ᵀ dw, then dq,
@@ -45,8 +45,16 @@ e^{−g} factorisation, so no overflow at any decay strength) by a loop over the
 (``_decayed_dot`` / ``_decayed_mm``, O(BT² D_k) per chunk); fla's GLA kernels instead use 16-token sub-chunks
 with tensor-core products between sub-chunks, the faster choice on a GPU (not done here).
 
-``cu_seqlens`` is handled by running the kernels once per packed sequence, forward and backward (a Python
-loop; fla's chunk-index tables would remove it).
+Variable-length batches (``cu_seqlens [N + 1]``, sequences packed as ``[1, total_T, H, D]``) run natively, as in
+fla: :func:`prepare_chunk_indices` builds on the host the table of (sequence, chunk within it) for every BT-token
+chunk of every sequence (chunks never cross a sequence boundary; a sequence's last chunk may be partial) and each
+sequence's first chunk; the per-chunk kernels (UT, output, backward grads) run over all chunks of all sequences in
+ONE launch (grid: chunk × head, the table gives each program its sequence's rows and length), and the sequential
+kernels (state sweep, reverse dS sweep) run one program per value block × sequence × head over that sequence's
+chunks, with per-sequence initial / final states ``[N, H, V, K]``. Without ``cu_seqlens`` the same kernels see B
+equal sequences of T tokens (``IS_VARLEN`` off, no table). Chunk-state tensors are ``[NC, H, V, K]`` (NC = all
+chunks). Each stage is one launch either way (``tests/test_triton_varlen.py`` counts them). The Omega-window kernels
+(c > 1, below) take no ``cu_seqlens``.
 
 Performance notes (unmeasured: no GPU was available when this was written): the in-register forward
 substitution costs BT iterations of O(BT²) work; fla's 16×16 diagonal solves merged by tl.dot are faster
@@ -61,7 +69,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .reference import MAX_WINDOW, _per_sequence, _upcast, check_args, delta_rule_chunk, log_decay
+from .reference import MAX_WINDOW, _upcast, check_args, delta_rule_chunk, log_decay
 
 try:
     import triton
@@ -79,18 +87,26 @@ def _pow2(n: int, floor: int = 16) -> int:
 if triton is not None:
 
     @triton.jit
-    def _chunk_ut_kernel(k, v, beta, la, g_out, u_out, wk_out, ainv_out, T, H: tl.constexpr, K: tl.constexpr,
+    def _chunk_ut_kernel(k, v, beta, la, g_out, u_out, wk_out, ainv_out, cu_seqlens, chunk_indices, T, NT,
+                         H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
                          V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BVV: tl.constexpr,
                          HAS_ALPHA: tl.constexpr, IS_L2: tl.constexpr, BEFORE: tl.constexpr,
                          STORE_AINV: tl.constexpr, PRECISION: tl.constexpr):
-        i_t = tl.program_id(0)
-        i_bh = tl.program_id(1)
-        i_b = i_bh // H
-        i_h = i_bh % H
+        i_c = tl.program_id(0)            # global chunk index: all chunks of all sequences in one launch
+        i_h = tl.program_id(1)
+        if IS_VARLEN:   # fla's chunk-index table row: (sequence, chunk within it); T becomes that sequence's length
+            i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
+            i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int32)
+            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+            T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        else:
+            i_t = i_c % NT
+            bos = (i_c // NT).to(tl.int64) * T
+        boc = i_c.to(tl.int64) - i_t      # global index of the sequence's first chunk (rows of hs / dhs)
         o_i = tl.arange(0, BT)
         o_t = i_t * BT + o_i
         m_t = o_t < T
-        rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+        rows = (bos + o_t) * H + i_h
         if HAS_ALPHA:
             b_la = tl.load(la + rows, mask=m_t, other=0.0).to(tl.float32)
         else:
@@ -129,13 +145,22 @@ if triton is not None:
                 tl.store(ainv_out + rows[:, None] * BT + o_i[None, :], Ti, mask=m_t[:, None])
 
     @triton.jit
-    def _chunk_state_kernel(k, v, beta, g, u, wk, h0, w_out, hs, ht, T, NT, H: tl.constexpr, K: tl.constexpr,
+    def _chunk_state_kernel(k, v, beta, g, u, wk, h0, w_out, hs, ht, cu_seqlens, chunk_offsets, T, NT,
+                            H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
                             V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                             HAS_H0: tl.constexpr, IS_L2: tl.constexpr, PRECISION: tl.constexpr):
         i_v = tl.program_id(0)
-        i_bh = tl.program_id(1)
-        i_b = i_bh // H
+        i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
+        i_n = i_bh // H
         i_h = i_bh % H
+        if IS_VARLEN:   # this sequence's rows and chunks only; T becomes its length
+            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+            T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+            NT = (T + BT - 1) // BT
+            boc = tl.load(chunk_offsets + i_n).to(tl.int64)
+        else:
+            bos = i_n.to(tl.int64) * T
+            boc = i_n.to(tl.int64) * NT
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
@@ -147,11 +172,11 @@ if triton is not None:
         if HAS_H0:
             h += tl.load(h0 + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
         for i_t in range(0, NT):
-            # chunk-start state, [B, NT, H, V, K]
-            tl.store(hs + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * V * K + h_offs, h, mask=m_h)
+            # chunk-start state, [NC, H, V, K] (NC: all chunks of all sequences)
+            tl.store(hs + ((boc + i_t) * H + i_h) * V * K + h_offs, h, mask=m_h)
             o_t = i_t * BT + o_i
             m_t = o_t < T
-            rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+            rows = (bos + o_t) * H + i_h
             b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
                           other=0.0).to(tl.float32)
             if IS_L2:
@@ -166,20 +191,28 @@ if triton is not None:
             tl.store(w_out + rows[:, None] * V + o_v[None, :], b_w, mask=m_t[:, None] & m_v[None, :])
             b_g = tl.load(g + rows, mask=m_t, other=0.0)
             last = tl.minimum(T - i_t * BT, BT) - 1
-            g_last = tl.load(g + (i_b.to(tl.int64) * T + i_t * BT + last) * H + i_h)
+            g_last = tl.load(g + (bos + i_t * BT + last) * H + i_h)
             decay = tl.exp(tl.where(m_t, g_last - b_g, 0.0))
             h = h * tl.exp(g_last) + tl.dot(tl.trans(b_w * decay[:, None]), b_k, input_precision=PRECISION)
         tl.store(ht + i_bh.to(tl.int64) * V * K + h_offs, h, mask=m_h)
 
     @triton.jit
-    def _chunk_out_kernel(q, k, la, g, w, hs, o, T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    def _chunk_out_kernel(q, k, la, g, w, hs, o, cu_seqlens, chunk_indices, T, NT,
+                          H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_ALPHA: tl.constexpr,
                           READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
         i_v = tl.program_id(0)
-        i_t = tl.program_id(1)
-        i_bh = tl.program_id(2)
-        i_b = i_bh // H
-        i_h = i_bh % H
+        i_c = tl.program_id(1)            # global chunk index
+        i_h = tl.program_id(2)
+        if IS_VARLEN:   # fla's chunk-index table row: (sequence, chunk within it); T becomes that sequence's length
+            i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
+            i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int32)
+            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+            T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        else:
+            i_t = i_c % NT
+            bos = (i_c // NT).to(tl.int64) * T
+        boc = i_c.to(tl.int64) - i_t      # global index of the sequence's first chunk (rows of hs / dhs)
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
@@ -187,7 +220,7 @@ if triton is not None:
         m_v = o_v < V
         o_t = i_t * BT + o_i
         m_t = o_t < T
-        rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+        rows = (bos + o_t) * H + i_h
         m_tk = m_t[:, None] & m_k[None, :]
         b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
@@ -202,7 +235,7 @@ if triton is not None:
                 b_gq = b_g
             causal = (o_i[:, None] > o_i[None, :]) & m_t[None, :]
         b_w = tl.load(w + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-        h = tl.load(hs + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * V * K + o_v[:, None] * K + o_k[None, :],
+        h = tl.load(hs + ((boc + i_t) * H + i_h) * V * K + o_v[:, None] * K + o_k[None, :],
                     mask=m_v[:, None] & m_k[None, :], other=0.0)
         b_o = tl.exp(b_gq)[:, None] * tl.dot(b_q, tl.trans(h), input_precision=PRECISION)
         qk = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
@@ -211,16 +244,25 @@ if triton is not None:
         tl.store(o + rows[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
     @triton.jit
-    def _chunk_bwd_dh_kernel(q, k, la, g, wk, do, dht, dhs, dw, dh0, T, NT, H: tl.constexpr, K: tl.constexpr,
+    def _chunk_bwd_dh_kernel(q, k, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT,
+                             H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
                              V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                              HAS_ALPHA: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
                              IS_L2: tl.constexpr, READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
         """Reverse sweep over chunks (one program per value block × head). dS = ∂L/∂S_L of the chunk end:
         dw = Pᵀ do + e^{g_L − g} ⊙ (k dSᵀ);  dS ← e^{g_L} dS + (e^{gq} ⊙ do)ᵀ q − [l2] dwᵀ w_k."""
         i_v = tl.program_id(0)
-        i_bh = tl.program_id(1)
-        i_b = i_bh // H
+        i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
+        i_n = i_bh // H
         i_h = i_bh % H
+        if IS_VARLEN:   # this sequence's rows and chunks only; T becomes its length
+            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+            T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+            NT = (T + BT - 1) // BT
+            boc = tl.load(chunk_offsets + i_n).to(tl.int64)
+        else:
+            bos = i_n.to(tl.int64) * T
+            boc = i_n.to(tl.int64) * NT
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
@@ -233,11 +275,11 @@ if triton is not None:
             dh += tl.load(dht + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
         for j in range(0, NT):
             i_t = NT - 1 - j
-            # ∂L/∂(end state of chunk i_t), [B, NT, H, V, K]
-            tl.store(dhs + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * V * K + h_offs, dh, mask=m_h)
+            # ∂L/∂(end state of chunk i_t), [NC, H, V, K]
+            tl.store(dhs + ((boc + i_t) * H + i_h) * V * K + h_offs, dh, mask=m_h)
             o_t = i_t * BT + o_i
             m_t = o_t < T
-            rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+            rows = (bos + o_t) * H + i_h
             m_tk = m_t[:, None] & m_k[None, :]
             m_tv = m_t[:, None] & m_v[None, :]
             b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
@@ -245,7 +287,7 @@ if triton is not None:
             b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
             b_g = tl.load(g + rows, mask=m_t, other=0.0)
             last = tl.minimum(T - i_t * BT, BT) - 1
-            g_last = tl.load(g + (i_b.to(tl.int64) * T + i_t * BT + last) * H + i_h)
+            g_last = tl.load(g + (bos + i_t * BT + last) * H + i_h)
             if READ_TOKEN:
                 b_gq = b_g
                 causal = (o_i[:, None] >= o_i[None, :]) & m_t[None, :]
@@ -269,23 +311,31 @@ if triton is not None:
             tl.store(dh0 + i_bh.to(tl.int64) * V * K + h_offs, dh, mask=m_h)
 
     @triton.jit
-    def _chunk_bwd_grad_kernel(q, k, v, beta, la, g, ainv, w, hs, dhs, do, dw, dq, dk, dv, dbeta, dla, T, NT,
-                               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    def _chunk_bwd_grad_kernel(q, k, v, beta, la, g, ainv, w, hs, dhs, do, dw, dq, dk, dv, dbeta, dla, cu_seqlens,
+                               chunk_indices, T, NT, H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
+                               V: tl.constexpr, BT: tl.constexpr,
                                BK: tl.constexpr, BV: tl.constexpr, HAS_ALPHA: tl.constexpr, IS_L2: tl.constexpr,
                                BEFORE: tl.constexpr, READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
         """Per chunk × head (all chunks in parallel, a loop over value blocks): dq, dk, dv, dβ, d log α from
         S_0 (chunk start), dS (chunk end), w, dw and (I + A)⁻¹ — the equations of
         :func:`.reference.delta_rule_chunk_backward` step 3; d log α is a reverse cumsum of dg within the chunk."""
-        i_t = tl.program_id(0)
-        i_bh = tl.program_id(1)
-        i_b = i_bh // H
-        i_h = i_bh % H
+        i_c = tl.program_id(0)            # global chunk index: all chunks of all sequences in one launch
+        i_h = tl.program_id(1)
+        if IS_VARLEN:   # fla's chunk-index table row: (sequence, chunk within it); T becomes that sequence's length
+            i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
+            i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int32)
+            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+            T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        else:
+            i_t = i_c % NT
+            bos = (i_c // NT).to(tl.int64) * T
+        boc = i_c.to(tl.int64) - i_t      # global index of the sequence's first chunk (rows of hs / dhs)
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
         m_k = o_k < K
         o_t = i_t * BT + o_i
         m_t = o_t < T
-        rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+        rows = (bos + o_t) * H + i_h
         m_tk = m_t[:, None] & m_k[None, :]
         b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
@@ -296,7 +346,7 @@ if triton is not None:
         else:
             b_la = tl.zeros([BT], dtype=tl.float32)
         last = tl.minimum(T - i_t * BT, BT) - 1
-        g_last = tl.load(g + (i_b.to(tl.int64) * T + i_t * BT + last) * H + i_h)
+        g_last = tl.load(g + (bos + i_t * BT + last) * H + i_h)
         if READ_TOKEN:
             b_gq = b_g
             causal = (o_i[:, None] >= o_i[None, :]) & m_t[None, :]
@@ -319,7 +369,7 @@ if triton is not None:
         b_db = tl.zeros([BT], dtype=tl.float32)
         b_dG = tl.zeros([BT], dtype=tl.float32)
         b_dgl = tl.zeros([BV, BK], dtype=tl.float32)       # ⟨dS, S_0⟩, summed at the end
-        h_base = ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * V * K
+        h_base = ((boc + i_t) * H + i_h) * V * K
         if IS_L2:
             Ti = tl.load(ainv + rows[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
         for i_v in range(0, tl.cdiv(V, BV)):
@@ -423,22 +473,30 @@ if triton is not None:
         return R, C
 
     @triton.jit
-    def _cw_ut_kernel(k, v, beta, la, g_out, u_out, wk_out, ainv_out, T, H: tl.constexpr, K: tl.constexpr,
+    def _cw_ut_kernel(k, v, beta, la, g_out, u_out, wk_out, ainv_out, cu_seqlens, chunk_indices, T, NT,
+                      H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
                       V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BVV: tl.constexpr, IS_L2: tl.constexpr,
                       BEFORE: tl.constexpr, STORE_AINV: tl.constexpr, PRECISION: tl.constexpr):
         """Stage 1, channel-wise: g = chunk-local cumsum of log α per key channel; for l2,
         A[t, s] = β_t Σ_c k_tc k_sc e^{G_tc − g_sc} (s < t), (I + A)⁻¹, u = (I + A)⁻¹ β v,
         w_k = (I + A)⁻¹ β (k ⊙ e^G)."""
-        i_t = tl.program_id(0)
-        i_bh = tl.program_id(1)
-        i_b = i_bh // H
-        i_h = i_bh % H
+        i_c = tl.program_id(0)            # global chunk index: all chunks of all sequences in one launch
+        i_h = tl.program_id(1)
+        if IS_VARLEN:   # fla's chunk-index table row: (sequence, chunk within it); T becomes that sequence's length
+            i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
+            i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int32)
+            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+            T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        else:
+            i_t = i_c % NT
+            bos = (i_c // NT).to(tl.int64) * T
+        boc = i_c.to(tl.int64) - i_t      # global index of the sequence's first chunk (rows of hs / dhs)
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
         m_k = o_k < K
         o_t = i_t * BT + o_i
         m_t = o_t < T
-        rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+        rows = (bos + o_t) * H + i_h
         m_tk = m_t[:, None] & m_k[None, :]
         b_la = tl.load(la + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         b_g = tl.cumsum(b_la, axis=0)
@@ -468,14 +526,23 @@ if triton is not None:
                 tl.store(ainv_out + rows[:, None] * BT + o_i[None, :], Ti, mask=m_t[:, None])
 
     @triton.jit
-    def _cw_state_kernel(k, v, beta, g, u, wk, h0, w_out, hs, ht, T, NT, H: tl.constexpr, K: tl.constexpr,
+    def _cw_state_kernel(k, v, beta, g, u, wk, h0, w_out, hs, ht, cu_seqlens, chunk_offsets, T, NT,
+                         H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
                          V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                          HAS_H0: tl.constexpr, IS_L2: tl.constexpr, PRECISION: tl.constexpr):
         """Stage 2, channel-wise: w = u − w_k S_0ᵀ; S ← S Diag(e^{g_L}) + Σ_s w_s (k_s ⊙ e^{g_L − g_s})ᵀ."""
         i_v = tl.program_id(0)
-        i_bh = tl.program_id(1)
-        i_b = i_bh // H
+        i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
+        i_n = i_bh // H
         i_h = i_bh % H
+        if IS_VARLEN:   # this sequence's rows and chunks only; T becomes its length
+            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+            T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+            NT = (T + BT - 1) // BT
+            boc = tl.load(chunk_offsets + i_n).to(tl.int64)
+        else:
+            bos = i_n.to(tl.int64) * T
+            boc = i_n.to(tl.int64) * NT
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
@@ -487,10 +554,10 @@ if triton is not None:
         if HAS_H0:
             h += tl.load(h0 + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
         for i_t in range(0, NT):
-            tl.store(hs + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * V * K + h_offs, h, mask=m_h)
+            tl.store(hs + ((boc + i_t) * H + i_h) * V * K + h_offs, h, mask=m_h)
             o_t = i_t * BT + o_i
             m_t = o_t < T
-            rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+            rows = (bos + o_t) * H + i_h
             m_tk = m_t[:, None] & m_k[None, :]
             m_tv = m_t[:, None] & m_v[None, :]
             b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
@@ -505,22 +572,30 @@ if triton is not None:
             tl.store(w_out + rows[:, None] * V + o_v[None, :], b_w, mask=m_tv)
             b_g = tl.load(g + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
             last = tl.minimum(T - i_t * BT, BT) - 1
-            g_last = tl.load(g + (i_b.to(tl.int64) * T + i_t * BT + last) * H * K + i_h * K + o_k, mask=m_k,
+            g_last = tl.load(g + (bos + i_t * BT + last) * H * K + i_h * K + o_k, mask=m_k,
                              other=0.0)
             b_kd = b_k * tl.exp(tl.where(m_tk, g_last[None, :] - b_g, 0.0))
             h = h * tl.exp(g_last)[None, :] + tl.dot(tl.trans(b_w), b_kd, input_precision=PRECISION)
         tl.store(ht + i_bh.to(tl.int64) * V * K + h_offs, h, mask=m_h)
 
     @triton.jit
-    def _cw_out_kernel(q, k, la, g, w, hs, o, T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    def _cw_out_kernel(q, k, la, g, w, hs, o, cu_seqlens, chunk_indices, T, NT,
+                       H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, READ_TOKEN: tl.constexpr,
                        PRECISION: tl.constexpr):
         """Stage 3, channel-wise: o = (q ⊙ e^{gq}) S_0ᵀ + P w, P[t, s] = Σ_c q_tc k_sc e^{gq_tc − g_sc} (causal)."""
         i_v = tl.program_id(0)
-        i_t = tl.program_id(1)
-        i_bh = tl.program_id(2)
-        i_b = i_bh // H
-        i_h = i_bh % H
+        i_c = tl.program_id(1)            # global chunk index
+        i_h = tl.program_id(2)
+        if IS_VARLEN:   # fla's chunk-index table row: (sequence, chunk within it); T becomes that sequence's length
+            i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
+            i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int32)
+            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+            T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        else:
+            i_t = i_c % NT
+            bos = (i_c // NT).to(tl.int64) * T
+        boc = i_c.to(tl.int64) - i_t      # global index of the sequence's first chunk (rows of hs / dhs)
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
@@ -528,7 +603,7 @@ if triton is not None:
         m_v = o_v < V
         o_t = i_t * BT + o_i
         m_t = o_t < T
-        rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+        rows = (bos + o_t) * H + i_h
         m_tk = m_t[:, None] & m_k[None, :]
         b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
@@ -538,7 +613,7 @@ if triton is not None:
         else:
             b_gq = b_g - tl.load(la + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         b_w = tl.load(w + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-        h = tl.load(hs + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * V * K + o_v[:, None] * K + o_k[None, :],
+        h = tl.load(hs + ((boc + i_t) * H + i_h) * V * K + o_v[:, None] * K + o_k[None, :],
                     mask=m_v[:, None] & m_k[None, :], other=0.0)
         b_o = tl.dot(b_q * tl.exp(b_gq), tl.trans(h), input_precision=PRECISION)
         P = _decayed_dot(b_q, b_k, b_gq, b_g, o_i, BT, not READ_TOKEN)
@@ -546,16 +621,25 @@ if triton is not None:
         tl.store(o + rows[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
     @triton.jit
-    def _cw_bwd_dh_kernel(q, k, la, g, wk, do, dht, dhs, dw, dh0, T, NT, H: tl.constexpr, K: tl.constexpr,
+    def _cw_bwd_dh_kernel(q, k, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT,
+                          H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
                           V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                           HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, IS_L2: tl.constexpr,
                           READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
         """Reverse sweep, channel-wise: dw = Pᵀ do + (k ⊙ e^{g_L − g}) dSᵀ;
         dS ← dS Diag(e^{g_L}) + doᵀ (q ⊙ e^{gq}) − [l2] dwᵀ w_k."""
         i_v = tl.program_id(0)
-        i_bh = tl.program_id(1)
-        i_b = i_bh // H
+        i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
+        i_n = i_bh // H
         i_h = i_bh % H
+        if IS_VARLEN:   # this sequence's rows and chunks only; T becomes its length
+            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+            T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+            NT = (T + BT - 1) // BT
+            boc = tl.load(chunk_offsets + i_n).to(tl.int64)
+        else:
+            bos = i_n.to(tl.int64) * T
+            boc = i_n.to(tl.int64) * NT
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
@@ -568,10 +652,10 @@ if triton is not None:
             dh += tl.load(dht + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
         for j in range(0, NT):
             i_t = NT - 1 - j
-            tl.store(dhs + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * V * K + h_offs, dh, mask=m_h)
+            tl.store(dhs + ((boc + i_t) * H + i_h) * V * K + h_offs, dh, mask=m_h)
             o_t = i_t * BT + o_i
             m_t = o_t < T
-            rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+            rows = (bos + o_t) * H + i_h
             m_tk = m_t[:, None] & m_k[None, :]
             m_tv = m_t[:, None] & m_v[None, :]
             b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
@@ -579,7 +663,7 @@ if triton is not None:
             b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
             b_g = tl.load(g + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
             last = tl.minimum(T - i_t * BT, BT) - 1
-            g_last = tl.load(g + (i_b.to(tl.int64) * T + i_t * BT + last) * H * K + i_h * K + o_k, mask=m_k,
+            g_last = tl.load(g + (bos + i_t * BT + last) * H * K + i_h * K + o_k, mask=m_k,
                              other=0.0)
             if READ_TOKEN:
                 b_gq = b_g
@@ -598,22 +682,30 @@ if triton is not None:
             tl.store(dh0 + i_bh.to(tl.int64) * V * K + h_offs, dh, mask=m_h)
 
     @triton.jit
-    def _cw_bwd_grad_kernel(q, k, v, beta, la, g, ainv, w, hs, dhs, do, dw, dq, dk, dv, dbeta, dla, T, NT,
-                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    def _cw_bwd_grad_kernel(q, k, v, beta, la, g, ainv, w, hs, dhs, do, dw, dq, dk, dv, dbeta, dla, cu_seqlens,
+                            chunk_indices, T, NT, H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
+                            V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                             BV: tl.constexpr, IS_L2: tl.constexpr, BEFORE: tl.constexpr, READ_TOKEN: tl.constexpr,
                             PRECISION: tl.constexpr):
         """Per chunk × head, channel-wise: the equations of :func:`.reference._channel_wise_backward` step 3;
         d log α ``[B, T, H, K]`` is a reverse cumsum over the chunk of dg per channel."""
-        i_t = tl.program_id(0)
-        i_bh = tl.program_id(1)
-        i_b = i_bh // H
-        i_h = i_bh % H
+        i_c = tl.program_id(0)            # global chunk index: all chunks of all sequences in one launch
+        i_h = tl.program_id(1)
+        if IS_VARLEN:   # fla's chunk-index table row: (sequence, chunk within it); T becomes that sequence's length
+            i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
+            i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int32)
+            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+            T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        else:
+            i_t = i_c % NT
+            bos = (i_c // NT).to(tl.int64) * T
+        boc = i_c.to(tl.int64) - i_t      # global index of the sequence's first chunk (rows of hs / dhs)
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
         m_k = o_k < K
         o_t = i_t * BT + o_i
         m_t = o_t < T
-        rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+        rows = (bos + o_t) * H + i_h
         m_tk = m_t[:, None] & m_k[None, :]
         b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
@@ -621,7 +713,7 @@ if triton is not None:
         b_g = tl.load(g + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
         b_la = tl.load(la + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         last = tl.minimum(T - i_t * BT, BT) - 1
-        g_last = tl.load(g + (i_b.to(tl.int64) * T + i_t * BT + last) * H * K + i_h * K + o_k, mask=m_k, other=0.0)
+        g_last = tl.load(g + (bos + i_t * BT + last) * H * K + i_h * K + o_k, mask=m_k, other=0.0)
         if READ_TOKEN:
             b_gq = b_g
         else:
@@ -640,7 +732,7 @@ if triton is not None:
         b_dA = tl.zeros([BT, BT], dtype=tl.float32)        # −dr wᵀ
         b_db = tl.zeros([BT], dtype=tl.float32)
         b_dgl = tl.zeros([BK], dtype=tl.float32)           # Σ_v dS ⊙ S_0
-        h_base = ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * V * K
+        h_base = ((boc + i_t) * H + i_h) * V * K
         if IS_L2:
             Ti = tl.load(ainv + rows[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
         for i_v in range(0, tl.cdiv(V, BV)):
@@ -708,16 +800,58 @@ def _sizes(K: int, V: int, chunk_size: int):
     return _pow2(chunk_size), BK, BVV, min(BVV, max(16, 8192 // BK))
 
 
-def _forward_stages(k, v, beta, la, h0, *, bias, placement, chunk_size, prec, store_ainv=False):
+def prepare_chunk_indices(cu_seqlens: torch.Tensor, chunk_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fla's chunk tables for packed sequences (``fla/ops/utils/index.py``), host-side.
+
+    Args:
+        cu_seqlens: ``[N + 1]`` offsets of N packed sequences.
+        chunk_size: BT, the kernels' chunk (a sequence of length T_n has ⌈T_n / BT⌉ chunks, its last one
+            possibly partial; chunks never cross a sequence boundary; an empty sequence has none).
+
+    Returns:
+        ``chunk_indices [NC, 2]`` int32: (sequence n, chunk index within n) of every chunk of every sequence, in
+        order (row = the chunk's global index, the row of the chunk-state tensors), and ``chunk_offsets [N + 1]``
+        int32: the global index of each sequence's first chunk (``chunk_offsets[-1]`` = NC).
+    """
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    counts = (lens + chunk_size - 1) // chunk_size
+    offsets = torch.nn.functional.pad(counts.cumsum(0), (1, 0))
+    seq = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+    within = torch.arange(seq.numel(), device=counts.device) - offsets[seq]
+    return torch.stack([seq, within], 1).to(torch.int32).contiguous(), offsets.to(torch.int32)
+
+
+class _Layout:
+    """Where the chunks are: ``B × ⌈T / BT⌉`` equal sequences (dense), or the chunks of ``cu_seqlens``' packed
+    sequences (varlen, B = 1). ``N`` sequences (rows of the initial / final states), ``NC`` chunks in all (rows of
+    the chunk-state tensors, the parallel kernels' grid), ``NT`` chunks per sequence (dense only), and the
+    arguments the kernels take: ``cu``, ``table`` (chunk indices, parallel kernels), ``offsets`` (sequential)."""
+
+    def __init__(self, B: int, T: int, BT: int, cu_seqlens: Optional[torch.Tensor], like: torch.Tensor):
+        self.varlen = cu_seqlens is not None
+        self.NT = triton.cdiv(T, BT)
+        if self.varlen:
+            self.cu = cu_seqlens.to(device=like.device).contiguous()
+            self.table, self.offsets = prepare_chunk_indices(self.cu, BT)
+            self.N, self.NC = self.cu.numel() - 1, self.table.shape[0]
+        else:
+            self.cu = self.table = self.offsets = like      # never read (IS_VARLEN is False)
+            self.N, self.NC = B, B * self.NT
+
+
+def _forward_stages(k, v, beta, la, h0, *, bias, placement, chunk_size, prec, store_ainv=False, cu_seqlens=None):
     """Stages 1–2 (gate cumsum, UT transform, inter-chunk state sweep) on contiguous inputs.
 
     Returns a dict of fp32 tensors: ``g [B, T, H]``, ``wk [B, T, H, K]`` (l2), ``ainv [B, T, H, BT]`` (l2 and
-    ``store_ainv``), ``w [B, T, H, V]``, ``hs [B, NT, H, V, K]`` (chunk-start states), ``ht [B, H, V, K]``.
+    ``store_ainv``), ``w [B, T, H, V]``, ``hs [NC, H, V, K]`` (chunk-start states, NC = every chunk of every
+    sequence), ``ht [N, H, V, K]``, and the chunk ``layout`` (:class:`_Layout`). With ``cu_seqlens`` (B = 1) each
+    stage is still one launch: the UT kernel over all chunks of all sequences (the chunk-index table), the state
+    kernel one program per (value block, sequence × head) over that sequence's chunks.
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
     BT, BK, BVV, BV = _sizes(K, V, chunk_size)
-    NT = triton.cdiv(T, BT)
+    lay = _Layout(B, T, BT, cu_seqlens, k)
     f32 = dict(dtype=torch.float32, device=k.device)
     is_l2 = bias == "l2"
     cw = la is not None and la.dim() == 4
@@ -726,50 +860,50 @@ def _forward_stages(k, v, beta, la, h0, *, bias, placement, chunk_size, prec, st
     wk = torch.empty(B, T, H, K, **f32) if is_l2 else None
     ainv = torch.empty(B, T, H, BT, **f32) if (is_l2 and store_ainv) else None
     w = torch.empty(B, T, H, V, **f32)
-    hs = torch.empty(B, NT, H, V, K, **f32)
-    ht = torch.empty(B, H, V, K, **f32)
+    hs = torch.empty(lay.NC, H, V, K, **f32)
+    ht = torch.empty(lay.N, H, V, K, **f32)
     dummy = g
     flags = dict(IS_L2=is_l2, BEFORE=placement == "before_step", STORE_AINV=ainv is not None, PRECISION=prec,
-                 num_warps=4)
+                 IS_VARLEN=lay.varlen, num_warps=4)
     if cw:
-        _cw_ut_kernel[(NT, B * H)](
+        _cw_ut_kernel[(lay.NC, H)](
             k, v, beta, la, g, u if is_l2 else dummy, wk if is_l2 else dummy, ainv if ainv is not None else dummy,
-            T, H=H, K=K, V=V, BT=BT, BK=BK, BVV=BVV, **flags)
+            lay.cu, lay.table, T, lay.NT, H=H, K=K, V=V, BT=BT, BK=BK, BVV=BVV, **flags)
     else:
-        _chunk_ut_kernel[(NT, B * H)](
+        _chunk_ut_kernel[(lay.NC, H)](
             k, v, beta, la if la is not None else dummy, g, u if is_l2 else dummy, wk if is_l2 else dummy,
-            ainv if ainv is not None else dummy, T, H=H, K=K, V=V, BT=BT, BK=BK, BVV=BVV,
+            ainv if ainv is not None else dummy, lay.cu, lay.table, T, lay.NT, H=H, K=K, V=V, BT=BT, BK=BK, BVV=BVV,
             HAS_ALPHA=la is not None, **flags)
-    (_cw_state_kernel if cw else _chunk_state_kernel)[(triton.cdiv(V, BV), B * H)](
+    (_cw_state_kernel if cw else _chunk_state_kernel)[(triton.cdiv(V, BV), lay.N * H)](
         k, v, beta, g, u if is_l2 else dummy, wk if is_l2 else dummy, h0 if h0 is not None else dummy, w, hs, ht,
-        T, NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_H0=h0 is not None, IS_L2=is_l2, PRECISION=prec,
-        num_warps=4)
-    return dict(g=g, wk=wk, ainv=ainv, w=w, hs=hs, ht=ht)
+        lay.cu, lay.offsets, T, lay.NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_H0=h0 is not None, IS_L2=is_l2,
+        PRECISION=prec, IS_VARLEN=lay.varlen, num_warps=4)
+    return dict(g=g, wk=wk, ainv=ainv, w=w, hs=hs, ht=ht, layout=lay)
 
 
 def chunk_forward(q, k, v, beta, alpha=None, initial_state=None, *, bias="l2", placement="before_step",
                   read="token", cu_seqlens=None, chunk_size: int = 64, allow_tf32: bool = False):
-    """The three forward kernels, no autograd; arguments as :func:`chunk_delta_rule`."""
+    """The three forward kernels, no autograd; arguments as :func:`chunk_delta_rule`. One launch per stage, with
+    or without ``cu_seqlens``."""
     check_args(q, k, v, beta, alpha, initial_state, bias, placement, read, cu_seqlens)
-    opts = dict(bias=bias, placement=placement, read=read, chunk_size=chunk_size, allow_tf32=allow_tf32)
-    if cu_seqlens is not None:
-        return _per_sequence(chunk_forward, q, k, v, beta, alpha, initial_state, cu_seqlens, **opts)
     B, T, H, K = q.shape
     V = v.shape[-1]
     BT, BK, BVV, BV = _sizes(K, V, chunk_size)
-    NT = triton.cdiv(T, BT)
     q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
     la = log_decay(alpha.float(), q).contiguous() if alpha is not None else None
     h0 = initial_state.contiguous() if initial_state is not None else None
     prec = "tf32" if allow_tf32 else "ieee"
-    st = _forward_stages(k, v, beta, la, h0, bias=bias, placement=placement, chunk_size=chunk_size, prec=prec)
+    st = _forward_stages(k, v, beta, la, h0, bias=bias, placement=placement, chunk_size=chunk_size, prec=prec,
+                         cu_seqlens=cu_seqlens)
+    lay = st["layout"]
     o = torch.empty_like(v)
-    args = (q, k, la if la is not None else st["g"], st["g"], st["w"], st["hs"], o, T, NT)
-    meta = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, READ_TOKEN=read == "token", PRECISION=prec, num_warps=4)
+    args = (q, k, la if la is not None else st["g"], st["g"], st["w"], st["hs"], o, lay.cu, lay.table, T, lay.NT)
+    meta = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, READ_TOKEN=read == "token", PRECISION=prec,
+                IS_VARLEN=lay.varlen, num_warps=4)
     if la is not None and la.dim() == 4:
-        _cw_out_kernel[(triton.cdiv(V, BV), NT, B * H)](*args, **meta)
+        _cw_out_kernel[(triton.cdiv(V, BV), lay.NC, H)](*args, **meta)
     else:
-        _chunk_out_kernel[(triton.cdiv(V, BV), NT, B * H)](*args, HAS_ALPHA=la is not None, **meta)
+        _chunk_out_kernel[(triton.cdiv(V, BV), lay.NC, H)](*args, HAS_ALPHA=la is not None, **meta)
     return o, st["ht"].to(initial_state.dtype if initial_state is not None else q.dtype)
 
 
@@ -786,25 +920,14 @@ def chunk_backward(q, k, v, beta, alpha, initial_state, do, dht, *, bias="l2", p
 
     Kernels: the forward stages 1–2 are re-run (recomputing g, w_k, (I + A)⁻¹, w and the chunk-start states),
     ``_chunk_bwd_dh_kernel`` sweeps the chunks in reverse for dS and dw, and ``_chunk_bwd_grad_kernel`` forms
-    the per-input gradients of every chunk in parallel.
+    the per-input gradients of every chunk in parallel. With ``cu_seqlens`` each is still one launch (the reverse
+    sweep: one program per value block × sequence × head over that sequence's chunks; the others over the
+    chunk-index table).
     """
     check_args(q, k, v, beta, alpha, initial_state, bias, placement, read, cu_seqlens)
-    opts = dict(bias=bias, placement=placement, read=read, chunk_size=chunk_size, allow_tf32=allow_tf32)
-    if cu_seqlens is not None:
-        bounds = cu_seqlens.tolist()
-        parts = []
-        for n, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
-            sl = slice(s, e)
-            parts.append(chunk_backward(
-                q[:, sl], k[:, sl], v[:, sl], beta[:, sl], None if alpha is None else alpha[:, sl],
-                None if initial_state is None else initial_state[n:n + 1], do[:, sl],
-                None if dht is None else dht[n:n + 1], **opts))
-        cat = [torch.cat(x, 1) if x[0] is not None else None for x in zip(*(p[:5] for p in parts))]
-        return (*cat, torch.cat([p[5] for p in parts], 0) if initial_state is not None else None)
     B, T, H, K = q.shape
     V = v.shape[-1]
     BT, BK, BVV, BV = _sizes(K, V, chunk_size)
-    NT = triton.cdiv(T, BT)
     q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
     la = log_decay(alpha.float(), q).contiguous() if alpha is not None else None
     h0 = initial_state.contiguous() if initial_state is not None else None
@@ -812,29 +935,30 @@ def chunk_backward(q, k, v, beta, alpha, initial_state, do, dht, *, bias="l2", p
     prec = "tf32" if allow_tf32 else "ieee"
     is_l2 = bias == "l2"
     st = _forward_stages(k, v, beta, la, h0, bias=bias, placement=placement, chunk_size=chunk_size, prec=prec,
-                         store_ainv=True)
+                         store_ainv=True, cu_seqlens=cu_seqlens)
+    lay = st["layout"]
     f32 = dict(dtype=torch.float32, device=q.device)
-    dhs = torch.empty(B, NT, H, V, K, **f32)
+    dhs = torch.empty(lay.NC, H, V, K, **f32)
     dw = torch.empty(B, T, H, V, **f32)
-    dh0 = torch.empty(B, H, V, K, **f32) if h0 is not None else None
+    dh0 = torch.empty(lay.N, H, V, K, **f32) if h0 is not None else None
     dummy = st["g"]
     cw = la is not None and la.dim() == 4
     meta = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, IS_L2=is_l2, READ_TOKEN=read == "token", PRECISION=prec,
-                num_warps=4)
+                IS_VARLEN=lay.varlen, num_warps=4)
     if not cw:
         meta["HAS_ALPHA"] = la is not None
-    (_cw_bwd_dh_kernel if cw else _chunk_bwd_dh_kernel)[(triton.cdiv(V, BV), B * H)](
+    (_cw_bwd_dh_kernel if cw else _chunk_bwd_dh_kernel)[(triton.cdiv(V, BV), lay.N * H)](
         q, k, la if la is not None else dummy, st["g"], st["wk"] if is_l2 else dummy, do,
-        dht if dht is not None else dummy, dhs, dw, dh0 if dh0 is not None else dummy, T, NT,
+        dht if dht is not None else dummy, dhs, dw, dh0 if dh0 is not None else dummy, lay.cu, lay.offsets, T, lay.NT,
         HAS_DHT=dht is not None, HAS_H0=dh0 is not None, **meta)
     dq = torch.empty(B, T, H, K, **f32)
     dk = torch.empty(B, T, H, K, **f32)
     dv = torch.empty(B, T, H, V, **f32)
     dbeta = torch.empty(B, T, H, **f32)
     dla = torch.empty(*la.shape, **f32) if la is not None else None
-    (_cw_bwd_grad_kernel if cw else _chunk_bwd_grad_kernel)[(NT, B * H)](
+    (_cw_bwd_grad_kernel if cw else _chunk_bwd_grad_kernel)[(lay.NC, H)](
         q, k, v, beta, la if la is not None else dummy, st["g"], st["ainv"] if is_l2 else dummy, st["w"], st["hs"],
-        dhs, do, dw, dq, dk, dv, dbeta, dla if dla is not None else dummy, T, NT,
+        dhs, do, dw, dq, dk, dv, dbeta, dla if dla is not None else dummy, lay.cu, lay.table, T, lay.NT,
         BEFORE=placement == "before_step", **meta)
     dalpha = None
     if alpha is not None:   # log_decay clamps α at the smallest normal: no gradient below it
@@ -905,7 +1029,8 @@ def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: to
             None.
         initial_state: ``[N, H, D_v, D_k]`` or None (zeros).
         bias, placement, read: as :func:`.fused_recurrent.fused_recurrent_delta_rule`.
-        cu_seqlens: ``[N + 1]`` offsets of packed sequences (B = 1), or None.
+        cu_seqlens: ``[N + 1]`` offsets of packed sequences (B = 1), or None. Run natively: one launch per
+            kernel over the chunks of all sequences (:func:`prepare_chunk_indices`), states restart at each boundary.
         chunk_size: the kernel's compute block BT (a power of two ≥ 16; it does not change the result).
         allow_tf32: let fp32 dots use TF32.
 
