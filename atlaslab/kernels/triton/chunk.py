@@ -102,7 +102,6 @@ if triton is not None:
         else:
             i_t = i_c % NT
             bos = (i_c // NT).to(tl.int64) * T
-        boc = i_c.to(tl.int64) - i_t      # global index of the sequence's first chunk (rows of hs / dhs)
         o_i = tl.arange(0, BT)
         o_t = i_t * BT + o_i
         m_t = o_t < T
@@ -490,7 +489,6 @@ if triton is not None:
         else:
             i_t = i_c % NT
             bos = (i_c // NT).to(tl.int64) * T
-        boc = i_c.to(tl.int64) - i_t      # global index of the sequence's first chunk (rows of hs / dhs)
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
         m_k = o_k < K
