@@ -284,3 +284,24 @@ def test_step_falls_back_beyond_kernel_limits(monkeypatch):
     f_t, w_t, _ = mc.mlp_dual_step(*args)
     f_r, w_r, _ = chunked._dual_step(*args)
     assert torch.equal(w_t["W1"], w_r["W1"]) and torch.equal(f_t["W1"][0], f_r["W1"][0])
+
+
+def test_memorize_triton_mode_uses_the_fused_step(monkeypatch):
+    """``memorize(mode="triton")`` on a deep-memory spec falls back to ``chunked`` with the fused step wired in."""
+    parts = _parts("gelu")
+    q, k, v = random_qkv(2, 11, 2, 8, seed=3)
+    gates = random_gates(2, 11, 2, seed=4, names=("lr", "window", "momentum", "retention"), low=0.5, high=0.95)
+    calls, fused = [], mc.mlp_dual_step
+
+    def counted(*args):
+        calls.append(1)
+        return fused(*args)
+
+    monkeypatch.setattr(mc, "mlp_dual_step", counted)
+    p32 = copy.deepcopy(parts).float()
+    args = (q.float(), k.float(), v.float(), p32, {n: g.float() for n, g in gates.items()})
+    o_t, s_t = memorize(*args, mode="triton", chunk_size=4)
+    o_c, s_c = memorize(*args, mode="chunked", chunk_size=4)
+    assert len(calls) == 3                                   # 11 tokens at b = 4: three chunks
+    assert rms_ratio(o_t.double(), o_c.double()) <= TOL
+    assert rms_ratio(s_t.weights["W1"].double(), s_c.weights["W1"].double()) <= TOL

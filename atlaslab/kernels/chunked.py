@@ -268,7 +268,8 @@ def _chunks_as_batch(z: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if z is None else z.transpose(1, 2).flatten(0, 1)
 
 
-def _dual_aligned(parts, state: MemoryState, gates: Gates, q, k, v, b: int, checkpoint: bool) -> torch.Tensor:
+def _dual_aligned(parts, state: MemoryState, gates: Gates, q, k, v, b: int, checkpoint: bool,
+                  step=None) -> torch.Tensor:
     """Whole chunks from a chunk boundary (the last may be partial) in the dual form.
 
     Every coefficient that does not depend on the memory — windows, decay and momentum matrices of all chunks —
@@ -277,9 +278,10 @@ def _dual_aligned(parts, state: MemoryState, gates: Gates, q, k, v, b: int, chec
     into the batch (each chunk's weights in dual form over its own anchor, momentum and factors).
 
     Padded tail positions have η = 0 and α = θ = 1 (they change no real position); the final state is read at
-    the last real token. ``checkpoint`` recomputes each chunk's step in the backward pass. Mutates ``state``;
-    returns ``[B, T, H, V]``.
+    the last real token. ``checkpoint`` recomputes each chunk's step in the backward pass; ``step`` replaces
+    :func:`_dual_step` (same contract; e.g. the fused Triton MLP step). Mutates ``state``; returns ``[B, T, H, V]``.
     """
+    step = step or _dual_step
     fm, ret = parts.feature_map, parts.retention
     B, T = q.shape[:2]
     N = -(-T // b)
@@ -329,9 +331,9 @@ def _dual_aligned(parts, state: MemoryState, gates: Gates, q, k, v, b: int, chec
         momenta.append(momentum)
         if checkpoint and torch.is_grad_enabled():
             f, weights, momentum = torch.utils.checkpoint.checkpoint(
-                _dual_step, parts, weights, momentum, *args, use_reentrant=False)
+                step, parts, weights, momentum, *args, use_reentrant=False)
         else:
-            f, weights, momentum = _dual_step(parts, weights, momentum, *args)
+            f, weights, momentum = step(parts, weights, momentum, *args)
         factors.append(f)
 
     # all reads at once: chunks folded into the batch
@@ -456,7 +458,8 @@ def _run_piece(parts, state: MemoryState, piece, b: int):
 
 
 def memorize_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parts: "MemoryParts", gates: Gates,
-                     chunk_size: int, state: MemoryState, block_size: int = 64, checkpoint: bool = False):
+                     chunk_size: int, state: MemoryState, block_size: int = 64, checkpoint: bool = False,
+                     dual_step=None):
     """Chunk-parallel engine. ``q, k: [B, T, H, D_k]``, ``v: [B, T, H, D_v]`` → ``([B, T, H, D_v], state)``.
 
     Online (b = 1) linear rules run exactly in blocks of ``block_size`` tokens (``linear_delta.py``); every
@@ -479,7 +482,7 @@ def memorize_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parts: "
             y, state = _run_piece(parts, state, first, b)
             outputs.append(y)
         if q.shape[1]:
-            outputs.append(_dual_aligned(parts, state, gates, q, k, v, b, checkpoint))
+            outputs.append(_dual_aligned(parts, state, gates, q, k, v, b, checkpoint, dual_step))
         return torch.cat(outputs, 1), state
     pieces = split_time(sizes, q, k, v, gates)
     for piece in pieces:

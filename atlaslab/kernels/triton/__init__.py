@@ -252,11 +252,13 @@ def select_kernel(parts, q: torch.Tensor, chunk_size: int, mode: str = "auto") -
 def memorize_triton(q, k, v, parts, gates, chunk_size, state, block_size: int = 64, **engine_options):
     """``memorize(mode="triton")``: a Triton kernel when :func:`select_kernel` finds one, else ``chunked``.
 
-    ``engine_options`` (such as ``checkpoint``) are passed on to the ``chunked`` fallback.
+    ``engine_options`` (such as ``checkpoint``) are passed on to the ``chunked`` fallback, which runs its deep-
+    memory dual-form chunks with the fused Triton step where :func:`select_mlp_step` finds one.
     """
     engine = select_kernel(parts, q, chunk_size, "auto")
     if engine is None:
-        return memorize_chunked(q, k, v, parts, gates, chunk_size, state, block_size=block_size, **engine_options)
+        return memorize_chunked(q, k, v, parts, gates, chunk_size, state, block_size=block_size,
+                                dual_step=select_mlp_step(parts, q), **engine_options)
     return engine(q, k, v, parts, gates, chunk_size, state, block_size=block_size)
 
 
