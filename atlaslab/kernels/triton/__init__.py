@@ -8,6 +8,7 @@ Kernels (each beside its plain-torch reference in :mod:`.reference` / :mod:`atla
 - :func:`.chunk.chunk_delta_rule`: chunk-parallel forward and backward of the same rules (fla-style stages;
   the backward recomputes the chunk states, sweeps the chunks in reverse for dS, then forms dq, dk, dv, dβ,
   dα and the initial state's gradient per chunk in parallel), per-head or channel-wise (GLA-style) decay;
+  ``cu_seqlens`` natively (one launch per stage over all chunks of all packed sequences, fla's chunk-index table);
 - :func:`.chunk_momentum.chunk_momentum`: linear memory trained by momentum GD at semantic chunk size b > 1
   (Titans with a matrix memory), the TTT/Titans dual form per chunk; Triton forward and backward (the gates'
   gradients by autograd through the torch stage-1 coefficients, no memory-sized tensor);
@@ -40,7 +41,11 @@ same tests on the device) and then ``python bench/kernels.py`` (correctness-gate
 backward runs on Triton backward kernels (``tests/test_triton_chunk_bwd.py``: every input gradient against the
 float64 token loop, RMS-error ratio ~1e-7 in fp32 under the interpreter; channel-wise decay in
 ``tests/test_triton_channel.py``, the same bar); its torch recompute remains as the reference and the
-``ATLASLAB_CHUNK_BACKWARD=torch`` fallback. The token-by-token kernel's backward runs on the same chunk backward
+``ATLASLAB_CHUNK_BACKWARD=torch`` fallback. Variable-length batches (``cu_seqlens``) run natively on the c = 1 chunk
+kernels, forward and backward, scalar and channel-wise decay: one launch per stage for all packed sequences
+(``tests/test_triton_varlen.py``: packed outputs, final states and every input gradient against each sequence run
+alone through the float64 token loop, RMS-error ratio ~1e-7 in fp32 under the interpreter; launches counted); the
+Omega-window kernels (c > 1) take none. The token-by-token kernel's backward runs on the same chunk backward
 kernels; the Newton–Schulz kernel's backward is still autograd through a torch recompute (exact, torch speed).
 The momentum chunk kernel's backward runs on Triton backward kernels (reverse dM/dS sweep, per-chunk dq, dk, dv)
 with torch only for the gates' coefficient gradients; ``ATLASLAB_MOMENTUM_BACKWARD=torch`` falls back to autograd
