@@ -67,10 +67,11 @@ a GPU, so neither speed nor register pressure (a chunk's BT·c ≤ 128 slot rows
 Deep-memory chunk step (``mlp_chunk.py``, issue 6): memory ``mlp`` (depth 2, residual, no LayerNorm, σ gelu / silu /
 relu), ℓ2 bias, GD or momentum in the dual form. Two kernels (anchor errors e over hidden blocks; then per hidden
 block δ1 and the block's chunk-end W1, W2, S1, S2); backward by autograd through its torch reference (first-order,
-which is all the outer loss needs). :func:`select_mlp_step` returns the step when a kernel can run, but ``chunked.py``
-does not call it yet (``_dual_aligned`` still uses ``_dual_step``). Tested under the interpreter only
+which is all the outer loss needs). :func:`select_mlp_step` returns the step when a kernel can run;
+``memorize(mode="triton")`` passes it to the ``chunked`` fallback (``dual_step``), whose ``_dual_aligned`` then calls
+it in place of ``_dual_step`` (``mode="chunked"`` stays pure torch). Tested under the interpreter only
 (``tests/test_triton_mlp.py``: outputs and gradients vs the float64 reference, the step vs ``chunked._dual_step``, the
-engine with the step patched in); never run on a GPU.
+engine with the step, ``mode="triton"`` end to end); never run on a GPU.
 """
 from __future__ import annotations
 
