@@ -28,3 +28,19 @@ def random_gates(B=2, T=7, H=2, seed=1, dtype=torch.float64, names=("lr",), low=
         shape = (B, T, H, Dk) if (n == "retention" and Dk) else (B, T, H)
         out[n] = low + (high - low) * torch.rand(*shape, generator=g, dtype=dtype)
     return out
+
+
+def require_triton():
+    """``atlaslab.kernels.triton`` for a Triton test module; skips the module when its kernels cannot run here."""
+    import pytest
+    pytest.importorskip("triton", reason="triton is not installed: the Triton kernels are not tested")
+    from atlaslab.kernels import triton as tk
+    if not tk.available():
+        pytest.skip("Triton kernels cannot run here (no CUDA device and TRITON_INTERPRET is not 1)",
+                    allow_module_level=True)
+    return tk
+
+
+def triton_device(tk) -> str:
+    """Where the Triton tests put their tensors: the GPU when kernels compile for it, else the interpreter's CPU."""
+    return "cuda" if torch.cuda.is_available() and not tk.interpreting() else "cpu"

@@ -12,38 +12,21 @@ import os
 
 import pytest
 import torch
-from helpers import random_gates, random_qkv, rms_ratio
+from helpers import random_gates, random_qkv, require_triton, rms_ratio, triton_device
 
-pytest.importorskip("triton", reason="triton is not installed: the Triton kernels are not tested")
+tk = require_triton()
 
 from atlaslab import memorize  # noqa: E402
 from atlaslab.components import build_memory  # noqa: E402
-from atlaslab.kernels import triton as tk  # noqa: E402
 from atlaslab.kernels.newton_schulz import newton_schulz as ns_torch  # noqa: E402
 from atlaslab.kernels.triton.reference import delta_rule_chunk, delta_rule_recurrent  # noqa: E402
-
-if not tk.available():
-    pytest.skip("Triton kernels cannot run here (no CUDA device and TRITON_INTERPRET is not 1)",
-                allow_module_level=True)
-
 from atlaslab.kernels.triton.chunk import chunk_delta_rule  # noqa: E402
 from atlaslab.kernels.triton.fused_recurrent import fused_recurrent_delta_rule  # noqa: E402
 from atlaslab.kernels.triton.newton_schulz import newton_schulz as ns_triton, supports as ns_supports  # noqa: E402
 
 TOL = 1e-3
-DEVICE = "cuda" if torch.cuda.is_available() and not tk.interpreting() else "cpu"
-
-
-@pytest.fixture(autouse=True)
-def poison_empty(monkeypatch):
-    """torch.empty / empty_like return NaN-filled float tensors, so a kernel that skips an element fails."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def nan(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: nan(empty(*a, **kw)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: nan(empty_like(*a, **kw)))
+DEVICE = triton_device(tk)
+pytestmark = pytest.mark.usefixtures("poison_empty")   # NaN-filled empty buffers (conftest)
 
 
 def _inputs(B, T, H, K, V, seed=0, alpha=True, h0=True, N=None):

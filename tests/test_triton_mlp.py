@@ -13,38 +13,21 @@ import copy
 
 import pytest
 import torch
-from helpers import random_gates, random_qkv, rms_ratio
+from helpers import random_gates, random_qkv, require_triton, rms_ratio, triton_device
 
-pytest.importorskip("triton", reason="triton is not installed: the Triton kernels are not tested")
+tk = require_triton()
 
 from atlaslab import memorize  # noqa: E402
 from atlaslab.components import build_memory  # noqa: E402
 from atlaslab.kernels import chunked  # noqa: E402
-from atlaslab.kernels import triton as tk  # noqa: E402
-
-if not tk.available():
-    pytest.skip("Triton kernels cannot run here (no CUDA device and TRITON_INTERPRET is not 1)",
-                allow_module_level=True)
-
 from atlaslab.kernels.triton import mlp_chunk as mc  # noqa: E402
 
 TOL = 1e-3
-DEVICE = "cuda" if torch.cuda.is_available() and not tk.interpreting() else "cpu"
+DEVICE = triton_device(tk)
+pytestmark = pytest.mark.usefixtures("poison_empty")   # NaN-filled empty buffers (conftest)
 ACTS = ("gelu", "silu", "relu")
 NAMES = ("x", "v", "W1", "W2", "S1", "S2", "P_e", "Q_e", "A_e", "Th_e", "S_e")
 OUTS = ("delta1", "delta2", "a", "W1_e", "W2_e", "S1_e", "S2_e")
-
-
-@pytest.fixture(autouse=True)
-def poison_empty(monkeypatch):
-    """torch.empty / empty_like return NaN-filled float tensors, so a kernel that skips an element fails."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def nan(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: nan(empty(*a, **kw)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: nan(empty_like(*a, **kw)))
 
 
 def _inputs(B=2, H=2, W=5, D=8, hid=16, momentum=True, seed=0):

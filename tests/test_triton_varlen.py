@@ -15,37 +15,20 @@ import collections
 
 import pytest
 import torch
-from helpers import rms_ratio
+from helpers import require_triton, rms_ratio, triton_device
 
-pytest.importorskip("triton", reason="triton is not installed: the Triton kernels are not tested")
+tk = require_triton()
 
-from atlaslab.kernels import triton as tk  # noqa: E402
 from atlaslab.kernels.triton.reference import delta_rule_recurrent  # noqa: E402
-
-if not tk.available():
-    pytest.skip("Triton kernels cannot run here (no CUDA device and TRITON_INTERPRET is not 1)",
-                allow_module_level=True)
-
 from atlaslab.kernels.triton import chunk as chunk_mod  # noqa: E402
 from atlaslab.kernels.triton.chunk import chunk_delta_rule, prepare_chunk_indices  # noqa: E402
 
 TOL = 1e-3
-DEVICE = "cuda" if torch.cuda.is_available() and not tk.interpreting() else "cpu"
+DEVICE = triton_device(tk)
+pytestmark = pytest.mark.usefixtures("poison_empty")   # NaN-filled empty buffers (conftest)
 LENS = [5, 17, 1, 33]          # 16-token chunks: 1 + 2 + 1 + 3 = 7 chunks, four of them partial
 BT = 16
 NAMES = ("q", "k", "v", "beta", "alpha", "h0")
-
-
-@pytest.fixture(autouse=True)
-def poison_empty(monkeypatch):
-    """torch.empty / empty_like return NaN-filled float tensors, so a kernel that skips an element fails."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def nan(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: nan(empty(*a, **kw)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: nan(empty_like(*a, **kw)))
 
 
 @pytest.fixture
