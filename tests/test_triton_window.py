@@ -25,8 +25,8 @@ from atlaslab.kernels.recurrent import initial_state  # noqa: E402
 from atlaslab.kernels.triton.reference import (MAX_WINDOW, window_rule_chunk, window_rule_recurrent,  # noqa: E402
                                                window_slots)
 from atlaslab.kernels.triton import chunk as chunk_mod  # noqa: E402
-from atlaslab.kernels.triton.chunk import (chunk_window_rule, window_chunk_backward,  # noqa: E402
-                                           window_torch_backward)
+from atlaslab.kernels.triton.chunk_window import (chunk_window_rule, window_chunk_backward,  # noqa: E402
+                                                  window_torch_backward)
 from atlaslab.kernels.triton.fused_recurrent import fused_recurrent_window_rule  # noqa: E402
 
 TOL = 1e-3

@@ -57,7 +57,7 @@ references ``reference.window_rule_recurrent`` / ``window_rule_chunk``): the eng
 slots (key, value, coefficient η_t γ_j; the window's start from the state's history) in torch; the chunk kernel
 solves the UT system over a chunk's BT·c slot rows with decays and masks at the slots' tokens, the token-by-token
 kernel takes the c rank-1 terms of each step from the pre-step state. Both backwards run on the window backward
-kernels (``chunk.window_chunk_backward``; the slots' gradients reach k, v, η, γ and the history through the torch
+kernels (``chunk_window.window_chunk_backward``; the slots' gradients reach k, v, η, γ and the history through the torch
 gather), with autograd of the torch chunk form recomputed for channel-wise decay (token-by-token kernel only) and
 under ``ATLASLAB_CHUNK_BACKWARD=torch``. Tested under the interpreter only (``tests/test_triton_window.py``:
 outputs, final state and the gradients of q, k, v, η, γ, α and the initial state against
@@ -177,7 +177,8 @@ def _engine(kind: str) -> Callable:
     def run(q, k, v, parts, gates, chunk_size, state, block_size: int = 64, **engine_options):
         # engine_options (e.g. ``checkpoint``) concern the torch engines; the kernels recompute in backward anyway
         if kind == "chunk":
-            from .chunk import chunk_delta_rule as kernel, chunk_window_rule as window_kernel
+            from .chunk import chunk_delta_rule as kernel
+            from .chunk_window import chunk_window_rule as window_kernel
             extra = dict(chunk_size=min(64, max(16, int(block_size))))
         else:
             from .fused_recurrent import (fused_recurrent_delta_rule as kernel,

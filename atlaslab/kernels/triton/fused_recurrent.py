@@ -279,7 +279,7 @@ class FusedWindowFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        from .chunk import window_backward
+        from .chunk_window import window_backward
         grads = window_backward(ctx.saved_tensors, ctx.needs_input_grad[:6], do, dht, ctx.opts, 64)
         return (*grads, None, None, None)
 
@@ -300,6 +300,6 @@ def fused_recurrent_window_rule(q: torch.Tensor, xs: torch.Tensor, vs: torch.Ten
     Returns:
         ``o: [B, T, H, D_v]`` and the final state ``[B, H, D_v, D_k]``.
 
-    Backward: as :func:`.chunk.chunk_window_rule`'s (:func:`.chunk.window_backward`).
+    Backward: as :func:`.chunk_window.chunk_window_rule`'s (:func:`.chunk_window.window_backward`).
     """
     return FusedWindowFunction.apply(q, xs, vs, coef, alpha, initial_state, bias, placement, read)

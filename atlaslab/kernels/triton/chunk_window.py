@@ -1,0 +1,571 @@
+"""Chunked Triton kernels for Omega windows c > 1 of the linear-memory delta / Hebbian rule (ATLAS Eq.9, b = 1).
+
+The window rule of :func:`.reference.window_rule_chunk`: the same three stages with the L·C window *slots* of a
+chunk of L tokens as the rows of the UT system. Slot tensors are ``[B, T·C, H, ·]`` (slot s = t·C + j of token
+t holds the key / value of token t − C + 1 + j, coefficient η_t γ_j); decays and causal masks are taken at the
+slots' tokens (slot → token: s // C, so the C slots of one token never see each other). g (the chunk-local
+cumsum of log α, per token) is formed in torch. A chunk holds BT tokens and BS = pow2(BT·C) slot rows.
+Backward (:func:`window_chunk_backward`): the c = 1 backward's stages on the slot rows (``_win_bwd_dh_kernel``,
+``_win_bwd_grad_kernel``); the slots' dg / dG terms are summed into their tokens before the reverse cumsum, and
+the gradients of xs, vs, coef reach k, v, η, γ and the history through the torch gather of the slots.
+
+The c = 1 kernels, the shared block sizes and the backward switch ``chunk.BACKWARD`` live in :mod:`.chunk`.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from . import chunk as _chunk
+from .chunk import MAX_D, _pow2
+from .reference import MAX_WINDOW, _upcast, log_decay
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _win_ut_kernel(xs, vs, coef, la, g, u_out, wk_out, ainv_out, T, H: tl.constexpr, K: tl.constexpr,
+                       V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
+                       BVV: tl.constexpr, HAS_ALPHA: tl.constexpr, BEFORE: tl.constexpr, STORE_AINV: tl.constexpr,
+                       PRECISION: tl.constexpr):
+        """Stage 1 (ℓ2 only), per chunk × head: A[r, r'] = coef_r e^{G_τr − g_τr'} x_r·x_r' (τr' < τr), its
+        unit-triangular inverse by forward substitution, u = (I + A)⁻¹ (coef v), w_k = (I + A)⁻¹ (coef e^G x)."""
+        i_t = tl.program_id(0)
+        i_bh = tl.program_id(1)
+        i_b = i_bh // H
+        i_h = i_bh % H
+        o_s = tl.arange(0, BS)
+        o_k = tl.arange(0, BK)
+        o_v = tl.arange(0, BVV)
+        m_k = o_k < K
+        m_v = o_v < V
+        tau = o_s // C
+        tok = i_t * BT + tau
+        m_s = (o_s < BT * C) & (tok < T)
+        srow = (i_b.to(tl.int64) * T * C + i_t * BT * C + o_s) * H + i_h
+        trow = (i_b.to(tl.int64) * T + tok) * H + i_h
+        b_x = tl.load(xs + srow[:, None] * K + o_k[None, :], mask=m_s[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_v = tl.load(vs + srow[:, None] * V + o_v[None, :], mask=m_s[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        b_c = tl.load(coef + srow, mask=m_s, other=0.0).to(tl.float32)
+        b_g = tl.load(g + trow, mask=m_s, other=0.0)
+        if BEFORE:
+            b_G = b_g
+        else:
+            if HAS_ALPHA:
+                b_G = b_g - tl.load(la + trow, mask=m_s, other=0.0).to(tl.float32)
+            else:
+                b_G = b_g
+        strict = tau[:, None] > tau[None, :]
+        xx = tl.dot(b_x, tl.trans(b_x), input_precision=PRECISION)
+        A = tl.where(strict, b_c[:, None] * xx * tl.exp(tl.where(strict, b_G[:, None] - b_g[None, :], 0.0)), 0.0)
+        Ti = tl.where(o_s[:, None] == o_s[None, :], 1.0, 0.0)
+        for i in range(1, BS):
+            a_i = tl.sum(tl.where(o_s[:, None] == i, A, 0.0), axis=0)
+            new = tl.where(o_s == i, 1.0, 0.0) - tl.sum(a_i[:, None] * Ti, axis=0)
+            Ti = tl.where(o_s[:, None] == i, new[None, :], Ti)
+        b_u = tl.dot(Ti, b_c[:, None] * b_v, input_precision=PRECISION)
+        b_wk = tl.dot(Ti, (b_c * tl.exp(b_G))[:, None] * b_x, input_precision=PRECISION)
+        tl.store(u_out + srow[:, None] * V + o_v[None, :], b_u, mask=m_s[:, None] & m_v[None, :])
+        tl.store(wk_out + srow[:, None] * K + o_k[None, :], b_wk, mask=m_s[:, None] & m_k[None, :])
+        if STORE_AINV:
+            tl.store(ainv_out + srow[:, None] * BS + o_s[None, :], Ti, mask=m_s[:, None])
+
+    @triton.jit
+    def _win_state_kernel(xs, vs, coef, g, u, wk, h0, w_out, hs, ht, T, NT, H: tl.constexpr, K: tl.constexpr,
+                          V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
+                          BV: tl.constexpr, HAS_H0: tl.constexpr, IS_L2: tl.constexpr, PRECISION: tl.constexpr):
+        """Stage 2, per value block × head, sequential over chunks: w = u − w_k S_0ᵀ (dot: coef v), stores the
+        chunk-start states, S ← e^{g_L} S + Σ_r e^{g_L − g_τr} w_r x_rᵀ."""
+        i_v = tl.program_id(0)
+        i_bh = tl.program_id(1)
+        i_b = i_bh // H
+        i_h = i_bh % H
+        o_s = tl.arange(0, BS)
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k = o_k < K
+        m_v = o_v < V
+        m_h = m_v[:, None] & m_k[None, :]
+        h_offs = o_v[:, None] * K + o_k[None, :]
+        tau = o_s // C
+        h = tl.zeros([BV, BK], dtype=tl.float32)
+        if HAS_H0:
+            h += tl.load(h0 + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
+        for i_t in range(0, NT):
+            tl.store(hs + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * V * K + h_offs, h, mask=m_h)
+            tok = i_t * BT + tau
+            m_s = (o_s < BT * C) & (tok < T)
+            srow = (i_b.to(tl.int64) * T * C + i_t * BT * C + o_s) * H + i_h
+            trow = (i_b.to(tl.int64) * T + tok) * H + i_h
+            m_sk = m_s[:, None] & m_k[None, :]
+            m_sv = m_s[:, None] & m_v[None, :]
+            b_x = tl.load(xs + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0).to(tl.float32)
+            if IS_L2:
+                b_u = tl.load(u + srow[:, None] * V + o_v[None, :], mask=m_sv, other=0.0)
+                b_wk = tl.load(wk + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0)
+                b_w = b_u - tl.dot(b_wk, tl.trans(h), input_precision=PRECISION)
+            else:
+                b_v = tl.load(vs + srow[:, None] * V + o_v[None, :], mask=m_sv, other=0.0).to(tl.float32)
+                b_c = tl.load(coef + srow, mask=m_s, other=0.0).to(tl.float32)
+                b_w = b_c[:, None] * b_v
+            tl.store(w_out + srow[:, None] * V + o_v[None, :], b_w, mask=m_sv)
+            b_g = tl.load(g + trow, mask=m_s, other=0.0)
+            last = tl.minimum(T - i_t * BT, BT) - 1
+            g_last = tl.load(g + (i_b.to(tl.int64) * T + i_t * BT + last) * H + i_h)
+            decay = tl.exp(tl.where(m_s, g_last - b_g, 0.0))
+            h = h * tl.exp(g_last) + tl.dot(tl.trans(b_w * decay[:, None]), b_x, input_precision=PRECISION)
+        tl.store(ht + i_bh.to(tl.int64) * V * K + h_offs, h, mask=m_h)
+
+    @triton.jit
+    def _win_out_kernel(q, xs, la, g, w, hs, o, T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                        C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                        HAS_ALPHA: tl.constexpr, READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
+        """Stage 3, per value block × chunk × head: o = e^{gq} (q S_0ᵀ) + [m e^{gq_t − g_τr} q_t·x_r] w."""
+        i_v = tl.program_id(0)
+        i_t = tl.program_id(1)
+        i_bh = tl.program_id(2)
+        i_b = i_bh // H
+        i_h = i_bh % H
+        o_i = tl.arange(0, BT)
+        o_s = tl.arange(0, BS)
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k = o_k < K
+        m_v = o_v < V
+        o_t = i_t * BT + o_i
+        m_t = o_t < T
+        rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+        tau = o_s // C
+        tok = i_t * BT + tau
+        m_s = (o_s < BT * C) & (tok < T)
+        srow = (i_b.to(tl.int64) * T * C + i_t * BT * C + o_s) * H + i_h
+        trow = (i_b.to(tl.int64) * T + tok) * H + i_h
+        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_x = tl.load(xs + srow[:, None] * K + o_k[None, :], mask=m_s[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_g = tl.load(g + rows, mask=m_t, other=0.0)
+        b_gs = tl.load(g + trow, mask=m_s, other=0.0)
+        if READ_TOKEN:
+            b_gq = b_g
+            causal = (tau[None, :] <= o_i[:, None]) & m_s[None, :]
+        else:
+            if HAS_ALPHA:
+                b_gq = b_g - tl.load(la + rows, mask=m_t, other=0.0).to(tl.float32)
+            else:
+                b_gq = b_g
+            causal = (tau[None, :] < o_i[:, None]) & m_s[None, :]
+        b_w = tl.load(w + srow[:, None] * V + o_v[None, :], mask=m_s[:, None] & m_v[None, :], other=0.0)
+        h = tl.load(hs + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * V * K + o_v[:, None] * K + o_k[None, :],
+                    mask=m_v[:, None] & m_k[None, :], other=0.0)
+        b_o = tl.exp(b_gq)[:, None] * tl.dot(b_q, tl.trans(h), input_precision=PRECISION)
+        qx = tl.dot(b_q, tl.trans(b_x), input_precision=PRECISION)
+        qx = tl.where(causal, qx * tl.exp(tl.where(causal, b_gq[:, None] - b_gs[None, :], 0.0)), 0.0)
+        b_o += tl.dot(qx, b_w, input_precision=PRECISION)
+        tl.store(o + rows[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+
+
+    @triton.jit
+    def _win_bwd_dh_kernel(q, xs, la, g, wk, do, dht, dhs, dw, dh0, T, NT, H: tl.constexpr, K: tl.constexpr,
+                           V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
+                           BV: tl.constexpr, HAS_ALPHA: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
+                           IS_L2: tl.constexpr, READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
+        """Reverse sweep over chunks (value block × head): dw = Pᵀ do + e^{g_L − g_τ} ⊙ (x dSᵀ) on the slots;
+        dS ← e^{g_L} dS + (e^{gq} ⊙ do)ᵀ q − [l2] dwᵀ w_k."""
+        i_v = tl.program_id(0)
+        i_bh = tl.program_id(1)
+        i_b = i_bh // H
+        i_h = i_bh % H
+        o_i = tl.arange(0, BT)
+        o_s = tl.arange(0, BS)
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k = o_k < K
+        m_v = o_v < V
+        m_h = m_v[:, None] & m_k[None, :]
+        h_offs = o_v[:, None] * K + o_k[None, :]
+        tau = o_s // C
+        dh = tl.zeros([BV, BK], dtype=tl.float32)
+        if HAS_DHT:
+            dh += tl.load(dht + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
+        for j in range(0, NT):
+            i_t = NT - 1 - j
+            tl.store(dhs + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * V * K + h_offs, dh, mask=m_h)
+            o_t = i_t * BT + o_i
+            m_t = o_t < T
+            rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+            tok = i_t * BT + tau
+            m_s = (o_s < BT * C) & (tok < T)
+            srow = (i_b.to(tl.int64) * T * C + i_t * BT * C + o_s) * H + i_h
+            trow = (i_b.to(tl.int64) * T + tok) * H + i_h
+            m_sk = m_s[:, None] & m_k[None, :]
+            b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
+                          other=0.0).to(tl.float32)
+            b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                           other=0.0).to(tl.float32)
+            b_x = tl.load(xs + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0).to(tl.float32)
+            b_g = tl.load(g + rows, mask=m_t, other=0.0)
+            b_gs = tl.load(g + trow, mask=m_s, other=0.0)
+            last = tl.minimum(T - i_t * BT, BT) - 1
+            g_last = tl.load(g + (i_b.to(tl.int64) * T + i_t * BT + last) * H + i_h)
+            if READ_TOKEN:
+                b_gq = b_g
+                causal = (tau[None, :] <= o_i[:, None]) & m_s[None, :]
+            else:
+                if HAS_ALPHA:
+                    b_gq = b_g - tl.load(la + rows, mask=m_t, other=0.0).to(tl.float32)
+                else:
+                    b_gq = b_g
+                causal = (tau[None, :] < o_i[:, None]) & m_s[None, :]
+            qx = tl.dot(b_q, tl.trans(b_x), input_precision=PRECISION)
+            P = tl.where(causal, qx * tl.exp(tl.where(causal, b_gq[:, None] - b_gs[None, :], 0.0)), 0.0)
+            decay = tl.exp(tl.where(m_s, g_last - b_gs, 0.0))
+            b_dw = tl.dot(tl.trans(P), b_do, input_precision=PRECISION) \
+                + decay[:, None] * tl.dot(b_x, tl.trans(dh), input_precision=PRECISION)
+            tl.store(dw + srow[:, None] * V + o_v[None, :], b_dw, mask=m_s[:, None] & m_v[None, :])
+            dh = dh * tl.exp(g_last) + tl.dot(tl.trans(b_do * tl.exp(b_gq)[:, None]), b_q, input_precision=PRECISION)
+            if IS_L2:
+                b_wk = tl.load(wk + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0)
+                dh -= tl.dot(tl.trans(b_dw), b_wk, input_precision=PRECISION)
+        if HAS_H0:
+            tl.store(dh0 + i_bh.to(tl.int64) * V * K + h_offs, dh, mask=m_h)
+
+    @triton.jit
+    def _win_bwd_grad_kernel(q, xs, vs, coef, la, g, ainv, w, hs, dhs, do, dw, dq, dx, dv, dcoef, dla, T, NT,
+                             H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr,
+                             BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_ALPHA: tl.constexpr,
+                             IS_L2: tl.constexpr, BEFORE: tl.constexpr, READ_TOKEN: tl.constexpr,
+                             PRECISION: tl.constexpr):
+        """Per chunk × head: dq (tokens), dx, dv, dcoef (slots) and d log α (tokens) — the c = 1 grad kernel's
+        equations with the slot rows in place of the tokens; slot terms of dg / dG are summed into their tokens
+        (a one-hot [BT, BS] reduction) before the reverse cumsum."""
+        i_t = tl.program_id(0)
+        i_bh = tl.program_id(1)
+        i_b = i_bh // H
+        i_h = i_bh % H
+        o_i = tl.arange(0, BT)
+        o_s = tl.arange(0, BS)
+        o_k = tl.arange(0, BK)
+        m_k = o_k < K
+        o_t = i_t * BT + o_i
+        m_t = o_t < T
+        rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+        tau = o_s // C
+        tok = i_t * BT + tau
+        m_s = (o_s < BT * C) & (tok < T)
+        srow = (i_b.to(tl.int64) * T * C + i_t * BT * C + o_s) * H + i_h
+        trow = (i_b.to(tl.int64) * T + tok) * H + i_h
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_sk = m_s[:, None] & m_k[None, :]
+        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_x = tl.load(xs + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0).to(tl.float32)
+        b_c = tl.load(coef + srow, mask=m_s, other=0.0).to(tl.float32)
+        b_g = tl.load(g + rows, mask=m_t, other=0.0)
+        b_gs = tl.load(g + trow, mask=m_s, other=0.0)
+        if HAS_ALPHA:
+            b_la = tl.load(la + rows, mask=m_t, other=0.0).to(tl.float32)
+            b_las = tl.load(la + trow, mask=m_s, other=0.0).to(tl.float32)
+        else:
+            b_la = tl.zeros([BT], dtype=tl.float32)
+            b_las = tl.zeros([BS], dtype=tl.float32)
+        last = tl.minimum(T - i_t * BT, BT) - 1
+        g_last = tl.load(g + (i_b.to(tl.int64) * T + i_t * BT + last) * H + i_h)
+        if READ_TOKEN:
+            b_gq = b_g
+            causal = (tau[None, :] <= o_i[:, None]) & m_s[None, :]
+        else:
+            b_gq = b_g - b_la
+            causal = (tau[None, :] < o_i[:, None]) & m_s[None, :]
+        if BEFORE:
+            b_G = b_gs
+        else:
+            b_G = b_gs - b_las
+        e_gq = tl.exp(b_gq)
+        e_G = tl.exp(b_G)
+        decay = tl.exp(tl.where(m_s, g_last - b_gs, 0.0))
+        Eq = tl.where(causal, tl.exp(tl.where(causal, b_gq[:, None] - b_gs[None, :], 0.0)), 0.0)
+        b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dks = tl.zeros([BS, BK], dtype=tl.float32)
+        b_dkl = tl.zeros([BS, BK], dtype=tl.float32)
+        b_dP = tl.zeros([BT, BS], dtype=tl.float32)
+        b_dA = tl.zeros([BS, BS], dtype=tl.float32)
+        b_db = tl.zeros([BS], dtype=tl.float32)
+        b_dG = tl.zeros([BS], dtype=tl.float32)
+        b_dgl = tl.zeros([BK], dtype=tl.float32)
+        h_base = ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * V * K
+        if IS_L2:
+            Ti = tl.load(ainv + srow[:, None] * BS + o_s[None, :], mask=m_s[:, None], other=0.0)
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            m_sv = m_s[:, None] & m_v[None, :]
+            m_h = m_v[:, None] & m_k[None, :]
+            b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                           other=0.0).to(tl.float32)
+            b_w = tl.load(w + srow[:, None] * V + o_v[None, :], mask=m_sv, other=0.0)
+            b_dw = tl.load(dw + srow[:, None] * V + o_v[None, :], mask=m_sv, other=0.0)
+            b_v = tl.load(vs + srow[:, None] * V + o_v[None, :], mask=m_sv, other=0.0).to(tl.float32)
+            S0 = tl.load(hs + h_base + o_v[:, None] * K + o_k[None, :], mask=m_h, other=0.0)
+            dS = tl.load(dhs + h_base + o_v[:, None] * K + o_k[None, :], mask=m_h, other=0.0)
+            b_dq += tl.dot(b_do * e_gq[:, None], S0, input_precision=PRECISION)
+            b_dP += tl.dot(b_do, tl.trans(b_w), input_precision=PRECISION)
+            b_dks += tl.dot(b_w * decay[:, None], dS, input_precision=PRECISION)
+            b_dgl += tl.sum(dS * S0, axis=0)
+            if IS_L2:
+                b_dr = tl.dot(tl.trans(Ti), b_dw, input_precision=PRECISION)
+                b_kS = tl.dot(b_x, tl.trans(S0), input_precision=PRECISION)
+                b_db += tl.sum(b_dr * (b_v - e_G[:, None] * b_kS), axis=1)
+                b_dG -= b_c * e_G * tl.sum(b_dr * b_kS, axis=1)
+                b_dkl -= (b_c * e_G)[:, None] * tl.dot(b_dr, S0, input_precision=PRECISION)
+                b_dA -= tl.dot(b_dr, tl.trans(b_w), input_precision=PRECISION)
+                b_dv = b_c[:, None] * b_dr
+            else:
+                b_db += tl.sum(b_dw * b_v, axis=1)
+                b_dv = b_c[:, None] * b_dw
+            tl.store(dv + srow[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_sv)
+        b_dP = b_dP * Eq
+        b_dq += tl.dot(b_dP, b_x, input_precision=PRECISION)
+        b_dkp = tl.dot(tl.trans(b_dP), b_q, input_precision=PRECISION)
+        b_dgq = tl.sum(b_q * b_dq, axis=1)
+        ks = tl.sum(b_x * b_dks, axis=1)
+        b_dgs = -tl.sum(b_x * b_dkp, axis=1) - ks                 # g at the slot's token, key side
+        dgl = tl.exp(g_last) * tl.sum(b_dgl, axis=0) + tl.sum(ks, axis=0)
+        b_dk = b_dkp + b_dks + b_dkl
+        if IS_L2:
+            strict = (tau[:, None] > tau[None, :]) & m_s[None, :]
+            E = tl.where(strict, tl.exp(tl.where(strict, b_G[:, None] - b_gs[None, :], 0.0)), 0.0)
+            xx = tl.dot(b_x, tl.trans(b_x), input_precision=PRECISION)
+            b_dA = tl.where(strict, b_dA, 0.0)
+            Z = b_dA * b_c[:, None] * E
+            Ad = Z * xx
+            b_db += tl.sum(b_dA * E * xx, axis=1)
+            b_dG += tl.sum(Ad, axis=1)
+            b_dgs -= tl.sum(Ad, axis=0)
+            b_dk += tl.dot(Z, b_x, input_precision=PRECISION) + tl.dot(tl.trans(Z), b_x, input_precision=PRECISION)
+        tl.store(dq + rows[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
+        tl.store(dx + srow[:, None] * K + o_k[None, :], b_dk.to(dx.dtype.element_ty), mask=m_sk)
+        tl.store(dcoef + srow, b_db.to(dcoef.dtype.element_ty), mask=m_s)
+        if HAS_ALPHA:
+            own = (tau[None, :] == o_i[:, None]) & m_s[None, :]      # [BT, BS]: slot → its token
+            b_dG_t = tl.sum(tl.where(own, b_dG[None, :], 0.0), axis=1)
+            b_dg = b_dgq + tl.sum(tl.where(own, b_dgs[None, :], 0.0), axis=1) + tl.where(o_i == last, dgl, 0.0)
+            b_dla = tl.cumsum(b_dg + b_dG_t, axis=0, reverse=True)
+            if not BEFORE:
+                b_dla -= b_dG_t
+            if not READ_TOKEN:
+                b_dla -= b_dgq
+            tl.store(dla + rows, b_dla, mask=m_t)
+
+
+def _win_sizes(K: int, V: int, c: int, chunk_size: int):
+    """Window block sizes: BT tokens per chunk (a power of two ≥ 16, about chunk_size / c), BS = pow2(BT·c) slot
+    rows, BK / BVV padded head dims, BV the state kernels' value block."""
+    if max(K, V) > MAX_D:
+        raise ValueError(f"chunk (triton): head dims D_k = {K}, D_v = {V} must be ≤ {MAX_D}")
+    if not 1 <= c <= MAX_WINDOW:
+        raise ValueError(f"chunk window (triton): window c = {c} must be in [1, {MAX_WINDOW}]")
+    per = max(1, int(chunk_size) // c)
+    BT = max(16, 1 << (per.bit_length() - 1))
+    BK, BVV = _pow2(K), _pow2(V)
+    return BT, _pow2(BT * c), BK, BVV, min(BVV, max(16, 8192 // BK))
+
+
+def _chunk_log_cumsum(la: Optional[torch.Tensor], B: int, T: int, H: int, BT: int, device) -> torch.Tensor:
+    """g ``[B, T, H]`` fp32: the chunk-local (BT tokens) cumsum of log α (zeros without decay)."""
+    if la is None:
+        return torch.zeros(B, T, H, dtype=torch.float32, device=device)
+    NT = -(-T // BT)
+    pad = NT * BT - T
+    x = torch.cat([la, la.new_zeros(B, pad, H)], 1) if pad else la
+    return x.reshape(B, NT, BT, H).cumsum(2).reshape(B, NT * BT, H)[:, :T].contiguous()
+
+
+def window_forward(q, xs, vs, coef, alpha=None, initial_state=None, *, bias="l2", placement="before_step",
+                   read="token", chunk_size: int = 64, allow_tf32: bool = False):
+    """The window forward kernels, no autograd; arguments as :func:`chunk_window_rule`."""
+    from .reference import check_window_args
+    c = check_window_args(q, xs, vs, coef, alpha, initial_state, bias, placement, read)
+    if alpha is not None and alpha.dim() == 4:
+        raise NotImplementedError("chunk_window_rule: channel-wise decay with an Omega window (use the token-by-token"
+                                  " kernel or the torch engines)")
+    B, T, H, K = q.shape
+    V = vs.shape[-1]
+    BT, BS, BK, BVV, BV = _win_sizes(K, V, c, chunk_size)
+    NT = triton.cdiv(T, BT)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    q = q.contiguous()
+    xs, vs, coef = (x.contiguous().flatten(1, 2) for x in (xs, vs, coef))     # [B, T·c, H, ·]
+    la = log_decay(alpha.float(), q).contiguous() if alpha is not None else None
+    g = _chunk_log_cumsum(la, B, T, H, BT, q.device)
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    prec = "tf32" if allow_tf32 else "ieee"
+    is_l2 = bias == "l2"
+    u = torch.empty(B, T * c, H, V, **f32) if is_l2 else None
+    wk = torch.empty(B, T * c, H, K, **f32) if is_l2 else None
+    w = torch.empty(B, T * c, H, V, **f32)
+    hs = torch.empty(B, NT, H, V, K, **f32)
+    ht = torch.empty(B, H, V, K, **f32)
+    dummy = g
+    if is_l2:
+        _win_ut_kernel[(NT, B * H)](
+            xs, vs, coef, la if la is not None else dummy, g, u, wk, dummy, T, H=H, K=K, V=V, C=c, BT=BT, BS=BS,
+            BK=BK, BVV=BVV, HAS_ALPHA=la is not None, BEFORE=placement == "before_step", STORE_AINV=False,
+            PRECISION=prec, num_warps=4)
+    _win_state_kernel[(triton.cdiv(V, BV), B * H)](
+        xs, vs, coef, g, u if is_l2 else dummy, wk if is_l2 else dummy, h0 if h0 is not None else dummy, w, hs, ht,
+        T, NT, H=H, K=K, V=V, C=c, BT=BT, BS=BS, BK=BK, BV=BV, HAS_H0=h0 is not None, IS_L2=is_l2, PRECISION=prec,
+        num_warps=4)
+    o = torch.empty(B, T, H, V, dtype=vs.dtype, device=q.device)
+    _win_out_kernel[(triton.cdiv(V, BV), NT, B * H)](
+        q, xs, la if la is not None else dummy, g, w, hs, o, T, NT, H=H, K=K, V=V, C=c, BT=BT, BS=BS, BK=BK, BV=BV,
+        HAS_ALPHA=la is not None, READ_TOKEN=read == "token", PRECISION=prec, num_warps=4)
+    return o, ht.to(initial_state.dtype if initial_state is not None else q.dtype)
+
+
+def window_chunk_backward(q, xs, vs, coef, alpha, initial_state, do, dht, *, bias="l2", placement="before_step",
+                          read="token", chunk_size: int = 64, allow_tf32: bool = False):
+    """Gradients of :func:`window_forward` on the window backward kernels: ``(dq, dxs, dvs, dcoef, dalpha, dh0)``
+    (``dalpha`` / ``dh0`` None when ``alpha`` / ``initial_state`` are). Re-runs stages 1–2 (storing (I + A)⁻¹),
+    sweeps the chunks in reverse for dS and dw (``_win_bwd_dh_kernel``), then forms every chunk's gradients in
+    parallel (``_win_bwd_grad_kernel``). Per-head decay only."""
+    from .reference import check_window_args
+    c = check_window_args(q, xs, vs, coef, alpha, initial_state, bias, placement, read)
+    if alpha is not None and alpha.dim() == 4:
+        raise NotImplementedError("window_chunk_backward: channel-wise decay")
+    B, T, H, K = q.shape
+    V = vs.shape[-1]
+    BT, BS, BK, BVV, BV = _win_sizes(K, V, c, chunk_size)
+    NT = triton.cdiv(T, BT)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    q_, do_ = q.contiguous(), do.contiguous()
+    xs_, vs_, coef_ = (x.contiguous().flatten(1, 2) for x in (xs, vs, coef))
+    la = log_decay(alpha.float(), q).contiguous() if alpha is not None else None
+    g = _chunk_log_cumsum(la, B, T, H, BT, q.device)
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    dht = dht.contiguous() if dht is not None else None
+    prec = "tf32" if allow_tf32 else "ieee"
+    is_l2 = bias == "l2"
+    dummy = g
+    u = torch.empty(B, T * c, H, V, **f32) if is_l2 else None
+    wk = torch.empty(B, T * c, H, K, **f32) if is_l2 else None
+    ainv = torch.empty(B, T * c, H, BS, **f32) if is_l2 else None
+    w = torch.empty(B, T * c, H, V, **f32)
+    hs = torch.empty(B, NT, H, V, K, **f32)
+    ht = torch.empty(B, H, V, K, **f32)
+    if is_l2:
+        _win_ut_kernel[(NT, B * H)](
+            xs_, vs_, coef_, la if la is not None else dummy, g, u, wk, ainv, T, H=H, K=K, V=V, C=c, BT=BT, BS=BS,
+            BK=BK, BVV=BVV, HAS_ALPHA=la is not None, BEFORE=placement == "before_step", STORE_AINV=True,
+            PRECISION=prec, num_warps=4)
+    _win_state_kernel[(triton.cdiv(V, BV), B * H)](
+        xs_, vs_, coef_, g, u if is_l2 else dummy, wk if is_l2 else dummy, h0 if h0 is not None else dummy, w, hs,
+        ht, T, NT, H=H, K=K, V=V, C=c, BT=BT, BS=BS, BK=BK, BV=BV, HAS_H0=h0 is not None, IS_L2=is_l2,
+        PRECISION=prec, num_warps=4)
+    dhs = torch.empty(B, NT, H, V, K, **f32)
+    dw = torch.empty(B, T * c, H, V, **f32)
+    dh0 = torch.empty(B, H, V, K, **f32) if h0 is not None else None
+    meta = dict(H=H, K=K, V=V, C=c, BT=BT, BS=BS, BK=BK, BV=BV, HAS_ALPHA=la is not None, IS_L2=is_l2,
+                READ_TOKEN=read == "token", PRECISION=prec, num_warps=4)
+    _win_bwd_dh_kernel[(triton.cdiv(V, BV), B * H)](
+        q_, xs_, la if la is not None else dummy, g, wk if is_l2 else dummy, do_, dht if dht is not None else dummy,
+        dhs, dw, dh0 if dh0 is not None else dummy, T, NT, HAS_DHT=dht is not None, HAS_H0=dh0 is not None, **meta)
+    dq = torch.empty(B, T, H, K, **f32)
+    dx = torch.empty(B, T * c, H, K, **f32)
+    dv = torch.empty(B, T * c, H, V, **f32)
+    dcoef = torch.empty(B, T * c, H, **f32)
+    dla = torch.empty(B, T, H, **f32) if la is not None else None
+    _win_bwd_grad_kernel[(NT, B * H)](
+        q_, xs_, vs_, coef_, la if la is not None else dummy, g, ainv if is_l2 else dummy, w, hs, dhs, do_, dw, dq,
+        dx, dv, dcoef, dla if dla is not None else dummy, T, NT, BEFORE=placement == "before_step", **meta)
+    dalpha = None
+    if alpha is not None:
+        a = alpha.float()
+        tiny = torch.finfo(a.dtype).tiny
+        dalpha = torch.where(a >= tiny, dla / a.clamp_min(tiny), torch.zeros_like(a)).to(alpha.dtype)
+    unflat = lambda x, like: x.reshape(like.shape).to(like.dtype)   # noqa: E731
+    return (dq.to(q.dtype), unflat(dx, xs), unflat(dv, vs), unflat(dcoef, coef), dalpha,
+            dh0.to(initial_state.dtype) if dh0 is not None else None)
+
+
+def window_torch_backward(saved, need, do, dht, opts, chunk_size):
+    """Backward of a window kernel by autograd of :func:`.reference.window_rule_chunk`, recomputed (≥ fp32)."""
+    from .reference import window_rule_chunk
+    with torch.enable_grad():
+        inputs = [_upcast(x).detach().requires_grad_(True) if x is not None else None for x in saved]
+        o, ht = window_rule_chunk(*inputs, chunk_size=chunk_size, **opts)
+        outs, grads_out = [o], [do.to(o.dtype)]
+        if dht is not None:
+            outs.append(ht)
+            grads_out.append(dht.to(ht.dtype))
+        leaves = [x for x, n in zip(inputs, need) if x is not None and n]
+        grads = iter(torch.autograd.grad(outs, leaves, grads_out, allow_unused=True) if leaves else ())
+    out = []
+    for x, n in zip(saved, need):
+        gr = next(grads) if (x is not None and n) else None
+        out.append(None if gr is None else gr.to(x.dtype))
+    return out
+
+
+def window_backward(saved, need, do, dht, opts, chunk_size):
+    """Gradients of a window kernel's ``(q, xs, vs, coef, alpha, initial_state)`` (None where not needed): the
+    window backward kernels (:func:`window_chunk_backward`, ``chunk_size`` as :func:`chunk_window_rule`'s), or
+    autograd of the torch chunk form recomputed (:func:`window_torch_backward`) with channel-wise decay or
+    ``BACKWARD == "torch"``."""
+    q, xs, vs, alpha = saved[0], saved[1], saved[2], saved[4]
+    if _chunk.BACKWARD == "torch" or (alpha is not None and alpha.dim() == 4):
+        BT = _win_sizes(q.shape[-1], vs.shape[-1], xs.shape[2], chunk_size)[0]
+        return window_torch_backward(saved, need, do, dht, opts, BT)
+    grads = window_chunk_backward(*saved, do, dht, chunk_size=chunk_size, **opts)
+    return [gr if n else None for gr, n in zip(grads, need)]
+
+
+class WindowChunkFunction(torch.autograd.Function):
+    """Window kernel forward; backward on the window backward kernels (:func:`window_backward`)."""
+
+    @staticmethod
+    def forward(ctx, q, xs, vs, coef, alpha, initial_state, bias, placement, read, chunk_size, allow_tf32):
+        ctx.save_for_backward(q, xs, vs, coef, alpha, initial_state)
+        ctx.opts = dict(bias=bias, placement=placement, read=read)
+        ctx.chunk_size = chunk_size
+        return window_forward(q, xs, vs, coef, alpha, initial_state, bias=bias, placement=placement, read=read,
+                              chunk_size=chunk_size, allow_tf32=allow_tf32)
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        grads = window_backward(ctx.saved_tensors, ctx.needs_input_grad[:6], do, dht, ctx.opts, ctx.chunk_size)
+        return (*grads, None, None, None, None, None)
+
+
+def chunk_window_rule(q: torch.Tensor, xs: torch.Tensor, vs: torch.Tensor, coef: torch.Tensor,
+                      alpha: Optional[torch.Tensor] = None, initial_state: Optional[torch.Tensor] = None, *,
+                      bias: str = "l2", placement: str = "before_step", read: str = "token", chunk_size: int = 64,
+                      allow_tf32: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Omega-window (c ≥ 1) linear rule, chunk-parallel on Triton: the math of
+    :func:`.reference.window_rule_chunk` (exact; same results as :func:`.reference.window_rule_recurrent`).
+
+    Args:
+        q: ``[B, T, H, D_k]`` queries (featurised).
+        xs: ``[B, T, c, H, D_k]`` window keys (slot (t, j) = featurised key of token t − c + 1 + j), vs
+            ``[B, T, c, H, D_v]`` their values, coef ``[B, T, c, H]`` the step coefficients η_t γ_j (0 on slots
+            before the window history): :func:`.reference.window_slots` builds them. c ≤ :data:`MAX_WINDOW`.
+        alpha: ``[B, T, H]`` per-head kept fraction, or None (channel-wise decay is not supported here).
+        initial_state: ``[B, H, D_v, D_k]`` or None (zeros).
+        bias, placement, read: as :func:`chunk_delta_rule`.
+        chunk_size: about how many slot rows a chunk holds: BT = a power of two ≥ 16 near ``chunk_size / c``
+            tokens per chunk (it does not change the result).
+        allow_tf32: let fp32 dots use TF32.
+
+    Returns:
+        ``o: [B, T, H, D_v]`` and the final state ``[B, H, D_v, D_k]``.
+
+    Backward: the window backward kernels (:func:`window_chunk_backward`: the chunk states recomputed, a reverse
+    sweep for dS, then every chunk's gradients in parallel); ``BACKWARD == "torch"`` switches to autograd of the
+    torch chunk form, recomputed.
+    """
+    return WindowChunkFunction.apply(q, xs, vs, coef, alpha, initial_state, bias, placement, read, int(chunk_size),
+                                     bool(allow_tf32))
