@@ -37,10 +37,10 @@ from torch.func import vjp, vmap
 
 from . import linear_delta
 from .kernel_trick import memorize_kernel_trick
-from .recurrent import _bh, _keep_last
+from .recurrent import _bh
 from .fast_weights import DualForm, PerPosition, Tape
 from .scan import cumulative, decay_matrix, scan_weights
-from .state import Gates, MemoryState, split_time
+from .state import Gates, MemoryState, keep_history, split_time, with_history
 
 if TYPE_CHECKING:
     from ..components.memory_spec import MemoryParts
@@ -287,10 +287,7 @@ def _dual_aligned(parts, state: MemoryState, gates: Gates, q, k, v, b: int, chec
     N = -(-T // b)
     c = parts.window.size
     h0 = state.hist_k.shape[1]
-    k_ext = torch.cat([state.hist_k, k], 1)
-    v_ext = torch.cat([state.hist_v, v], 1)
-    g_ext = torch.cat([state.hist_gamma, gates.window], 1)
-    d_ext = torch.cat([state.hist_delta, gates.delta], 1) if gates.delta is not None else None
+    k_ext, v_ext, g_ext, d_ext = with_history(state, k, v, gates)
     x, valid = _window_slots(_bh(fm(k_ext)), h0, N, b, c - 1)                   # [B, H, N, W, F]
     vw, _ = _window_slots(_bh(v_ext), h0, N, b, c - 1)
     dw, _ = _window_slots(_bh(d_ext) if d_ext is not None else None, h0, N, b, c - 1)
@@ -356,9 +353,7 @@ def _dual_aligned(parts, state: MemoryState, gates: Gates, q, k, v, b: int, chec
     state.chunk_alpha = P[:, :, -1, last - 1] if alpha is not None else state.chunk_alpha.new_ones(
         state.chunk_alpha.shape)
     state.chunk_lr = torch.zeros_like(state.chunk_lr)
-    keep = parts.window.history()
-    state.hist_k, state.hist_v, state.hist_gamma = (_keep_last(z, keep) for z in (k_ext, v_ext, g_ext))
-    state.hist_delta = _keep_last(d_ext, keep)
+    keep_history(state, parts.window.history(), k_ext, v_ext, g_ext, d_ext)
     state.position += T
     return y
 
@@ -374,10 +369,7 @@ def _segment(parts, state: MemoryState, gates: Gates, q, k, v, b: int, outputs: 
     end_of_chunk = (state.position + L) % b == 0
     window = parts.window.size
     h = state.hist_k.shape[1]
-    k_ext = torch.cat([state.hist_k, k], 1)
-    v_ext = torch.cat([state.hist_v, v], 1)
-    g_ext = torch.cat([state.hist_gamma, gates.window], 1)
-    d_ext = torch.cat([state.hist_delta, gates.delta], 1) if gates.delta is not None else None
+    k_ext, v_ext, g_ext, d_ext = with_history(state, k, v, gates)
     x, vv, dd = _bh(fm(k_ext)), _bh(v_ext), (_bh(d_ext) if d_ext is not None else None)
     C = window_matrix(h, L, window, _bh(g_ext))
 
@@ -442,9 +434,7 @@ def _segment(parts, state: MemoryState, gates: Gates, q, k, v, b: int, outputs: 
 def _finish_segment(parts, state, outputs, y, k_ext, v_ext, g_ext, d_ext):
     outputs.append(y.transpose(1, 2))
 
-    keep = parts.window.history()
-    state.hist_k, state.hist_v, state.hist_gamma = (_keep_last(z, keep) for z in (k_ext, v_ext, g_ext))
-    state.hist_delta = _keep_last(d_ext, keep)
+    keep_history(state, parts.window.history(), k_ext, v_ext, g_ext, d_ext)
     state.position += y.shape[2]
 
 

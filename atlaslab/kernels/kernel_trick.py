@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .recurrent import _bh, _kernel_read, _keep_last, _normalised_kernel
+from .recurrent import _bh, _kernel_read, _normalised_kernel
 from .scan import cumulative, decay_matrix
-from .state import Gates, MemoryState, split_time
+from .state import Gates, MemoryState, keep_history, split_time, with_history
 
 if TYPE_CHECKING:
     from ..components.memory_spec import MemoryParts
@@ -92,10 +92,7 @@ def _piece(parts: "MemoryParts", state: MemoryState, b: int, q, k, v, gates: Gat
         state.chunk_alpha = torch.ones_like(state.chunk_alpha)
         state.chunk_lr = torch.zeros_like(state.chunk_lr)
     h, N0 = state.hist_k.shape[1], state.bank_k.shape[2]
-    k_ext = torch.cat([state.hist_k, k], 1)
-    v_ext = torch.cat([state.hist_v, v], 1)
-    g_ext = torch.cat([state.hist_gamma, gates.window], 1)
-    d_ext = torch.cat([state.hist_delta, gates.delta], 1) if gates.delta is not None else None
+    k_ext, v_ext, g_ext, d_ext = with_history(state, k, v, gates)
     keys = torch.cat([state.bank_k, _bh(k)], 2)                                # [B, H, N0 + L, D]
     x, vv = _bh(k_ext), _bh(v_ext)                                             # window tokens = last h + L slots
     C = window_matrix(h, L, parts.window.size, _bh(g_ext))                     # [B, H, L, h + L]
@@ -143,8 +140,6 @@ def _piece(parts: "MemoryParts", state: MemoryState, b: int, q, k, v, gates: Gat
         state.bank_s = _place(Th[:, :, -1, None, None] * state.bank_s, momentum_writes, h)
     state.bank_k = keys
     state.chunk_alpha = running[:, :, -1]
-    keep = parts.window.history()
-    state.hist_k, state.hist_v, state.hist_gamma = (_keep_last(z, keep) for z in (k_ext, v_ext, g_ext))
-    state.hist_delta = _keep_last(d_ext, keep)
+    keep_history(state, parts.window.history(), k_ext, v_ext, g_ext, d_ext)
     state.position += L
     return y.transpose(1, 2)

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .recurrent import _bh, _keep_last
-from .state import Gates, MemoryState
+from .recurrent import _bh
+from .state import Gates, MemoryState, keep_history, with_history
 
 if TYPE_CHECKING:
     from ..components.memory_spec import MemoryParts
@@ -188,9 +188,7 @@ def memorize_linear_delta(q, k, v, parts: "MemoryParts", gates: Gates, state: Me
         L = min(L, CHANNEL_BLOCK)   # x / P_s is formed per channel: short blocks keep it finite
     N = -(-T // L)
     h = state.hist_k.shape[1]
-    k_ext = torch.cat([state.hist_k, k], 1)
-    v_ext = torch.cat([state.hist_v, v], 1)
-    g_ext = torch.cat([state.hist_gamma, gates.window], 1)
+    k_ext, v_ext, g_ext, d_ext = with_history(state, k, v, gates)
     x = _slots(_bh(fm(k_ext)), h, T, c)                                    # [B,H,T,c,K]
     vs = _slots(_bh(v_ext), h, T, c)
     valid = (torch.arange(T, device=q.device).unsqueeze(1) + (h - c + 1) + torch.arange(c, device=q.device)) >= 0
@@ -206,8 +204,7 @@ def memorize_linear_delta(q, k, v, parts: "MemoryParts", gates: Gates, state: Me
     starts, M = chain_blocks(state.weights["W"], phi, delta)
     y = (y_u + q_eff @ starts.mT).flatten(2, 3)[:, :, :T]                   # [B,H,T,V]
 
-    keep = parts.window.history()
-    state.hist_k, state.hist_v, state.hist_gamma = (_keep_last(z, keep) for z in (k_ext, v_ext, g_ext))
+    keep_history(state, parts.window.history(), k_ext, v_ext, g_ext, d_ext)
     if gates.retention is not None:
         state.chunk_alpha = gates.retention[:, -1]
     state.position += T

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Dict, Optional
 
 import torch
 
-from .state import Gates, MemoryState, WindowProblem, split_time
+from .state import Gates, MemoryState, WindowProblem, keep_last, split_time
 
 if TYPE_CHECKING:
     from ..components.memory_spec import MemoryParts
@@ -70,13 +70,6 @@ def initial_state(parts: "MemoryParts", batch: int, dtype: torch.dtype, device: 
         hist_gamma=torch.zeros(batch, 0, H, **kw),
         hist_delta=torch.zeros(batch, 0, H, **kw) if parts.attentional_bias.uses_delta else None,
         chunk_alpha=torch.ones(alpha_shape, **kw), chunk_lr=torch.zeros(batch, H, **kw), **bank)
-
-
-def _keep_last(x: Optional[torch.Tensor], n: Optional[int]) -> Optional[torch.Tensor]:
-    """The last ``n`` entries along dim 1 (all when n is None)."""
-    if x is None or n is None:
-        return x
-    return x[:, max(0, x.shape[1] - n):]
 
 
 def _kernel_read(coef: torch.Tensor, keys: torch.Tensor, x: torch.Tensor, normalise: bool) -> torch.Tensor:
@@ -216,13 +209,13 @@ def memorize_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parts:
             torch.cat([state.hist_gamma, g_t.window], 1),
             torch.cat([state.hist_delta, g_t.delta], 1) if g_t.delta is not None else None,
         )
-        win = tuple(_keep_last(w, None if keep is None else keep + 1) for w in win)
+        win = tuple(keep_last(w, None if keep is None else keep + 1) for w in win)
         if parts.kernel_trick:
             y = _kernel_step(parts, state, g_t, 0, q_t[:, 0], k_t[:, 0], win)
         else:
             y = _weights_step(parts, state, g_t, 0, q_t[:, 0], win, b)
-        state.hist_k, state.hist_v, state.hist_gamma = (_keep_last(w, keep) for w in win[:3])
-        state.hist_delta = _keep_last(win[3], keep)
+        state.hist_k, state.hist_v, state.hist_gamma = (keep_last(w, keep) for w in win[:3])
+        state.hist_delta = keep_last(win[3], keep)
         state.position += 1
         outputs.append(y)
     return torch.stack(outputs, dim=1), state

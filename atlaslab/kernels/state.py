@@ -73,6 +73,26 @@ class Gates:
     delta: Optional[torch.Tensor]
 
 
+def keep_last(x: Optional[torch.Tensor], n: Optional[int]) -> Optional[torch.Tensor]:
+    """The last ``n`` entries along dim 1 (all when n is None)."""
+    if x is None or n is None:
+        return x
+    return x[:, max(0, x.shape[1] - n):]
+
+
+def with_history(state: "MemoryState", k: torch.Tensor, v: torch.Tensor, gates: "Gates"):
+    """The call's k, v, γ (and δ) preceded by the window tokens the state still carries: ``[B, h + T, H, ...]``."""
+    return (torch.cat([state.hist_k, k], 1), torch.cat([state.hist_v, v], 1),
+            torch.cat([state.hist_gamma, gates.window], 1),
+            torch.cat([state.hist_delta, gates.delta], 1) if gates.delta is not None else None)
+
+
+def keep_history(state: "MemoryState", window_history: Optional[int], k_ext, v_ext, g_ext, d_ext) -> None:
+    """Store the last c − 1 (``window_history``; None = all) tokens of :func:`with_history`'s tensors in ``state``."""
+    state.hist_k, state.hist_v, state.hist_gamma = (keep_last(z, window_history) for z in (k_ext, v_ext, g_ext))
+    state.hist_delta = keep_last(d_ext, window_history)
+
+
 def split_time(sizes, q, k, v, gates: "Gates"):
     """Cut a call into pieces along time: ``[(q_i, k_i, v_i, gates_i)]`` with ``T_i = sizes[i]``.
 

@@ -84,7 +84,7 @@ from typing import Callable, Optional
 import torch
 
 from ..chunked import memorize_chunked
-from ..recurrent import _keep_last
+from ..state import keep_history, with_history
 
 FORCE_TORCH_ENV = "ATLASLAB_FORCE_TORCH"
 #: T at or below which ``auto`` picks the token-by-token kernel (fla switches to fused_recurrent at ≤ 64).
@@ -202,10 +202,7 @@ def _engine(kind: str) -> Callable:
             o, W = window_kernel(fm(q), xs, vs, gates.lr.unsqueeze(2) * gs, alpha, state.weights["W"], **opts)
         state.weights = {"W": W}
         state.anchor = state.weights              # b = 1: the anchor is refreshed at every token
-        keep = parts.window.history()
-        state.hist_k = _keep_last(torch.cat([state.hist_k, k], 1), keep)
-        state.hist_v = _keep_last(torch.cat([state.hist_v, v], 1), keep)
-        state.hist_gamma = _keep_last(torch.cat([state.hist_gamma, gates.window], 1), keep)
+        keep_history(state, parts.window.history(), *with_history(state, k, v, gates))
         if gates.retention is not None:
             state.chunk_alpha = gates.retention[:, -1]
         state.position += q.shape[1]

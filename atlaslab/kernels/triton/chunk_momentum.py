@@ -712,7 +712,7 @@ def memorize_chunk_momentum(q, k, v, parts, gates, chunk_size, state, block_size
     kernels. ``block_size`` is unused (the kernels' block is the semantic chunk b).
     """
     from ..chunked import memorize_chunked
-    from ..recurrent import _keep_last
+    from ..state import keep_history, with_history
     from ..state import split_time
 
     b, T = int(chunk_size), q.shape[1]
@@ -741,12 +741,7 @@ def memorize_chunk_momentum(q, k, v, parts, gates, chunk_size, state, block_size
     else:
         state.chunk_alpha = torch.ones_like(state.chunk_alpha)
     state.chunk_lr = torch.zeros_like(state.chunk_lr)
-    keep = parts.window.history()
-    state.hist_k = _keep_last(torch.cat([state.hist_k, k], 1), keep)
-    state.hist_v = _keep_last(torch.cat([state.hist_v, v], 1), keep)
-    state.hist_gamma = _keep_last(torch.cat([state.hist_gamma, gates.window], 1), keep)
-    if state.hist_delta is not None and gates.delta is not None:
-        state.hist_delta = _keep_last(torch.cat([state.hist_delta, gates.delta], 1), keep)
+    keep_history(state, parts.window.history(), *with_history(state, k, v, gates))
     state.position += T
     outputs.append(o)
     return torch.cat(outputs, 1), state
