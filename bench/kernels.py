@@ -8,8 +8,9 @@ Rows (each at every T; ``op`` / ``impl``):
 
 - ``gdn`` (Gated DeltaNet: linear memory, ℓ2, decay before the step, b = 1): ``triton-chunk``
   (``memorize(mode="triton")``: the chunk kernel, forward and backward kernels) vs ``torch-chunked``
-  (``memorize(mode="chunked")``, the exact torch chunk engine); ``triton-fused_recurrent``: the token-by-token
-  kernel, forward only (its use is decoding).
+  (``memorize(mode="chunked")``, the exact torch chunk engine; in bf16 / fp16 it runs in fp32 when the dtype
+  has no torch kernel, e.g. the b = 1 engines' triangular solve: the row's dtype and note say so);
+  ``triton-fused_recurrent``: the token-by-token kernel, forward only (its use is decoding).
 - ``attention`` / ``torch-sdpa``: torch causal scaled-dot-product attention of the same B, H, D (FlashAttention's
   kernel is forced in bf16 / fp16 on CUDA; fp32 takes torch's default backend, which is not FlashAttention).
 - ``fla_chunk_gdn`` / ``fla-triton``: fla's ``chunk_gated_delta_rule`` (fla-core's Triton kernel), the same GDN
@@ -447,6 +448,21 @@ def interpreter_gates() -> dict:
     return out
 
 
+def chunked_row(case: MemoryCase, T, args, ctx, parts, problem, flops, skip) -> dict:
+    """``torch-chunked`` in the run dtype; when the engine has no kernel for that dtype (torch's triangular solve
+    takes no bf16 / fp16), in fp32 instead: the row's dtype and note say so."""
+    r = torch_row(case.name, "torch-chunked", T, args, lambda: memory_step(case, parts, "chunked", *problem), flops,
+                  skip=skip)
+    if r["seconds"] is None and "NotImplementedError" in r["note"] and ctx["dtype"] != torch.float32:
+        p32 = copy.deepcopy(parts).float()
+        inputs, gates, do = problem
+        up = ([x.float() for x in inputs], {n: x.float() for n, x in gates.items()}, do.float())
+        r = torch_row(case.name, "torch-chunked", T, args, lambda: memory_step(case, p32, "chunked", *up), flops,
+                      note=f"in fp32: {args.dtype} {r['note']}")
+        r["dtype"] = "fp32"
+    return r
+
+
 def memory_rows(case: MemoryCase, T, args, ctx) -> list:
     """``torch-chunked`` and the gated ``triton`` row of one memory case at length T."""
     B, H, D, dtype, device = args.batch, args.heads, args.dim, ctx["dtype"], ctx["device"]
@@ -455,8 +471,7 @@ def memory_rows(case: MemoryCase, T, args, ctx) -> list:
     fl = 3 * case.flops(B, T, H, D)
     cpu_skip = (f"skipped on CPU above T = {args.cpu_max_T}" if device == "cpu" and T > args.cpu_max_T else None)
     impl = "triton-chunk" if case.name == "gdn" else "triton"
-    rows = [torch_row(case.name, "torch-chunked", T, args, lambda: memory_step(case, parts, "chunked", *problem),
-                      fl, skip=cpu_skip)]
+    rows = [chunked_row(case, T, args, ctx, parts, problem, fl, cpu_skip)]
     if ctx["timed"]:
         gT = min(T, args.gate_max_T)
         rows.append(gated_row(case.name, impl, T, args, lambda: gate_memory(case, parts, B, gT, H, D, dtype, device),
@@ -658,7 +673,8 @@ def throughput(rows, Ts) -> list:
                 continue
             ref = _find(rows, T, ("gdn" if r["op"] == "fla_chunk_gdn" else r["op"], "torch-chunked"))
             out.append({"op": r["op"], "impl": r["impl"], "T": T, "tokens_per_s": r["tokens_per_s"],
-                        "tflops": r["tflops"], "x_vs_torch_chunked": speedup(ref, r), "x_vs_sdpa": speedup(sdpa, r)})
+                        "tflops": r["tflops"], "x_vs_torch_chunked": speedup(ref, r), "x_vs_sdpa": speedup(sdpa, r),
+                        "torch_chunked_dtype": ref and ref["dtype"]})
     return out
 
 
@@ -683,12 +699,17 @@ def target_lines(targets) -> list:
                     "T ∈ {2K, 8K, 32K} | see the throughput table | measured where timed |", ""]
 
 
+def _dtype_mark(r) -> str:
+    """`` (vs fp32)`` when the torch-chunked row ran in fp32 for want of a half-precision kernel."""
+    return " (vs fp32)" if r["x_vs_torch_chunked"] and r["torch_chunked_dtype"] == "fp32" else ""
+
+
 def throughput_lines(tp) -> list:
     lines = ["## Throughput, forward+backward (× = speed-up: the other row's time / this row's)", "",
              "| op | impl | T | tokens/s | TFLOP/s | × vs torch-chunked | × vs SDPA |",
              "|---|---|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['op']} | {r['impl']} | {r['T']} | {fmt(r['tokens_per_s'], '.3g')} | {fmt(r['tflops'], '.3g')} | "
-              f"{fmt(r['x_vs_torch_chunked'], '.2f')} | {fmt(r['x_vs_sdpa'], '.2f')} |" for r in tp]
+              f"{fmt(r['x_vs_torch_chunked'], '.2f')}{_dtype_mark(r)} | {fmt(r['x_vs_sdpa'], '.2f')} |" for r in tp]
     return lines + [""]
 
 
