@@ -52,7 +52,11 @@ convention), per token and head, forward:
 - causal attention: 2·T·D (half of the T × T score matrix);
 - Newton–Schulz on R × C (R ≤ C): steps · (4R²C + 2R³) per matrix.
 
-Writes bench/results/kernels_<device>.{json,md} (device = cuda GPU name slug, or "cpu").
+Writes bench/results/kernels_<device>.{json,md} (device = cuda GPU name slug, or "cpu"; ``--out`` another folder).
+
+On the project's H200 device machine (python3 has torch, triton, numpy, PyYAML; not omegaconf or fla): carry the
+pure-Python ``omegaconf`` package (copied from the venv's site-packages into a git-excluded folder put on PYTHONPATH)
+and bench/.peers (fla-core, for the fla row), then run ``python3 bench/kernels.py --dtype bf16 --out $OUT``.
 """
 from __future__ import annotations
 
