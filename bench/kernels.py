@@ -678,7 +678,7 @@ def throughput(rows, Ts) -> list:
             ref = _find(rows, T, ("gdn" if r["op"] == "fla_chunk_gdn" else r["op"], "torch-chunked"))
             out.append({"op": r["op"], "impl": r["impl"], "T": T, "tokens_per_s": r["tokens_per_s"],
                         "tflops": r["tflops"], "x_vs_torch_chunked": speedup(ref, r), "x_vs_sdpa": speedup(sdpa, r),
-                        "torch_chunked_dtype": ref and ref["dtype"]})
+                        "dtype": r["dtype"], "torch_chunked_dtype": ref and ref["dtype"]})
     return out
 
 
@@ -705,7 +705,7 @@ def target_lines(targets) -> list:
 
 def _dtype_mark(r) -> str:
     """`` (vs fp32)`` when the torch-chunked row ran in fp32 for want of a half-precision kernel."""
-    return " (vs fp32)" if r["x_vs_torch_chunked"] and r["torch_chunked_dtype"] == "fp32" else ""
+    return " (vs fp32)" if r["x_vs_torch_chunked"] and r["torch_chunked_dtype"] not in (None, r["dtype"]) else ""
 
 
 def throughput_lines(tp) -> list:
