@@ -44,8 +44,11 @@ float64 token loop, RMS-error ratio ~1e-7 in fp32 under the interpreter; channel
 ``ATLASLAB_CHUNK_BACKWARD=torch`` fallback. Variable-length batches (``cu_seqlens``) run natively on the c = 1 chunk
 kernels, forward and backward, scalar and channel-wise decay: one launch per stage for all packed sequences
 (``tests/test_triton_varlen.py``: packed outputs, final states and every input gradient against each sequence run
-alone through the float64 token loop, RMS-error ratio ~1e-7 in fp32 under the interpreter; launches counted); the
-Omega-window kernels (c > 1) take none. The token-by-token kernel's backward runs on the same chunk backward
+alone through the float64 token loop, RMS-error ratio ~1e-7 in fp32 under the interpreter; launches counted), and
+on the Omega-window chunk kernels (c > 1, ``chunk_window_rule(..., cu_seqlens=...)``, slots from
+``reference.window_slots(..., cu_seqlens=...)``, which never reach across a sequence start;
+``tests/test_triton_window_varlen.py``, the same bar against ``window_rule_recurrent`` per sequence, c = 2, 3;
+interpreter only). The token-by-token kernel's backward runs on the same chunk backward
 kernels. The Newton–Schulz kernel's backward is a Triton kernel (the forward saves the iterates X_0 … X_{k−1}; one
 program per matrix walks the quintic's adjoints in reverse, then the normalisation's; ``tests/test_triton_ns.py``:
 gradients against the float64 torch reference, square / wide / tall, steps 1 and 5, ``shape_factor``, RMS-error

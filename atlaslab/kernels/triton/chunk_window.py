@@ -9,6 +9,17 @@ Backward (:func:`window_chunk_backward`): the c = 1 backward's stages on the slo
 ``_win_bwd_grad_kernel``); the slots' dg / dG terms are summed into their tokens before the reverse cumsum, and
 the gradients of xs, vs, coef reach k, v, η, γ and the history through the torch gather of the slots.
 
+Variable-length batches (``cu_seqlens [N + 1]``, slot tensors packed as ``[1, total_T·C, H, ·]``) run natively, as
+the c = 1 kernels do (:mod:`.chunk`): the chunks are those of :func:`.chunk.prepare_chunk_indices` (BT tokens, never
+crossing a sequence boundary); the per-chunk kernels (UT, output, backward grads) run over all chunks of all
+sequences in one launch (grid: chunk × head, the chunk-index table gives each program its sequence's start and
+length; its slot rows start at C·(sequence start + chunk start)), the sequential sweeps (state, reverse dS) one
+program per value block × sequence × head, with per-sequence initial / final states ``[N, H, V, K]``; chunk-state
+tensors are ``[NC, H, V, K]`` either way. g is cumsummed per chunk of the table in torch. The kernels do not mask
+slots across a sequence start themselves: the caller's slot gather does (:func:`.reference.window_slots` with
+``cu_seqlens`` gives slots before a sequence's first token coefficient 0; a history is not supported there).
+Tested under the interpreter only (``tests/test_triton_window_varlen.py``); never run on a GPU.
+
 The c = 1 kernels, the shared block sizes and the backward switch ``chunk.BACKWARD`` live in :mod:`.chunk`.
 """
 from __future__ import annotations
@@ -31,16 +42,23 @@ except ImportError:  # pragma: no cover
 if triton is not None:
 
     @triton.jit
-    def _win_ut_kernel(xs, vs, coef, la, g, u_out, wk_out, ainv_out, T, H: tl.constexpr, K: tl.constexpr,
+    def _win_ut_kernel(xs, vs, coef, la, g, u_out, wk_out, ainv_out, cu_seqlens, chunk_indices, T, NT,
+                       H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
                        V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
                        BVV: tl.constexpr, HAS_ALPHA: tl.constexpr, BEFORE: tl.constexpr, STORE_AINV: tl.constexpr,
                        PRECISION: tl.constexpr):
         """Stage 1 (ℓ2 only), per chunk × head: A[r, r'] = coef_r e^{G_τr − g_τr'} x_r·x_r' (τr' < τr), its
         unit-triangular inverse by forward substitution, u = (I + A)⁻¹ (coef v), w_k = (I + A)⁻¹ (coef e^G x)."""
-        i_t = tl.program_id(0)
-        i_bh = tl.program_id(1)
-        i_b = i_bh // H
-        i_h = i_bh % H
+        i_c = tl.program_id(0)            # global chunk index: all chunks of all sequences in one launch
+        i_h = tl.program_id(1)
+        if IS_VARLEN:   # fla's chunk-index table row: (sequence, chunk within it); T becomes that sequence's length
+            i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
+            i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int32)
+            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+            T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        else:
+            i_t = i_c % NT
+            bos = (i_c // NT).to(tl.int64) * T
         o_s = tl.arange(0, BS)
         o_k = tl.arange(0, BK)
         o_v = tl.arange(0, BVV)
@@ -49,8 +67,8 @@ if triton is not None:
         tau = o_s // C
         tok = i_t * BT + tau
         m_s = (o_s < BT * C) & (tok < T)
-        srow = (i_b.to(tl.int64) * T * C + i_t * BT * C + o_s) * H + i_h
-        trow = (i_b.to(tl.int64) * T + tok) * H + i_h
+        srow = ((bos + i_t * BT) * C + o_s) * H + i_h
+        trow = (bos + tok) * H + i_h
         b_x = tl.load(xs + srow[:, None] * K + o_k[None, :], mask=m_s[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_v = tl.load(vs + srow[:, None] * V + o_v[None, :], mask=m_s[:, None] & m_v[None, :], other=0.0).to(tl.float32)
         b_c = tl.load(coef + srow, mask=m_s, other=0.0).to(tl.float32)
@@ -78,15 +96,24 @@ if triton is not None:
             tl.store(ainv_out + srow[:, None] * BS + o_s[None, :], Ti, mask=m_s[:, None])
 
     @triton.jit
-    def _win_state_kernel(xs, vs, coef, g, u, wk, h0, w_out, hs, ht, T, NT, H: tl.constexpr, K: tl.constexpr,
+    def _win_state_kernel(xs, vs, coef, g, u, wk, h0, w_out, hs, ht, cu_seqlens, chunk_offsets, T, NT,
+                          H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
                           V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr, HAS_H0: tl.constexpr, IS_L2: tl.constexpr, PRECISION: tl.constexpr):
         """Stage 2, per value block × head, sequential over chunks: w = u − w_k S_0ᵀ (dot: coef v), stores the
         chunk-start states, S ← e^{g_L} S + Σ_r e^{g_L − g_τr} w_r x_rᵀ."""
         i_v = tl.program_id(0)
-        i_bh = tl.program_id(1)
-        i_b = i_bh // H
+        i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
+        i_n = i_bh // H
         i_h = i_bh % H
+        if IS_VARLEN:   # this sequence's tokens and chunks only; T becomes its length
+            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+            T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+            NT = (T + BT - 1) // BT
+            boc = tl.load(chunk_offsets + i_n).to(tl.int64)
+        else:
+            bos = i_n.to(tl.int64) * T
+            boc = i_n.to(tl.int64) * NT
         o_s = tl.arange(0, BS)
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
@@ -99,11 +126,11 @@ if triton is not None:
         if HAS_H0:
             h += tl.load(h0 + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
         for i_t in range(0, NT):
-            tl.store(hs + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * V * K + h_offs, h, mask=m_h)
+            tl.store(hs + ((boc + i_t) * H + i_h) * V * K + h_offs, h, mask=m_h)   # [NC, H, V, K]
             tok = i_t * BT + tau
             m_s = (o_s < BT * C) & (tok < T)
-            srow = (i_b.to(tl.int64) * T * C + i_t * BT * C + o_s) * H + i_h
-            trow = (i_b.to(tl.int64) * T + tok) * H + i_h
+            srow = ((bos + i_t * BT) * C + o_s) * H + i_h
+            trow = (bos + tok) * H + i_h
             m_sk = m_s[:, None] & m_k[None, :]
             m_sv = m_s[:, None] & m_v[None, :]
             b_x = tl.load(xs + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0).to(tl.float32)
@@ -118,21 +145,28 @@ if triton is not None:
             tl.store(w_out + srow[:, None] * V + o_v[None, :], b_w, mask=m_sv)
             b_g = tl.load(g + trow, mask=m_s, other=0.0)
             last = tl.minimum(T - i_t * BT, BT) - 1
-            g_last = tl.load(g + (i_b.to(tl.int64) * T + i_t * BT + last) * H + i_h)
+            g_last = tl.load(g + (bos + i_t * BT + last) * H + i_h)
             decay = tl.exp(tl.where(m_s, g_last - b_g, 0.0))
             h = h * tl.exp(g_last) + tl.dot(tl.trans(b_w * decay[:, None]), b_x, input_precision=PRECISION)
         tl.store(ht + i_bh.to(tl.int64) * V * K + h_offs, h, mask=m_h)
 
     @triton.jit
-    def _win_out_kernel(q, xs, la, g, w, hs, o, T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    def _win_out_kernel(q, xs, la, g, w, hs, o, cu_seqlens, chunk_indices, T, NT, H: tl.constexpr,
+                        IS_VARLEN: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                         C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                         HAS_ALPHA: tl.constexpr, READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
         """Stage 3, per value block × chunk × head: o = e^{gq} (q S_0ᵀ) + [m e^{gq_t − g_τr} q_t·x_r] w."""
         i_v = tl.program_id(0)
-        i_t = tl.program_id(1)
-        i_bh = tl.program_id(2)
-        i_b = i_bh // H
-        i_h = i_bh % H
+        i_c = tl.program_id(1)
+        i_h = tl.program_id(2)
+        if IS_VARLEN:   # fla's chunk-index table row: (sequence, chunk within it); T becomes that sequence's length
+            i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
+            i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int32)
+            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+            T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        else:
+            i_t = i_c % NT
+            bos = (i_c // NT).to(tl.int64) * T
         o_i = tl.arange(0, BT)
         o_s = tl.arange(0, BS)
         o_k = tl.arange(0, BK)
@@ -141,12 +175,12 @@ if triton is not None:
         m_v = o_v < V
         o_t = i_t * BT + o_i
         m_t = o_t < T
-        rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+        rows = (bos + o_t) * H + i_h
         tau = o_s // C
         tok = i_t * BT + tau
         m_s = (o_s < BT * C) & (tok < T)
-        srow = (i_b.to(tl.int64) * T * C + i_t * BT * C + o_s) * H + i_h
-        trow = (i_b.to(tl.int64) * T + tok) * H + i_h
+        srow = ((bos + i_t * BT) * C + o_s) * H + i_h
+        trow = (bos + tok) * H + i_h
         b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_x = tl.load(xs + srow[:, None] * K + o_k[None, :], mask=m_s[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_g = tl.load(g + rows, mask=m_t, other=0.0)
@@ -161,7 +195,7 @@ if triton is not None:
                 b_gq = b_g
             causal = (tau[None, :] < o_i[:, None]) & m_s[None, :]
         b_w = tl.load(w + srow[:, None] * V + o_v[None, :], mask=m_s[:, None] & m_v[None, :], other=0.0)
-        h = tl.load(hs + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * V * K + o_v[:, None] * K + o_k[None, :],
+        h = tl.load(hs + (i_c.to(tl.int64) * H + i_h) * V * K + o_v[:, None] * K + o_k[None, :],
                     mask=m_v[:, None] & m_k[None, :], other=0.0)
         b_o = tl.exp(b_gq)[:, None] * tl.dot(b_q, tl.trans(h), input_precision=PRECISION)
         qx = tl.dot(b_q, tl.trans(b_x), input_precision=PRECISION)
@@ -171,16 +205,25 @@ if triton is not None:
 
 
     @triton.jit
-    def _win_bwd_dh_kernel(q, xs, la, g, wk, do, dht, dhs, dw, dh0, T, NT, H: tl.constexpr, K: tl.constexpr,
+    def _win_bwd_dh_kernel(q, xs, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT,
+                           H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
                            V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
                            BV: tl.constexpr, HAS_ALPHA: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
                            IS_L2: tl.constexpr, READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
         """Reverse sweep over chunks (value block × head): dw = Pᵀ do + e^{g_L − g_τ} ⊙ (x dSᵀ) on the slots;
         dS ← e^{g_L} dS + (e^{gq} ⊙ do)ᵀ q − [l2] dwᵀ w_k."""
         i_v = tl.program_id(0)
-        i_bh = tl.program_id(1)
-        i_b = i_bh // H
+        i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
+        i_n = i_bh // H
         i_h = i_bh % H
+        if IS_VARLEN:   # this sequence's tokens and chunks only; T becomes its length
+            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+            T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+            NT = (T + BT - 1) // BT
+            boc = tl.load(chunk_offsets + i_n).to(tl.int64)
+        else:
+            bos = i_n.to(tl.int64) * T
+            boc = i_n.to(tl.int64) * NT
         o_i = tl.arange(0, BT)
         o_s = tl.arange(0, BS)
         o_k = tl.arange(0, BK)
@@ -195,14 +238,14 @@ if triton is not None:
             dh += tl.load(dht + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
         for j in range(0, NT):
             i_t = NT - 1 - j
-            tl.store(dhs + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * V * K + h_offs, dh, mask=m_h)
+            tl.store(dhs + ((boc + i_t) * H + i_h) * V * K + h_offs, dh, mask=m_h)
             o_t = i_t * BT + o_i
             m_t = o_t < T
-            rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+            rows = (bos + o_t) * H + i_h
             tok = i_t * BT + tau
             m_s = (o_s < BT * C) & (tok < T)
-            srow = (i_b.to(tl.int64) * T * C + i_t * BT * C + o_s) * H + i_h
-            trow = (i_b.to(tl.int64) * T + tok) * H + i_h
+            srow = ((bos + i_t * BT) * C + o_s) * H + i_h
+            trow = (bos + tok) * H + i_h
             m_sk = m_s[:, None] & m_k[None, :]
             b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
                           other=0.0).to(tl.float32)
@@ -212,7 +255,7 @@ if triton is not None:
             b_g = tl.load(g + rows, mask=m_t, other=0.0)
             b_gs = tl.load(g + trow, mask=m_s, other=0.0)
             last = tl.minimum(T - i_t * BT, BT) - 1
-            g_last = tl.load(g + (i_b.to(tl.int64) * T + i_t * BT + last) * H + i_h)
+            g_last = tl.load(g + (bos + i_t * BT + last) * H + i_h)
             if READ_TOKEN:
                 b_gq = b_g
                 causal = (tau[None, :] <= o_i[:, None]) & m_s[None, :]
@@ -236,30 +279,37 @@ if triton is not None:
             tl.store(dh0 + i_bh.to(tl.int64) * V * K + h_offs, dh, mask=m_h)
 
     @triton.jit
-    def _win_bwd_grad_kernel(q, xs, vs, coef, la, g, ainv, w, hs, dhs, do, dw, dq, dx, dv, dcoef, dla, T, NT,
-                             H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr,
+    def _win_bwd_grad_kernel(q, xs, vs, coef, la, g, ainv, w, hs, dhs, do, dw, dq, dx, dv, dcoef, dla,
+                             cu_seqlens, chunk_indices, T, NT, H: tl.constexpr, IS_VARLEN: tl.constexpr,
+                             K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr,
                              BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_ALPHA: tl.constexpr,
                              IS_L2: tl.constexpr, BEFORE: tl.constexpr, READ_TOKEN: tl.constexpr,
                              PRECISION: tl.constexpr):
         """Per chunk × head: dq (tokens), dx, dv, dcoef (slots) and d log α (tokens) — the c = 1 grad kernel's
         equations with the slot rows in place of the tokens; slot terms of dg / dG are summed into their tokens
         (a one-hot [BT, BS] reduction) before the reverse cumsum."""
-        i_t = tl.program_id(0)
-        i_bh = tl.program_id(1)
-        i_b = i_bh // H
-        i_h = i_bh % H
+        i_c = tl.program_id(0)
+        i_h = tl.program_id(1)
+        if IS_VARLEN:   # fla's chunk-index table row: (sequence, chunk within it); T becomes that sequence's length
+            i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
+            i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int32)
+            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+            T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        else:
+            i_t = i_c % NT
+            bos = (i_c // NT).to(tl.int64) * T
         o_i = tl.arange(0, BT)
         o_s = tl.arange(0, BS)
         o_k = tl.arange(0, BK)
         m_k = o_k < K
         o_t = i_t * BT + o_i
         m_t = o_t < T
-        rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+        rows = (bos + o_t) * H + i_h
         tau = o_s // C
         tok = i_t * BT + tau
         m_s = (o_s < BT * C) & (tok < T)
-        srow = (i_b.to(tl.int64) * T * C + i_t * BT * C + o_s) * H + i_h
-        trow = (i_b.to(tl.int64) * T + tok) * H + i_h
+        srow = ((bos + i_t * BT) * C + o_s) * H + i_h
+        trow = (bos + tok) * H + i_h
         m_tk = m_t[:, None] & m_k[None, :]
         m_sk = m_s[:, None] & m_k[None, :]
         b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
@@ -274,7 +324,7 @@ if triton is not None:
             b_la = tl.zeros([BT], dtype=tl.float32)
             b_las = tl.zeros([BS], dtype=tl.float32)
         last = tl.minimum(T - i_t * BT, BT) - 1
-        g_last = tl.load(g + (i_b.to(tl.int64) * T + i_t * BT + last) * H + i_h)
+        g_last = tl.load(g + (bos + i_t * BT + last) * H + i_h)
         if READ_TOKEN:
             b_gq = b_g
             causal = (tau[None, :] <= o_i[:, None]) & m_s[None, :]
@@ -297,7 +347,7 @@ if triton is not None:
         b_db = tl.zeros([BS], dtype=tl.float32)
         b_dG = tl.zeros([BS], dtype=tl.float32)
         b_dgl = tl.zeros([BK], dtype=tl.float32)
-        h_base = ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * V * K
+        h_base = (i_c.to(tl.int64) * H + i_h) * V * K
         if IS_L2:
             Ti = tl.load(ainv + srow[:, None] * BS + o_s[None, :], mask=m_s[:, None], other=0.0)
         for i_v in range(0, tl.cdiv(V, BV)):
@@ -375,113 +425,128 @@ def _win_sizes(K: int, V: int, c: int, chunk_size: int):
     return BT, _pow2(BT * c), BK, BVV, min(BVV, max(16, 8192 // BK))
 
 
-def _chunk_log_cumsum(la: Optional[torch.Tensor], B: int, T: int, H: int, BT: int, device) -> torch.Tensor:
-    """g ``[B, T, H]`` fp32: the chunk-local (BT tokens) cumsum of log α (zeros without decay)."""
+def _chunk_log_cumsum(la: Optional[torch.Tensor], B: int, T: int, H: int, BT: int, lay, device) -> torch.Tensor:
+    """g ``[B, T, H]`` fp32: the chunk-local (BT tokens) cumsum of log α (zeros without decay). With packed
+    sequences (``lay.varlen``) the chunks are those of :func:`.chunk.prepare_chunk_indices`: each token is
+    scattered to (its global chunk, its place in the chunk), cumsummed there and gathered back."""
     if la is None:
         return torch.zeros(B, T, H, dtype=torch.float32, device=device)
+    if lay.varlen:
+        cu = lay.cu.long()
+        t = torch.arange(T, device=device)
+        n = torch.searchsorted(cu, t, right=True) - 1
+        local = t - cu[n]
+        pos = (lay.offsets.long()[n] + local // BT) * BT + local % BT
+        x = la.new_zeros(lay.NC * BT, H).index_copy_(0, pos, la[0])
+        return x.reshape(lay.NC, BT, H).cumsum(1).reshape(-1, H)[pos].unsqueeze(0).contiguous()
     NT = -(-T // BT)
     pad = NT * BT - T
     x = torch.cat([la, la.new_zeros(B, pad, H)], 1) if pad else la
     return x.reshape(B, NT, BT, H).cumsum(2).reshape(B, NT * BT, H)[:, :T].contiguous()
 
 
+def _win_forward_stages(xs, vs, coef, la, h0, *, c, bias, placement, BT, BS, BK, BVV, BV, prec, lay,
+                        store_ainv=False):
+    """Stages 1–2 on the flattened slot tensors ``[B, T·c, H, ·]``: g, u / w_k (/ (I + A)⁻¹) and w, the
+    chunk-start states ``hs [NC, H, V, K]`` and the final states ``ht [N, H, V, K]``; one launch each."""
+    B, TC, H, K = xs.shape
+    T = TC // c
+    V = vs.shape[-1]
+    f32 = dict(dtype=torch.float32, device=xs.device)
+    g = _chunk_log_cumsum(la, B, T, H, BT, lay, xs.device)
+    is_l2 = bias == "l2"
+    u = torch.empty(B, T * c, H, V, **f32) if is_l2 else None
+    wk = torch.empty(B, T * c, H, K, **f32) if is_l2 else None
+    ainv = torch.empty(B, T * c, H, BS, **f32) if (is_l2 and store_ainv) else None
+    w = torch.empty(B, T * c, H, V, **f32)
+    hs = torch.empty(lay.NC, H, V, K, **f32)
+    ht = torch.empty(lay.N, H, V, K, **f32)
+    dummy = g
+    if is_l2:
+        _win_ut_kernel[(lay.NC, H)](
+            xs, vs, coef, la if la is not None else dummy, g, u, wk, ainv if ainv is not None else dummy, lay.cu,
+            lay.table, T, lay.NT, H=H, IS_VARLEN=lay.varlen, K=K, V=V, C=c, BT=BT, BS=BS, BK=BK, BVV=BVV,
+            HAS_ALPHA=la is not None, BEFORE=placement == "before_step", STORE_AINV=ainv is not None,
+            PRECISION=prec, num_warps=4)
+    _win_state_kernel[(triton.cdiv(V, BV), lay.N * H)](
+        xs, vs, coef, g, u if is_l2 else dummy, wk if is_l2 else dummy, h0 if h0 is not None else dummy, w, hs, ht,
+        lay.cu, lay.offsets, T, lay.NT, H=H, IS_VARLEN=lay.varlen, K=K, V=V, C=c, BT=BT, BS=BS, BK=BK, BV=BV,
+        HAS_H0=h0 is not None, IS_L2=is_l2, PRECISION=prec, num_warps=4)
+    return dict(g=g, wk=wk, ainv=ainv, w=w, hs=hs, ht=ht)
+
+
 def window_forward(q, xs, vs, coef, alpha=None, initial_state=None, *, bias="l2", placement="before_step",
-                   read="token", chunk_size: int = 64, allow_tf32: bool = False):
-    """The window forward kernels, no autograd; arguments as :func:`chunk_window_rule`."""
+                   read="token", cu_seqlens=None, chunk_size: int = 64, allow_tf32: bool = False):
+    """The window forward kernels, no autograd; arguments as :func:`chunk_window_rule`. One launch per stage,
+    with or without ``cu_seqlens``."""
     from .reference import check_window_args
-    c = check_window_args(q, xs, vs, coef, alpha, initial_state, bias, placement, read)
+    c = check_window_args(q, xs, vs, coef, alpha, initial_state, bias, placement, read, cu_seqlens)
     if alpha is not None and alpha.dim() == 4:
         raise NotImplementedError("chunk_window_rule: channel-wise decay with an Omega window (use the token-by-token"
                                   " kernel or the torch engines)")
     B, T, H, K = q.shape
     V = vs.shape[-1]
     BT, BS, BK, BVV, BV = _win_sizes(K, V, c, chunk_size)
-    NT = triton.cdiv(T, BT)
-    f32 = dict(dtype=torch.float32, device=q.device)
+    lay = _chunk._Layout(B, T, BT, cu_seqlens, q)
     q = q.contiguous()
     xs, vs, coef = (x.contiguous().flatten(1, 2) for x in (xs, vs, coef))     # [B, T·c, H, ·]
     la = log_decay(alpha.float(), q).contiguous() if alpha is not None else None
-    g = _chunk_log_cumsum(la, B, T, H, BT, q.device)
     h0 = initial_state.contiguous() if initial_state is not None else None
     prec = "tf32" if allow_tf32 else "ieee"
-    is_l2 = bias == "l2"
-    u = torch.empty(B, T * c, H, V, **f32) if is_l2 else None
-    wk = torch.empty(B, T * c, H, K, **f32) if is_l2 else None
-    w = torch.empty(B, T * c, H, V, **f32)
-    hs = torch.empty(B, NT, H, V, K, **f32)
-    ht = torch.empty(B, H, V, K, **f32)
-    dummy = g
-    if is_l2:
-        _win_ut_kernel[(NT, B * H)](
-            xs, vs, coef, la if la is not None else dummy, g, u, wk, dummy, T, H=H, K=K, V=V, C=c, BT=BT, BS=BS,
-            BK=BK, BVV=BVV, HAS_ALPHA=la is not None, BEFORE=placement == "before_step", STORE_AINV=False,
-            PRECISION=prec, num_warps=4)
-    _win_state_kernel[(triton.cdiv(V, BV), B * H)](
-        xs, vs, coef, g, u if is_l2 else dummy, wk if is_l2 else dummy, h0 if h0 is not None else dummy, w, hs, ht,
-        T, NT, H=H, K=K, V=V, C=c, BT=BT, BS=BS, BK=BK, BV=BV, HAS_H0=h0 is not None, IS_L2=is_l2, PRECISION=prec,
-        num_warps=4)
+    st = _win_forward_stages(xs, vs, coef, la, h0, c=c, bias=bias, placement=placement, BT=BT, BS=BS, BK=BK,
+                             BVV=BVV, BV=BV, prec=prec, lay=lay)
     o = torch.empty(B, T, H, V, dtype=vs.dtype, device=q.device)
-    _win_out_kernel[(triton.cdiv(V, BV), NT, B * H)](
-        q, xs, la if la is not None else dummy, g, w, hs, o, T, NT, H=H, K=K, V=V, C=c, BT=BT, BS=BS, BK=BK, BV=BV,
-        HAS_ALPHA=la is not None, READ_TOKEN=read == "token", PRECISION=prec, num_warps=4)
-    return o, ht.to(initial_state.dtype if initial_state is not None else q.dtype)
+    _win_out_kernel[(triton.cdiv(V, BV), lay.NC, H)](
+        q, xs, la if la is not None else st["g"], st["g"], st["w"], st["hs"], o, lay.cu, lay.table, T, lay.NT, H=H,
+        IS_VARLEN=lay.varlen, K=K, V=V, C=c, BT=BT, BS=BS, BK=BK, BV=BV, HAS_ALPHA=la is not None,
+        READ_TOKEN=read == "token", PRECISION=prec, num_warps=4)
+    return o, st["ht"].to(initial_state.dtype if initial_state is not None else q.dtype)
 
 
 def window_chunk_backward(q, xs, vs, coef, alpha, initial_state, do, dht, *, bias="l2", placement="before_step",
-                          read="token", chunk_size: int = 64, allow_tf32: bool = False):
+                          read="token", cu_seqlens=None, chunk_size: int = 64, allow_tf32: bool = False):
     """Gradients of :func:`window_forward` on the window backward kernels: ``(dq, dxs, dvs, dcoef, dalpha, dh0)``
     (``dalpha`` / ``dh0`` None when ``alpha`` / ``initial_state`` are). Re-runs stages 1–2 (storing (I + A)⁻¹),
     sweeps the chunks in reverse for dS and dw (``_win_bwd_dh_kernel``), then forms every chunk's gradients in
-    parallel (``_win_bwd_grad_kernel``). Per-head decay only."""
+    parallel (``_win_bwd_grad_kernel``). Per-head decay only. With ``cu_seqlens`` each stage is still one launch
+    (the sweeps one program per value block × sequence × head, the rest over the chunk-index table)."""
     from .reference import check_window_args
-    c = check_window_args(q, xs, vs, coef, alpha, initial_state, bias, placement, read)
+    c = check_window_args(q, xs, vs, coef, alpha, initial_state, bias, placement, read, cu_seqlens)
     if alpha is not None and alpha.dim() == 4:
         raise NotImplementedError("window_chunk_backward: channel-wise decay")
     B, T, H, K = q.shape
     V = vs.shape[-1]
     BT, BS, BK, BVV, BV = _win_sizes(K, V, c, chunk_size)
-    NT = triton.cdiv(T, BT)
+    lay = _chunk._Layout(B, T, BT, cu_seqlens, q)
     f32 = dict(dtype=torch.float32, device=q.device)
     q_, do_ = q.contiguous(), do.contiguous()
     xs_, vs_, coef_ = (x.contiguous().flatten(1, 2) for x in (xs, vs, coef))
     la = log_decay(alpha.float(), q).contiguous() if alpha is not None else None
-    g = _chunk_log_cumsum(la, B, T, H, BT, q.device)
     h0 = initial_state.contiguous() if initial_state is not None else None
     dht = dht.contiguous() if dht is not None else None
     prec = "tf32" if allow_tf32 else "ieee"
     is_l2 = bias == "l2"
-    dummy = g
-    u = torch.empty(B, T * c, H, V, **f32) if is_l2 else None
-    wk = torch.empty(B, T * c, H, K, **f32) if is_l2 else None
-    ainv = torch.empty(B, T * c, H, BS, **f32) if is_l2 else None
-    w = torch.empty(B, T * c, H, V, **f32)
-    hs = torch.empty(B, NT, H, V, K, **f32)
-    ht = torch.empty(B, H, V, K, **f32)
-    if is_l2:
-        _win_ut_kernel[(NT, B * H)](
-            xs_, vs_, coef_, la if la is not None else dummy, g, u, wk, ainv, T, H=H, K=K, V=V, C=c, BT=BT, BS=BS,
-            BK=BK, BVV=BVV, HAS_ALPHA=la is not None, BEFORE=placement == "before_step", STORE_AINV=True,
-            PRECISION=prec, num_warps=4)
-    _win_state_kernel[(triton.cdiv(V, BV), B * H)](
-        xs_, vs_, coef_, g, u if is_l2 else dummy, wk if is_l2 else dummy, h0 if h0 is not None else dummy, w, hs,
-        ht, T, NT, H=H, K=K, V=V, C=c, BT=BT, BS=BS, BK=BK, BV=BV, HAS_H0=h0 is not None, IS_L2=is_l2,
-        PRECISION=prec, num_warps=4)
-    dhs = torch.empty(B, NT, H, V, K, **f32)
+    st = _win_forward_stages(xs_, vs_, coef_, la, h0, c=c, bias=bias, placement=placement, BT=BT, BS=BS, BK=BK,
+                             BVV=BVV, BV=BV, prec=prec, lay=lay, store_ainv=True)
+    g = dummy = st["g"]
+    dhs = torch.empty(lay.NC, H, V, K, **f32)
     dw = torch.empty(B, T * c, H, V, **f32)
-    dh0 = torch.empty(B, H, V, K, **f32) if h0 is not None else None
-    meta = dict(H=H, K=K, V=V, C=c, BT=BT, BS=BS, BK=BK, BV=BV, HAS_ALPHA=la is not None, IS_L2=is_l2,
-                READ_TOKEN=read == "token", PRECISION=prec, num_warps=4)
-    _win_bwd_dh_kernel[(triton.cdiv(V, BV), B * H)](
-        q_, xs_, la if la is not None else dummy, g, wk if is_l2 else dummy, do_, dht if dht is not None else dummy,
-        dhs, dw, dh0 if dh0 is not None else dummy, T, NT, HAS_DHT=dht is not None, HAS_H0=dh0 is not None, **meta)
+    dh0 = torch.empty(lay.N, H, V, K, **f32) if h0 is not None else None
+    meta = dict(H=H, IS_VARLEN=lay.varlen, K=K, V=V, C=c, BT=BT, BS=BS, BK=BK, BV=BV, HAS_ALPHA=la is not None,
+                IS_L2=is_l2, READ_TOKEN=read == "token", PRECISION=prec, num_warps=4)
+    _win_bwd_dh_kernel[(triton.cdiv(V, BV), lay.N * H)](
+        q_, xs_, la if la is not None else dummy, g, st["wk"] if is_l2 else dummy, do_,
+        dht if dht is not None else dummy, dhs, dw, dh0 if dh0 is not None else dummy, lay.cu, lay.offsets, T,
+        lay.NT, HAS_DHT=dht is not None, HAS_H0=dh0 is not None, **meta)
     dq = torch.empty(B, T, H, K, **f32)
     dx = torch.empty(B, T * c, H, K, **f32)
     dv = torch.empty(B, T * c, H, V, **f32)
     dcoef = torch.empty(B, T * c, H, **f32)
     dla = torch.empty(B, T, H, **f32) if la is not None else None
-    _win_bwd_grad_kernel[(NT, B * H)](
-        q_, xs_, vs_, coef_, la if la is not None else dummy, g, ainv if is_l2 else dummy, w, hs, dhs, do_, dw, dq,
-        dx, dv, dcoef, dla if dla is not None else dummy, T, NT, BEFORE=placement == "before_step", **meta)
+    _win_bwd_grad_kernel[(lay.NC, H)](
+        q_, xs_, vs_, coef_, la if la is not None else dummy, g, st["ainv"] if is_l2 else dummy, st["w"], st["hs"],
+        dhs, do_, dw, dq, dx, dv, dcoef, dla if dla is not None else dummy, lay.cu, lay.table, T, lay.NT,
+        BEFORE=placement == "before_step", **meta)
     dalpha = None
     if alpha is not None:
         a = alpha.float()
@@ -528,22 +593,26 @@ class WindowChunkFunction(torch.autograd.Function):
     """Window kernel forward; backward on the window backward kernels (:func:`window_backward`)."""
 
     @staticmethod
-    def forward(ctx, q, xs, vs, coef, alpha, initial_state, bias, placement, read, chunk_size, allow_tf32):
+    def forward(ctx, q, xs, vs, coef, alpha, initial_state, bias, placement, read, cu_seqlens, chunk_size,
+                allow_tf32):
         ctx.save_for_backward(q, xs, vs, coef, alpha, initial_state)
         ctx.opts = dict(bias=bias, placement=placement, read=read)
+        if cu_seqlens is not None:
+            ctx.opts["cu_seqlens"] = cu_seqlens
         ctx.chunk_size = chunk_size
         return window_forward(q, xs, vs, coef, alpha, initial_state, bias=bias, placement=placement, read=read,
-                              chunk_size=chunk_size, allow_tf32=allow_tf32)
+                              cu_seqlens=cu_seqlens, chunk_size=chunk_size, allow_tf32=allow_tf32)
 
     @staticmethod
     def backward(ctx, do, dht):
         grads = window_backward(ctx.saved_tensors, ctx.needs_input_grad[:6], do, dht, ctx.opts, ctx.chunk_size)
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
 
 
 def chunk_window_rule(q: torch.Tensor, xs: torch.Tensor, vs: torch.Tensor, coef: torch.Tensor,
                       alpha: Optional[torch.Tensor] = None, initial_state: Optional[torch.Tensor] = None, *,
-                      bias: str = "l2", placement: str = "before_step", read: str = "token", chunk_size: int = 64,
+                      bias: str = "l2", placement: str = "before_step", read: str = "token",
+                      cu_seqlens: Optional[torch.LongTensor] = None, chunk_size: int = 64,
                       allow_tf32: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """Omega-window (c ≥ 1) linear rule, chunk-parallel on Triton: the math of
     :func:`.reference.window_rule_chunk` (exact; same results as :func:`.reference.window_rule_recurrent`).
@@ -554,18 +623,23 @@ def chunk_window_rule(q: torch.Tensor, xs: torch.Tensor, vs: torch.Tensor, coef:
             ``[B, T, c, H, D_v]`` their values, coef ``[B, T, c, H]`` the step coefficients η_t γ_j (0 on slots
             before the window history): :func:`.reference.window_slots` builds them. c ≤ :data:`MAX_WINDOW`.
         alpha: ``[B, T, H]`` per-head kept fraction, or None (channel-wise decay is not supported here).
-        initial_state: ``[B, H, D_v, D_k]`` or None (zeros).
+        initial_state: ``[N, H, D_v, D_k]`` or None (zeros); N = B, or the number of packed sequences.
         bias, placement, read: as :func:`chunk_delta_rule`.
+        cu_seqlens: ``[N + 1]`` offsets of packed sequences (B = 1, tensors ``[1, total_T, ...]``), or None. Run
+            natively as :func:`.chunk.chunk_delta_rule` does: one launch per stage over all chunks of all
+            sequences (chunks never cross a boundary, states restart at each). The slots must not reach across a
+            sequence start: build them with :func:`.reference.window_slots` (``cu_seqlens=...``), which gives the
+            slots before a sequence's first token coefficient 0 (the kernels trust ``coef`` for this).
         chunk_size: about how many slot rows a chunk holds: BT = a power of two ≥ 16 near ``chunk_size / c``
             tokens per chunk (it does not change the result).
         allow_tf32: let fp32 dots use TF32.
 
     Returns:
-        ``o: [B, T, H, D_v]`` and the final state ``[B, H, D_v, D_k]``.
+        ``o: [B, T, H, D_v]`` and the final state(s) ``[N, H, D_v, D_k]``.
 
     Backward: the window backward kernels (:func:`window_chunk_backward`: the chunk states recomputed, a reverse
     sweep for dS, then every chunk's gradients in parallel); ``BACKWARD == "torch"`` switches to autograd of the
     torch chunk form, recomputed.
     """
-    return WindowChunkFunction.apply(q, xs, vs, coef, alpha, initial_state, bias, placement, read, int(chunk_size),
-                                     bool(allow_tf32))
+    return WindowChunkFunction.apply(q, xs, vs, coef, alpha, initial_state, bias, placement, read, cu_seqlens,
+                                     int(chunk_size), bool(allow_tf32))

@@ -489,11 +489,24 @@ def _channel_wise_backward(qh, kh, vh, bh, doh, lah, S, dht, *, bias, placement,
 
 def window_slots(k: torch.Tensor, v: torch.Tensor, gamma: torch.Tensor, c: int,
                  hist_k: Optional[torch.Tensor] = None, hist_v: Optional[torch.Tensor] = None,
-                 hist_gamma: Optional[torch.Tensor] = None):
+                 hist_gamma: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None):
     """The window slots of every token: ``k [B, T, H, K]``, ``v [B, T, H, V]``, ``gamma [B, T, H]`` and the
     history (the ``h ≤ c − 1`` tokens before the call, ``[B, h, H, ·]``, or None) →
     ``xs [B, T, c, H, K]``, ``vs [B, T, c, H, V]``, ``gs [B, T, c, H]``: slot (t, j) holds token t − c + 1 + j
-    (history tokens for negative indices; γ = 0 on slots before the history). Differentiable (a gather)."""
+    (history tokens for negative indices; γ = 0 on slots before the history). Differentiable (a gather).
+    With ``cu_seqlens`` (packed sequences, B = 1, no history) a slot never reaches across its token's sequence
+    start: slots before the sequence's first token get γ = 0."""
+    if cu_seqlens is not None:
+        if hist_k is not None and hist_k.shape[1] > 0:
+            raise ValueError("window_slots: a history with cu_seqlens is not supported")
+        T = k.shape[1]
+        cu = cu_seqlens.to(device=k.device, dtype=torch.long)
+        t = torch.arange(T, device=k.device)
+        bos = cu[torch.searchsorted(cu, t, right=True) - 1]                       # each token's sequence start
+        idx = t.unsqueeze(1) - c + 1 + torch.arange(c, device=k.device)
+        valid = (idx >= bos.unsqueeze(1)).to(gamma.dtype)[None, :, :, None]
+        idx = idx.clamp_min(0)
+        return k[:, idx], v[:, idx], gamma[:, idx] * valid
     if hist_k is not None and hist_k.shape[1] > 0:
         k, v, gamma = torch.cat([hist_k, k], 1), torch.cat([hist_v, v], 1), torch.cat([hist_gamma, gamma], 1)
         h = hist_k.shape[1]
@@ -506,7 +519,7 @@ def window_slots(k: torch.Tensor, v: torch.Tensor, gamma: torch.Tensor, c: int,
     return k[:, idx], v[:, idx], gamma[:, idx] * valid
 
 
-def check_window_args(q, xs, vs, coef, alpha, initial_state, bias, placement, read) -> int:
+def check_window_args(q, xs, vs, coef, alpha, initial_state, bias, placement, read, cu_seqlens=None) -> int:
     """Validate the slot tensors of a window call; returns c."""
     if q.dim() != 4 or xs.dim() != 5 or vs.dim() != 5 or coef.dim() != 4:
         raise ValueError(f"expected q [B, T, H, K], xs [B, T, c, H, K], vs [B, T, c, H, V], coef [B, T, c, H]; got "
@@ -516,17 +529,21 @@ def check_window_args(q, xs, vs, coef, alpha, initial_state, bias, placement, re
     if xs.shape != (B, T, c, H, K) or vs.shape[:4] != (B, T, c, H) or coef.shape != (B, T, c, H):
         raise ValueError(f"window slots: q {list(q.shape)}, xs {list(xs.shape)}, vs {list(vs.shape)}, "
                          f"coef {list(coef.shape)} do not agree")
-    check_args(q, q, vs[:, :, 0], coef[:, :, 0], alpha, initial_state, bias, placement, read, None)
+    check_args(q, q, vs[:, :, 0], coef[:, :, 0], alpha, initial_state, bias, placement, read, cu_seqlens)
     return c
 
 
 def window_rule_recurrent(q: torch.Tensor, xs: torch.Tensor, vs: torch.Tensor, coef: torch.Tensor,
                           alpha: Optional[torch.Tensor] = None, initial_state: Optional[torch.Tensor] = None, *,
-                          bias: str = "l2", placement: str = "before_step", read: str = "token"
-                          ) -> Tuple[torch.Tensor, torch.Tensor]:
+                          bias: str = "l2", placement: str = "before_step", read: str = "token",
+                          cu_seqlens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Token loop of the Omega rule over window slots (see the section comment). ``alpha`` ``[B, T, H]`` or
-    ``[B, T, H, K]`` (channel-wise); returns ``o [B, T, H, V]`` and the final state ``[B, H, V, K]``."""
-    check_window_args(q, xs, vs, coef, alpha, initial_state, bias, placement, read)
+    ``[B, T, H, K]`` (channel-wise); returns ``o [B, T, H, V]`` and the final state ``[B, H, V, K]`` (``[N, H, V,
+    K]`` with ``cu_seqlens``: each packed sequence run alone, slots as :func:`window_slots` with ``cu_seqlens``)."""
+    check_window_args(q, xs, vs, coef, alpha, initial_state, bias, placement, read, cu_seqlens)
+    if cu_seqlens is not None:
+        return _per_sequence(window_rule_recurrent, q, xs, vs, coef, alpha, initial_state, cu_seqlens,
+                             bias=bias, placement=placement, read=read)
     B, T, H, K = q.shape
     S = initial_state if initial_state is not None else q.new_zeros(B, H, vs.shape[-1], K)
     outs = []
@@ -552,11 +569,15 @@ def window_rule_recurrent(q: torch.Tensor, xs: torch.Tensor, vs: torch.Tensor, c
 
 def window_rule_chunk(q: torch.Tensor, xs: torch.Tensor, vs: torch.Tensor, coef: torch.Tensor,
                       alpha: Optional[torch.Tensor] = None, initial_state: Optional[torch.Tensor] = None, *,
-                      bias: str = "l2", placement: str = "before_step", read: str = "token", chunk_size: int = 16
-                      ) -> Tuple[torch.Tensor, torch.Tensor]:
+                      bias: str = "l2", placement: str = "before_step", read: str = "token", chunk_size: int = 16,
+                      cu_seqlens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Exact chunk form of :func:`window_rule_recurrent` (the math of the Triton window kernels; the section
-    comment gives the equations), per-head or channel-wise decay. Also the torch recompute of their backward."""
-    c = check_window_args(q, xs, vs, coef, alpha, initial_state, bias, placement, read)
+    comment gives the equations), per-head or channel-wise decay. Also the torch recompute of their backward.
+    ``cu_seqlens``: each packed sequence alone (its chunks restart at its first token)."""
+    c = check_window_args(q, xs, vs, coef, alpha, initial_state, bias, placement, read, cu_seqlens)
+    if cu_seqlens is not None:
+        return _per_sequence(window_rule_chunk, q, xs, vs, coef, alpha, initial_state, cu_seqlens,
+                             bias=bias, placement=placement, read=read, chunk_size=chunk_size)
     B, T, H, K = q.shape
     V = vs.shape[-1]
     tr = lambda x: x.transpose(1, 2)   # noqa: E731  [B, T, H, ...] → [B, H, T, ...]
