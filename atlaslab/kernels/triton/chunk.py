@@ -54,7 +54,7 @@ kernels (state sweep, reverse dS sweep) run one program per value block × seque
 chunks, with per-sequence initial / final states ``[N, H, V, K]``. Without ``cu_seqlens`` the same kernels see B
 equal sequences of T tokens (``IS_VARLEN`` off, no table). Chunk-state tensors are ``[NC, H, V, K]`` (NC = all
 chunks). Each stage is one launch either way (``tests/test_triton_varlen.py`` counts them). The Omega-window kernels
-(c > 1, :mod:`.chunk_window`) take no ``cu_seqlens``.
+(c > 1, :mod:`.chunk_window`) take ``cu_seqlens`` the same way (their slots stop at each sequence's start).
 
 Performance notes (unmeasured: no GPU was available when this was written): the in-register forward
 substitution costs BT iterations of O(BT²) work; fla's 16×16 diagonal solves merged by tl.dot are faster
