@@ -14,8 +14,8 @@ from helpers import require_triton, rms_ratio, triton_device
 
 tk = require_triton()
 
-from atlaslab.kernels.newton_schulz import newton_schulz as ns_torch
-from atlaslab.kernels.triton import newton_schulz as nsk
+from atlaslab.kernels.newton_schulz import newton_schulz as ns_torch  # noqa: E402
+from atlaslab.kernels.triton import newton_schulz as nsk  # noqa: E402
 
 TOL = 1e-3
 DEVICE = triton_device(tk)
