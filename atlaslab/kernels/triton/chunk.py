@@ -87,14 +87,11 @@ def _pow2(n: int, floor: int = 16) -> int:
 if triton is not None:
 
     @triton.jit
-    def _chunk_ut_kernel(k, v, beta, la, g_out, u_out, wk_out, ainv_out, cu_seqlens, chunk_indices, T, NT,
-                         H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
-                         V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BVV: tl.constexpr,
-                         HAS_ALPHA: tl.constexpr, IS_L2: tl.constexpr, BEFORE: tl.constexpr,
-                         STORE_AINV: tl.constexpr, PRECISION: tl.constexpr):
-        i_c = tl.program_id(0)            # global chunk index: all chunks of all sequences in one launch
-        i_h = tl.program_id(1)
-        if IS_VARLEN:   # fla's chunk-index table row: (sequence, chunk within it); T becomes that sequence's length
+    def _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN: tl.constexpr):
+        """Where chunk program ``i_c`` works: (chunk within its sequence, the sequence's first row, its length).
+        Varlen: fla's chunk-index table row (sequence, chunk within it) and ``cu_seqlens``; dense: B equal
+        sequences of T tokens, NT chunks each."""
+        if IS_VARLEN:
             i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
             i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int32)
             bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -102,6 +99,30 @@ if triton is not None:
         else:
             i_t = i_c % NT
             bos = (i_c // NT).to(tl.int64) * T
+        return i_t, bos, T
+
+    @triton.jit
+    def _sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+        """Sequence ``i_n``'s (first row, length, chunks, first chunk row) for the sequential sweeps."""
+        if IS_VARLEN:
+            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+            T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+            NT = (T + BT - 1) // BT
+            boc = tl.load(chunk_offsets + i_n).to(tl.int64)
+        else:
+            bos = i_n.to(tl.int64) * T
+            boc = i_n.to(tl.int64) * NT
+        return bos, T, NT, boc
+
+    @triton.jit
+    def _chunk_ut_kernel(k, v, beta, la, g_out, u_out, wk_out, ainv_out, cu_seqlens, chunk_indices, T, NT,
+                         H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
+                         V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BVV: tl.constexpr,
+                         HAS_ALPHA: tl.constexpr, IS_L2: tl.constexpr, BEFORE: tl.constexpr,
+                         STORE_AINV: tl.constexpr, PRECISION: tl.constexpr):
+        i_c = tl.program_id(0)            # global chunk index: all chunks of all sequences in one launch
+        i_h = tl.program_id(1)
+        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
         o_i = tl.arange(0, BT)
         o_t = i_t * BT + o_i
         m_t = o_t < T
@@ -152,14 +173,7 @@ if triton is not None:
         i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
         i_n = i_bh // H
         i_h = i_bh % H
-        if IS_VARLEN:   # this sequence's rows and chunks only; T becomes its length
-            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-            T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-            NT = (T + BT - 1) // BT
-            boc = tl.load(chunk_offsets + i_n).to(tl.int64)
-        else:
-            bos = i_n.to(tl.int64) * T
-            boc = i_n.to(tl.int64) * NT
+        bos, T, NT, boc = _sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
@@ -203,14 +217,7 @@ if triton is not None:
         i_v = tl.program_id(0)
         i_c = tl.program_id(1)            # global chunk index
         i_h = tl.program_id(2)
-        if IS_VARLEN:   # fla's chunk-index table row: (sequence, chunk within it); T becomes that sequence's length
-            i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
-            i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int32)
-            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-            T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        else:
-            i_t = i_c % NT
-            bos = (i_c // NT).to(tl.int64) * T
+        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
         boc = i_c.to(tl.int64) - i_t      # global index of the sequence's first chunk (rows of hs / dhs)
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
@@ -254,14 +261,7 @@ if triton is not None:
         i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
         i_n = i_bh // H
         i_h = i_bh % H
-        if IS_VARLEN:   # this sequence's rows and chunks only; T becomes its length
-            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-            T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-            NT = (T + BT - 1) // BT
-            boc = tl.load(chunk_offsets + i_n).to(tl.int64)
-        else:
-            bos = i_n.to(tl.int64) * T
-            boc = i_n.to(tl.int64) * NT
+        bos, T, NT, boc = _sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
@@ -320,14 +320,7 @@ if triton is not None:
         :func:`.reference.delta_rule_chunk_backward` step 3; d log α is a reverse cumsum of dg within the chunk."""
         i_c = tl.program_id(0)            # global chunk index: all chunks of all sequences in one launch
         i_h = tl.program_id(1)
-        if IS_VARLEN:   # fla's chunk-index table row: (sequence, chunk within it); T becomes that sequence's length
-            i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
-            i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int32)
-            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-            T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        else:
-            i_t = i_c % NT
-            bos = (i_c // NT).to(tl.int64) * T
+        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
         boc = i_c.to(tl.int64) - i_t      # global index of the sequence's first chunk (rows of hs / dhs)
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
@@ -481,14 +474,7 @@ if triton is not None:
         w_k = (I + A)⁻¹ β (k ⊙ e^G)."""
         i_c = tl.program_id(0)            # global chunk index: all chunks of all sequences in one launch
         i_h = tl.program_id(1)
-        if IS_VARLEN:   # fla's chunk-index table row: (sequence, chunk within it); T becomes that sequence's length
-            i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
-            i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int32)
-            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-            T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        else:
-            i_t = i_c % NT
-            bos = (i_c // NT).to(tl.int64) * T
+        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
         m_k = o_k < K
@@ -533,14 +519,7 @@ if triton is not None:
         i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
         i_n = i_bh // H
         i_h = i_bh % H
-        if IS_VARLEN:   # this sequence's rows and chunks only; T becomes its length
-            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-            T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-            NT = (T + BT - 1) // BT
-            boc = tl.load(chunk_offsets + i_n).to(tl.int64)
-        else:
-            bos = i_n.to(tl.int64) * T
-            boc = i_n.to(tl.int64) * NT
+        bos, T, NT, boc = _sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
@@ -585,14 +564,7 @@ if triton is not None:
         i_v = tl.program_id(0)
         i_c = tl.program_id(1)            # global chunk index
         i_h = tl.program_id(2)
-        if IS_VARLEN:   # fla's chunk-index table row: (sequence, chunk within it); T becomes that sequence's length
-            i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
-            i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int32)
-            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-            T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        else:
-            i_t = i_c % NT
-            bos = (i_c // NT).to(tl.int64) * T
+        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
         boc = i_c.to(tl.int64) - i_t      # global index of the sequence's first chunk (rows of hs / dhs)
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
@@ -630,14 +602,7 @@ if triton is not None:
         i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
         i_n = i_bh // H
         i_h = i_bh % H
-        if IS_VARLEN:   # this sequence's rows and chunks only; T becomes its length
-            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-            T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-            NT = (T + BT - 1) // BT
-            boc = tl.load(chunk_offsets + i_n).to(tl.int64)
-        else:
-            bos = i_n.to(tl.int64) * T
-            boc = i_n.to(tl.int64) * NT
+        bos, T, NT, boc = _sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
@@ -689,14 +654,7 @@ if triton is not None:
         d log α ``[B, T, H, K]`` is a reverse cumsum over the chunk of dg per channel."""
         i_c = tl.program_id(0)            # global chunk index: all chunks of all sequences in one launch
         i_h = tl.program_id(1)
-        if IS_VARLEN:   # fla's chunk-index table row: (sequence, chunk within it); T becomes that sequence's length
-            i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
-            i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int32)
-            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-            T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        else:
-            i_t = i_c % NT
-            bos = (i_c // NT).to(tl.int64) * T
+        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
         boc = i_c.to(tl.int64) - i_t      # global index of the sequence's first chunk (rows of hs / dhs)
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, BK)

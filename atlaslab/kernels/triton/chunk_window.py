@@ -38,6 +38,9 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
+if triton is not None:
+    from .chunk import _chunk_span, _sequence_span   # the (varlen or dense) row / chunk bounds of a program
+
 
 if triton is not None:
 
@@ -51,14 +54,7 @@ if triton is not None:
         unit-triangular inverse by forward substitution, u = (I + A)⁻¹ (coef v), w_k = (I + A)⁻¹ (coef e^G x)."""
         i_c = tl.program_id(0)            # global chunk index: all chunks of all sequences in one launch
         i_h = tl.program_id(1)
-        if IS_VARLEN:   # fla's chunk-index table row: (sequence, chunk within it); T becomes that sequence's length
-            i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
-            i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int32)
-            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-            T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        else:
-            i_t = i_c % NT
-            bos = (i_c // NT).to(tl.int64) * T
+        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
         o_s = tl.arange(0, BS)
         o_k = tl.arange(0, BK)
         o_v = tl.arange(0, BVV)
@@ -106,14 +102,7 @@ if triton is not None:
         i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
         i_n = i_bh // H
         i_h = i_bh % H
-        if IS_VARLEN:   # this sequence's tokens and chunks only; T becomes its length
-            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-            T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-            NT = (T + BT - 1) // BT
-            boc = tl.load(chunk_offsets + i_n).to(tl.int64)
-        else:
-            bos = i_n.to(tl.int64) * T
-            boc = i_n.to(tl.int64) * NT
+        bos, T, NT, boc = _sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
         o_s = tl.arange(0, BS)
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
@@ -159,14 +148,7 @@ if triton is not None:
         i_v = tl.program_id(0)
         i_c = tl.program_id(1)
         i_h = tl.program_id(2)
-        if IS_VARLEN:   # fla's chunk-index table row: (sequence, chunk within it); T becomes that sequence's length
-            i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
-            i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int32)
-            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-            T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        else:
-            i_t = i_c % NT
-            bos = (i_c // NT).to(tl.int64) * T
+        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
         o_i = tl.arange(0, BT)
         o_s = tl.arange(0, BS)
         o_k = tl.arange(0, BK)
@@ -216,14 +198,7 @@ if triton is not None:
         i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
         i_n = i_bh // H
         i_h = i_bh % H
-        if IS_VARLEN:   # this sequence's tokens and chunks only; T becomes its length
-            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-            T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-            NT = (T + BT - 1) // BT
-            boc = tl.load(chunk_offsets + i_n).to(tl.int64)
-        else:
-            bos = i_n.to(tl.int64) * T
-            boc = i_n.to(tl.int64) * NT
+        bos, T, NT, boc = _sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
         o_i = tl.arange(0, BT)
         o_s = tl.arange(0, BS)
         o_k = tl.arange(0, BK)
@@ -290,14 +265,7 @@ if triton is not None:
         (a one-hot [BT, BS] reduction) before the reverse cumsum."""
         i_c = tl.program_id(0)
         i_h = tl.program_id(1)
-        if IS_VARLEN:   # fla's chunk-index table row: (sequence, chunk within it); T becomes that sequence's length
-            i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
-            i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int32)
-            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-            T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        else:
-            i_t = i_c % NT
-            bos = (i_c // NT).to(tl.int64) * T
+        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
         o_i = tl.arange(0, BT)
         o_s = tl.arange(0, BS)
         o_k = tl.arange(0, BK)
