@@ -39,7 +39,7 @@ from . import linear_delta
 from .kernel_trick import memorize_kernel_trick
 from .recurrent import _bh
 from .fast_weights import DualForm, PerPosition, Tape
-from .scan import cumulative, decay_matrix, scan_weights
+from .scan import cumulative, decay_matrix, dual_coefficients, scan_weights
 from .state import Gates, MemoryState, keep_history, split_time, with_history
 
 if TYPE_CHECKING:
@@ -199,17 +199,9 @@ def _dual_segment(parts, state: MemoryState, C, x, v, d, lr, theta, alpha, xq) -
     ret, mem = parts.retention, parts.memory
     B, H, L = lr.shape
     factors = gradient_factors(parts, state.anchor, x, v, d)
-    ones = torch.ones_like(lr)
-    a = alpha if (alpha is not None and ret.uses_alpha) else ones
-    D_a, P = decay_matrix(a), cumulative(a)
-    eta_C = lr.unsqueeze(-1) * C                                            # [B, H, L, n]
-    if parts.inner_optimizer.cfg.name == "momentum":
-        D_t, Th = decay_matrix(theta), cumulative(theta)
-        S_coef = -(D_t @ eta_C)                                             # coefficient of u_i in S_r
-        A = D_a @ S_coef
-        Q = (D_a @ Th.unsqueeze(-1)).squeeze(-1)
-    else:
-        A, S_coef, Q = -(D_a @ eta_C), None, None
+    a = alpha if (alpha is not None and ret.uses_alpha) else torch.ones_like(lr)
+    momentum = theta if parts.inner_optimizer.cfg.name == "momentum" else None
+    P, Q, A, Th, S_coef = dual_coefficients(a, momentum, lr.unsqueeze(-1) * C)
     dual = {}
     for name, (left, right) in factors.items():
         bases = [(P, state.weights[name])] + ([(Q, state.momentum[name])] if Q is not None else [])
@@ -296,17 +288,8 @@ def _dual_aligned(parts, state: MemoryState, gates: Gates, q, k, v, b: int, chec
     lr = _pad_chunks(_bh(gates.lr), N, b, 0.0)                                 # [B, H, N, b]
     alpha = gates.retention.transpose(1, 2) if (gates.retention is not None and ret.uses_alpha) else None
     a = _pad_chunks(alpha, N, b, 1.0) if alpha is not None else torch.ones_like(lr)
-    D_a, P = decay_matrix(a), cumulative(a)
-    eta_C = lr.unsqueeze(-1) * C
-    Q = Th = S_coef = None
-    if parts.inner_optimizer.cfg.name == "momentum":
-        theta = _pad_chunks(_bh(gates.momentum), N, b, 1.0)
-        D_t, Th = decay_matrix(theta), cumulative(theta)
-        S_coef = -(D_t @ eta_C)
-        A = D_a @ S_coef
-        Q = (D_a @ Th.unsqueeze(-1)).squeeze(-1)
-    else:
-        A = -(D_a @ eta_C)
+    theta = _pad_chunks(_bh(gates.momentum), N, b, 1.0) if parts.inner_optimizer.cfg.name == "momentum" else None
+    P, Q, A, Th, S_coef = dual_coefficients(a, theta, lr.unsqueeze(-1) * C)     # each [B, H, N, b(, W)]
 
     # row e of every coefficient: the chunk's last real position (b − 1, or the last token of a partial chunk)
     last = T - (N - 1) * b

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .recurrent import _bh, _kernel_read, _normalised_kernel
-from .scan import cumulative, decay_matrix
+from .scan import cumulative, dual_coefficients
 from .state import Gates, MemoryState, keep_history, split_time, with_history
 
 if TYPE_CHECKING:
@@ -51,19 +51,6 @@ def memorize_kernel_trick(q, k, v, parts: "MemoryParts", gates: Gates, chunk_siz
             sizes.append(min(T - sum(sizes), b - (pos + sum(sizes)) % b))
     outputs = [_piece(parts, state, b, *piece) for piece in split_time(sizes, q, k, v, gates)]
     return torch.cat(outputs, 1), state
-
-
-def _dual_coefficients(parts, gates: Gates, alpha):
-    """(P, Q, A, Θ, S_coef) of one piece, ``[B, H, L(, L)]``; Q, Θ, S_coef are None without momentum."""
-    lr = _bh(gates.lr)
-    a = alpha if alpha is not None else torch.ones_like(lr)
-    D_a, P = decay_matrix(a), cumulative(a)
-    if not parts.inner_optimizer.has_momentum:
-        return P, None, -(D_a * lr.unsqueeze(-2)), None, None
-    theta = _bh(gates.momentum)
-    D_t, Th = decay_matrix(theta), cumulative(theta)
-    S_coef = -(D_t * lr.unsqueeze(-2))
-    return P, (D_a @ Th.unsqueeze(-1)).squeeze(-1), D_a @ S_coef, Th, S_coef
 
 
 def _window_writes(coef: torch.Tensor, C: torch.Tensor, err: torch.Tensor) -> torch.Tensor:
@@ -110,7 +97,10 @@ def _piece(parts: "MemoryParts", state: MemoryState, b: int, q, k, v, gates: Gat
     else:
         err = bias.output_grad(pred, target, d)                                # [B, H, h + L, width]
 
-    P, Q, A, Th, S_coef = _dual_coefficients(parts, gates, alpha)
+    lr = _bh(gates.lr)
+    theta = _bh(gates.momentum) if parts.inner_optimizer.has_momentum else None
+    P, Q, A, Th, S_coef = dual_coefficients(alpha if alpha is not None else torch.ones_like(lr), theta,
+                                            torch.diag_embed(lr))             # step r writes η_r into its own g_r
     writes = _window_writes(A, C, err)                                         # new coefficients at each s
     qb = _bh(q)
     if parts.read == "chunk":

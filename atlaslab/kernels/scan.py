@@ -27,6 +27,23 @@ def cumulative(a: torch.Tensor) -> torch.Tensor:
     return a.clamp_min(torch.finfo(a.dtype).tiny).log().cumsum(-1).exp()
 
 
+def dual_coefficients(a: torch.Tensor, theta: Optional[torch.Tensor], write: torch.Tensor):
+    """Coefficients of one chunk's GD / momentum updates in the dual form (TTT §2.5 with decay and momentum).
+
+    ``a``, ``theta``: ``[..., L]`` decay and momentum factors (θ None for plain GD); ``write: [..., L, n]``: what
+    step r writes of each gradient term i (η_r C[r, i]). With P, Θ the cumulative products and D the decay
+    matrices: S_s = Θ_s S₋₁ + Σ_i S_coef[s, i] u_i with S_coef = −D_θ write, and
+    M_s = P_s M₋₁ + Q_s S₋₁ + Σ_i A[s, i] u_i with A = D_α S_coef, Q = D_α Θ (momentum) or A = −D_α write (GD).
+    Returns ``(P, Q, A, Θ, S_coef)``; Q, Θ, S_coef are None for GD.
+    """
+    D_a, P = decay_matrix(a), cumulative(a)
+    if theta is None:
+        return P, None, -(D_a @ write), None, None
+    D_t, Th = decay_matrix(theta), cumulative(theta)
+    S_coef = -(D_t @ write)
+    return P, (D_a @ Th.unsqueeze(-1)).squeeze(-1), D_a @ S_coef, Th, S_coef
+
+
 def linear_scan(x0: torch.Tensor, a: Optional[torch.Tensor], u: torch.Tensor, channel_wise: bool = False):
     """All X_s of X_s = a_s ⊙ X_{s−1} + U_s for s in the block.
 
