@@ -1,4 +1,6 @@
 """Shared helpers for the tests (importable as `helpers` since pytest puts tests/ on sys.path)."""
+import collections
+
 import torch
 
 
@@ -44,3 +46,22 @@ def require_triton():
 def triton_device(tk) -> str:
     """Where the Triton tests put their tensors: the GPU when kernels compile for it, else the interpreter's CPU."""
     return "cuda" if torch.cuda.is_available() and not tk.interpreting() else "cpu"
+
+
+def count_launches(monkeypatch, module, keep) -> collections.Counter:
+    """Count launches of ``module``'s Triton kernels whose names ``keep(name)`` accepts: ``kernel[grid](...)`` goes
+    through the wrapper's ``__getitem__``. Returns the live counter (kernel name → launches)."""
+    counts = collections.Counter()
+
+    class Counted:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            counts[self.name] += 1
+            return self.kernel[grid]
+
+    for name in dir(module):
+        if name.endswith("_kernel") and keep(name):
+            monkeypatch.setattr(module, name, Counted(name, getattr(module, name)))
+    return counts

@@ -11,11 +11,10 @@ the same kernels run sequence by sequence. The chunk tables themselves are check
 
 Outputs the kernels allocate are NaN-poisoned (fla's conftest trick). Shapes are tiny (the interpreter is slow).
 """
-import collections
 
 import pytest
 import torch
-from helpers import require_triton, rms_ratio, triton_device
+from helpers import count_launches, require_triton, rms_ratio, triton_device
 
 tk = require_triton()
 
@@ -33,21 +32,8 @@ NAMES = ("q", "k", "v", "beta", "alpha", "h0")
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Counts launches per chunk kernel: ``kernel[grid](...)`` goes through the wrapper's ``__getitem__``."""
-    counts = collections.Counter()
-
-    class Counted:
-        def __init__(self, name, kernel):
-            self.name, self.kernel = name, kernel
-
-        def __getitem__(self, grid):
-            counts[self.name] += 1
-            return self.kernel[grid]
-
-    for name in dir(chunk_mod):
-        if name.endswith("_kernel") and not name.startswith("_win"):
-            monkeypatch.setattr(chunk_mod, name, Counted(name, getattr(chunk_mod, name)))
-    return counts
+    """Counts launches per chunk kernel."""
+    return count_launches(monkeypatch, chunk_mod, lambda name: not name.startswith("_win"))
 
 
 def _cu(lens=LENS):

@@ -11,11 +11,10 @@ placements and reads. The torch references' ``cu_seqlens`` paths are checked too
 
 Outputs the kernels allocate are NaN-poisoned (fla's conftest trick). Shapes are tiny (the interpreter is slow).
 """
-import collections
 
 import pytest
 import torch
-from helpers import require_triton, rms_ratio, triton_device
+from helpers import count_launches, require_triton, rms_ratio, triton_device
 
 tk = require_triton()
 
@@ -34,21 +33,8 @@ NAMES = ("q", "k", "v", "gamma", "eta", "alpha", "h0")
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Counts launches per window kernel: ``kernel[grid](...)`` goes through the wrapper's ``__getitem__``."""
-    counts = collections.Counter()
-
-    class Counted:
-        def __init__(self, name, kernel):
-            self.name, self.kernel = name, kernel
-
-        def __getitem__(self, grid):
-            counts[self.name] += 1
-            return self.kernel[grid]
-
-    for name in dir(win_mod):
-        if name.startswith("_win") and name.endswith("_kernel"):
-            monkeypatch.setattr(win_mod, name, Counted(name, getattr(win_mod, name)))
-    return counts
+    """Counts launches per window kernel."""
+    return count_launches(monkeypatch, win_mod, lambda name: name.startswith("_win"))
 
 
 def _cu(lens=LENS):
