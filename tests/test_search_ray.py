@@ -152,17 +152,19 @@ def test_optuna_search_with_asha_conditional_space(local_ray, tmp_path):
 # --------------------------------------------------------------------------------------------------
 class InterruptAfterFirstTrial(Stopper):
     """Presses Ctrl-C (SIGINT to this process) after a trial has finished: Tune saves its state and ends the
-    run with the other trials unfinished, as when a user interrupts the driver. A flag file keeps it from
+    run with the other trials unfinished, as when a user interrupts the driver. It fires on a later result of
+    another trial, and only once a final result is on disk under ``tune_dir`` (seeing it in the stopper is not
+    enough: Tune may not have written it yet — CI once interrupted before it had). A flag file keeps it from
     firing again in the restored experiment (Tune pickles its stopper with the experiment)."""
 
-    def __init__(self, flag):
-        self.flag = str(flag)
-        self.seen_final = False
+    def __init__(self, flag, tune_dir):
+        self.flag, self.tune_dir = str(flag), str(tune_dir)
+
+    def _final_on_disk(self) -> bool:
+        return any('"final": 1' in f.read_text() for f in Path(self.tune_dir).rglob("result.json"))
 
     def __call__(self, trial_id, result):
-        if result.get("final") == 1:
-            self.seen_final = True        # fire on a later result, once Tune has recorded this trial as done
-        elif self.seen_final and not os.path.exists(self.flag):
+        if result.get("final") != 1 and not os.path.exists(self.flag) and self._final_on_disk():
             Path(self.flag).write_text("fired")
             os.kill(os.getpid(), signal.SIGINT)
         return False
@@ -177,7 +179,8 @@ def test_interrupted_experiment_resumes_every_trial_once(local_ray, tmp_path):
                 max_concurrent=2)
     node["eval"]["interval"] = 50
     run_dir = tmp_path / "run"
-    s1 = run(prepare(node=node), run_dir=run_dir, num_cpus=2, quiet=True, stop=InterruptAfterFirstTrial(tmp_path / "f"))
+    s1 = run(prepare(node=node), run_dir=run_dir, num_cpus=2, quiet=True,
+             stop=InterruptAfterFirstTrial(tmp_path / "f", run_dir / "ray" / "tune"))
     assert s1["status"] == "interrupted" and s1["unfinished"] >= 1
     first = {r["key"]: r for r in json.loads((run_dir / "results.json").read_text())}
     done_before = {k for k, r in first.items() if r["status"] == "completed"}
