@@ -1,0 +1,322 @@
+"""Token-by-token Triton kernel for a LINEAR memory trained by momentum GD at any semantic chunk size b ≥ 1 (Titans
+with a matrix memory), for inference / decoding with a cached state; its plain torch reference; the ``memorize``
+engine that uses it.
+
+Spec (../shared/spec/ATLAS_FAMILY.md §15.2 chunk semantics, §15.4 retention placement, §15.5 momentum, §15.10 loss
+scaling; Titans §3.2 Eq.13-14): memory linear, ℓ2 or dot-product bias, inner optimizer ``momentum``, retention none
+or per-head scalar decay placed ``before_step`` or ``after_step``, Omega window c = 1, read ``token`` or ``chunk``.
+This is exactly ``recurrent.py::memorize_recurrent`` for that spec. One head's memory M, momentum S and chunk-start
+anchor M_a are ``[D_v, D_k]``; P is the running decay product of the current chunk (a scalar per head). Per token t
+at global position p, with step β_t = η_t γ_t (learning rate × the c = 1 window gate), momentum gate θ_t and kept
+fraction α_t (1 without retention):
+
+    if p mod b = 0:  M_a ← M,  P ← 1                         a chunk starts (§15.2)
+    P ← P α_t
+    W_a = M_a (after_step)  or  P M_a (before_step)           the gradient's point (§15.4)
+    e_t = W_a k_t − v_t (ℓ2: ∇ ½‖W k − v‖² = e kᵀ)  or  −v_t (dot: ∇ −⟨W k, v⟩ = −v kᵀ)   (§15.10)
+    S ← θ_t S − β_t e_t k_tᵀ,     M ← α_t M + S                                              (§15.5)
+    y_t = M q_t (read token)  or  M_a q_t (read chunk, §15.11)
+
+The state (M, S, M_a, P) and the position are inputs and outputs, so a sequence of calls of one token each equals
+one call over all of them (the decoding use): nothing restarts at a call boundary unless a chunk starts there.
+
+Pieces:
+
+- :func:`momentum_recurrent_reference`: these equations in plain torch, token by token (the reference of the kernel
+  and the recompute of its backward);
+- ``_fused_momentum_kernel``: one program per (value block × batch·head), sequential over T, the program's rows of
+  M, S, M_a (``[BV, D_k]`` each) and P in fp32 registers; it writes y_t per token and the final state once. Rows
+  of the memory evolve independently (e_t's row i depends only on row i of M_a), so splitting D_v is exact.
+  No ``tl.dot``: every step is rank-1 (outer products and row reductions).
+- :class:`FusedRecurrentMomentumFunction`: the kernel forward; the backward is autograd through
+  :func:`momentum_recurrent_reference` recomputed (≥ fp32) from the saved inputs (decoding needs no backward;
+  this keeps the op exact under autograd, with memory ∝ T × the state).
+- :func:`memorize_fused_recurrent_momentum`: the ``MODES``-signature engine ``memorize(mode="triton")`` dispatches
+  to (:func:`spec_reason`; ``select_kernel`` picks it for ``fused_recurrent``, and for ``auto`` on short calls,
+  short calls that start mid-chunk, and specs the chunk kernel does not take); it updates the
+  :class:`MemoryState` exactly as the torch engines do.
+
+Status: tested only under ``TRITON_INTERPRET=1`` on CPU (``tests/test_triton_momentum_recurrent.py``: outputs, final
+states and every input gradient vs ``memorize(mode="recurrent")`` in float64, b = 1 and 4, both placements, ℓ2 and
+dot, read token and chunk; decoding one token per call equals one call); nothing has run on a GPU and nothing is
+tuned (one config, ``num_warps=4``; three ``[BV, BK]`` fp32 states per program, BV·BK ≤ 4096).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+import torch
+
+from .chunk_momentum import BIASES, MAX_D, READS, check_args as _check_momentum_args
+from .fused_recurrent import _pow2
+from .reference import _upcast
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+PLACEMENTS = ("before_step", "after_step")
+#: fp32 elements of each of the three state blocks (M, S, M_a) one program holds
+STATE_BLOCK = 4096
+
+
+def check_args(q, k, v, beta, theta, alpha, m0, s0, a0, p0, position, chunk_size, bias, placement, read) -> None:
+    """Validate shapes and options (see :func:`fused_recurrent_momentum`)."""
+    _check_momentum_args(q=q, k=k, v=v, beta=beta, theta=theta, alpha=alpha, m0=m0, s0=s0, chunk_size=chunk_size,
+                         bias=bias, read=read)
+    if tuple(a0.shape) != tuple(m0.shape):
+        raise ValueError(f"initial_anchor: expected [B, H, D_v, D_k] = {list(m0.shape)}, got {list(a0.shape)}")
+    if tuple(p0.shape) != (q.shape[0], q.shape[2]):
+        raise ValueError(f"initial_chunk_alpha: expected [B, H] = {[q.shape[0], q.shape[2]]}, got {list(p0.shape)}")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}; got '{placement}'")
+    if int(position) < 0:
+        raise ValueError(f"position must be ≥ 0, got {position}")
+    if max(q.shape[-1], v.shape[-1]) > MAX_D:
+        raise ValueError(f"fused_recurrent_momentum: needs D_k, D_v ≤ {MAX_D}; got {q.shape[-1]}, {v.shape[-1]}")
+
+
+# ------------------------------------------------------------------------------------------ torch reference
+
+def momentum_recurrent_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                                 theta: torch.Tensor, alpha: Optional[torch.Tensor], m0: torch.Tensor,
+                                 s0: torch.Tensor, a0: torch.Tensor, p0: torch.Tensor, *, position: int,
+                                 chunk_size: int, bias: str = "l2", placement: str = "after_step",
+                                 read: str = "token"):
+    """The module docstring's token equations in plain torch (differentiable).
+
+    Args: as :func:`fused_recurrent_momentum`. Returns ``(o [B, T, H, D_v], M_T, S_T, M_a [B, H, D_v, D_k],
+    P [B, H])``.
+    """
+    check_args(q, k, v, beta, theta, alpha, m0, s0, a0, p0, position, chunk_size, bias, placement, read)
+    b = int(chunk_size)
+    before = placement == "before_step" and alpha is not None
+    M, S, A, P = m0, s0, a0, p0
+    outs = []
+    for t in range(q.shape[1]):
+        if (int(position) + t) % b == 0:
+            A, P = M, torch.ones_like(P)
+        q_t, k_t, v_t = q[:, t], k[:, t], v[:, t]                               # [B, H, D]
+        if alpha is not None:
+            P = P * alpha[:, t]
+        if bias == "l2":
+            pred = torch.einsum("bhvk,bhk->bhv", A, k_t)
+            e = (P.unsqueeze(-1) * pred if before else pred) - v_t
+        else:
+            e = -v_t
+        S = theta[:, t, :, None, None] * S - (beta[:, t, :, None] * e).unsqueeze(-1) * k_t.unsqueeze(-2)
+        M = (alpha[:, t, :, None, None] * M if alpha is not None else M) + S
+        outs.append(torch.einsum("bhvk,bhk->bhv", M if read == "token" else A, q_t))
+    o = torch.stack(outs, 1) if outs else v.new_zeros(v.shape)
+    return o, M, S, A, P
+
+
+# ------------------------------------------------------------------------------------------ Triton kernel
+
+if triton is not None:
+
+    @triton.jit
+    def _fused_momentum_kernel(q, k, v, beta, theta, alpha, m0, s0, a0, p0, o, mt, st, at, pt, T, off, b,
+                               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                               BV: tl.constexpr, HAS_ALPHA: tl.constexpr, IS_L2: tl.constexpr,
+                               BEFORE: tl.constexpr, READ_TOKEN: tl.constexpr):
+        """One program per (value block, batch·head): carries its rows of M, S, M_a and P over the T tokens (the
+        module docstring's equations; ``off`` = position mod b of the first token)."""
+        i_v = tl.program_id(0)
+        i_bh = tl.program_id(1)
+        i_b = i_bh // H
+        i_h = i_bh % H
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k = o_k < K
+        m_v = o_v < V
+        m_h = m_v[:, None] & m_k[None, :]
+        state_offs = i_bh.to(tl.int64) * V * K + o_v[:, None] * K + o_k[None, :]
+        b_M = tl.load(m0 + state_offs, mask=m_h, other=0.0).to(tl.float32)
+        b_S = tl.load(s0 + state_offs, mask=m_h, other=0.0).to(tl.float32)
+        b_A = tl.load(a0 + state_offs, mask=m_h, other=0.0).to(tl.float32)
+        b_P = tl.load(p0 + i_bh).to(tl.float32)
+        for t in range(0, T):
+            row = (i_b.to(tl.int64) * T + t) * H + i_h      # flat (token, head) index of [B, T, H, ...]
+            start = ((off + t) % b) == 0                    # a chunk starts: M_a ← M, P ← 1
+            b_A = tl.where(start, b_M, b_A)
+            b_P = tl.where(start, 1.0, b_P)
+            b_q = tl.load(q + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_k = tl.load(k + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_v = tl.load(v + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+            b_beta = tl.load(beta + row).to(tl.float32)
+            b_th = tl.load(theta + row).to(tl.float32)
+            b_a = 1.0
+            if HAS_ALPHA:
+                b_a = tl.load(alpha + row).to(tl.float32)
+            b_P = b_P * b_a
+            if IS_L2:
+                pred = tl.sum(b_A * b_k[None, :], axis=1)   # M_a k_t
+                if BEFORE:
+                    pred = pred * b_P                       # (P M_a) k_t
+                b_e = pred - b_v
+            else:
+                b_e = -b_v
+            b_S = b_th * b_S - (b_beta * b_e)[:, None] * b_k[None, :]
+            b_M = b_a * b_M + b_S
+            if READ_TOKEN:
+                b_o = tl.sum(b_M * b_q[None, :], axis=1)
+            else:
+                b_o = tl.sum(b_A * b_q[None, :], axis=1)
+            tl.store(o + row * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+        tl.store(mt + state_offs, b_M, mask=m_h)
+        tl.store(st + state_offs, b_S, mask=m_h)
+        tl.store(at + state_offs, b_A, mask=m_h)
+        tl.store(pt + i_bh, b_P, mask=i_v == 0)             # every value block has the same P: one writes it
+
+
+def fused_recurrent_momentum_forward(q, k, v, beta, theta, alpha, m0, s0, a0, p0, *, position: int,
+                                     chunk_size: int, bias: str = "l2", placement: str = "after_step",
+                                     read: str = "token"):
+    """The kernel alone (no autograd); arguments and results as :func:`fused_recurrent_momentum`."""
+    check_args(q, k, v, beta, theta, alpha, m0, s0, a0, p0, position, chunk_size, bias, placement, read)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    q, k, v, beta, theta, m0, s0, a0, p0 = (x.contiguous() for x in (q, k, v, beta, theta, m0, s0, a0, p0))
+    alpha = alpha.contiguous() if alpha is not None else None
+    f32 = dict(dtype=torch.float32, device=q.device)
+    o = torch.empty_like(v)
+    mt, st, at = (torch.empty(B, H, V, K, **f32) for _ in range(3))
+    pt = torch.empty(B, H, **f32)
+    BK = _pow2(K, 16)
+    BV = min(_pow2(V, 16), max(16, STATE_BLOCK // BK))
+    b = int(chunk_size)
+    _fused_momentum_kernel[(triton.cdiv(V, BV), B * H)](
+        q, k, v, beta, theta, alpha if alpha is not None else beta, m0, s0, a0, p0, o, mt, st, at, pt, T,
+        int(position) % b, b, H=H, K=K, V=V, BK=BK, BV=BV, HAS_ALPHA=alpha is not None, IS_L2=bias == "l2",
+        BEFORE=placement == "before_step" and alpha is not None, READ_TOKEN=read == "token", num_warps=4)
+    return o, mt.to(m0.dtype), st.to(s0.dtype), at.to(a0.dtype), pt.to(p0.dtype)
+
+
+class FusedRecurrentMomentumFunction(torch.autograd.Function):
+    """Kernel forward; backward by autograd through :func:`momentum_recurrent_reference` recomputed (≥ fp32)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, beta, theta, alpha, m0, s0, a0, p0, position, chunk_size, bias, placement, read):
+        ctx.save_for_backward(q, k, v, beta, theta, alpha, m0, s0, a0, p0)
+        ctx.opts = dict(position=int(position), chunk_size=int(chunk_size), bias=bias, placement=placement,
+                        read=read)
+        return fused_recurrent_momentum_forward(q, k, v, beta, theta, alpha, m0, s0, a0, p0, **ctx.opts)
+
+    @staticmethod
+    def backward(ctx, do, dmt, dst, dat, dpt):
+        saved = ctx.saved_tensors
+        need = ctx.needs_input_grad[:10]
+        grads = [None] * 10
+        if any(need):
+            with torch.enable_grad():
+                inputs = [_upcast(x).detach().requires_grad_(n) if x is not None else None
+                          for x, n in zip(saved, need)]
+                outs = momentum_recurrent_reference(*inputs, **ctx.opts)
+                pairs = [(y, g) for y, g in zip(outs, (do, dmt, dst, dat, dpt)) if g is not None and y.requires_grad]
+                leaves = [i for i, (x, n) in enumerate(zip(inputs, need)) if x is not None and n]
+                got = torch.autograd.grad([y for y, _ in pairs], [inputs[i] for i in leaves],
+                                          [g.to(y.dtype) for y, g in pairs], allow_unused=True) if pairs else \
+                    [None] * len(leaves)
+            for i, g in zip(leaves, got):
+                grads[i] = (torch.zeros_like(saved[i]) if g is None else g).to(saved[i].dtype)
+        return (*grads, None, None, None, None, None)
+
+
+def fused_recurrent_momentum(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                             theta: torch.Tensor, alpha: Optional[torch.Tensor], initial_state: torch.Tensor,
+                             initial_momentum: torch.Tensor, initial_anchor: torch.Tensor,
+                             initial_chunk_alpha: torch.Tensor, *, position: int, chunk_size: int, bias: str = "l2",
+                             placement: str = "after_step", read: str = "token"
+                             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Linear memory + momentum GD at semantic chunk size b, token by token on one fused Triton kernel.
+
+    Args:
+        q, k: ``[B, T, H, D_k]`` (feature map already applied); v: ``[B, T, H, D_v]`` (D_k, D_v ≤ 256).
+        beta: ``[B, T, H]`` step β_t = η_t γ_t.
+        theta: ``[B, T, H]`` momentum gate θ_t.
+        alpha: ``[B, T, H]`` per-head kept fraction α_t, or None (no retention).
+        initial_state, initial_momentum, initial_anchor: M, S and the current chunk's start memory M_a before the
+            first token, ``[B, H, D_v, D_k]`` (the anchor is used only until the next chunk start).
+        initial_chunk_alpha: ``[B, H]`` P, the product of α over the current chunk's tokens so far (1 at a chunk
+            start; ``MemoryState.chunk_alpha``).
+        position: tokens consumed before this call (chunks start where the position is a multiple of b).
+        chunk_size: the semantic chunk b ≥ 1 (it changes the result).
+        bias: ``l2`` or ``dot``; placement: ``after_step`` or ``before_step`` (ℓ2: gradient at P M_a); read:
+            ``token`` or ``chunk``.
+
+    Returns:
+        ``o: [B, T, H, D_v]`` (dtype of v), the final M, S and M_a ``[B, H, D_v, D_k]`` (dtypes of the initial
+        ones) and the final P ``[B, H]``.
+    """
+    return FusedRecurrentMomentumFunction.apply(q, k, v, beta, theta, alpha, initial_state, initial_momentum,
+                                                initial_anchor, initial_chunk_alpha, int(position), int(chunk_size),
+                                                bias, placement, read)
+
+
+# ------------------------------------------------------------------------------------------ dispatch + engine
+
+def spec_reason(parts, chunk_size: int) -> Optional[str]:
+    """None when the token-by-token momentum kernel computes ``parts`` at semantic chunk ``chunk_size`` exactly, else
+    why not (any b ≥ 1, either placement)."""
+    s, ret = parts.spec, parts.retention
+    bias = s.attentional_bias.name
+    checks = [
+        (s.memory.name == "linear", f"memory '{s.memory.name}' (momentum kernels: linear)"),
+        (not parts.kernel_trick, "the exp kernel trick"),
+        (bias in BIASES, f"attentional bias '{bias}' (momentum kernels: l2, dot)"),
+        (s.inner_optimizer.name == "momentum", f"inner optimizer '{s.inner_optimizer.name}' (momentum)"),
+        (s.retention.name in ("none", "decay"), f"retention '{s.retention.name}' (none, decay)"),
+        (not getattr(ret, "channel_wise", False), "channel-wise decay (momentum kernels: per-head scalar)"),
+        (parts.window.size == 1, f"window size {parts.window.size} (c = 1)"),
+        (chunk_size >= 1, f"chunk_size b = {chunk_size} (b ≥ 1)"),
+        (parts.read in READS, f"read '{parts.read}'"),
+        (max(parts.feature_map.out_dim, parts.value_dim) <= MAX_D, f"head dims > {MAX_D}"),
+    ]
+    for ok, why in checks:
+        if not ok:
+            return why
+    return None
+
+
+def memorize_fused_recurrent_momentum(q, k, v, parts, gates, chunk_size, state, block_size: int = 64,
+                                      **engine_options):
+    """``MODES``-signature engine: ``q, k: [B, T, H, D_k]``, ``v: [B, T, H, D_v]`` → ``([B, T, H, D_v], state)``.
+
+    Continues from ``state`` at any position (mid-chunk included) and updates weights, momentum, anchor,
+    ``chunk_alpha`` (Π α over the current chunk so far), ``chunk_lr`` (zero: momentum GD keeps no Σ η), the (empty,
+    c = 1) window history and ``position`` exactly as ``memorize_recurrent``. ``block_size`` and ``engine_options``
+    concern the torch engines (a T = 0 call goes to ``chunked`` with them).
+    """
+    from ..state import keep_history, with_history
+
+    b, T = int(chunk_size), q.shape[1]
+    if T == 0:
+        from ..chunked import memorize_chunked
+        return memorize_chunked(q, k, v, parts, gates, b, state, block_size=block_size, **engine_options)
+    state = dataclasses.replace(state)
+    fm, ret = parts.feature_map, parts.retention
+    alpha = gates.retention if (ret.uses_alpha and gates.retention is not None) else None
+    placement = ret.placement if alpha is not None else "after_step"
+    beta = gates.lr * gates.window                    # c = 1: the window gate scales the step
+    W = state.weights["W"]
+    anchor = state.anchor["W"] if state.anchor is not None else W
+    o, M, S, A, P = fused_recurrent_momentum(fm(q), fm(k), v, beta, gates.momentum, alpha, W, state.momentum["W"],
+                                             anchor, state.chunk_alpha, position=state.position, chunk_size=b,
+                                             bias=parts.spec.attentional_bias.name, placement=placement,
+                                             read=parts.read)
+    state.weights, state.momentum, state.anchor = {"W": M}, {"W": S}, {"W": A}
+    state.chunk_alpha = P if alpha is not None else torch.ones_like(state.chunk_alpha)
+    state.chunk_lr = torch.zeros_like(state.chunk_lr)
+    keep_history(state, parts.window.history(), *with_history(state, k, v, gates))
+    state.position += T
+    return o, state
+
+
+memorize_fused_recurrent_momentum.kernel = "fused_recurrent_momentum"
+
+__all__ = ["FusedRecurrentMomentumFunction", "fused_recurrent_momentum", "fused_recurrent_momentum_forward",
+           "memorize_fused_recurrent_momentum", "momentum_recurrent_reference", "spec_reason"]
