@@ -12,6 +12,9 @@ Kernels (each beside its plain-torch reference in :mod:`.reference` / :mod:`atla
 - :func:`.chunk_momentum.chunk_momentum`: linear memory trained by momentum GD at semantic chunk size b > 1
   (Titans with a matrix memory), the TTT/Titans dual form per chunk; Triton forward and backward (the gates'
   gradients by autograd through the torch stage-1 coefficients, no memory-sized tensor);
+- :func:`.fused_recurrent_momentum.fused_recurrent_momentum`: token-by-token linear memory + momentum GD at any
+  semantic chunk b ≥ 1 (decoding with a cached state: M, S, the chunk-start anchor and Π α carried across calls);
+  backward by autograd through its torch token loop, recomputed;
 - :func:`.mlp_chunk.mlp_chunk_step`: one chunk's step of the 2-layer residual MLP memory with the ℓ2 bias (the
   gradient factors δ1, δ2, a at the chunk-start anchor and the chunk-end weights and momenta, GD or momentum);
   :func:`select_mlp_step` returns its ``chunked._dual_step``-compatible form (:func:`.mlp_chunk.mlp_dual_step`).
@@ -27,9 +30,13 @@ Dispatch, in the spirit of fla's backend registry: a Triton kernel is used only 
    torch), ℓ2 or dot bias, GD, no retention, per-head scalar decay or channel-wise (per key channel, GLA-style)
    decay (either placement), Omega window c ≤ 8 (c > 1: without channel-wise decay), semantic chunk b = 1,
    ``read`` token or chunk; head dims ≤ 256;
-   or, for the momentum kernel (:func:`.chunk_momentum.spec_reason`): linear memory, ℓ2 or dot bias, inner
-   optimizer momentum, no retention or per-head scalar decay placed after_step, c = 1, 2 ≤ b ≤ 64, read token or
-   chunk (a call starting mid-chunk finishes that chunk on the torch ``chunked`` engine, then runs the kernel).
+   or, for the momentum kernels (linear memory, ℓ2 or dot bias, inner optimizer momentum, no retention or
+   per-head scalar decay, c = 1, read token or chunk): the token-by-token kernel
+   (:func:`.fused_recurrent_momentum.spec_reason`: any b ≥ 1, either placement; ``fused_recurrent``) and the chunk
+   kernel (:func:`.chunk_momentum.spec_reason`: 2 ≤ b ≤ 64; ``chunk``). ``auto`` takes the token kernel for
+   T ≤ ``RECURRENT_MAX_T``, for a call that starts mid-chunk (``state.position`` mod b ≠ 0) with
+   T ≤ ``MOMENTUM_MID_CHUNK_MAX_T`` (decoding), and whenever the chunk kernel does not take the spec; otherwise the
+   chunk kernel (a long call starting mid-chunk finishes that chunk on the torch ``chunked`` engine, then runs it).
 
 :func:`select_kernel` returns an engine with the ``MODES`` signature or None; ``memorize(mode="triton")``
 (:func:`memorize_triton`) uses it and falls back to the torch ``chunked`` engine. Nothing else changes: the
@@ -95,6 +102,8 @@ from ..state import keep_history, with_history
 FORCE_TORCH_ENV = "ATLASLAB_FORCE_TORCH"
 #: T at or below which ``auto`` picks the token-by-token kernel (fla switches to fused_recurrent at ≤ 64).
 RECURRENT_MAX_T = 64
+#: T at or below which ``auto`` runs a momentum call that starts mid-chunk wholly on the token-by-token kernel
+MOMENTUM_MID_CHUNK_MAX_T = 128
 MAX_HEAD_DIM = 256
 MAX_WINDOW = 8              # the window kernels' largest Omega window c (= reference.MAX_WINDOW)
 CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -143,8 +152,8 @@ def device_ok(x: torch.Tensor) -> Optional[str]:
 def spec_reason(parts, chunk_size: int) -> Optional[str]:
     """None when the linear delta kernels compute ``parts`` exactly, else the first reason they do not."""
     s = parts.spec
-    if s.inner_optimizer.name == "momentum":      # only the momentum chunk kernel (chunk_momentum.py) takes it
-        from .chunk_momentum import spec_reason as momentum_reason
+    if s.inner_optimizer.name == "momentum":      # the momentum kernels; the token-by-token one takes the most specs
+        from .fused_recurrent_momentum import spec_reason as momentum_reason
         return momentum_reason(parts, chunk_size)
     checks = [
         (s.memory.name == "linear", f"memory '{s.memory.name}' (kernels: linear)"),
@@ -225,14 +234,23 @@ def _momentum_engine(*args, **kwargs):
     return memorize_chunk_momentum(*args, **kwargs)
 
 
+def _momentum_recurrent_engine(*args, **kwargs):
+    """The token-by-token momentum kernel's engine
+    (:func:`.fused_recurrent_momentum.memorize_fused_recurrent_momentum`), imported lazily."""
+    from .fused_recurrent_momentum import memorize_fused_recurrent_momentum
+    return memorize_fused_recurrent_momentum(*args, **kwargs)
+
+
 _momentum_engine.kernel = "chunk_momentum"
+_momentum_recurrent_engine.kernel = "fused_recurrent_momentum"
 ENGINES = {"fused_recurrent": _engine("fused_recurrent"), "chunk": _engine("chunk"),
-           "chunk_momentum": _momentum_engine}
+           "chunk_momentum": _momentum_engine, "fused_recurrent_momentum": _momentum_recurrent_engine}
 _MODE_ALIASES = {"auto": "auto", "triton": "auto", "chunk": "chunk", "chunked": "chunk",
                  "fused_recurrent": "fused_recurrent", "recurrent": "fused_recurrent"}
 
 
-def select_kernel(parts, q: torch.Tensor, chunk_size: int, mode: str = "auto") -> Optional[Callable]:
+def select_kernel(parts, q: torch.Tensor, chunk_size: int, mode: str = "auto",
+                  position: int = 0) -> Optional[Callable]:
     """The Triton engine for this (device, dtype, spec), or None when the torch path must be used.
 
     Args:
@@ -240,8 +258,12 @@ def select_kernel(parts, q: torch.Tensor, chunk_size: int, mode: str = "auto") -
         q: ``[B, T, H, D_k]`` queries (their device, dtype and T decide).
         chunk_size: the semantic chunk b of the call.
         mode: ``auto`` / ``triton`` (token-by-token kernel for T ≤ 64, chunk kernel above), ``chunk`` /
-            ``chunked``, or ``fused_recurrent`` / ``recurrent``. A momentum spec has only the chunk kernel
-            (``chunk_momentum``): ``auto`` and ``chunk`` select it, ``fused_recurrent`` returns None.
+            ``chunked``, or ``fused_recurrent`` / ``recurrent``. A momentum spec: ``fused_recurrent`` selects
+            ``fused_recurrent_momentum``, ``chunk`` selects ``chunk_momentum`` (None where it does not take the
+            spec), ``auto`` the token kernel for T ≤ ``RECURRENT_MAX_T``, for T ≤ ``MOMENTUM_MID_CHUNK_MAX_T`` when
+            the call starts mid-chunk, and where the chunk kernel does not take the spec, else the chunk kernel.
+        position: the state's position before the call (``MemoryState.position``; only the momentum dispatch
+            reads it: position mod b ≠ 0 is a call that starts mid-chunk).
 
     Returns:
         A function with the ``MODES`` engine signature ``(q, k, v, parts, gates, chunk_size, state, block_size)``
@@ -253,7 +275,14 @@ def select_kernel(parts, q: torch.Tensor, chunk_size: int, mode: str = "auto") -
         return None
     kind = _MODE_ALIASES[mode]
     if parts.spec.inner_optimizer.name == "momentum":
-        return ENGINES["chunk_momentum"] if kind in ("auto", "chunk") else None
+        from .chunk_momentum import spec_reason as chunk_reason
+        chunk_ok = chunk_reason(parts, chunk_size) is None
+        T = q.shape[1]
+        if kind == "chunk":
+            return ENGINES["chunk_momentum"] if chunk_ok else None
+        short = T <= RECURRENT_MAX_T or (position % chunk_size != 0 and T <= MOMENTUM_MID_CHUNK_MAX_T)
+        return ENGINES["chunk_momentum"] if (kind == "auto" and chunk_ok and not short) \
+            else ENGINES["fused_recurrent_momentum"]
     if kind == "auto":
         kind = "fused_recurrent" if q.shape[1] <= RECURRENT_MAX_T else "chunk"
     return ENGINES[kind]
@@ -265,7 +294,7 @@ def memorize_triton(q, k, v, parts, gates, chunk_size, state, block_size: int = 
     ``engine_options`` (such as ``checkpoint``) are passed on to the ``chunked`` fallback, which runs its deep-
     memory dual-form chunks with the fused Triton step where :func:`select_mlp_step` finds one.
     """
-    engine = select_kernel(parts, q, chunk_size, "auto")
+    engine = select_kernel(parts, q, chunk_size, "auto", position=state.position)
     if engine is None:
         return memorize_chunked(q, k, v, parts, gates, chunk_size, state, block_size=block_size,
                                 dual_step=select_mlp_step(parts, q), **engine_options)
