@@ -30,8 +30,9 @@ NAMES = ("x", "v", "W1", "W2", "S1", "S2", "P_e", "Q_e", "A_e", "Th_e", "S_e")
 OUTS = ("delta1", "delta2", "a", "W1_e", "W2_e", "S1_e", "S2_e")
 
 
-def _inputs(B=2, H=2, W=5, D=8, hid=16, momentum=True, seed=0):
-    """float64 op inputs in :data:`NAMES` order (None for the momentum ones under GD)."""
+def _inputs(B=2, H=2, W=5, D=8, hid=16, momentum=True, seed=0, DO=None):
+    """float64 op inputs in :data:`NAMES` order (None for the momentum ones under GD); ``x [B, H, W, D]``,
+    ``v [B, H, W, DO]`` (DO = D unless given)."""
     g = torch.Generator().manual_seed(seed)
 
     def r(*shape, scale=1.0):
@@ -40,12 +41,13 @@ def _inputs(B=2, H=2, W=5, D=8, hid=16, momentum=True, seed=0):
     def u(*shape, low=0.3, high=1.0):
         return low + (high - low) * torch.rand(*shape, generator=g, dtype=torch.float64)
 
-    x, v = r(B, H, W, D), r(B, H, W, D)
-    W1, W2 = r(B, H, hid, D, scale=0.4), r(B, H, D, hid, scale=0.4)
+    DO = DO or D
+    x, v = r(B, H, W, D), r(B, H, W, DO)
+    W1, W2 = r(B, H, hid, D, scale=0.4), r(B, H, DO, hid, scale=0.4)
     P, A = u(B, H), -u(B, H, W, low=0.05, high=0.5)
     if not momentum:
         return [x, v, W1, W2, None, None, P, None, A, None, None]
-    S1, S2 = r(B, H, hid, D, scale=0.2), r(B, H, D, hid, scale=0.2)
+    S1, S2 = r(B, H, hid, D, scale=0.2), r(B, H, DO, hid, scale=0.2)
     return [x, v, W1, W2, S1, S2, P, u(B, H), A, u(B, H), -u(B, H, W, low=0.05, high=0.5)]
 
 
@@ -288,3 +290,220 @@ def test_memorize_triton_mode_uses_the_fused_step(monkeypatch):
     assert len(calls) == 3                                   # 11 tokens at b = 4: three chunks
     assert rms_ratio(o_t.double(), o_c.double()) <= TOL
     assert rms_ratio(s_t.weights["W1"].double(), s_c.weights["W1"].double()) <= TOL
+
+
+# ------------------------------------------------------------------ residual off, D_in ≠ D_out, the dot bias
+
+GENERAL_CASES = [   # (activation, momentum, residual, bias, B, H, W, D_in, D_out, hidden, block_hidden)
+    ("gelu", True, False, "l2", 2, 2, 11, 15, 4, 8, None),       # OmegaNet-like: c = 4, b = 8 window (W = 11)
+    ("silu", False, False, "l2", 1, 2, 20, 15, 6, 40, 16),       # three hidden blocks (the last ragged), W > 16
+    ("gelu", False, False, "dot", 2, 2, 8, 15, 4, 8, None),      # DLA-like (c = 1)
+    ("relu", True, False, "dot", 1, 2, 11, 10, 5, 24, 16),       # dot with momentum, two hidden blocks
+    ("gelu", True, True, "dot", 1, 2, 7, 8, 8, 16, None),        # residual dot (the residual changes nothing)
+    ("gelu", False, False, "l2", 1, 1, 19, 153, 16, 40, None),   # a preset's D_in = C(18, 2): BD_in = 256, BHID 32
+]
+
+
+@pytest.mark.parametrize("act, mom, res, bias, B, H, W, D, DO, hid, bh", GENERAL_CASES)
+def test_general_kernel_matches_reference(act, mom, res, bias, B, H, W, D, DO, hid, bh):
+    """fp32 (and fp64) kernels vs the float64 reference for residual off / D_in ≠ D_out / the dot bias."""
+    ins = _inputs(B, H, W, D, hid, mom, seed=11, DO=DO)
+    kw = dict(activation=act, residual=res, bias=bias)
+    ref = mc.mlp_chunk_reference(*ins, **kw)
+    if bias == "dot":
+        assert torch.equal(ref[1], -ins[1])
+    out = mc.mlp_chunk_forward(*_to(ins, torch.float32), block_hidden=bh, **kw)
+    for name, o, r in zip(OUTS, out, ref):
+        if r is None:
+            assert o is None, name
+            continue
+        assert o.dtype == torch.float32 and o.shape == r.shape and torch.isfinite(o).all(), name
+        assert rms_ratio(o.double().cpu(), r) <= TOL, name
+    out64 = mc.mlp_chunk_forward(*_to(ins, torch.float64), block_hidden=bh, **kw)
+    for name, o, r in zip(OUTS, out64, ref):
+        if r is not None:
+            assert rms_ratio(o.cpu(), r) < 1e-12, name
+
+
+def test_residual_needs_equal_dims():
+    ins = _inputs(B=1, H=1, W=4, D=6, hid=8, momentum=False, DO=4)
+    with pytest.raises(ValueError, match="residual"):
+        mc.mlp_chunk_reference(*ins, residual=True)
+    with pytest.raises(ValueError, match="bias"):
+        mc.mlp_chunk_reference(*ins, residual=False, bias="huber")
+
+
+@pytest.mark.parametrize("bias, mom", [("l2", True), ("dot", False), ("dot", True)])
+def test_general_function_gradients_match_reference(bias, mom):
+    """The autograd Function (residual off, D_in = 15 ≠ D_out = 4) vs autograd of the float64 reference: outputs and
+    the gradients of x, v, W1, W2, S1, S2 and every coefficient row."""
+    ins = _inputs(B=2, H=2, W=11, D=15, hid=8, momentum=mom, seed=12, DO=4)
+    kw = dict(activation="gelu", residual=False, bias=bias)
+    ref_leaves = [None if z is None else z.clone().requires_grad_() for z in ins]
+    ref = mc.mlp_chunk_reference(*ref_leaves, **kw)
+    present = [(n, z) for n, z in zip(NAMES, ref_leaves) if z is not None]
+    g_ref = torch.autograd.grad(_probe(ref), [z for _, z in present])
+    leaves = _to(ins, torch.float32, grad=True)
+    out = mc.mlp_chunk_step(*leaves, **kw)
+    for o, r in zip(out, ref):
+        if r is not None:
+            assert rms_ratio(o.double().cpu(), r.detach()) <= TOL
+    got = torch.autograd.grad(_probe(out), [z for z in leaves if z is not None])
+    for (name, _), g, r in zip(present, got, g_ref):
+        assert g.dtype == torch.float32 and torch.isfinite(g).all(), name
+        assert rms_ratio(g.double().cpu(), r) <= TOL, name
+
+
+@pytest.mark.parametrize("bias", ["l2", "dot"])
+def test_general_gradcheck(bias):
+    """gradcheck in float64 of the Triton forward against the recompute backward (residual off, D_in ≠ D_out)."""
+    small = _to(_inputs(B=1, H=1, W=3, D=5, hid=4, momentum=True, seed=13, DO=3), torch.float64, grad=True)
+    assert torch.autograd.gradcheck(lambda *z: mc.mlp_chunk_step(*z, activation="gelu", residual=False, bias=bias),
+                                    small, fast_mode=True, atol=1e-6, rtol=1e-5)
+
+
+def _deep_parts(bias="l2", optimizer="gd", c=4, feature_map="polynomial", retention="decay", d=4, hidden=8,
+                act="gelu", b=8, lr=0.2):
+    """An ATLAS-family memory: ``mlp`` depth 2, residual off, polynomial (or Taylor φ*) map, d = 4 → D_in = 15;
+    ``lr``: the inner step (η = lr · the lr gate; lr alone without one). A step ≳ 0.5 makes it diverge."""
+    torch.manual_seed(0)
+    fm = {"name": "polynomial", "degree": 2} if feature_map == "polynomial" else {"name": "exp", "mode": "auto",
+                                                                                 "degree": 2}
+    spec = {"memory": {"name": "mlp", "depth": 2, "residual": False, "activation": act,
+                       "expansion": hidden / ((d + 1) * (d + 2) / 2)},
+            "attentional_bias": bias, "feature_map": fm, "inner_optimizer": {"name": optimizer, "lr": lr},
+            "retention": retention,
+            "window": {"name": "omega", "size": c}, "chunk_size": b}
+    parts = build_memory(spec, 2, d, d)
+    assert parts.memory.in_dim == (d + 1) * (d + 2) // 2 and parts.memory.hidden == hidden
+    for name, p in parts.named_parameters():
+        if name.startswith("memory."):
+            torch.nn.init.normal_(p, std=0.3)
+    return parts
+
+
+def _deep_step_args(parts, dtype, mom, W, seed=14):
+    ins = _inputs(B=2, H=2, W=W, D=parts.memory.in_dim, hid=parts.memory.hidden, momentum=mom, seed=seed,
+                  DO=parts.value_dim)
+    x, v, W1, W2, S1, S2, P, Q, A, Th, S = (None if z is None else z.to(DEVICE, dtype) for z in ins)
+    return parts, {"W1": W1, "W2": W2}, ({"W1": S1, "W2": S2} if mom else None), x, v, None, P, Q, A, Th, S
+
+
+STEP_CASES = [("l2", "gd", 4), ("l2", "momentum", 4), ("dot", "gd", 1), ("dot", "momentum", 4)]
+
+
+@pytest.mark.parametrize("bias, optimizer, c", STEP_CASES)
+def test_general_step_matches_dual_step(bias, optimizer, c):
+    """The reference equals ``gradient_factors`` + ``_dual_step`` in float64, and ``mlp_dual_step`` (the kernels)
+    equals ``_dual_step`` in float32, for the built ATLAS-family memory (W = c − 1 + b window tokens)."""
+    mom = optimizer == "momentum"
+    parts = _deep_parts(bias, optimizer, c).to(DEVICE)
+    W = c - 1 + 8
+    args64 = _deep_step_args(parts.double(), torch.float64, mom, W)
+    f_r, w_r, m_r = chunked._dual_step(*args64)
+    _, Wt, St, x, v, _, P, Q, A, Th, Se = args64
+    ref = mc.mlp_chunk_reference(x, v, Wt["W1"], Wt["W2"], St["W1"] if mom else None, St["W2"] if mom else None,
+                                 P, Q, A, Th, Se, activation="gelu", residual=False, bias=bias)
+    want = (f_r["W1"][0], f_r["W2"][0], f_r["W2"][1], w_r["W1"], w_r["W2"], *((m_r["W1"], m_r["W2"]) if mom
+                                                                               else (None, None)))
+    for name, got, w in zip(OUTS, ref, want):
+        assert (got is None) == (w is None), name
+        if w is not None:
+            assert rms_ratio(got, w) < 1e-12, name
+
+    parts = parts.float()
+    args = _deep_step_args(parts, torch.float32, mom, W)
+    assert tk.select_mlp_step(parts, args[3]) is mc.mlp_dual_step
+    f_t, w_t, m_t = mc.mlp_dual_step(*args)
+    f_r, w_r, m_r = chunked._dual_step(*args)
+    assert list(f_t) == list(f_r) == ["W1", "W2"]
+    for n in f_r:
+        for got, w in zip(f_t[n], f_r[n]):
+            assert got.shape == w.shape and rms_ratio(got.double(), w.double()) < 1e-5, n
+        assert rms_ratio(w_t[n].double(), w_r[n].double()) < 1e-5, n
+        if mom:
+            assert rms_ratio(m_t[n].double(), m_r[n].double()) < 1e-5, n
+    assert m_t is None if not mom else True
+
+
+E2E_CASES = {   # name: (bias, optimizer, c, feature map, retention, gates, lr)
+    "omeganet": ("l2", "gd", 4, "polynomial", "decay", ("lr", "window", "retention"), 0.2),
+    "dla": ("dot", "gd", 1, "polynomial", "decay", ("lr", "window", "retention"), 0.2),
+    "swdt": ("dot", "gd", 4, "exp", "decay", ("lr", "window", "retention"), 0.2),
+    "dot": ("l2", "gd", 4, "exp", "none", ("window",), 0.05),                # constant η (no lr gate)
+    "momentum": ("l2", "momentum", 2, "polynomial", "decay", ("lr", "window", "momentum", "retention"), 0.2),
+}
+
+
+def _memorize_run(parts, data, dtype, mode, b, calls_of=(11, 9)):
+    """``memorize`` in ``dtype`` over two chained calls (T = 11 + 9: the first ends mid-chunk, the second starts
+    there) → (o, final state, gradients of q, k, v, every gate and every parameter of ``parts``)."""
+    parts = copy.deepcopy(parts).to(DEVICE, dtype)
+    (q, k, v), gates = data
+    q, k, v = (z.to(DEVICE, dtype).requires_grad_() for z in (q, k, v))
+    gates = {n: z.to(DEVICE, dtype).requires_grad_() for n, z in gates.items()}
+    leaves = [q, k, v, *gates.values(), *parts.parameters()]
+    outs, state, t0 = [], None, 0
+    for T in calls_of:
+        piece = [z[:, t0:t0 + T] for z in (q, k, v)]
+        o, state = memorize(*piece, parts, {n: g[:, t0:t0 + T] for n, g in gates.items()}, mode=mode,
+                            chunk_size=b, initial_state=state)
+        outs.append(o)
+        t0 += T
+    o = torch.cat(outs, 1)
+    g = torch.Generator().manual_seed(9)
+    loss = (o * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o)).sum()
+    finals = [*state.weights.values(), *(state.momentum or {}).values()]
+    for z in finals:
+        loss = loss + (z * torch.randn(z.shape, generator=g, dtype=torch.float64).to(z)).sum()
+    return o, finals, torch.autograd.grad(loss, leaves), [n for n, _ in parts.named_parameters()]
+
+
+@pytest.mark.parametrize("name", list(E2E_CASES))
+def test_memorize_triton_atlas_family_matches_recurrent(name, monkeypatch):
+    """``memorize(mode="triton")`` (fp32; the fused step in ``chunked``'s dual form) vs ``memorize(mode="recurrent")``
+    (float64 token loop) for an ATLAS-family memory (residual off, D_in = 15 ≠ D_out = 4, hidden 8), b = 8, T = 11 +
+    9 in two chained calls (partial chunks at both ends, the second call continuing from the first's state):
+    outputs, final weights (and momenta) and the gradients of q, k, v, every gate, the learned initial W1, W2 and
+    the polynomial coefficients."""
+    bias, optimizer, c, fm, retention, gate_names, lr = E2E_CASES[name]
+    parts = _deep_parts(bias, optimizer, c, fm, retention, lr=lr)
+    q, k, v = random_qkv(2, 20, 2, 4, seed=15)
+    gates = random_gates(2, 20, 2, seed=16, names=gate_names, low=0.5, high=0.95)
+    data = ((q, k, v), gates)
+    calls, fused = [], mc.mlp_dual_step
+
+    def counted(*args):
+        calls.append(1)
+        return fused(*args)
+
+    monkeypatch.setattr(mc, "mlp_dual_step", counted)
+    o_t, s_t, g_t, names = _memorize_run(parts, data, torch.float32, "triton", 8)
+    assert len(calls) == 3, "the fused step did not run once per aligned chunk (8 + 3 tokens, then 4 after the join)"
+    o_r, s_r, g_r, _ = _memorize_run(parts, data, torch.float64, "recurrent", 8)
+    assert rms_ratio(o_t.double(), o_r) <= TOL
+    for a, r in zip(s_t, s_r):
+        assert rms_ratio(a.double(), r) <= TOL
+    labels = ["q", "k", "v", *gate_names, *names]
+    assert "memory.init_W1" in labels and (fm != "polynomial" or "feature_map.rho" in labels), labels
+    for label, a, r in zip(labels, g_t, g_r):
+        assert torch.isfinite(a).all() and rms_ratio(a.double(), r) <= TOL, label
+
+
+PRESETS_ON_STEP = ("omeganet", "dla", "swdt", "deeptransformer", "dot", "titans")
+
+
+def test_presets_select_the_fused_step():
+    """The ATLAS-family presets (and Titans) now get the fused step: their memory parts, built as the layer does,
+    pass :func:`spec_reason`, and ``select_mlp_step`` returns the step for fp32 inputs."""
+    from atlaslab.presets import load_preset
+    for preset in PRESETS_ON_STEP:
+        cfg = load_preset(preset)
+        (m,) = cfg.mixers.values()
+        H = m.num_heads
+        D = cfg.d_model // H
+        parts = build_memory(m.memory, H, D, D)
+        assert mc.spec_reason(parts) is None, (preset, mc.spec_reason(parts))
+        assert chunked.uses_dual_form(parts, None) and parts.window.size is not None, preset
+        q = torch.zeros(1, 8, H, D, device=DEVICE)
+        assert tk.select_mlp_step(parts, q) is mc.mlp_dual_step, preset
