@@ -323,8 +323,10 @@ def select_mlp_step(parts, x: torch.Tensor) -> Optional[Callable]:
     for ``parts`` on ``x``'s device and dtype (``x``: any of the call's inputs, e.g. ``[B, T, H, D]`` keys), or None.
 
     Chosen only when Triton runs here (:func:`available`, :func:`device_ok`, ``ATLASLAB_FORCE_TORCH`` unset) and the
-    spec is one it computes (:func:`.mlp_chunk.spec_reason`: memory ``mlp`` of depth 2, residual, no LayerNorm,
-    activation gelu / silu / relu, ℓ2 bias, GD or momentum). Shapes beyond the kernels' limits fall back to
+    spec is one it computes (:func:`.mlp_chunk.spec_reason`: memory ``mlp`` of depth 2, residual on or off (off:
+    D_in = the feature map's width may differ from D_out), no LayerNorm, activation gelu / silu / relu, ℓ2 or dot
+    bias, GD or momentum, D_in, D_out ≤ 256; any Omega window, after-step scalar decay or none): the presets
+    titans, omeganet, dla, swdt, deeptransformer and dot. Shapes beyond the kernels' limits fall back to
     ``_dual_step`` inside the returned step.
     """
     if forced_torch() or not available() or device_ok(x) is not None:
