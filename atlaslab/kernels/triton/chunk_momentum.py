@@ -3,22 +3,24 @@ with a matrix memory), its plain torch reference, and the ``memorize`` engine th
 
 Spec (../shared/spec/ATLAS_FAMILY.md §15.2 chunk semantics, §15.4 placement, §15.5 momentum; Titans §3.2 Eq.16-18):
 memory linear, ℓ2 or dot-product bias, inner optimizer ``momentum``, retention none or per-head scalar decay with
-placement ``after_step`` (either placement for the dot bias, whose gradient does not depend on M), Omega window
-c = 1, read ``token`` or ``chunk``. One head's memory M and momentum S are ``[D_v, D_k]``; per token s of a chunk
-that starts from the anchor M_a = M_{t'} (and momentum S_a), with step β_s = η_s γ_s (learning rate × the c = 1
-window gate), momentum gate θ_s and kept fraction α_s (1 without retention):
+either placement, Omega window c = 1, read ``token`` or ``chunk``. One head's memory M and momentum S are
+``[D_v, D_k]``; per token s of a chunk that starts from the anchor M_a = M_{t'} (and momentum S_a), with step
+β_s = η_s γ_s (learning rate × the c = 1 window gate), momentum gate θ_s, kept fraction α_s (1 without retention)
+and the chunk-local cumulative product P_s = Π_{τ=t'}^{s} α_τ:
 
-    e_s = M_a k_s − v_s  (ℓ2)   or   e_s = −v_s  (dot)            every gradient at the chunk start (§15.2)
+    e_s = M_a k_s − v_s       (ℓ2, after_step: the gradient at M_a, §15.2)
+    e_s = P_s M_a k_s − v_s   (ℓ2, before_step: the gradient at the decayed anchor W_a = P_s M_a, §15.4)
+    e_s = −v_s                (dot, either placement: the gradient does not depend on M)
     S_s = θ_s S_{s−1} − β_s e_s k_sᵀ,      M_s = α_s M_{s−1} + S_s                               (§15.5)
 
-Unrolled over the chunk (the TTT / Titans dual form; ``_dual_segment`` in ``kernels/chunked.py``), with the
-chunk-local cumulative products P_s = Π_{τ≤s} α_τ, Θ_s = Π_{τ≤s} θ_τ and the decay matrices
-D_α[s, r] = Π_{τ=r+1}^{s} α_τ, D_θ[r, i] = Π_{τ=i+1}^{r} θ_τ (r ≥ i, else 0):
+Unrolled over the chunk (the TTT / Titans dual form; ``_dual_segment`` in ``kernels/chunked.py``), with
+Θ_s = Π_{τ≤s} θ_τ and the decay matrices D_α[s, r] = Π_{τ=r+1}^{s} α_τ, D_θ[r, i] = Π_{τ=i+1}^{r} θ_τ
+(r ≥ i, else 0):
 
     S_s = Θ_s S_a − Σ_{i≤s} D_θ[s, i] β_i e_i k_iᵀ
     M_s = P_s M_a + Q_s S_a + Σ_{i≤s} A[s, i] e_i k_iᵀ,      Q = D_α Θ,   A = −D_α D_θ diag(β)
 
-so a read needs no per-position matrix:
+(the placement changes only e), so a read needs no per-position matrix:
 
     read token:  y_s = P_s (M_a q_s) + Q_s (S_a q_s) + Σ_{i≤s} A[s, i] (k_i·q_s) e_i
     read chunk:  y_s = M_a q_s                                                                   (§15.11)
@@ -27,32 +29,44 @@ and the next chunk starts from M_L, S_L (L = the chunk's last real token; the la
 Decay products are formed in log space as exp(g_s − g_r) on the causal part only (α, θ clamped at the smallest
 positive normal, as :func:`.reference.log_decay`, so a gate of exactly 0 gets no gradient), so no ratio overflows.
 
+Variable-length batches (``cu_seqlens [N + 1]``, N sequences packed as ``[1, total_T, H, D]``) run natively, as the
+delta-rule chunk kernels do (:mod:`.chunk`, whose chunk tables and ``_chunk_span`` / ``_sequence_span`` jit helpers
+are imported here): every sequence is its own call — M, S restart from its own initial state ``[N, H, D_v, D_k]``,
+its semantic chunks start at its first token (b-token chunks never cross a sequence boundary; its last one may be
+partial) — the per-chunk kernels run over all chunks of all sequences in ONE launch (the table (sequence, chunk
+within it) gives each program its rows), the sequential kernels run one program per value block × sequence × head,
+and the final states ``M_T, S_T`` and anchors are ``[N, H, D_v, D_k]``. Chunk-state tensors are ``[NC, H, V, K]``
+(NC = all chunks). Without ``cu_seqlens`` the same kernels see B equal sequences of T tokens.
+
 Pieces:
 
 - :func:`momentum_chunk_reference`: exactly these equations in plain torch, one chunk at a time (the reference of
   the kernels, and the recompute of their backward);
 - Triton forward, three kernels as in fla's chunk ops (``chunk.py``):
-  1. ``_mom_coef_kernel`` (one program per chunk × batch·head, all chunks in parallel): g_α, g_θ (chunk-local
-     cumsums of log α, log θ), D_α, D_θ, A = −D_α (D_θ diag β) by one ``tl.dot``, P, Θ, Q, the chunk-end rows
-     a_end = A[L, :] and s_end = −D_θ[L, :] β, and (read token) the intra-chunk read matrix A ⊙ (q kᵀ);
-  2. ``_mom_state_kernel`` (one program per value block × batch·head, sequential over chunks): carries (M, S),
-     stores every chunk-start pair, forms e = k M_aᵀ − v (one matmul per chunk) and steps
-     M ← P_L M + Q_L S + (a_end ⊙ e)ᵀ k,  S ← Θ_L S + (s_end ⊙ e)ᵀ k;
-  3. ``_mom_out_kernel`` (value block × chunk × batch·head, parallel):
+  1. ``_mom_coef_kernel`` (one program per chunk × head, all chunks of all sequences in parallel): g_α, g_θ
+     (chunk-local cumsums of log α, log θ), D_α, D_θ, A = −D_α (D_θ diag β) by one ``tl.dot``, P, Θ, Q, the
+     chunk-end rows a_end = A[L, :] and s_end = −D_θ[L, :] β, and (read token) the intra-chunk read matrix
+     A ⊙ (q kᵀ);
+  2. ``_mom_state_kernel`` (one program per value block × sequence·head, sequential over its chunks): carries
+     (M, S), stores every chunk-start pair, forms e = k M_aᵀ − v (before_step: P ⊙ (k M_aᵀ) − v; one matmul per
+     chunk) and steps M ← P_L M + Q_L S + (a_end ⊙ e)ᵀ k,  S ← Θ_L S + (s_end ⊙ e)ᵀ k;
+  3. ``_mom_out_kernel`` (value block × chunk × head, parallel):
      y = P ⊙ (q M_aᵀ) + Q ⊙ (q S_aᵀ) + (A ⊙ q kᵀ) e, or q M_aᵀ for read chunk.
   Intermediates are fp32; fp32 dots use IEEE precision unless ``allow_tf32``.
 - backward (:func:`chunk_momentum_backward`; nothing but the inputs is saved by the forward):
   1. stages 1–2 are re-run (coefficients, A, e and the chunk-start states M_a, S_a);
-  2. ``_mom_bwd_state_kernel`` (value block × batch·head, reverse over chunks) carries dM, dS = ∂L/∂(chunk-end
+  2. ``_mom_bwd_state_kernel`` (value block × sequence·head, reverse over its chunks) carries dM, dS = ∂L/∂(chunk-end
      M, S) from the final-state gradients (plus the anchor output's at the last chunk start):
      dE = (A ⊙ q kᵀ)ᵀ dO + a_end ⊙ (k dMᵀ) + s_end ⊙ (k dSᵀ);
-     dM ← P_L dM + (P ⊙ dO)ᵀ q + [ℓ2] dEᵀ k  (read chunk: dOᵀ q instead of the P term);
+     dM ← P_L dM + (P ⊙ dO)ᵀ q + [ℓ2] dEᵀ k  (read chunk: dOᵀ q instead of the P term; before_step: (P ⊙ dE)ᵀ k,
+     since ∂e_s/∂M_a = P_s k_sᵀ);
      dS ← Q_L dM + Θ_L dS [+ (Q ⊙ dO)ᵀ q, read token];  the last pair is the initial M's and S's gradient;
-  3. ``_mom_bwd_grad_kernel`` (chunk × batch·head, parallel, a loop over value blocks): with G = dO eᵀ,
+  3. ``_mom_bwd_grad_kernel`` (chunk × head, parallel, a loop over value blocks): with G = dO eᵀ,
      dq = P ⊙ (dO M_a) + Q ⊙ (dO S_a) + (G ⊙ A) k,  dk = (G ⊙ A)ᵀ q + [ℓ2] dE M_a + a_end ⊙ (e dM) + s_end ⊙ (e dS),
-     dv = −dE, and the coefficients' gradients dP, dQ, dΘ_L, d a_end, d s_end, dA = G ⊙ q kᵀ;
+     dv = −dE, and the coefficients' gradients dP, dQ, dΘ_L, d a_end, d s_end, dA = G ⊙ q kᵀ; before_step (ℓ2):
+     the dE M_a term of dk is scaled by P and dP gains the e path, dP_s += dE_s · (M_a k_s) = rowsum(k ⊙ dE M_a);
   4. **torch**: autograd through :func:`chunk_coefficients` (stage 1 in torch, all chunks at once, O(T·b) work and
-     no memory-sized tensor) maps the coefficients' gradients to dβ, dθ, dα.
+     no memory-sized tensor) maps the coefficients' gradients to dβ, dθ, dα (so dP's e path reaches dα there).
   ``BACKWARD = "torch"`` (or ``ATLASLAB_MOMENTUM_BACKWARD=torch``) instead recomputes
   :func:`momentum_chunk_reference` (≥ fp32) under ``enable_grad`` and differentiates it with autograd (the
   reference backward, kept as a fallback).
@@ -62,9 +76,11 @@ Pieces:
   kernels from the next chunk boundary on.
 
 Status: tested only under ``TRITON_INTERPRET=1`` on CPU (``tests/test_triton_momentum.py``: outputs, states and every
-input gradient vs the float64 token loop, RMS-error ratio ~1e-7 in fp32); nothing has run on a GPU and nothing is
-tuned (one config, ``num_warps=4``; the backward grad kernel holds a few [BT, BK] and [BT, BT] fp32 accumulators per
-program, which for D_k = 256 may need a smaller value block or split kernels, as fla does).
+input gradient vs the float64 token loop, both placements, RMS-error ratio ~1e-7 in fp32;
+``tests/test_triton_momentum_varlen.py``: packed sequences vs each sequence alone, launches counted); nothing has run
+on a GPU and nothing is tuned (one config, ``num_warps=4``; the backward grad kernel holds a few [BT, BK] and
+[BT, BT] fp32 accumulators per program, which for D_k = 256 may need a smaller value block or split kernels, as fla
+does).
 """
 from __future__ import annotations
 
@@ -74,17 +90,23 @@ from typing import Optional, Tuple
 
 import torch
 
+from .chunk import _Layout, prepare_chunk_indices
+
 try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover
     triton = None
 
+if triton is not None:
+    from .chunk import _chunk_span, _sequence_span
+
 MAX_D = 256
 #: largest semantic chunk b the kernels take (the coefficient kernel holds [b, b] blocks in registers)
 MAX_CHUNK = 64
 BIASES = ("l2", "dot")
 READS = ("token", "chunk")
+PLACEMENTS = ("after_step", "before_step")
 
 
 def _pow2(n: int, floor: int = 16) -> int:
@@ -102,38 +124,64 @@ def _upcast(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
-def check_args(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read) -> None:
-    """Validate shapes and options (see :func:`chunk_momentum`)."""
+def check_args(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read, placement="after_step",
+               cu_seqlens=None) -> int:
+    """Validate shapes and options (see :func:`chunk_momentum`); → N, the number of sequences (B, or the packed
+    sequences of ``cu_seqlens``)."""
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"expected q, k: [B, T, H, D_k] and v: [B, T, H, D_v]; got q {list(q.shape)}, "
                          f"k {list(k.shape)}, v {list(v.shape)}")
     for name, g in (("beta", beta), ("theta", theta), ("alpha", alpha)):
         if g is not None and g.shape != q.shape[:3]:
             raise ValueError(f"{name}: expected {list(q.shape[:3])}, got {list(g.shape)}")
-    B, _, H, K = q.shape
-    want = (B, H, v.shape[-1], K)
+    B, T, H, K = q.shape
+    N = B
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"cu_seqlens needs packed sequences (B = 1), got B = {B}")
+        cu = cu_seqlens.tolist() if cu_seqlens.dim() == 1 else None
+        if (cu is None or len(cu) < 2 or cu[0] != 0 or cu[-1] != T
+                or any(b < a for a, b in zip(cu[:-1], cu[1:]))):
+            raise ValueError(f"cu_seqlens must be [N + 1] non-decreasing offsets from 0 to T = {T}, "
+                             f"got {cu_seqlens.tolist()}")
+        N = len(cu) - 1
+    want = (N, H, v.shape[-1], K)
     for name, x in (("initial_state", m0), ("initial_momentum", s0)):
         if tuple(x.shape) != want:
-            raise ValueError(f"{name}: expected [B, H, D_v, D_k] = {list(want)}, got {list(x.shape)}")
-    if bias not in BIASES or read not in READS:
-        raise ValueError(f"bias must be one of {BIASES} and read one of {READS}; got '{bias}', '{read}'")
+            raise ValueError(f"{name}: expected [N, H, D_v, D_k] = {list(want)}, got {list(x.shape)}")
+    if bias not in BIASES or read not in READS or placement not in PLACEMENTS:
+        raise ValueError(f"bias must be one of {BIASES}, read one of {READS} and placement one of {PLACEMENTS}; "
+                         f"got '{bias}', '{read}', '{placement}'")
     if int(chunk_size) < 1:
         raise ValueError(f"chunk_size must be ≥ 1, got {chunk_size}")
+    return N
 
 
 # ------------------------------------------------------------------------------------------ torch reference
 
 def momentum_chunk_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                              theta: torch.Tensor, alpha: Optional[torch.Tensor], m0: torch.Tensor,
-                             s0: torch.Tensor, *, chunk_size: int, bias: str = "l2", read: str = "token"
+                             s0: torch.Tensor, *, chunk_size: int, bias: str = "l2", read: str = "token",
+                             placement: str = "after_step", cu_seqlens: Optional[torch.Tensor] = None
                              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The module docstring's chunk equations in plain torch, one chunk at a time (differentiable).
 
     Args: as :func:`chunk_momentum`. Returns ``(o [B, T, H, D_v], M_T, S_T, M_anchor)``, the three states
-    ``[B, H, D_v, D_k]``; ``M_anchor`` is the memory at the start of the last chunk.
+    ``[N, H, D_v, D_k]``; ``M_anchor`` is the memory at the start of the last chunk (the initial memory for an
+    empty sequence). With ``cu_seqlens`` every packed sequence is run alone (its own initial state, its chunks
+    from its first token).
     """
-    check_args(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read)
+    check_args(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read, placement, cu_seqlens)
+    opts = dict(chunk_size=chunk_size, bias=bias, read=read, placement=placement)
+    if cu_seqlens is not None:
+        bounds = cu_seqlens.tolist()
+        pieces = [momentum_chunk_reference(
+            q[:, s:e], k[:, s:e], v[:, s:e], beta[:, s:e], theta[:, s:e],
+            alpha[:, s:e] if alpha is not None else None, m0[n:n + 1], s0[n:n + 1], **opts)
+            for n, (s, e) in enumerate(zip(bounds[:-1], bounds[1:]))]
+        return tuple(torch.cat([p[i] for p in pieces], 1 if i == 0 else 0) for i in range(4))
     b, T = int(chunk_size), q.shape[1]
+    before = placement == "before_step" and alpha is not None and bias == "l2"
     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))                        # [B, H, T, D]
     lb = beta.transpose(1, 2)
     lt = _log_gate(theta).transpose(1, 2)
@@ -150,7 +198,11 @@ def momentum_chunk_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         P, Th = ga.exp(), gt.exp()
         Q = (D_a @ Th.unsqueeze(-1)).squeeze(-1)                                # Q = D_α Θ
         A = -(D_a @ (D_t * bc.unsqueeze(-2)))                                   # A = −D_α D_θ diag(β)
-        e = kc @ M.mT - vc if bias == "l2" else -vc                             # e_i = M_a k_i − v_i (ℓ2)
+        if bias == "l2":
+            u = kc @ M.mT                                                       # M_a k_i
+            e = (P.unsqueeze(-1) * u if before else u) - vc                     # e_i = (P_i) M_a k_i − v_i
+        else:
+            e = -vc
         y = qc @ M.mT
         if read == "token":
             y = P.unsqueeze(-1) * y + Q.unsqueeze(-1) * (qc @ S.mT) + (A * (qc @ kc.mT)) @ e
@@ -169,20 +221,20 @@ def momentum_chunk_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 if triton is not None:
 
     @triton.jit
-    def _mom_coef_kernel(q, k, beta, lth, la, p_out, qc_out, th_out, aend_out, send_out, aq_out, a_out, T, b,
-                         H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                         HAS_ALPHA: tl.constexpr, READ_TOKEN: tl.constexpr, STORE_A: tl.constexpr,
-                         PRECISION: tl.constexpr):
-        """Stage 1, per chunk: P, Θ, Q = D_α Θ, A = −D_α D_θ diag(β), a_end = A[L, :], s_end = −D_θ[L, :] β,
-        and (read token) A ⊙ (q kᵀ) as rows ``[B, T, H, BT]``."""
-        i_t = tl.program_id(0)
-        i_bh = tl.program_id(1)
-        i_b = i_bh // H
-        i_h = i_bh % H
+    def _mom_coef_kernel(q, k, beta, lth, la, p_out, qc_out, th_out, aend_out, send_out, aq_out, a_out,
+                         cu_seqlens, chunk_indices, T, b, NT, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                         BK: tl.constexpr, HAS_ALPHA: tl.constexpr, READ_TOKEN: tl.constexpr,
+                         STORE_A: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr):
+        """Stage 1, per chunk (program: global chunk × head): P, Θ, Q = D_α Θ, A = −D_α D_θ diag(β),
+        a_end = A[L, :], s_end = −D_θ[L, :] β as ``[B, T, H]`` rows, and (read token) A ⊙ (q kᵀ) as rows
+        ``[B, T, H, BT]``."""
+        i_c = tl.program_id(0)            # all chunks of all sequences in one launch
+        i_h = tl.program_id(1)
+        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
         o_i = tl.arange(0, BT)
         o_t = i_t * b + o_i
         m_t = (o_i < b) & (o_t < T)
-        rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+        rows = (bos + o_t) * H + i_h
         b_beta = tl.load(beta + rows, mask=m_t, other=0.0).to(tl.float32)
         b_gt = tl.cumsum(tl.load(lth + rows, mask=m_t, other=0.0).to(tl.float32), axis=0)
         if HAS_ALPHA:
@@ -215,15 +267,19 @@ if triton is not None:
             tl.store(aq_out + rows[:, None] * BT + o_i[None, :], A * qk, mask=m_t[:, None])
 
     @triton.jit
-    def _mom_state_kernel(k, v, p, qc, th, aend, send, m0, s0, e_out, hm, hs, mt, st, T, b, NT,
-                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                          BV: tl.constexpr, IS_L2: tl.constexpr, PRECISION: tl.constexpr):
-        """Stage 2, sequential over chunks: store (M_a, S_a), e = k M_aᵀ − v (ℓ2) or −v (dot), then
-        M ← P_L M + Q_L S + (a_end ⊙ e)ᵀ k and S ← Θ_L S + (s_end ⊙ e)ᵀ k."""
+    def _mom_state_kernel(k, v, p, qc, th, aend, send, m0, s0, e_out, hm, hs, mt, st, cu_seqlens, chunk_offsets,
+                          T, b, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                          BK: tl.constexpr, BV: tl.constexpr, IS_L2: tl.constexpr, BEFORE: tl.constexpr,
+                          IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr):
+        """Stage 2, sequential over one sequence's chunks (program: value block × sequence·head): store (M_a, S_a)
+        ``[NC, H, V, K]``, e = k M_aᵀ − v (ℓ2; before_step: P ⊙ (k M_aᵀ) − v) or −v (dot), then
+        M ← P_L M + Q_L S + (a_end ⊙ e)ᵀ k and S ← Θ_L S + (s_end ⊙ e)ᵀ k; the last (M, S) → ``mt, st [N, H, V, K]``."""
         i_v = tl.program_id(0)
-        i_bh = tl.program_id(1)
-        i_b = i_bh // H
+        i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
+        i_n = i_bh // H
         i_h = i_bh % H
+        bos, T, NT, boc = _sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
+        NT = (T + b - 1) // b             # chunks of b tokens (the helper counts BT-token ones)
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
@@ -234,23 +290,27 @@ if triton is not None:
         b_M = tl.load(m0 + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
         b_S = tl.load(s0 + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
         for i_t in range(0, NT):
-            h_base = ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * V * K
+            h_base = ((boc + i_t) * H + i_h) * V * K
             tl.store(hm + h_base + h_offs, b_M, mask=m_h)
             tl.store(hs + h_base + h_offs, b_S, mask=m_h)
             o_t = i_t * b + o_i
             m_t = (o_i < b) & (o_t < T)
-            rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+            rows = (bos + o_t) * H + i_h
             m_tv = m_t[:, None] & m_v[None, :]
             b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
                           other=0.0).to(tl.float32)
             b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
             if IS_L2:
-                b_e = tl.dot(b_k, tl.trans(b_M), input_precision=PRECISION) - b_v
+                b_e = tl.dot(b_k, tl.trans(b_M), input_precision=PRECISION)
+                if BEFORE:      # the gradient at the decayed anchor P_s M_a (§15.4)
+                    b_pe = tl.load(p + rows, mask=m_t, other=0.0)
+                    b_e = b_pe[:, None] * b_e
+                b_e = b_e - b_v
             else:
                 b_e = -b_v
             tl.store(e_out + rows[:, None] * V + o_v[None, :], b_e, mask=m_tv)
             last = tl.minimum(T - i_t * b, b) - 1
-            r_last = (i_b.to(tl.int64) * T + i_t * b + last) * H + i_h
+            r_last = (bos + i_t * b + last) * H + i_h
             p_l = tl.load(p + r_last)
             q_l = tl.load(qc + r_last)
             t_l = tl.load(th + r_last)
@@ -263,15 +323,15 @@ if triton is not None:
         tl.store(st + i_bh.to(tl.int64) * V * K + h_offs, b_S, mask=m_h)
 
     @triton.jit
-    def _mom_out_kernel(q, p, qc, aq, e, hm, hs, o, T, b, NT, H: tl.constexpr, K: tl.constexpr,
-                        V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                        READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
-        """Stage 3, per chunk: y = P ⊙ (q M_aᵀ) + Q ⊙ (q S_aᵀ) + (A ⊙ q kᵀ) e (read token); q M_aᵀ (read chunk)."""
+    def _mom_out_kernel(q, p, qc, aq, e, hm, hs, o, cu_seqlens, chunk_indices, T, b, NT, H: tl.constexpr,
+                        K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                        READ_TOKEN: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr):
+        """Stage 3, per chunk (value block × global chunk × head): y = P ⊙ (q M_aᵀ) + Q ⊙ (q S_aᵀ) + (A ⊙ q kᵀ) e
+        (read token); q M_aᵀ (read chunk)."""
         i_v = tl.program_id(0)
-        i_t = tl.program_id(1)
-        i_bh = tl.program_id(2)
-        i_b = i_bh // H
-        i_h = i_bh % H
+        i_c = tl.program_id(1)
+        i_h = tl.program_id(2)
+        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
@@ -280,9 +340,9 @@ if triton is not None:
         m_h = m_v[:, None] & m_k[None, :]
         o_t = i_t * b + o_i
         m_t = (o_i < b) & (o_t < T)
-        rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+        rows = (bos + o_t) * H + i_h
         m_tv = m_t[:, None] & m_v[None, :]
-        h_offs = ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * V * K + o_v[:, None] * K + o_k[None, :]
+        h_offs = (i_c.to(tl.int64) * H + i_h) * V * K + o_v[:, None] * K + o_k[None, :]
         b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
                       other=0.0).to(tl.float32)
         b_M = tl.load(hm + h_offs, mask=m_h, other=0.0)
@@ -297,20 +357,23 @@ if triton is not None:
                 + tl.dot(b_aq, b_e, input_precision=PRECISION)
         tl.store(o + rows[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
 
-
     @triton.jit
     def _mom_bwd_state_kernel(q, k, do, aq, p, qc, th, aend, send, dmt, dst, dma, de_out, dhm, dhs, dm0, ds0,
-                              T, b, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                              BK: tl.constexpr, BV: tl.constexpr, IS_L2: tl.constexpr, READ_TOKEN: tl.constexpr,
+                              cu_seqlens, chunk_offsets, T, b, NT, H: tl.constexpr, K: tl.constexpr,
+                              V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                              IS_L2: tl.constexpr, BEFORE: tl.constexpr, READ_TOKEN: tl.constexpr,
                               HAS_DMT: tl.constexpr, HAS_DST: tl.constexpr, HAS_DMA: tl.constexpr,
-                              PRECISION: tl.constexpr):
-        """Backward stage 2, reverse over chunks (value block × batch·head). dM, dS = ∂L/∂(chunk-end M, S):
-        dE = (A ⊙ q kᵀ)ᵀ dO + a_end ⊙ (k dMᵀ) + s_end ⊙ (k dSᵀ);
-        dM ← P_L dM + (P ⊙ dO)ᵀ q + [ℓ2] dEᵀ k   (read chunk: dOᵀ q);   dS ← Q_L dM + Θ_L dS + (Q ⊙ dO)ᵀ q."""
+                              IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr):
+        """Backward stage 2, reverse over one sequence's chunks (value block × sequence·head). dM, dS = ∂L/∂(chunk-end
+        M, S): dE = (A ⊙ q kᵀ)ᵀ dO + a_end ⊙ (k dMᵀ) + s_end ⊙ (k dSᵀ);
+        dM ← P_L dM + (P ⊙ dO)ᵀ q + [ℓ2] dEᵀ k (before_step: (P ⊙ dE)ᵀ k)   (read chunk: dOᵀ q);
+        dS ← Q_L dM + Θ_L dS + (Q ⊙ dO)ᵀ q."""
         i_v = tl.program_id(0)
         i_bh = tl.program_id(1)
-        i_b = i_bh // H
+        i_n = i_bh // H
         i_h = i_bh % H
+        bos, T, NT, boc = _sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
+        NT = (T + b - 1) // b
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
@@ -326,12 +389,12 @@ if triton is not None:
             b_dS += tl.load(dst + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
         for j in range(0, NT):
             i_t = NT - 1 - j
-            h_base = ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * V * K
+            h_base = ((boc + i_t) * H + i_h) * V * K
             tl.store(dhm + h_base + h_offs, b_dM, mask=m_h)
             tl.store(dhs + h_base + h_offs, b_dS, mask=m_h)
             o_t = i_t * b + o_i
             m_t = (o_i < b) & (o_t < T)
-            rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+            rows = (bos + o_t) * H + i_h
             m_tk = m_t[:, None] & m_k[None, :]
             m_tv = m_t[:, None] & m_v[None, :]
             b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
@@ -339,8 +402,9 @@ if triton is not None:
             b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
             b_ae = tl.load(aend + rows, mask=m_t, other=0.0)
             b_se = tl.load(send + rows, mask=m_t, other=0.0)
+            b_p = tl.load(p + rows, mask=m_t, other=0.0)
             last = tl.minimum(T - i_t * b, b) - 1
-            r_last = (i_b.to(tl.int64) * T + i_t * b + last) * H + i_h
+            r_last = (bos + i_t * b + last) * H + i_h
             p_l = tl.load(p + r_last)
             q_l = tl.load(qc + r_last)
             t_l = tl.load(th + r_last)
@@ -349,7 +413,6 @@ if triton is not None:
             if READ_TOKEN:
                 b_aq = tl.load(aq + rows[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
                 b_de += tl.dot(tl.trans(b_aq), b_do, input_precision=PRECISION)
-                b_p = tl.load(p + rows, mask=m_t, other=0.0)
                 b_qc = tl.load(qc + rows, mask=m_t, other=0.0)
                 new_dM = p_l * b_dM + tl.dot(tl.trans(b_do * b_p[:, None]), b_q, input_precision=PRECISION)
                 b_dS = q_l * b_dM + t_l * b_dS \
@@ -358,7 +421,10 @@ if triton is not None:
                 new_dM = p_l * b_dM + tl.dot(tl.trans(b_do), b_q, input_precision=PRECISION)
                 b_dS = q_l * b_dM + t_l * b_dS
             if IS_L2:
-                new_dM += tl.dot(tl.trans(b_de), b_k, input_precision=PRECISION)
+                if BEFORE:      # ∂e_s / ∂M_a = P_s k_sᵀ
+                    new_dM += tl.dot(tl.trans(b_de * b_p[:, None]), b_k, input_precision=PRECISION)
+                else:
+                    new_dM += tl.dot(tl.trans(b_de), b_k, input_precision=PRECISION)
             b_dM = new_dM
             tl.store(de_out + rows[:, None] * V + o_v[None, :], b_de, mask=m_tv)
             if HAS_DMA:         # the anchor output is the start state of the last chunk
@@ -369,24 +435,25 @@ if triton is not None:
 
     @triton.jit
     def _mom_bwd_grad_kernel(q, k, do, a, p, qc, aend, send, e, de, hm, hs, dhm, dhs, dq, dk, dv, dp, dqc, dth,
-                             dae, dse, da, T, b, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                             BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_L2: tl.constexpr,
-                             READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
-        """Backward stage 3, per chunk × batch·head (a loop over value blocks), from M_a, S_a (chunk start) and
+                             dae, dse, da, cu_seqlens, chunk_indices, T, b, NT, H: tl.constexpr, K: tl.constexpr,
+                             V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                             IS_L2: tl.constexpr, BEFORE: tl.constexpr, READ_TOKEN: tl.constexpr,
+                             IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr):
+        """Backward stage 3, per global chunk × head (a loop over value blocks), from M_a, S_a (chunk start) and
         dM, dS (chunk end): G = dO eᵀ; dq = P ⊙ (dO M_a) + Q ⊙ (dO S_a) + (G ⊙ A) k (read chunk: dO M_a);
-        dk = (G ⊙ A)ᵀ q + [ℓ2] dE M_a + a_end ⊙ (e dM) + s_end ⊙ (e dS); dv = −dE; and the coefficients' grads
-        dP = rowsum(dO ⊙ q M_aᵀ) (+⟨dM, M_a⟩ at L), dQ = rowsum(dO ⊙ q S_aᵀ) (+⟨dM, S_a⟩ at L), dΘ = ⟨dS, S_a⟩ at L,
-        d a_end = rowsum(k ⊙ e dM), d s_end = rowsum(k ⊙ e dS), dA = G ⊙ q kᵀ (read token)."""
-        i_t = tl.program_id(0)
-        i_bh = tl.program_id(1)
-        i_b = i_bh // H
-        i_h = i_bh % H
+        dk = (G ⊙ A)ᵀ q + [ℓ2] dE M_a (before_step: P ⊙ (dE M_a)) + a_end ⊙ (e dM) + s_end ⊙ (e dS); dv = −dE; and
+        the coefficients' grads dP = rowsum(dO ⊙ q M_aᵀ) (+⟨dM, M_a⟩ at L; before_step: + rowsum(k ⊙ dE M_a)),
+        dQ = rowsum(dO ⊙ q S_aᵀ) (+⟨dM, S_a⟩ at L), dΘ = ⟨dS, S_a⟩ at L, d a_end = rowsum(k ⊙ e dM),
+        d s_end = rowsum(k ⊙ e dS), dA = G ⊙ q kᵀ (read token)."""
+        i_c = tl.program_id(0)
+        i_h = tl.program_id(1)
+        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
         m_k = o_k < K
         o_t = i_t * b + o_i
         m_t = (o_i < b) & (o_t < T)
-        rows = (i_b.to(tl.int64) * T + o_t) * H + i_h
+        rows = (bos + o_t) * H + i_h
         m_tk = m_t[:, None] & m_k[None, :]
         b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
@@ -395,7 +462,7 @@ if triton is not None:
         b_ae = tl.load(aend + rows, mask=m_t, other=0.0)
         b_se = tl.load(send + rows, mask=m_t, other=0.0)
         last = tl.minimum(T - i_t * b, b) - 1
-        h_base = ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * V * K
+        h_base = (i_c.to(tl.int64) * H + i_h) * V * K
         b_dq = tl.zeros([BT, BK], dtype=tl.float32)
         b_dk = tl.zeros([BT, BK], dtype=tl.float32)
         b_G = tl.zeros([BT, BT], dtype=tl.float32)
@@ -430,7 +497,12 @@ if triton is not None:
             else:
                 b_dq += b_doM
             if IS_L2:
-                b_dk += tl.dot(b_de, b_M, input_precision=PRECISION)
+                b_deM = tl.dot(b_de, b_M, input_precision=PRECISION)
+                if BEFORE:      # e_s = P_s M_a k_s − v_s: dk_s = P_s M_aᵀ dE_s, dP_s += dE_s · M_a k_s
+                    b_dk += b_p[:, None] * b_deM
+                    b_dp += tl.sum(b_k * b_deM, axis=1)
+                else:
+                    b_dk += b_deM
             b_eM = tl.dot(b_e, b_dM, input_precision=PRECISION)
             b_eS = tl.dot(b_e, b_dS, input_precision=PRECISION)
             b_dk += b_ae[:, None] * b_eM + b_se[:, None] * b_eS
@@ -460,15 +532,22 @@ if triton is not None:
         tl.store(dse + rows, b_dse, mask=m_t)
 
 
+def _before(placement: str, alpha, bias: str) -> bool:
+    """Whether e carries the before_step factor P (ℓ2 with decay placed before the step, §15.4)."""
+    return placement == "before_step" and alpha is not None and bias == "l2"
+
+
 def _forward_stages(q, k, v, beta, theta, alpha, m0, s0, *, b: int, bias: str, read: str, prec: str,
-                    store_a: bool = False) -> dict:
+                    placement: str = "after_step", cu_seqlens=None, store_a: bool = False) -> dict:
     """Stages 1–2 on contiguous inputs → fp32 ``p, qc, th, aend, send [B, T, H]``, ``aq`` / ``a [B, T, H, BT]``
-    (read token / ``store_a``), ``e [B, T, H, V]``, ``hm, hs [B, NT, H, V, K]`` (chunk-start M, S), ``mt, st``."""
+    (read token / ``store_a``), ``e [B, T, H, V]``, ``hm, hs [NC, H, V, K]`` (chunk-start M, S of every chunk of
+    every sequence), ``mt, st [N, H, V, K]`` and the chunk ``layout`` (:class:`.chunk._Layout` over b-token chunks:
+    B dense sequences of T tokens, or the packed sequences of ``cu_seqlens``). One launch per stage either way."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     BT, BK, BVV = _pow2(b), _pow2(K), _pow2(V)
     BV = min(BVV, max(16, 4096 // BK))        # two [BV, BK] fp32 states live in the state kernels
-    NT = triton.cdiv(T, b)
+    lay = _Layout(B, T, b, cu_seqlens, q)     # the chunk table counts b-token chunks
     lth = _log_gate(theta.float()).contiguous()
     la = _log_gate(alpha.float()).contiguous() if alpha is not None else None
     f32 = {"dtype": torch.float32, "device": q.device}
@@ -477,26 +556,38 @@ def _forward_stages(q, k, v, beta, theta, alpha, m0, s0, *, b: int, bias: str, r
     st["aq"] = torch.empty(B, T, H, BT, **f32) if token else None
     st["a"] = torch.empty(B, T, H, BT, **f32) if store_a else None
     dummy = st["p"]
-    _mom_coef_kernel[(NT, B * H)](q, k, beta, lth, la if la is not None else lth, st["p"], st["qc"], st["th"],
+    _mom_coef_kernel[(lay.NC, H)](q, k, beta, lth, la if la is not None else lth, st["p"], st["qc"], st["th"],
                                   st["aend"], st["send"], st["aq"] if token else dummy,
-                                  st["a"] if store_a else dummy, T, b, H=H, K=K, BT=BT, BK=BK,
-                                  HAS_ALPHA=la is not None, READ_TOKEN=token, STORE_A=store_a, PRECISION=prec,
-                                  num_warps=4)
+                                  st["a"] if store_a else dummy, lay.cu, lay.table, T, b, lay.NT, H=H, K=K, BT=BT,
+                                  BK=BK, HAS_ALPHA=la is not None, READ_TOKEN=token, STORE_A=store_a,
+                                  IS_VARLEN=lay.varlen, PRECISION=prec, num_warps=4)
     st["e"] = torch.empty(B, T, H, V, **f32)
     for name in ("hm", "hs"):
-        st[name] = torch.empty(B, NT, H, V, K, **f32)
+        st[name] = torch.empty(lay.NC, H, V, K, **f32)
     for name in ("mt", "st"):
-        st[name] = torch.empty(B, H, V, K, **f32)
-    _mom_state_kernel[(triton.cdiv(V, BV), B * H)](
+        st[name] = torch.empty(lay.N, H, V, K, **f32)
+    _mom_state_kernel[(triton.cdiv(V, BV), lay.N * H)](
         k, v, st["p"], st["qc"], st["th"], st["aend"], st["send"], m0, s0, st["e"], st["hm"], st["hs"], st["mt"],
-        st["st"], T, b, NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, IS_L2=bias == "l2", PRECISION=prec, num_warps=4)
+        st["st"], lay.cu, lay.offsets, T, b, lay.NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, IS_L2=bias == "l2",
+        BEFORE=_before(placement, alpha, bias), IS_VARLEN=lay.varlen, PRECISION=prec, num_warps=4)
     st["sizes"] = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV)
-    st["NT"] = NT
+    st["layout"] = lay
     return st
 
 
-def _prepare(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read):
-    check_args(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read)
+def _last_chunks(lay) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Per sequence: the global index of its last chunk (the anchor's row of ``hm``), and (varlen) which
+    sequences are empty (no chunk: the anchor is the initial memory), else None."""
+    if not lay.varlen:
+        idx = torch.arange(lay.N, device=lay.cu.device) * lay.NT + lay.NT - 1
+        return idx, None
+    off = lay.offsets.long()
+    empty = off[1:] == off[:-1]
+    return (off[1:] - 1).clamp_min(0), (empty if bool(empty.any()) else None)
+
+
+def _prepare(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read, placement, cu_seqlens):
+    check_args(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read, placement, cu_seqlens)
     K, V, b = q.shape[-1], v.shape[-1], int(chunk_size)
     if max(K, V) > MAX_D or b > MAX_CHUNK or q.shape[1] == 0:
         raise ValueError(f"chunk_momentum (triton): needs D_k, D_v ≤ {MAX_D}, b ≤ {MAX_CHUNK} and T ≥ 1; "
@@ -505,38 +596,65 @@ def _prepare(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read):
 
 
 def chunk_momentum_forward(q, k, v, beta, theta, alpha, m0, s0, *, chunk_size: int, bias: str = "l2",
-                           read: str = "token", allow_tf32: bool = False):
-    """The three forward kernels, no autograd; arguments and results as :func:`chunk_momentum`."""
-    q, k, v, beta, theta, alpha, m0, s0 = _prepare(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read)
-    B, T, H, _ = q.shape
+                           read: str = "token", placement: str = "after_step", cu_seqlens=None,
+                           allow_tf32: bool = False):
+    """The three forward kernels, no autograd; arguments and results as :func:`chunk_momentum`. One launch per
+    stage, with or without ``cu_seqlens``."""
+    q, k, v, beta, theta, alpha, m0, s0 = _prepare(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read,
+                                                   placement, cu_seqlens)
+    T = q.shape[1]
     b = int(chunk_size)
-    st = _forward_stages(q, k, v, beta, theta, alpha, m0, s0, b=b, bias=bias, read=read,
-                         prec="tf32" if allow_tf32 else "ieee")
-    sz, NT = st["sizes"], st["NT"]
+    prec = "tf32" if allow_tf32 else "ieee"
+    st = _forward_stages(q, k, v, beta, theta, alpha, m0, s0, b=b, bias=bias, read=read, prec=prec,
+                         placement=placement, cu_seqlens=cu_seqlens)
+    sz, lay = st["sizes"], st["layout"]
     o = torch.empty_like(v)
     token = read == "token"
-    _mom_out_kernel[(triton.cdiv(sz["V"], sz["BV"]), NT, B * H)](
-        q, st["p"], st["qc"], st["aq"] if token else st["p"], st["e"], st["hm"], st["hs"], o, T, b, NT, **sz,
-        READ_TOKEN=token, PRECISION="tf32" if allow_tf32 else "ieee", num_warps=4)
+    _mom_out_kernel[(triton.cdiv(sz["V"], sz["BV"]), lay.NC, sz["H"])](
+        q, st["p"], st["qc"], st["aq"] if token else st["p"], st["e"], st["hm"], st["hs"], o, lay.cu, lay.table, T,
+        b, lay.NT, **sz, READ_TOKEN=token, IS_VARLEN=lay.varlen, PRECISION=prec, num_warps=4)
+    idx, empty = _last_chunks(lay)
+    anchor = st["hm"][idx]
+    if empty is not None:
+        anchor = torch.where(empty[:, None, None, None], m0.float(), anchor)
     out_dtype = m0.dtype
-    return o, st["mt"].to(out_dtype), st["st"].to(out_dtype), st["hm"][:, NT - 1].to(out_dtype)
+    return o, st["mt"].to(out_dtype), st["st"].to(out_dtype), anchor.to(out_dtype)
 
 
-def chunk_coefficients(beta: torch.Tensor, theta: torch.Tensor, alpha: Optional[torch.Tensor], chunk_size: int):
+def _chunk_rows(B: int, T: int, b: int, cu_seqlens, device):
+    """Every b-token chunk's token rows in the flattened ``[B·T]`` order: ``rows [NC, b]`` (clamped in range),
+    ``valid [NC, b]`` and ``count [NC]`` (real tokens per chunk), chunks in the kernels' order (B dense sequences
+    of T tokens, or the packed sequences of ``cu_seqlens``, each chunked from its first token)."""
+    cu = (torch.arange(B + 1, device=device) * T if cu_seqlens is None
+          else cu_seqlens.to(device=device, dtype=torch.long))
+    table, _ = prepare_chunk_indices(cu, b)
+    seq, within = table[:, 0].long(), table[:, 1].long()
+    start = cu[seq] + within * b
+    count = torch.clamp(cu[seq + 1] - start, max=b)
+    j = torch.arange(b, device=device)
+    valid = j[None, :] < count[:, None]
+    rows = (start[:, None] + j[None, :]).clamp(max=B * T - 1)
+    return rows, valid, count
+
+
+def chunk_coefficients(beta: torch.Tensor, theta: torch.Tensor, alpha: Optional[torch.Tensor], chunk_size: int,
+                       cu_seqlens: Optional[torch.Tensor] = None):
     """Stage 1 in torch, all chunks at once (differentiable; the backward maps the coefficients' gradients to
     β, θ, α through it): per token ``P, Q, Θ, a_end, s_end: [B, T, H]`` and ``A: [B, T, H, b]`` (row s of its
-    chunk's A; a_end / s_end are indexed by the column i, as in the kernels)."""
+    chunk's A; a_end / s_end are indexed by the column i, as in the kernels). With ``cu_seqlens`` (B = 1) the
+    chunks restart at every sequence start."""
     B, T, H = beta.shape
     b = int(chunk_size)
-    N = -(-T // b)
-    pad = N * b - T
+    rows, valid, count = _chunk_rows(B, T, b, cu_seqlens, beta.device)
+    NC = rows.shape[0]
 
-    def chunks(x):      # [B, T, H] → [B, H, N, b], padded with 0 (β = 0; log-gate 0 = factor 1)
-        x = x.transpose(1, 2)
-        return torch.nn.functional.pad(x, (0, pad)).reshape(B, H, N, b)
+    def chunks(x):      # [B, T, H] → [H, NC, b], padded with 0 (β = 0; log-gate 0 = factor 1)
+        x = x.reshape(B * T, H)[rows]                 # [NC, b, H]
+        return torch.where(valid.unsqueeze(-1), x, torch.zeros_like(x)).permute(2, 0, 1)
 
-    def tokens(x):      # [B, H, N, b, ...] → [B, T, H, ...]
-        return x.reshape(B, H, N * b, *x.shape[4:])[:, :, :T].transpose(1, 2)
+    def tokens(x):      # [H, NC, b, ...] → [B, T, H, ...]
+        x = x.movedim(0, 2)                           # [NC, b, H, ...]
+        return x[valid].reshape(B, T, H, *x.shape[3:])
 
     lb = chunks(beta)
     gt = chunks(_log_gate(theta)).cumsum(-1)
@@ -547,24 +665,26 @@ def chunk_coefficients(beta: torch.Tensor, theta: torch.Tensor, alpha: Optional[
     P, Th = ga.exp(), gt.exp()
     Q = (D_a @ Th.unsqueeze(-1)).squeeze(-1)
     A = -(D_a @ (D_t * lb.unsqueeze(-2)))
-    n = torch.arange(N, device=beta.device)
-    last = torch.full((N,), b - 1, device=beta.device)
-    last[-1] = T - (N - 1) * b - 1
-    a_end = A[:, :, n, last]                                                    # [B, H, N, b]
-    s_end = -D_t[:, :, n, last] * lb
+    n = torch.arange(NC, device=beta.device)
+    last = count - 1
+    a_end = A[:, n, last]                                                       # [H, NC, b]
+    s_end = -D_t[:, n, last] * lb
     return tokens(P), tokens(Q), tokens(Th), tokens(a_end), tokens(s_end), tokens(A)
 
 
 def chunk_momentum_backward(q, k, v, beta, theta, alpha, m0, s0, do, dmt, dst, dma, *, chunk_size: int,
-                            bias: str = "l2", read: str = "token", allow_tf32: bool = False):
-    """Gradients of :func:`chunk_momentum_forward` → ``(dq, dk, dv, dβ, dθ, dα, dM_0, dS_0)`` (dα None without α).
+                            bias: str = "l2", read: str = "token", placement: str = "after_step", cu_seqlens=None,
+                            allow_tf32: bool = False):
+    """Gradients of :func:`chunk_momentum_forward` → ``(dq, dk, dv, dβ, dθ, dα, dM_0, dS_0)`` (dα None without α;
+    dM_0, dS_0 ``[N, H, D_v, D_k]``).
 
     Stages 1–2 are re-run (coefficients, e, chunk-start states), ``_mom_bwd_state_kernel`` sweeps the chunks in
     reverse for the chunk-end state gradients and dE, ``_mom_bwd_grad_kernel`` forms dq, dk, dv and the
     coefficients' gradients per chunk in parallel, and autograd through :func:`chunk_coefficients` (torch, no
-    memory-sized tensor) maps those to dβ, dθ, dα.
+    memory-sized tensor) maps those to dβ, dθ, dα. With ``cu_seqlens`` every stage is still one launch.
     """
-    q, k, v, beta, theta, alpha, m0, s0 = _prepare(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read)
+    q, k, v, beta, theta, alpha, m0, s0 = _prepare(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read,
+                                                   placement, cu_seqlens)
     B, T, H, K = q.shape
     V = v.shape[-1]
     b = int(chunk_size)
@@ -572,29 +692,36 @@ def chunk_momentum_backward(q, k, v, beta, theta, alpha, m0, s0, do, dmt, dst, d
     token = read == "token"
     do = do.contiguous()
     st = _forward_stages(q, k, v, beta, theta, alpha, m0, s0, b=b, bias=bias, read=read, prec=prec,
-                         store_a=token)
-    sz, NT = st["sizes"], st["NT"]
+                         placement=placement, cu_seqlens=cu_seqlens, store_a=token)
+    sz, lay = st["sizes"], st["layout"]
     f32 = {"dtype": torch.float32, "device": q.device}
-    dhm, dhs = (torch.empty(B, NT, H, V, K, **f32) for _ in range(2))
+    dhm, dhs = (torch.empty(lay.NC, H, V, K, **f32) for _ in range(2))
     de = torch.empty(B, T, H, V, **f32)
-    dm0, ds0 = (torch.empty(B, H, V, K, **f32) for _ in range(2))
+    dm0, ds0 = (torch.empty(lay.N, H, V, K, **f32) for _ in range(2))
     dummy = st["p"]
-    meta = dict(sz, IS_L2=bias == "l2", READ_TOKEN=token, PRECISION=prec, num_warps=4)
-    _mom_bwd_state_kernel[(triton.cdiv(V, sz["BV"]), B * H)](
+    meta = dict(sz, IS_L2=bias == "l2", BEFORE=_before(placement, alpha, bias), READ_TOKEN=token,
+                IS_VARLEN=lay.varlen, PRECISION=prec, num_warps=4)
+    _mom_bwd_state_kernel[(triton.cdiv(V, sz["BV"]), lay.N * H)](
         q, k, do, st["aq"] if token else dummy, st["p"], st["qc"], st["th"], st["aend"], st["send"],
-        *(x.contiguous() if x is not None else dummy for x in (dmt, dst, dma)), de, dhm, dhs, dm0, ds0, T, b, NT,
-        HAS_DMT=dmt is not None, HAS_DST=dst is not None, HAS_DMA=dma is not None, **meta)
+        *(x.contiguous() if x is not None else dummy for x in (dmt, dst, dma)), de, dhm, dhs, dm0, ds0, lay.cu,
+        lay.offsets, T, b, lay.NT, HAS_DMT=dmt is not None, HAS_DST=dst is not None, HAS_DMA=dma is not None,
+        **meta)
+    if dma is not None:             # an empty sequence's anchor is its initial memory
+        _, empty = _last_chunks(lay)
+        if empty is not None:
+            dm0 = dm0 + torch.where(empty[:, None, None, None], dma.float(), torch.zeros_like(dm0))
     dq = torch.empty(B, T, H, K, **f32)
     dk = torch.empty(B, T, H, K, **f32)
     dv = torch.empty(B, T, H, V, **f32)
     dp, dqc, dth, dae, dse = (torch.empty(B, T, H, **f32) for _ in range(5))
     da = torch.empty(B, T, H, sz["BT"], **f32) if token else None
-    _mom_bwd_grad_kernel[(NT, B * H)](
+    _mom_bwd_grad_kernel[(lay.NC, H)](
         q, k, do, st["a"] if token else dummy, st["p"], st["qc"], st["aend"], st["send"], st["e"], de, st["hm"],
-        st["hs"], dhm, dhs, dq, dk, dv, dp, dqc, dth, dae, dse, da if token else dummy, T, b, NT, **meta)
+        st["hs"], dhm, dhs, dq, dk, dv, dp, dqc, dth, dae, dse, da if token else dummy, lay.cu, lay.table, T, b,
+        lay.NT, **meta)
     with torch.enable_grad():
         gates = [x.detach().float().requires_grad_(True) if x is not None else None for x in (beta, theta, alpha)]
-        coef = chunk_coefficients(*gates, b)
+        coef = chunk_coefficients(*gates, b, cu_seqlens=cu_seqlens)
         grads_out = [dp, dqc, dth, dae, dse] + ([da[..., :b]] if token else [])
         pairs = [(c, g) for c, g in zip(coef, grads_out) if c.requires_grad]   # P is constant without α
         leaves = [g for g in gates if g is not None]
@@ -618,9 +745,11 @@ class ChunkMomentumFunction(torch.autograd.Function):
     :func:`momentum_chunk_reference` recomputed (≥ fp32) under ``enable_grad``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read, allow_tf32):
+    def forward(ctx, q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read, placement, cu_seqlens,
+                allow_tf32):
         ctx.save_for_backward(q, k, v, beta, theta, alpha, m0, s0)
-        ctx.opts = {"chunk_size": chunk_size, "bias": bias, "read": read}
+        ctx.opts = {"chunk_size": chunk_size, "bias": bias, "read": read, "placement": placement,
+                    "cu_seqlens": cu_seqlens}
         ctx.allow_tf32 = allow_tf32
         return chunk_momentum_forward(q, k, v, beta, theta, alpha, m0, s0, allow_tf32=allow_tf32, **ctx.opts)
 
@@ -629,13 +758,13 @@ class ChunkMomentumFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         need = ctx.needs_input_grad[:8]
         if not any(need):
-            return (None,) * 12
+            return (None,) * 14
         if BACKWARD == "torch":
             grads = _torch_backward(saved, need, (do, dmt, dst, dma), ctx.opts)
         else:
             grads = chunk_momentum_backward(*saved, do, dmt, dst, dma, allow_tf32=ctx.allow_tf32, **ctx.opts)
             grads = [g if n else None for g, n in zip(grads, need)]
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
 
 
 def _torch_backward(saved, need, grads_out, opts):
@@ -652,9 +781,11 @@ def _torch_backward(saved, need, grads_out, opts):
         grads[i] = (torch.zeros_like(saved[i]) if g is None else g).to(saved[i].dtype)
     return grads
 
+
 def chunk_momentum(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, theta: torch.Tensor,
                    alpha: Optional[torch.Tensor], initial_state: torch.Tensor, initial_momentum: torch.Tensor, *,
-                   chunk_size: int, bias: str = "l2", read: str = "token", allow_tf32: bool = False
+                   chunk_size: int, bias: str = "l2", read: str = "token", placement: str = "after_step",
+                   cu_seqlens: Optional[torch.Tensor] = None, allow_tf32: bool = False
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Linear memory + momentum GD at semantic chunk size b (module docstring), Triton forward and backward.
 
@@ -662,19 +793,23 @@ def chunk_momentum(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
         q, k: ``[B, T, H, D_k]`` (feature map already applied); v: ``[B, T, H, D_v]`` (D_k, D_v ≤ 256).
         beta: ``[B, T, H]`` step β_t = η_t γ_t.
         theta: ``[B, T, H]`` momentum gate θ_t.
-        alpha: ``[B, T, H]`` per-head kept fraction α_t (after-step decay), or None.
-        initial_state, initial_momentum: M and S before the first token, ``[B, H, D_v, D_k]``; the call starts at
-            a chunk boundary.
+        alpha: ``[B, T, H]`` per-head kept fraction α_t, or None.
+        initial_state, initial_momentum: M and S before the first token, ``[N, H, D_v, D_k]`` (N = B, or the
+            number of packed sequences); every sequence starts at a chunk boundary.
         chunk_size: the semantic chunk b (2 ≤ b ≤ 64 on the kernels; it changes the result).
         bias: ``l2`` or ``dot``; read: ``token`` or ``chunk``.
+        placement: ``after_step`` (gradients at M_a) or ``before_step`` (at P_s M_a, §15.4; the same for ``dot``).
+        cu_seqlens: ``[N + 1]`` offsets of N sequences packed as B = 1, or None. Run natively (one launch per
+            stage over all chunks of all sequences); each sequence is its own call (states and semantic chunks
+            restart at its first token; an empty sequence returns its initial states).
         allow_tf32: let fp32 dots use TF32.
 
     Returns:
         ``o: [B, T, H, D_v]``, the final memory M_T and momentum S_T, and the memory at the start of the last chunk
-        (the ``MemoryState`` anchor), each ``[B, H, D_v, D_k]``.
+        (the ``MemoryState`` anchor), each ``[N, H, D_v, D_k]``.
     """
     return ChunkMomentumFunction.apply(q, k, v, beta, theta, alpha, initial_state, initial_momentum,
-                                       int(chunk_size), bias, read, bool(allow_tf32))
+                                       int(chunk_size), bias, read, placement, cu_seqlens, bool(allow_tf32))
 
 
 # ------------------------------------------------------------------------------------------ dispatch + engine
@@ -690,8 +825,7 @@ def spec_reason(parts, chunk_size: int) -> Optional[str]:
         (s.inner_optimizer.name == "momentum", f"inner optimizer '{s.inner_optimizer.name}' (momentum)"),
         (s.retention.name in ("none", "decay"), f"retention '{s.retention.name}' (none, decay)"),
         (not getattr(ret, "channel_wise", False), "channel-wise decay (momentum kernel: per-head scalar)"),
-        (ret.placement == "after_step" or bias == "dot" or not ret.uses_alpha,
-         "before_step decay with the l2 bias (momentum kernel: after_step)"),
+        (getattr(ret, "placement", "after_step") in PLACEMENTS, f"retention placement '{ret.placement}'"),
         (parts.window.size == 1, f"window size {parts.window.size} (c = 1)"),
         (2 <= chunk_size <= MAX_CHUNK, f"chunk_size b = {chunk_size} (momentum kernel: 2 ≤ b ≤ {MAX_CHUNK})"),
         (parts.read in READS, f"read '{parts.read}'"),
@@ -733,7 +867,7 @@ def memorize_chunk_momentum(q, k, v, parts, gates, chunk_size, state, block_size
     beta = gates.lr * gates.window                    # c = 1: the window gate scales the step
     o, M, S, anchor = chunk_momentum(fm(q), fm(k), v, beta, gates.momentum, alpha, state.weights["W"],
                                      state.momentum["W"], chunk_size=b, bias=parts.spec.attentional_bias.name,
-                                     read=parts.read)
+                                     read=parts.read, placement=ret.placement)
     state.weights, state.momentum, state.anchor = {"W": M}, {"W": S}, {"W": anchor}
     last = T - (-(-T // b) - 1) * b                  # real tokens of the last chunk
     if alpha is not None:
