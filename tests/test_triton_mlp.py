@@ -8,6 +8,12 @@ ragged window (fla's RMS-error ratio ≤ 1e-3 in fp32; fp16 inputs ≤ 1e-2); th
 float32 on a built spec; the ``chunked`` engine with the step patched in for ``_dual_step`` matches the float64 engine
 (outputs, states, all gradients; with and without checkpointing); the dispatch. Kernel allocations are poisoned with
 NaN, so an unwritten element fails.
+
+The ATLAS-family memories (``residual: false``, polynomial / Taylor-φ* map so that D_in = C(d + 2, 2) ≠ D_out, ℓ2 or
+dot bias, GD or momentum, c = 1, 2, 4): the kernels vs the float64 reference (also at a preset's D_in = 153), the
+Function's gradients and gradcheck, the reference and the step vs ``_dual_step`` on built specs, ``memorize(mode=
+"triton")`` vs ``memorize(mode="recurrent")`` over two chained calls with partial chunks (outputs, final state, the
+gradients of q, k, v, the gates, the initial weights and the polynomial coefficients), and the presets' dispatch.
 """
 import copy
 
@@ -430,7 +436,8 @@ E2E_CASES = {   # name: (bias, optimizer, c, feature map, retention, gates, lr)
     "omeganet": ("l2", "gd", 4, "polynomial", "decay", ("lr", "window", "retention"), 0.2),
     "dla": ("dot", "gd", 1, "polynomial", "decay", ("lr", "window", "retention"), 0.2),
     "swdt": ("dot", "gd", 4, "exp", "decay", ("lr", "window", "retention"), 0.2),
-    "dot": ("l2", "gd", 4, "exp", "none", ("window",), 0.05),                # constant η (no lr gate)
+    "deeptransformer": ("dot", "gd", 1, "exp", "none", ("window",), 0.2),    # constant η (no lr gate)
+    "dot": ("l2", "gd", 4, "exp", "none", ("window",), 0.05),
     "momentum": ("l2", "momentum", 2, "polynomial", "decay", ("lr", "window", "momentum", "retention"), 0.2),
 }
 
