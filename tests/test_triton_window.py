@@ -6,10 +6,13 @@
   ``memorize(mode="recurrent")``: output, final memory and the gradients of q, k, v, η, γ, α and the learned
   initial memory, RMS-error ratio ≤ 1e-3 — c = 2, 3, T not a multiple of the chunk, chained calls (the window's
   start carried in the state's history, gradients through it);
-- the window kernels called directly (history slots, initial state, read chunk, channel-wise decay on the
-  token-by-token kernel) against the float64 token loop;
+- the window kernels called directly (history slots, initial state, read chunk, channel-wise decay on both
+  kernels) against the float64 token loop; channel-wise decay with fast-forgetting channels (α ≈ 0.05–0.06 over a
+  32-token chunk: the chunk-local decay e^{g} reaches e^{−90}, so a factorised e^{−g} would overflow fp32) on the
+  chunk kernel, forward and Triton backward;
 - the window backward kernels equal autograd of the torch chunk form (which ``BACKWARD = "torch"`` selects);
-- dispatch: windows up to c = 8 select a kernel; channel-wise decay with c > 1 and the global window fall back.
+- dispatch: windows up to c = 8 select a kernel, with per-head or channel-wise decay; the global window falls
+  back; ``memorize(mode="triton")`` with a channel-wise c = 3 spec runs the kernels (``explain`` is None).
 
 Outputs the kernels allocate are NaN-poisoned (fla's conftest trick). Shapes are tiny (the interpreter is slow).
 """
@@ -142,6 +145,21 @@ def test_memorize_triton_fused_window_matches_recurrent(c, bias, retention, read
     _compare(_spec(c, bias, retention, read), 9, [], "fused_recurrent", monkeypatch, B=2)
 
 
+CW = {"name": "decay", "placement": "before_step", "channel_wise": True}
+CW_AFTER = {"name": "decay", "placement": "after_step", "channel_wise": True}
+
+
+@pytest.mark.parametrize("kernel, bias, retention, read", [("chunk", "l2", CW, "token"),
+                                                           ("chunk", "dot", CW_AFTER, "chunk"),
+                                                           ("fused_recurrent", "l2", CW_AFTER, "chunk")])
+def test_memorize_triton_window_channel_wise_matches_recurrent(kernel, bias, retention, read, monkeypatch):
+    # channel-wise decay with c = 3 now runs the kernels (explain is None), forward and backward
+    spec = _spec(3, bias, retention, read)
+    assert tk.explain(_parts(spec), torch.zeros(1, 4, H, D, device=DEVICE), 1) is None
+    r = _compare(spec, 21 if kernel == "chunk" else 9, [], kernel, monkeypatch)
+    assert "retention" in r
+
+
 @pytest.mark.parametrize("kernel", ["chunk", "fused_recurrent"])
 def test_memorize_triton_window_chained_calls(kernel, monkeypatch):
     # calls of 1, 2 and 16 tokens: the window's start (fewer than c − 1 tokens after the first call) comes from the
@@ -150,9 +168,17 @@ def test_memorize_triton_window_chained_calls(kernel, monkeypatch):
     _compare(spec, 19, [1, 3], kernel, monkeypatch)
 
 
+def test_memorize_triton_window_channel_wise_chained_calls(monkeypatch):
+    # the chained calls of the test above with channel-wise decay, c = 2, on the chunk kernel
+    _compare(_spec(2, "l2", CW_AFTER, "chunk"), 19, [1, 3], "chunk", monkeypatch)
+
+
 # ------------------------------------------------------------------------------------------ kernels directly
 
-def _direct(fn, c, alpha_shape, opts, T=9, seed=3, **kw):
+def _direct(fn, c, alpha_shape, opts, T=9, seed=3, fast=False, **kw):
+    """``fn`` on window slots with a history and an initial state, float32, against the float64 token loop: output,
+    final state and the gradients of q, k, v, the history, γ, η, α and the initial state. ``fast``: two key
+    channels forget fast (α ∈ [0.05, 0.06]), the others α ∈ [0.05, 0.99] (channel-wise ``alpha_shape`` only)."""
     g = torch.Generator().manual_seed(seed)
     B, K, V, h = 1, 8, 12, c - 1
     unit = lambda *s: torch.nn.functional.normalize(torch.randn(*s, generator=g, dtype=torch.float64), dim=-1)  # noqa
@@ -163,6 +189,12 @@ def _direct(fn, c, alpha_shape, opts, T=9, seed=3, **kw):
                                                                                dtype=torch.float64)
     eta = 0.2 + 0.6 * torch.rand(B, T, H, generator=g, dtype=torch.float64)
     a = 0.6 + 0.39 * torch.rand(B, T, H, *alpha_shape, generator=g, dtype=torch.float64)
+    if fast:
+        a = 0.05 + 0.94 * torch.rand(B, T, H, *alpha_shape, generator=g, dtype=torch.float64)
+        a[..., :2] = 0.05 + 0.01 * torch.rand(B, T, H, 2, generator=g, dtype=torch.float64)
+        # within one 32-token chunk the fast channels' cumulative decay passes e^{−88.7} (fp32's largest e^{x} is
+        # e^{88.7}): a factorised e^{g_t} e^{−g_s} would overflow
+        assert a[:, :32].log().cumsum(1).min() < -88.8
     s0 = 0.5 * torch.randn(B, H, V, K, generator=g, dtype=torch.float64)
     ref = [x.requires_grad_() for x in (q, k, v, hk, hv, hg, gam, eta, a, s0)]
     fast = [x.detach().float().to(DEVICE).requires_grad_() for x in ref]
@@ -174,10 +206,12 @@ def _direct(fn, c, alpha_shape, opts, T=9, seed=3, **kw):
         w = torch.randn(o.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(o)
         ((o * w).sum() + ht.square().sum()).backward()
         res.append((o, ht))
-    assert rms_ratio(res[0][0].double().cpu(), res[1][0]) <= TOL
-    assert rms_ratio(res[0][1].double().cpu(), res[1][1]) <= TOL
-    for x, r in zip(fast, ref):
-        assert rms_ratio(x.grad.double().cpu(), r.grad) <= TOL
+    ratios = {"o": rms_ratio(res[0][0].double().cpu(), res[1][0]), "ht": rms_ratio(res[0][1].double().cpu(), res[1][1])}
+    for n, x, r in zip(("q", "k", "v", "hk", "hv", "hg", "gam", "eta", "a", "s0"), fast, ref):
+        assert x.grad is not None and torch.isfinite(x.grad).all(), n
+        ratios[n] = rms_ratio(x.grad.double().cpu(), r.grad)
+    assert max(ratios.values()) <= TOL, ratios
+    return ratios
 
 
 @pytest.mark.parametrize("c, opts", [(2, dict(bias="l2", placement="after_step", read="chunk")),
@@ -191,11 +225,23 @@ def test_fused_window_kernel_channel_wise(c):
     _direct(fused_recurrent_window_rule, c, (8,), dict(bias="l2", placement="before_step", read="token"))
 
 
-def test_chunk_window_kernel_rejects_channel_wise_and_large_windows():
+@pytest.mark.parametrize("c, opts", [(3, dict(bias="l2", placement="after_step", read="chunk")),
+                                     (3, dict(bias="dot", placement="after_step", read="token"))])
+def test_chunk_window_kernel_channel_wise(c, opts):
+    # T = 21 tokens, BT = 16 per chunk (c = 3: 48 of 64 slot rows): a full chunk and a ragged one, history slots
+    _direct(chunk_window_rule, c, (8,), opts, T=21, chunk_size=16 * c)
+
+
+@pytest.mark.parametrize("c, opts", [(2, dict(bias="l2", placement="after_step", read="token")),
+                                     (3, dict(bias="l2", placement="before_step", read="chunk"))])
+def test_chunk_window_kernel_channel_wise_fast_forgetting(c, opts):
+    # a 32-token chunk (c = 3: 96 of 128 slot rows) and a ragged one; two channels at α ≈ 0.05–0.06 decay to
+    # e^{g} ≈ e^{−90} within the chunk: the pairwise decays must be formed as e^{a − b ≤ 0}, never e^{a} e^{−b}
+    _direct(chunk_window_rule, c, (8,), opts, T=40, fast=True, chunk_size=32 * c)
+
+
+def test_chunk_window_kernel_rejects_large_windows():
     q = torch.zeros(1, 4, 1, 8, device=DEVICE)
-    xs = torch.zeros(1, 4, 2, 1, 8, device=DEVICE)
-    with pytest.raises(NotImplementedError):
-        chunk_window_rule(q, xs, xs, xs[..., 0], torch.ones(1, 4, 1, 8, device=DEVICE))
     big = torch.zeros(1, 4, MAX_WINDOW + 1, 1, 8, device=DEVICE)
     with pytest.raises(ValueError, match="window"):
         chunk_window_rule(q, big, big, big[..., 0])
@@ -242,6 +288,8 @@ def test_window_dispatch():
     for c in (2, 3, MAX_WINDOW):
         assert tk.spec_reason(_parts(_spec(c)), 1) is None and tk.select_kernel(_parts(_spec(c)), q, 1) is not None
     cw = {"name": "decay", "placement": "after_step", "channel_wise": True}
-    for spec in (_spec(MAX_WINDOW + 1), _spec(2, retention=cw), {"memory": "linear", "window": "global"}):
+    for c in (1, 2, 3, MAX_WINDOW):                # channel-wise decay: every window the kernels take
+        assert tk.explain(_parts(_spec(c, retention=cw)), q, 1) is None
+        assert tk.select_kernel(_parts(_spec(c, retention=cw)), q, 1) is not None
+    for spec in (_spec(MAX_WINDOW + 1), _spec(MAX_WINDOW + 1, retention=cw), {"memory": "linear", "window": "global"}):
         assert tk.select_kernel(_parts(spec), q, 1) is None and tk.spec_reason(_parts(spec), 1)
-    assert tk.spec_reason(_parts(_spec(1, retention=cw)), 1) is None       # c = 1 keeps channel-wise decay

@@ -1,5 +1,6 @@
-"""Variable-length batches (``cu_seqlens``) on the Omega-window (c > 1) chunk Triton kernels
-(atlaslab/kernels/triton/chunk_window.py), under TRITON_INTERPRET=1.
+"""Variable-length batches (``cu_seqlens``) on the Omega-window (c > 1) Triton kernels — the chunk kernels
+(atlaslab/kernels/triton/chunk_window.py) and the token-by-token kernel (``fused_recurrent_window_rule``) — under
+TRITON_INTERPRET=1.
 
 Packed sequences ``[1, total_T, H, ·]`` with lengths [5, 17, 1, 20] and 16-token chunks (partial chunks, a length-1
 sequence, sequences over one chunk long): the window slots are gathered by :func:`reference.window_slots` with
@@ -7,7 +8,9 @@ sequence, sequences over one chunk long): the window slots are gathered by :func
 (fla's chunk-index table, one launch per stage) and must equal each sequence run alone through the float64 token
 loop :func:`reference.window_rule_recurrent`: outputs, per-sequence final states and the gradients of q, k, v, η,
 γ, α and the per-sequence initial states (RMS-error ratio ≤ 1e-3 in float32), c = 2 and 3, ℓ2 and dot bias, both
-placements and reads. The torch references' ``cu_seqlens`` paths are checked too.
+placements and reads, per-head and channel-wise decay. The token-by-token kernel restarts its state (and, through
+the slots, its window) at each sequence start: one launch for all sequences, its backward on the chunk window
+kernels. The torch references' ``cu_seqlens`` paths are checked too.
 
 Outputs the kernels allocate are NaN-poisoned (fla's conftest trick). Shapes are tiny (the interpreter is slow).
 """
@@ -19,7 +22,9 @@ from helpers import count_launches, require_triton, rms_ratio, triton_device
 tk = require_triton()
 
 from atlaslab.kernels.triton import chunk_window as win_mod  # noqa: E402
+from atlaslab.kernels.triton import fused_recurrent as fused_mod  # noqa: E402
 from atlaslab.kernels.triton.chunk_window import chunk_window_rule  # noqa: E402
+from atlaslab.kernels.triton.fused_recurrent import fused_recurrent_window_rule  # noqa: E402
 from atlaslab.kernels.triton.reference import (window_rule_chunk, window_rule_recurrent,  # noqa: E402
                                                window_slots)
 
@@ -41,7 +46,7 @@ def _cu(lens=LENS):
     return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=DEVICE)
 
 
-def _inputs(lens=LENS, H=2, K=8, V=8, seed=0, dtype=torch.float32):
+def _inputs(lens=LENS, H=2, K=8, V=8, seed=0, dtype=torch.float32, channel=False):
     T, N = sum(lens), len(lens)
     g = torch.Generator().manual_seed(seed)
     unit = lambda *s: torch.nn.functional.normalize(torch.randn(*s, generator=g, dtype=torch.float64), dim=-1)  # noqa
@@ -49,7 +54,7 @@ def _inputs(lens=LENS, H=2, K=8, V=8, seed=0, dtype=torch.float32):
     v = torch.randn(1, T, H, V, generator=g, dtype=torch.float64)
     gam = 0.2 + 0.8 * torch.rand(1, T, H, generator=g, dtype=torch.float64)
     eta = 0.2 + 0.6 * torch.rand(1, T, H, generator=g, dtype=torch.float64)
-    a = 0.6 + 0.39 * torch.rand(1, T, H, generator=g, dtype=torch.float64)
+    a = 0.6 + 0.39 * torch.rand(1, T, H, *((K,) if channel else ()), generator=g, dtype=torch.float64)
     s0 = 0.5 * torch.randn(N, H, V, K, generator=g, dtype=torch.float64)
     return [x.to(device=DEVICE, dtype=dtype) for x in (q, k, v, gam, eta, a, s0)]
 
@@ -71,12 +76,13 @@ def _packed(inputs, cu, c, opts, fn=chunk_window_rule, **kw):
     return fn(q, xs, vs, eta.unsqueeze(2) * gs, a, s0, cu_seqlens=cu, **opts, **kw)
 
 
-def _packed_vs_separate(c, opts, lens=LENS, seed=7):
+def _packed_vs_separate(c, opts, lens=LENS, seed=7, fn=chunk_window_rule, channel=False):
     cu = _cu(lens)
-    inputs = _inputs(lens, seed=c)
+    inputs = _inputs(lens, seed=c, channel=channel)
     leaves = [x.clone().requires_grad_() for x in inputs]
     ref = [x.detach().double().requires_grad_() for x in inputs]
-    o, ht = _packed(leaves, cu, c, opts, chunk_size=BT * c)
+    kw = dict(chunk_size=BT * c) if fn is chunk_window_rule else {}
+    o, ht = _packed(leaves, cu, c, opts, fn=fn, **kw)
     o_r, ht_r = _separately(ref, cu, c, opts)
     g = torch.Generator().manual_seed(seed)
     do = torch.randn(o_r.shape, generator=g, dtype=torch.float64).to(DEVICE)
@@ -125,3 +131,46 @@ def test_packed_window_equals_separate_float64_runs(c, bias, placement, read, la
     ut = {"_win_ut_kernel": 2} if bias == "l2" else {}
     assert launches == {**ut, "_win_state_kernel": 2, "_win_out_kernel": 1, "_win_bwd_dh_kernel": 1,
                         "_win_bwd_grad_kernel": 1}, launches
+
+
+@pytest.mark.parametrize("c, bias, placement, read", [(2, "l2", "before_step", "chunk"),
+                                                      (3, "dot", "after_step", "token")])
+def test_packed_window_channel_wise_equals_separate_float64_runs(c, bias, placement, read, launches):
+    ratios = _packed_vs_separate(c, dict(bias=bias, placement=placement, read=read), channel=True)
+    bad = {n: r for n, r in ratios.items() if not r <= TOL}
+    assert not bad, f"RMS-error ratios above {TOL}: {bad} (all: {ratios})"
+    ut = {"_win_cw_ut_kernel": 2} if bias == "l2" else {}
+    assert launches == {**ut, "_win_cw_state_kernel": 2, "_win_cw_out_kernel": 1, "_win_cw_bwd_dh_kernel": 1,
+                        "_win_cw_bwd_grad_kernel": 1}, launches
+
+
+@pytest.mark.parametrize("c, bias, placement, read, channel", [(3, "l2", "after_step", "chunk", False),
+                                                               (2, "dot", "before_step", "token", True)])
+def test_packed_fused_window_equals_separate_float64_runs(c, bias, placement, read, channel, launches, monkeypatch):
+    # the token-by-token kernel: one launch for all sequences, state and window restarting at each start; its
+    # backward runs on the chunk window kernels with the same cu_seqlens
+    fused = count_launches(monkeypatch, fused_mod, lambda name: name.startswith("_fused_window"))
+    ratios = _packed_vs_separate(c, dict(bias=bias, placement=placement, read=read), fn=fused_recurrent_window_rule,
+                                 channel=channel)
+    bad = {n: r for n, r in ratios.items() if not r <= TOL}
+    assert not bad, f"RMS-error ratios above {TOL}: {bad} (all: {ratios})"
+    assert fused == {"_fused_window_kernel": 1}, fused
+    assert launches["_win_cw_bwd_grad_kernel" if channel else "_win_bwd_grad_kernel"] == 1, launches
+
+
+def test_packed_fused_window_chained_and_short_sequences():
+    # sequences shorter than the window (1, 2 tokens for c = 3) and a second packed call continuing every sequence
+    # from the first call's final states (window_slots with cu_seqlens takes no history, so the second call's
+    # windows start at its first token): each call equals its sequences run alone through the float64 token loop
+    c, opts = 3, dict(bias="l2", placement="after_step", read="token")
+    lens = [1, 2, 9]
+    inputs = _inputs(lens, seed=4)
+    cu = _cu(lens)
+    o1, h1 = _packed(inputs, cu, c, opts, fn=fused_recurrent_window_rule)
+    inputs2 = _inputs(lens, seed=5)
+    inputs2[-1] = h1
+    o2, h2 = _packed(inputs2, cu, c, opts, fn=fused_recurrent_window_rule)
+    ref1 = _separately([x.double() for x in inputs], cu, c, opts)
+    ref2 = _separately([x.double() for x in inputs2[:-1]] + [ref1[1]], cu, c, opts)
+    for x, r in ((o1, ref1[0]), (h1, ref1[1]), (o2, ref2[0]), (h2, ref2[1])):
+        assert rms_ratio(x.double(), r) <= TOL

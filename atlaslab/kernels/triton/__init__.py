@@ -28,7 +28,7 @@ Dispatch, in the spirit of fla's backend registry: a Triton kernel is used only 
    so it is for tests only);
 3. the spec is one the kernel computes exactly: linear memory (any non-kernel-trick feature map, applied in
    torch), ℓ2 or dot bias, GD, no retention, per-head scalar decay or channel-wise (per key channel, GLA-style)
-   decay (either placement), Omega window c ≤ 8 (c > 1: without channel-wise decay), semantic chunk b = 1,
+   decay (either placement), Omega window c ≤ 8 (c > 1 with either decay too), semantic chunk b = 1,
    ``read`` token or chunk; head dims ≤ 256;
    or, for the momentum kernels (linear memory, ℓ2 or dot bias, inner optimizer momentum, no retention or
    per-head scalar decay, c = 1, read token or chunk): the token-by-token kernel
@@ -71,11 +71,14 @@ slots (key, value, coefficient η_t γ_j; the window's start from the state's hi
 solves the UT system over a chunk's BT·c slot rows with decays and masks at the slots' tokens, the token-by-token
 kernel takes the c rank-1 terms of each step from the pre-step state. Both backwards run on the window backward
 kernels (``chunk_window.window_chunk_backward``; the slots' gradients reach k, v, η, γ and the history through the torch
-gather), with autograd of the torch chunk form recomputed for channel-wise decay (token-by-token kernel only) and
-under ``ATLASLAB_CHUNK_BACKWARD=torch``. Tested under the interpreter only (``tests/test_triton_window.py``:
+gather), per-head or channel-wise decay (the ``_win_cw_*`` kernels: pairwise per-channel decays with exponents ≤ 0,
+so no overflow however fast a channel forgets), with autograd of the torch chunk form recomputed under
+``ATLASLAB_CHUNK_BACKWARD=torch``. Both kernels take ``cu_seqlens`` (state and window restart at each sequence).
+Tested under the interpreter only (``tests/test_triton_window.py``, ``tests/test_triton_window_varlen.py``:
 outputs, final state and the gradients of q, k, v, η, γ, α and the initial state against
-``memorize(mode="recurrent")`` in float64, c = 2, 3, chained calls; RMS-error ratio ~1e-7 in fp32); never run on
-a GPU, so neither speed nor register pressure (a chunk's BT·c ≤ 128 slot rows per program) is measured.
+``memorize(mode="recurrent")`` / the float64 token loop, c = 2, 3, chained calls, channel-wise decay down to
+α ≈ 0.05; RMS-error ratio ~1e-7 in fp32); never run on a GPU, so neither speed nor register pressure (a chunk's
+BT·c ≤ 128 slot rows per program) is measured.
 
 Deep-memory chunk step (``mlp_chunk.py``, issue 6): memory ``mlp`` (depth 2, residual, no LayerNorm, σ gelu / silu /
 relu), ℓ2 bias, GD or momentum in the dual form. Two kernels (anchor errors e over hidden blocks; then per hidden
@@ -163,8 +166,6 @@ def spec_reason(parts, chunk_size: int) -> Optional[str]:
         (s.retention.name in ("none", "decay"), f"retention '{s.retention.name}' (none, decay)"),
         (parts.window.size is not None and parts.window.size <= MAX_WINDOW,
          f"window size {parts.window.size} (c ≤ {MAX_WINDOW})"),
-        (parts.window.size == 1 or not getattr(parts.retention, "channel_wise", False),
-         "channel-wise decay with an Omega window c > 1"),
         (chunk_size == 1, f"chunk_size b = {chunk_size} (b = 1)"),
         (parts.read in ("token", "chunk"), f"read '{parts.read}'"),
         (max(parts.feature_map.out_dim, parts.value_dim) <= MAX_HEAD_DIM, f"head dims > {MAX_HEAD_DIM}"),

@@ -20,6 +20,26 @@ slots across a sequence start themselves: the caller's slot gather does (:func:`
 ``cu_seqlens`` gives slots before a sequence's first token coefficient 0; a history is not supported there).
 Tested under the interpreter only (``tests/test_triton_window_varlen.py``); never run on a GPU.
 
+Channel-wise decay (α_t ∈ [0, 1]^{D_k}, S_t = S_{t−1} Diag(α_t) + the window's writes; spec §15.4 placements,
+equations in :func:`.reference.window_rule_chunk`): the ``_win_cw_*`` kernels, forward and backward, with g the
+chunk-local cumsum of log α per key channel ``[B, T, H, D_k]`` and every slot's decay that of its token τ_r. A write
+from slot r reaches token t with its key decayed channel by channel, x_r ⊙ e^{g_t − g_τr}, so the UT system over the
+chunk's L·c slot rows is
+
+    A[r, r'] = coef_r Σ_c x_rc x_r'c e^{G_τr,c − g_τr',c}   (τr' < τr),   G = g (before_step) or g − log α (after),
+    w = (I + A)⁻¹ (coef ⊙ v) − (I + A)⁻¹ (coef ⊙ x ⊙ e^{G_τ}) S_0ᵀ,
+
+the read o_t = (q_t ⊙ e^{gq_t}) S_0ᵀ + Σ_r P[t, r] w_r with P[t, r] = Σ_c q_tc x_rc e^{gq_tc − g_τr,c} (τr ≤ t, or
+< t for read chunk) and the state S_L = S_0 Diag(e^{g_L}) + Σ_r w_r (x_r ⊙ e^{g_L − g_τr})ᵀ. The pairwise decays are
+formed directly, e^{a − b} with an exponent ≤ 0 on the causal part (masked rows and columns use exponent 0), in a
+loop over the chunk's BT tokens — one ``[rows, D_k]`` exponential per token, shared by its c slots
+(``_slot_decayed_dot``, and ``_slot_decayed_mm`` for its two gradients): no ratio of products, so nothing overflows
+however fast a channel forgets (tested with α ≈ 0.05 over a 32-token chunk, e^{g} ≈ e^{−90}). O(BT · BS · D_k) per
+chunk on CUDA cores, like the c = 1 channel-wise kernels of :mod:`.chunk` (fla's GLA sub-chunk tensor-core split is
+the faster GPU choice, not done here). The backward (``_win_cw_bwd_dh_kernel``, ``_win_cw_bwd_grad_kernel``) is the
+c = 1 channel-wise backward (:func:`.reference._channel_wise_backward`) on the slot rows, the slots' dg / dG rows
+summed into their tokens before the per-channel reverse cumsum; ``cu_seqlens`` as above.
+
 The c = 1 kernels, the shared block sizes and the backward switch ``chunk.BACKWARD`` live in :mod:`.chunk`.
 """
 from __future__ import annotations
@@ -379,6 +399,375 @@ if triton is not None:
                 b_dla -= b_dgq
             tl.store(dla + rows, b_dla, mask=m_t)
 
+    # ------------------------------------------------------------------ channel-wise decay (α_t ∈ [0, 1]^{D_k})
+    # la, g: [B, T, H, K] (per key channel). A slot's decay is its token's: a write from slot r (token τ_r)
+    # reaches token t with its key decayed channel by channel, x_r ⊙ e^{g_t − g_τr}. Every pairwise decay is
+    # formed directly as e^{a − b} with a causal exponent ≤ 0 (no e^{−g} factorisation, no overflow), in a loop
+    # over the chunk's BT tokens (one exponential block per token, shared by its C slots).
+
+    @triton.jit
+    def _slot_decayed_dot(x, a, ok, tok, xs, g_tok, o_i, o_s, R: tl.constexpr, BT: tl.constexpr,
+                          BS: tl.constexpr, C: tl.constexpr, STRICT: tl.constexpr):
+        """M[r, s'] = Σ_c x[r, c] xs[s', c] e^{a[r, c] − g_tok[τ_s', c]} where τ_s' < tok[r] (STRICT) or ≤ tok[r],
+        and ok[r]; else 0. x, a ``[R, BK]`` (rows: tokens or slots, local token ``tok [R]``); xs ``[BS, BK]`` the
+        chunk's slots (slot s' = τ·C + j); g_tok ``[BT, BK]`` the chunk-local log-decay cumsum at its tokens.
+        Returns ``[R, BS]`` (columns past BT·C are 0)."""
+        M = tl.zeros([R, BS], dtype=tl.float32)
+        for s in range(0, BT):
+            b_s = tl.sum(tl.where((o_i == s)[:, None], g_tok, 0.0), axis=0)             # [BK]: g at token s
+            if STRICT:
+                rows = ok & (tok > s)
+            else:
+                rows = ok & (tok >= s)
+            e = tl.exp(tl.where(rows[:, None], a - b_s[None, :], 0.0))                # ≤ 1 where used
+            for j in tl.static_range(C):
+                sel = o_s == s * C + j
+                y = tl.sum(tl.where(sel[:, None], xs, 0.0), axis=0)
+                col = tl.sum(x * y[None, :] * e, axis=1)
+                M = tl.where(sel[None, :] & rows[:, None], col[:, None], M)
+        return M
+
+    @triton.jit
+    def _win_cw_ut_kernel(xs, vs, coef, la, g, u_out, wk_out, ainv_out, cu_seqlens, chunk_indices, T, NT,
+                          H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                          C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BVV: tl.constexpr,
+                          BEFORE: tl.constexpr, STORE_AINV: tl.constexpr, PRECISION: tl.constexpr):
+        """Stage 1 (ℓ2 only), channel-wise, per chunk × head: A[r, r'] = coef_r Σ_c x_rc x_r'c e^{G_τr,c − g_τr',c}
+        (τr' < τr), (I + A)⁻¹ by forward substitution, u = (I + A)⁻¹ (coef v), w_k = (I + A)⁻¹ (coef x ⊙ e^{G_τ})."""
+        i_c = tl.program_id(0)
+        i_h = tl.program_id(1)
+        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)
+        o_i = tl.arange(0, BT)
+        o_s = tl.arange(0, BS)
+        o_k = tl.arange(0, BK)
+        o_v = tl.arange(0, BVV)
+        m_k = o_k < K
+        m_v = o_v < V
+        o_t = i_t * BT + o_i
+        m_t = o_t < T
+        rows = (bos + o_t) * H + i_h
+        tau = o_s // C
+        tok = i_t * BT + tau
+        m_s = (o_s < BT * C) & (tok < T)
+        srow = ((bos + i_t * BT) * C + o_s) * H + i_h
+        trow = (bos + tok) * H + i_h
+        m_sk = m_s[:, None] & m_k[None, :]
+        b_x = tl.load(xs + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0).to(tl.float32)
+        b_v = tl.load(vs + srow[:, None] * V + o_v[None, :], mask=m_s[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        b_c = tl.load(coef + srow, mask=m_s, other=0.0).to(tl.float32)
+        b_gt = tl.load(g + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_gs = tl.load(g + trow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0)
+        if BEFORE:
+            b_G = b_gs
+        else:
+            b_G = b_gs - tl.load(la + trow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0).to(tl.float32)
+        A = b_c[:, None] * _slot_decayed_dot(b_x, b_G, m_s, tau, b_x, b_gt, o_i, o_s, BS, BT, BS, C, True)
+        Ti = tl.where(o_s[:, None] == o_s[None, :], 1.0, 0.0)
+        for i in range(1, BS):
+            a_i = tl.sum(tl.where(o_s[:, None] == i, A, 0.0), axis=0)
+            new = tl.where(o_s == i, 1.0, 0.0) - tl.sum(a_i[:, None] * Ti, axis=0)
+            Ti = tl.where(o_s[:, None] == i, new[None, :], Ti)
+        b_u = tl.dot(Ti, b_c[:, None] * b_v, input_precision=PRECISION)
+        b_wk = tl.dot(Ti, b_c[:, None] * b_x * tl.exp(b_G), input_precision=PRECISION)
+        tl.store(u_out + srow[:, None] * V + o_v[None, :], b_u, mask=m_s[:, None] & m_v[None, :])
+        tl.store(wk_out + srow[:, None] * K + o_k[None, :], b_wk, mask=m_sk)
+        if STORE_AINV:
+            tl.store(ainv_out + srow[:, None] * BS + o_s[None, :], Ti, mask=m_s[:, None])
+
+    @triton.jit
+    def _win_cw_state_kernel(xs, vs, coef, g, u, wk, h0, w_out, hs, ht, cu_seqlens, chunk_offsets, T, NT,
+                             H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
+                             V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
+                             BV: tl.constexpr, HAS_H0: tl.constexpr, IS_L2: tl.constexpr, PRECISION: tl.constexpr):
+        """Stage 2, channel-wise, per value block × sequence × head, sequential over chunks: w = u − w_k S_0ᵀ
+        (dot: coef v), stores the chunk-start states, S ← S Diag(e^{g_L}) + Σ_r w_r (x_r ⊙ e^{g_L − g_τr})ᵀ."""
+        i_v = tl.program_id(0)
+        i_bh = tl.program_id(1)
+        i_n = i_bh // H
+        i_h = i_bh % H
+        bos, T, NT, boc = _sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
+        o_s = tl.arange(0, BS)
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k = o_k < K
+        m_v = o_v < V
+        m_h = m_v[:, None] & m_k[None, :]
+        h_offs = o_v[:, None] * K + o_k[None, :]
+        tau = o_s // C
+        h = tl.zeros([BV, BK], dtype=tl.float32)
+        if HAS_H0:
+            h += tl.load(h0 + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
+        for i_t in range(0, NT):
+            tl.store(hs + ((boc + i_t) * H + i_h) * V * K + h_offs, h, mask=m_h)
+            tok = i_t * BT + tau
+            m_s = (o_s < BT * C) & (tok < T)
+            srow = ((bos + i_t * BT) * C + o_s) * H + i_h
+            trow = (bos + tok) * H + i_h
+            m_sk = m_s[:, None] & m_k[None, :]
+            m_sv = m_s[:, None] & m_v[None, :]
+            b_x = tl.load(xs + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0).to(tl.float32)
+            if IS_L2:
+                b_u = tl.load(u + srow[:, None] * V + o_v[None, :], mask=m_sv, other=0.0)
+                b_wk = tl.load(wk + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0)
+                b_w = b_u - tl.dot(b_wk, tl.trans(h), input_precision=PRECISION)
+            else:
+                b_v = tl.load(vs + srow[:, None] * V + o_v[None, :], mask=m_sv, other=0.0).to(tl.float32)
+                b_c = tl.load(coef + srow, mask=m_s, other=0.0).to(tl.float32)
+                b_w = b_c[:, None] * b_v
+            tl.store(w_out + srow[:, None] * V + o_v[None, :], b_w, mask=m_sv)
+            b_gs = tl.load(g + trow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0)
+            last = tl.minimum(T - i_t * BT, BT) - 1
+            g_last = tl.load(g + ((bos + i_t * BT + last) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+            b_xd = b_x * tl.exp(tl.where(m_sk, g_last[None, :] - b_gs, 0.0))
+            h = h * tl.exp(g_last)[None, :] + tl.dot(tl.trans(b_w), b_xd, input_precision=PRECISION)
+        tl.store(ht + i_bh.to(tl.int64) * V * K + h_offs, h, mask=m_h)
+
+    @triton.jit
+    def _win_cw_out_kernel(q, xs, la, g, w, hs, o, cu_seqlens, chunk_indices, T, NT, H: tl.constexpr,
+                           IS_VARLEN: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                           C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                           READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
+        """Stage 3, channel-wise, per value block × chunk × head: o = (q ⊙ e^{gq}) S_0ᵀ + P w,
+        P[t, r] = Σ_c q_tc x_rc e^{gq_tc − g_τr,c} (τr ≤ t for read token, < t for read chunk)."""
+        i_v = tl.program_id(0)
+        i_c = tl.program_id(1)
+        i_h = tl.program_id(2)
+        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)
+        o_i = tl.arange(0, BT)
+        o_s = tl.arange(0, BS)
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k = o_k < K
+        m_v = o_v < V
+        o_t = i_t * BT + o_i
+        m_t = o_t < T
+        rows = (bos + o_t) * H + i_h
+        tau = o_s // C
+        tok = i_t * BT + tau
+        m_s = (o_s < BT * C) & (tok < T)
+        srow = ((bos + i_t * BT) * C + o_s) * H + i_h
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_x = tl.load(xs + srow[:, None] * K + o_k[None, :], mask=m_s[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_g = tl.load(g + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+        if READ_TOKEN:
+            b_gq = b_g
+        else:
+            b_gq = b_g - tl.load(la + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_w = tl.load(w + srow[:, None] * V + o_v[None, :], mask=m_s[:, None] & m_v[None, :], other=0.0)
+        h = tl.load(hs + (i_c.to(tl.int64) * H + i_h) * V * K + o_v[:, None] * K + o_k[None, :],
+                    mask=m_v[:, None] & m_k[None, :], other=0.0)
+        b_o = tl.dot(b_q * tl.exp(b_gq), tl.trans(h), input_precision=PRECISION)
+        P = _slot_decayed_dot(b_q, b_gq, m_t, o_i, b_x, b_g, o_i, o_s, BT, BT, BS, C, not READ_TOKEN)
+        b_o += tl.dot(P, b_w, input_precision=PRECISION)
+        tl.store(o + rows[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+
+
+
+    @triton.jit
+    def _slot_decayed_mm(D, x, a, ok, tok, xs, g_tok, o_i, o_s, BT: tl.constexpr, C: tl.constexpr,
+                         STRICT: tl.constexpr):
+        """The two gradients of :func:`_slot_decayed_dot` for D ``[R, BS]`` (used on the same causal part):
+        Rm[r, c] = Σ_s' D[r, s'] xs[s', c] e^{a_rc − g_τs',c} ``[R, BK]`` and
+        Cm[s', c] = Σ_r D[r, s'] x[r, c] e^{a_rc − g_τs',c} ``[BS, BK]``."""
+        Rm = tl.zeros_like(x)
+        Cm = tl.zeros_like(xs)
+        for s in range(0, BT):
+            b_s = tl.sum(tl.where((o_i == s)[:, None], g_tok, 0.0), axis=0)
+            if STRICT:
+                rows = ok & (tok > s)
+            else:
+                rows = ok & (tok >= s)
+            e = tl.exp(tl.where(rows[:, None], a - b_s[None, :], 0.0))
+            for j in tl.static_range(C):
+                sel = o_s == s * C + j
+                d = tl.where(rows, tl.sum(tl.where(sel[None, :], D, 0.0), axis=1), 0.0)      # column s' of D
+                y = tl.sum(tl.where(sel[:, None], xs, 0.0), axis=0)
+                Rm += d[:, None] * y[None, :] * e
+                Cm = tl.where(sel[:, None], tl.sum(d[:, None] * x * e, axis=0)[None, :], Cm)
+        return Rm, Cm
+
+    @triton.jit
+    def _win_cw_bwd_dh_kernel(q, xs, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT,
+                              H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
+                              V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
+                              BV: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, IS_L2: tl.constexpr,
+                              READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
+        """Reverse sweep, channel-wise (value block × sequence × head): dw = Pᵀ do + (x ⊙ e^{g_L − g_τ}) dSᵀ on the
+        slots; dS ← dS Diag(e^{g_L}) + doᵀ (q ⊙ e^{gq}) − [l2] dwᵀ w_k; the last dS is the initial state's."""
+        i_v = tl.program_id(0)
+        i_bh = tl.program_id(1)
+        i_n = i_bh // H
+        i_h = i_bh % H
+        bos, T, NT, boc = _sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
+        o_i = tl.arange(0, BT)
+        o_s = tl.arange(0, BS)
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k = o_k < K
+        m_v = o_v < V
+        m_h = m_v[:, None] & m_k[None, :]
+        h_offs = o_v[:, None] * K + o_k[None, :]
+        tau = o_s // C
+        dh = tl.zeros([BV, BK], dtype=tl.float32)
+        if HAS_DHT:
+            dh += tl.load(dht + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
+        for j in range(0, NT):
+            i_t = NT - 1 - j
+            tl.store(dhs + ((boc + i_t) * H + i_h) * V * K + h_offs, dh, mask=m_h)
+            o_t = i_t * BT + o_i
+            m_t = o_t < T
+            rows = (bos + o_t) * H + i_h
+            tok = i_t * BT + tau
+            m_s = (o_s < BT * C) & (tok < T)
+            srow = ((bos + i_t * BT) * C + o_s) * H + i_h
+            trow = (bos + tok) * H + i_h
+            m_sk = m_s[:, None] & m_k[None, :]
+            m_tk = m_t[:, None] & m_k[None, :]
+            b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+            b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                           other=0.0).to(tl.float32)
+            b_x = tl.load(xs + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0).to(tl.float32)
+            b_g = tl.load(g + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+            b_gs = tl.load(g + trow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0)
+            last = tl.minimum(T - i_t * BT, BT) - 1
+            g_last = tl.load(g + ((bos + i_t * BT + last) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+            if READ_TOKEN:
+                b_gq = b_g
+            else:
+                b_gq = b_g - tl.load(la + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+            P = _slot_decayed_dot(b_q, b_gq, m_t, o_i, b_x, b_g, o_i, o_s, BT, BT, BS, C, not READ_TOKEN)
+            b_xd = b_x * tl.exp(tl.where(m_sk, g_last[None, :] - b_gs, 0.0))
+            b_dw = tl.dot(tl.trans(P), b_do, input_precision=PRECISION) \
+                + tl.dot(b_xd, tl.trans(dh), input_precision=PRECISION)
+            tl.store(dw + srow[:, None] * V + o_v[None, :], b_dw, mask=m_s[:, None] & m_v[None, :])
+            dh = dh * tl.exp(g_last)[None, :] + tl.dot(tl.trans(b_do), b_q * tl.exp(b_gq), input_precision=PRECISION)
+            if IS_L2:
+                b_wk = tl.load(wk + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0)
+                dh -= tl.dot(tl.trans(b_dw), b_wk, input_precision=PRECISION)
+        if HAS_H0:
+            tl.store(dh0 + i_bh.to(tl.int64) * V * K + h_offs, dh, mask=m_h)
+
+    @triton.jit
+    def _win_cw_bwd_grad_kernel(q, xs, vs, coef, la, g, ainv, w, hs, dhs, do, dw, dq, dx, dv, dcoef, dla,
+                                cu_seqlens, chunk_indices, T, NT, H: tl.constexpr, IS_VARLEN: tl.constexpr,
+                                K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr,
+                                BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_L2: tl.constexpr,
+                                BEFORE: tl.constexpr, READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
+        """Per chunk × head, channel-wise: dq (tokens), dx, dv, dcoef (slots), d log α ``[BT, K]`` (tokens).
+        With D = do wᵀ, dr = (I + A)⁻ᵀ dw, dA = −strict(dr wᵀ), x_G = x ⊙ e^{G_τ}, Z = coef_r dA[r, r']:
+        dq = (do S_0) ⊙ e^{gq} + Σ_r D[t, r] x_r ⊙ e^{gq_t − g_τr};
+        dx = Σ_t D[t, r] q_t ⊙ e^{gq_t − g_τr} + (w dS) ⊙ e^{g_L − g_τ} − coef (dr S_0) ⊙ e^{G_τ}
+             + Σ_r' Z[r, r'] x_r' ⊙ e^{G_τr − g_τr'} + Σ_r Z[r, r'] x_r ⊙ e^{G_τr − g_τr'} (the last at r');
+        dcoef = Σ_v dr ⊙ (v − x_G S_0ᵀ) + x_r · Σ_r' dA[r, r'] x_r' ⊙ e^{G_τr − g_τr'}  (dot: Σ_v dw ⊙ v);
+        per slot dg = −x ⊙ (dx_P + dx_S) − [l2] x ⊙ Z-column term, dG = −coef (dr S_0) ⊙ x_G + x ⊙ Z-row term;
+        summed into their tokens (one-hot [BT, BS] products) with d gq = q ⊙ dq and, at the chunk's last token,
+        e^{g_L} ⊙ Σ_v dS ⊙ S_0 + Σ_r x_r ⊙ dx_S,r; d log α = reverse-cumsum(dg + dG) − [after] dG − [chunk] d gq."""
+        i_c = tl.program_id(0)
+        i_h = tl.program_id(1)
+        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)
+        o_i = tl.arange(0, BT)
+        o_s = tl.arange(0, BS)
+        o_k = tl.arange(0, BK)
+        m_k = o_k < K
+        o_t = i_t * BT + o_i
+        m_t = o_t < T
+        rows = (bos + o_t) * H + i_h
+        tau = o_s // C
+        tok = i_t * BT + tau
+        m_s = (o_s < BT * C) & (tok < T)
+        srow = ((bos + i_t * BT) * C + o_s) * H + i_h
+        trow = (bos + tok) * H + i_h
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_sk = m_s[:, None] & m_k[None, :]
+        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_x = tl.load(xs + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0).to(tl.float32)
+        b_c = tl.load(coef + srow, mask=m_s, other=0.0).to(tl.float32)
+        b_g = tl.load(g + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_gs = tl.load(g + trow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0)
+        b_la = tl.load(la + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_las = tl.load(la + trow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0).to(tl.float32)
+        last = tl.minimum(T - i_t * BT, BT) - 1
+        g_last = tl.load(g + ((bos + i_t * BT + last) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+        if READ_TOKEN:
+            b_gq = b_g
+        else:
+            b_gq = b_g - b_la
+        if BEFORE:
+            b_G = b_gs
+        else:
+            b_G = b_gs - b_las
+        e_G = tl.exp(b_G)
+        b_xG = b_x * e_G
+        decay = tl.exp(tl.where(m_sk, g_last[None, :] - b_gs, 0.0))
+        b_dq = tl.zeros([BT, BK], dtype=tl.float32)        # do S_0, then ⊙ e^{gq}
+        b_dks = tl.zeros([BS, BK], dtype=tl.float32)       # w dS, then ⊙ e^{g_L − g_τ}
+        b_dkG = tl.zeros([BS, BK], dtype=tl.float32)       # −coef (dr S_0): gradient of x_G in r
+        b_D = tl.zeros([BT, BS], dtype=tl.float32)         # do wᵀ
+        b_dA = tl.zeros([BS, BS], dtype=tl.float32)        # −dr wᵀ
+        b_db = tl.zeros([BS], dtype=tl.float32)
+        b_dgl = tl.zeros([BK], dtype=tl.float32)           # Σ_v dS ⊙ S_0
+        h_base = (i_c.to(tl.int64) * H + i_h) * V * K
+        if IS_L2:
+            Ti = tl.load(ainv + srow[:, None] * BS + o_s[None, :], mask=m_s[:, None], other=0.0)
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            m_sv = m_s[:, None] & m_v[None, :]
+            m_h = m_v[:, None] & m_k[None, :]
+            b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                           other=0.0).to(tl.float32)
+            b_w = tl.load(w + srow[:, None] * V + o_v[None, :], mask=m_sv, other=0.0)
+            b_dw = tl.load(dw + srow[:, None] * V + o_v[None, :], mask=m_sv, other=0.0)
+            b_v = tl.load(vs + srow[:, None] * V + o_v[None, :], mask=m_sv, other=0.0).to(tl.float32)
+            S0 = tl.load(hs + h_base + o_v[:, None] * K + o_k[None, :], mask=m_h, other=0.0)
+            dS = tl.load(dhs + h_base + o_v[:, None] * K + o_k[None, :], mask=m_h, other=0.0)
+            b_dq += tl.dot(b_do, S0, input_precision=PRECISION)
+            b_D += tl.dot(b_do, tl.trans(b_w), input_precision=PRECISION)
+            b_dks += tl.dot(b_w, dS, input_precision=PRECISION)
+            b_dgl += tl.sum(dS * S0, axis=0)
+            if IS_L2:
+                b_dr = tl.dot(tl.trans(Ti), b_dw, input_precision=PRECISION)
+                b_kS = tl.dot(b_xG, tl.trans(S0), input_precision=PRECISION)
+                b_db += tl.sum(b_dr * (b_v - b_kS), axis=1)
+                b_dkG -= b_c[:, None] * tl.dot(b_dr, S0, input_precision=PRECISION)
+                b_dA -= tl.dot(b_dr, tl.trans(b_w), input_precision=PRECISION)
+                b_dv = b_c[:, None] * b_dr
+            else:
+                b_db += tl.sum(b_dw * b_v, axis=1)
+                b_dv = b_c[:, None] * b_dw
+            tl.store(dv + srow[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_sv)
+        b_dq = b_dq * tl.exp(b_gq)
+        b_dks = b_dks * decay
+        dq_p, dk_p = _slot_decayed_mm(b_D, b_q, b_gq, m_t, o_i, b_x, b_g, o_i, o_s, BT, C, not READ_TOKEN)
+        b_dq += dq_p
+        b_dgq = b_q * b_dq
+        ks = b_x * b_dks
+        b_dgs = -b_x * dk_p - ks                                  # dg at the slots' tokens, key side
+        dgl = tl.exp(g_last) * b_dgl + tl.sum(ks, axis=0)
+        b_dk = dk_p + b_dks
+        b_dGs = tl.zeros([BS, BK], dtype=tl.float32)
+        if IS_L2:
+            # A[r, r'] = coef_r Σ_c x_rc x_r'c e^{G_τr,c − g_τr',c}: rows → dcoef, dx_r, dG; columns → dx_r', dg
+            dA1, Z2 = _slot_decayed_mm(b_dA, b_c[:, None] * b_x, b_G, m_s, tau, b_x, b_g, o_i, o_s, BT, C, True)
+            b_db += tl.sum(b_x * dA1, axis=1)
+            dA1 = b_c[:, None] * dA1
+            b_dk += b_dkG * e_G + dA1 + Z2
+            b_dGs = b_dkG * b_xG + b_x * dA1
+            b_dgs -= b_x * Z2
+        tl.store(dq + rows[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
+        tl.store(dx + srow[:, None] * K + o_k[None, :], b_dk.to(dx.dtype.element_ty), mask=m_sk)
+        tl.store(dcoef + srow, b_db.to(dcoef.dtype.element_ty), mask=m_s)
+        own = tl.where((tau[None, :] == o_i[:, None]) & m_s[None, :], 1.0, 0.0)     # [BT, BS]: slot → its token
+        b_dG = tl.dot(own, b_dGs, input_precision="ieee")
+        b_dg = b_dgq + tl.dot(own, b_dgs, input_precision="ieee") + tl.where((o_i == last)[:, None], dgl[None, :], 0.0)
+        b_dla = tl.cumsum(b_dg + b_dG, axis=0, reverse=True)
+        if not BEFORE:
+            b_dla -= b_dG
+        if not READ_TOKEN:
+            b_dla -= b_dgq
+        tl.store(dla + rows[:, None] * K + o_k[None, :], b_dla, mask=m_tk)
+
 
 def _win_sizes(K: int, V: int, c: int, chunk_size: int):
     """Window block sizes: BT tokens per chunk (a power of two ≥ 16, about chunk_size / c), BS = pow2(BT·c) slot
@@ -394,7 +783,8 @@ def _win_sizes(K: int, V: int, c: int, chunk_size: int):
 
 
 def _chunk_log_cumsum(la: Optional[torch.Tensor], B: int, T: int, H: int, BT: int, lay, device) -> torch.Tensor:
-    """g ``[B, T, H]`` fp32: the chunk-local (BT tokens) cumsum of log α (zeros without decay). With packed
+    """g ``[B, T, H]`` (``[B, T, H, K]`` for channel-wise la) fp32: the chunk-local (BT tokens) cumsum of log α
+    (zeros without decay). With packed
     sequences (``lay.varlen``) the chunks are those of :func:`.chunk.prepare_chunk_indices`: each token is
     scattered to (its global chunk, its place in the chunk), cumsummed there and gathered back."""
     if la is None:
@@ -405,12 +795,12 @@ def _chunk_log_cumsum(la: Optional[torch.Tensor], B: int, T: int, H: int, BT: in
         n = torch.searchsorted(cu, t, right=True) - 1
         local = t - cu[n]
         pos = (lay.offsets.long()[n] + local // BT) * BT + local % BT
-        x = la.new_zeros(lay.NC * BT, H).index_copy_(0, pos, la[0])
-        return x.reshape(lay.NC, BT, H).cumsum(1).reshape(-1, H)[pos].unsqueeze(0).contiguous()
+        x = la.new_zeros(lay.NC * BT, *la.shape[2:]).index_copy_(0, pos, la[0])
+        return x.reshape(lay.NC, BT, *la.shape[2:]).cumsum(1).reshape(-1, *la.shape[2:])[pos].unsqueeze(0).contiguous()
     NT = -(-T // BT)
     pad = NT * BT - T
-    x = torch.cat([la, la.new_zeros(B, pad, H)], 1) if pad else la
-    return x.reshape(B, NT, BT, H).cumsum(2).reshape(B, NT * BT, H)[:, :T].contiguous()
+    x = torch.cat([la, la.new_zeros(B, pad, *la.shape[2:])], 1) if pad else la
+    return x.reshape(B, NT, BT, *la.shape[2:]).cumsum(2).reshape(B, NT * BT, *la.shape[2:])[:, :T].contiguous()
 
 
 def _win_forward_stages(xs, vs, coef, la, h0, *, c, bias, placement, BT, BS, BK, BVV, BV, prec, lay,
@@ -430,6 +820,17 @@ def _win_forward_stages(xs, vs, coef, la, h0, *, c, bias, placement, BT, BS, BK,
     hs = torch.empty(lay.NC, H, V, K, **f32)
     ht = torch.empty(lay.N, H, V, K, **f32)
     dummy = g
+    if la is not None and la.dim() == 4:     # channel-wise decay: the _win_cw_* kernels
+        if is_l2:
+            _win_cw_ut_kernel[(lay.NC, H)](
+                xs, vs, coef, la, g, u, wk, ainv if ainv is not None else dummy, lay.cu, lay.table, T, lay.NT, H=H,
+                IS_VARLEN=lay.varlen, K=K, V=V, C=c, BT=BT, BS=BS, BK=BK, BVV=BVV, BEFORE=placement == "before_step",
+                STORE_AINV=ainv is not None, PRECISION=prec, num_warps=4)
+        _win_cw_state_kernel[(triton.cdiv(V, BV), lay.N * H)](
+            xs, vs, coef, g, u if is_l2 else dummy, wk if is_l2 else dummy, h0 if h0 is not None else dummy, w, hs,
+            ht, lay.cu, lay.offsets, T, lay.NT, H=H, IS_VARLEN=lay.varlen, K=K, V=V, C=c, BT=BT, BS=BS, BK=BK,
+            BV=BV, HAS_H0=h0 is not None, IS_L2=is_l2, PRECISION=prec, num_warps=4)
+        return dict(g=g, wk=wk, ainv=ainv, w=w, hs=hs, ht=ht)
     if is_l2:
         _win_ut_kernel[(lay.NC, H)](
             xs, vs, coef, la if la is not None else dummy, g, u, wk, ainv if ainv is not None else dummy, lay.cu,
@@ -449,9 +850,6 @@ def window_forward(q, xs, vs, coef, alpha=None, initial_state=None, *, bias="l2"
     with or without ``cu_seqlens``."""
     from .reference import check_window_args
     c = check_window_args(q, xs, vs, coef, alpha, initial_state, bias, placement, read, cu_seqlens)
-    if alpha is not None and alpha.dim() == 4:
-        raise NotImplementedError("chunk_window_rule: channel-wise decay with an Omega window (use the token-by-token"
-                                  " kernel or the torch engines)")
     B, T, H, K = q.shape
     V = vs.shape[-1]
     BT, BS, BK, BVV, BV = _win_sizes(K, V, c, chunk_size)
@@ -464,6 +862,11 @@ def window_forward(q, xs, vs, coef, alpha=None, initial_state=None, *, bias="l2"
     st = _win_forward_stages(xs, vs, coef, la, h0, c=c, bias=bias, placement=placement, BT=BT, BS=BS, BK=BK,
                              BVV=BVV, BV=BV, prec=prec, lay=lay)
     o = torch.empty(B, T, H, V, dtype=vs.dtype, device=q.device)
+    if la is not None and la.dim() == 4:
+        _win_cw_out_kernel[(triton.cdiv(V, BV), lay.NC, H)](
+            q, xs, la, st["g"], st["w"], st["hs"], o, lay.cu, lay.table, T, lay.NT, H=H, IS_VARLEN=lay.varlen, K=K,
+            V=V, C=c, BT=BT, BS=BS, BK=BK, BV=BV, READ_TOKEN=read == "token", PRECISION=prec, num_warps=4)
+        return o, st["ht"].to(initial_state.dtype if initial_state is not None else q.dtype)
     _win_out_kernel[(triton.cdiv(V, BV), lay.NC, H)](
         q, xs, la if la is not None else st["g"], st["g"], st["w"], st["hs"], o, lay.cu, lay.table, T, lay.NT, H=H,
         IS_VARLEN=lay.varlen, K=K, V=V, C=c, BT=BT, BS=BS, BK=BK, BV=BV, HAS_ALPHA=la is not None,
@@ -476,12 +879,12 @@ def window_chunk_backward(q, xs, vs, coef, alpha, initial_state, do, dht, *, bia
     """Gradients of :func:`window_forward` on the window backward kernels: ``(dq, dxs, dvs, dcoef, dalpha, dh0)``
     (``dalpha`` / ``dh0`` None when ``alpha`` / ``initial_state`` are). Re-runs stages 1–2 (storing (I + A)⁻¹),
     sweeps the chunks in reverse for dS and dw (``_win_bwd_dh_kernel``), then forms every chunk's gradients in
-    parallel (``_win_bwd_grad_kernel``). Per-head decay only. With ``cu_seqlens`` each stage is still one launch
-    (the sweeps one program per value block × sequence × head, the rest over the chunk-index table)."""
+    parallel (``_win_bwd_grad_kernel``); channel-wise decay on the ``_win_cw_bwd_*`` kernels (``dalpha``
+    ``[B, T, H, D_k]``). With ``cu_seqlens`` each stage is still one launch (the sweeps one program per value
+    block × sequence × head, the rest over the chunk-index table)."""
     from .reference import check_window_args
     c = check_window_args(q, xs, vs, coef, alpha, initial_state, bias, placement, read, cu_seqlens)
-    if alpha is not None and alpha.dim() == 4:
-        raise NotImplementedError("window_chunk_backward: channel-wise decay")
+    channel = alpha is not None and alpha.dim() == 4
     B, T, H, K = q.shape
     V = vs.shape[-1]
     BT, BS, BK, BVV, BV = _win_sizes(K, V, c, chunk_size)
@@ -500,9 +903,11 @@ def window_chunk_backward(q, xs, vs, coef, alpha, initial_state, do, dht, *, bia
     dhs = torch.empty(lay.NC, H, V, K, **f32)
     dw = torch.empty(B, T * c, H, V, **f32)
     dh0 = torch.empty(lay.N, H, V, K, **f32) if h0 is not None else None
-    meta = dict(H=H, IS_VARLEN=lay.varlen, K=K, V=V, C=c, BT=BT, BS=BS, BK=BK, BV=BV, HAS_ALPHA=la is not None,
-                IS_L2=is_l2, READ_TOKEN=read == "token", PRECISION=prec, num_warps=4)
-    _win_bwd_dh_kernel[(triton.cdiv(V, BV), lay.N * H)](
+    meta = dict(H=H, IS_VARLEN=lay.varlen, K=K, V=V, C=c, BT=BT, BS=BS, BK=BK, BV=BV, IS_L2=is_l2,
+                READ_TOKEN=read == "token", PRECISION=prec, num_warps=4)
+    if not channel:
+        meta["HAS_ALPHA"] = la is not None
+    (_win_cw_bwd_dh_kernel if channel else _win_bwd_dh_kernel)[(triton.cdiv(V, BV), lay.N * H)](
         q_, xs_, la if la is not None else dummy, g, st["wk"] if is_l2 else dummy, do_,
         dht if dht is not None else dummy, dhs, dw, dh0 if dh0 is not None else dummy, lay.cu, lay.offsets, T,
         lay.NT, HAS_DHT=dht is not None, HAS_H0=dh0 is not None, **meta)
@@ -510,8 +915,8 @@ def window_chunk_backward(q, xs, vs, coef, alpha, initial_state, do, dht, *, bia
     dx = torch.empty(B, T * c, H, K, **f32)
     dv = torch.empty(B, T * c, H, V, **f32)
     dcoef = torch.empty(B, T * c, H, **f32)
-    dla = torch.empty(B, T, H, **f32) if la is not None else None
-    _win_bwd_grad_kernel[(lay.NC, H)](
+    dla = torch.empty(la.shape, **f32) if la is not None else None
+    (_win_cw_bwd_grad_kernel if channel else _win_bwd_grad_kernel)[(lay.NC, H)](
         q_, xs_, vs_, coef_, la if la is not None else dummy, g, st["ainv"] if is_l2 else dummy, st["w"], st["hs"],
         dhs, do_, dw, dq, dx, dv, dcoef, dla if dla is not None else dummy, lay.cu, lay.table, T, lay.NT,
         BEFORE=placement == "before_step", **meta)
@@ -547,10 +952,9 @@ def window_torch_backward(saved, need, do, dht, opts, chunk_size):
 def window_backward(saved, need, do, dht, opts, chunk_size):
     """Gradients of a window kernel's ``(q, xs, vs, coef, alpha, initial_state)`` (None where not needed): the
     window backward kernels (:func:`window_chunk_backward`, ``chunk_size`` as :func:`chunk_window_rule`'s), or
-    autograd of the torch chunk form recomputed (:func:`window_torch_backward`) with channel-wise decay or
-    ``BACKWARD == "torch"``."""
-    q, xs, vs, alpha = saved[0], saved[1], saved[2], saved[4]
-    if _chunk.BACKWARD == "torch" or (alpha is not None and alpha.dim() == 4):
+    autograd of the torch chunk form recomputed (:func:`window_torch_backward`) with ``BACKWARD == "torch"``."""
+    q, xs, vs = saved[0], saved[1], saved[2]
+    if _chunk.BACKWARD == "torch":
         BT = _win_sizes(q.shape[-1], vs.shape[-1], xs.shape[2], chunk_size)[0]
         return window_torch_backward(saved, need, do, dht, opts, BT)
     grads = window_chunk_backward(*saved, do, dht, chunk_size=chunk_size, **opts)
@@ -590,7 +994,7 @@ def chunk_window_rule(q: torch.Tensor, xs: torch.Tensor, vs: torch.Tensor, coef:
         xs: ``[B, T, c, H, D_k]`` window keys (slot (t, j) = featurised key of token t − c + 1 + j), vs
             ``[B, T, c, H, D_v]`` their values, coef ``[B, T, c, H]`` the step coefficients η_t γ_j (0 on slots
             before the window history): :func:`.reference.window_slots` builds them. c ≤ :data:`MAX_WINDOW`.
-        alpha: ``[B, T, H]`` per-head kept fraction, or None (channel-wise decay is not supported here).
+        alpha: ``[B, T, H]`` per-head kept fraction, ``[B, T, H, D_k]`` channel-wise (S ← S Diag(α_t)), or None.
         initial_state: ``[N, H, D_v, D_k]`` or None (zeros); N = B, or the number of packed sequences.
         bias, placement, read: as :func:`chunk_delta_rule`.
         cu_seqlens: ``[N + 1]`` offsets of packed sequences (B = 1, tensors ``[1, total_T, ...]``), or None. Run
@@ -606,8 +1010,8 @@ def chunk_window_rule(q: torch.Tensor, xs: torch.Tensor, vs: torch.Tensor, coef:
         ``o: [B, T, H, D_v]`` and the final state(s) ``[N, H, D_v, D_k]``.
 
     Backward: the window backward kernels (:func:`window_chunk_backward`: the chunk states recomputed, a reverse
-    sweep for dS, then every chunk's gradients in parallel); ``BACKWARD == "torch"`` switches to autograd of the
-    torch chunk form, recomputed.
+    sweep for dS, then every chunk's gradients in parallel; per-head or channel-wise decay); ``BACKWARD == "torch"``
+    switches to autograd of the torch chunk form, recomputed.
     """
     return WindowChunkFunction.apply(q, xs, vs, coef, alpha, initial_state, bias, placement, read, cu_seqlens,
                                      int(chunk_size), bool(allow_tf32))

@@ -485,6 +485,10 @@ def _channel_wise_backward(qh, kh, vh, bh, doh, lah, S, dht, *, bias, placement,
 #     w = (I + A)⁻¹ (coef ⊙ v) − (I + A)⁻¹ (coef e^{G_τ} ⊙ x) S_0ᵀ
 #     o_t = e^{gq_t} S_0 q_t + Σ_{r: τ(r) ≤ t (< t for read chunk)} e^{gq_t − g_τ(r)} (q_t·x_r) w_r
 #     S_L = e^{g_L} S_0 + Σ_r e^{g_L − g_τ(r)} w_r x_rᵀ.
+# Channel-wise decay (g, G per key channel; S ← S Diag(α_t)): every decay moves inside the key dot products,
+#     A[r, r'] = coef_r Σ_c x_rc x_r'c e^{G_τ(r)c − g_τ(r')c},   w = (I + A)⁻¹ coef ⊙ (v − (x ⊙ e^{G_τ}) S_0ᵀ),
+#     o_t = (q_t ⊙ e^{gq_t}) S_0ᵀ + Σ_r [Σ_c q_tc x_rc e^{gq_tc − g_τ(r)c}] w_r,
+#     S_L = S_0 Diag(e^{g_L}) + Σ_r w_r (x_r ⊙ e^{g_L − g_τ(r)})ᵀ   (every exponent ≤ 0 on the causal part).
 
 
 def window_slots(k: torch.Tensor, v: torch.Tensor, gamma: torch.Tensor, c: int,
