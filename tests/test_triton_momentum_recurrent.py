@@ -2,7 +2,7 @@
 
 Linear memory + momentum GD at semantic chunk size b ∈ {1, 4} (Titans with a matrix memory; spec §15.2, §15.4,
 §15.5): ``memorize(mode="triton")`` (the token kernel under TRITON_INTERPRET=1, backward by autograd through its
-torch token loop) vs ``memorize(mode="recurrent")`` in float64 — outputs, final memory, momentum, anchor and Π α,
+reverse-sweep kernel) vs ``memorize(mode="recurrent")`` in float64 — outputs, final memory, momentum, anchor and Π α,
 and the gradients of q, k, v, the lr / momentum / decay / window gates and the learned initial memory, fla's
 RMS-error ratio ≤ 1e-3 in fp32 — ℓ2 with both placements, dot bias, read token and chunk, T < b and T not a
 multiple of b; the op against its torch reference with a nonzero cached state (momentum, anchor, Π α) entering
@@ -80,11 +80,12 @@ def _run(parts, data, dtype, mode, b):
 
 
 def _count_kernel_calls(monkeypatch):
-    calls = []
+    """→ (positions of the forward kernel's calls, positions of the backward's recomputes)."""
+    calls, recomputes = [], []
     forward = frm.fused_recurrent_momentum_forward
-    monkeypatch.setattr(frm, "fused_recurrent_momentum_forward",
-                        lambda *a, **kw: calls.append(kw["position"]) or forward(*a, **kw))
-    return calls
+    monkeypatch.setattr(frm, "fused_recurrent_momentum_forward", lambda *a, **kw: (
+        recomputes if kw.get("store_states") else calls).append(kw["position"]) or forward(*a, **kw))
+    return calls, recomputes
 
 
 def _assert_state(s_t, s_r, T):
@@ -102,11 +103,11 @@ def test_memorize_triton_matches_recurrent(name, monkeypatch):
     parts = _parts(spec)
     q = torch.zeros(2, T, H, D, device=DEVICE)
     assert tk.explain(parts, q, b) is None and tk.select_kernel(parts, q, b).kernel == "fused_recurrent_momentum"
-    calls = _count_kernel_calls(monkeypatch)
+    calls, recomputes = _count_kernel_calls(monkeypatch)
     data = _data(parts, T)
     o_r, s_r, g_r = _run(parts, data, torch.float64, "recurrent", b)
     o_t, s_t, g_t = _run(parts, data, torch.float32, "triton", b)
-    assert calls == [0], "the Triton kernel did not run (once)"
+    assert calls == recomputes == [0], "the Triton forward and backward did not run (once each)"
     assert o_t.dtype == torch.float32 and torch.isfinite(o_t).all()
     assert rms_ratio(o_t.double(), o_r) <= TOL
     _assert_state(s_t, s_r, T)
@@ -117,15 +118,20 @@ def test_memorize_triton_matches_recurrent(name, monkeypatch):
 OP_SHAPES = [   # (B, T, H, D_k, D_v, b, position, bias, placement, read, decay)
     (1, 7, 2, 8, 12, 4, 6, "l2", "before_step", "token", True),    # enters mid-chunk, D_k ≠ D_v
     (1, 5, 1, 128, 48, 3, 1, "l2", "after_step", "chunk", True),   # two value blocks (the second ragged)
+    (1, 6, 1, 64, 80, 4, 3, "l2", "before_step", "token", True),   # two value blocks, each with a share of dP
     (2, 4, 1, 8, 8, 2, 1, "l2", "after_step", "token", False),     # no retention: Π α passes through
     (2, 3, 1, 8, 8, 4, 2, "dot", "before_step", "token", True),    # the call stays inside one chunk
 ]
 
 
+@pytest.mark.parametrize("backward", ["triton", "torch"])
 @pytest.mark.parametrize("B, T, nh, K, V, b, pos, bias, placement, read, decay", OP_SHAPES)
-def test_op_matches_reference_with_cached_state(B, T, nh, K, V, b, pos, bias, placement, read, decay):
+def test_op_matches_reference_with_cached_state(B, T, nh, K, V, b, pos, bias, placement, read, decay, backward,
+                                                monkeypatch):
     """:func:`fused_recurrent_momentum` vs :func:`momentum_recurrent_reference` in float64 from a nonzero cached state
-    (M, S, anchor, Π α at ``position``): all five outputs and the gradients of every input."""
+    (M, S, anchor, Π α at ``position``): all five outputs and the gradients of every input, on the reverse-sweep
+    kernel and on the torch-recompute fallback (``ATLASLAB_MOMENTUM_BACKWARD=torch``)."""
+    monkeypatch.setattr(frm, "BACKWARD", backward)
     g = torch.Generator().manual_seed(0)
     q, k = (torch.nn.functional.normalize(torch.randn(B, T, nh, K, generator=g), dim=-1) for _ in range(2))
     v = torch.randn(B, T, nh, V, generator=g)
@@ -161,7 +167,7 @@ def test_decoding_one_token_per_call_equals_one_call(spec, monkeypatch):
     parts = _parts(spec)
     data = _data(parts, T, seed=5, B=1)
     o_r, s_r, g_r = _run(parts, data, torch.float64, "recurrent", b)
-    calls = _count_kernel_calls(monkeypatch)
+    calls, recomputes = _count_kernel_calls(monkeypatch)
     positions, select = [], tk.select_kernel
     monkeypatch.setattr(tk, "select_kernel", lambda *a, **kw: positions.append(kw.get("position")) or select(*a, **kw))
     (q, k, v), gates, leaves = _leaves(parts, data, torch.float32)
@@ -175,6 +181,7 @@ def test_decoding_one_token_per_call_equals_one_call(spec, monkeypatch):
     assert rms_ratio(o_t.double(), o_r) <= TOL
     _assert_state(state, s_r, T)
     g_t = torch.autograd.grad(_loss(o_t, state), leaves)
+    assert sorted(recomputes) == calls                          # every call's backward on the Triton kernel
     for a, r in zip(g_t, g_r):
         assert torch.isfinite(a).all() and rms_ratio(a.double(), r) <= TOL
 

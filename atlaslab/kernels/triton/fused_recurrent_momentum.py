@@ -28,9 +28,22 @@ Pieces:
   M, S, M_a (``[BV, D_k]`` each) and P in fp32 registers; it writes y_t per token and the final state once. Rows
   of the memory evolve independently (e_t's row i depends only on row i of M_a), so splitting D_v is exact.
   No ``tl.dot``: every step is rank-1 (outer products and row reductions).
-- :class:`FusedRecurrentMomentumFunction`: the kernel forward; the backward is autograd through
-  :func:`momentum_recurrent_reference` recomputed (≥ fp32) from the saved inputs (decoding needs no backward;
-  this keeps the op exact under autograd, with memory ∝ T × the state).
+- backward (:func:`fused_recurrent_momentum_backward`; the forward saves only its inputs): the forward kernel is
+  re-run storing every token's pre-step M_{t−1}, S_{t−1}, anchor M_a and P̃_t (P before α_t), then
+  ``_fused_momentum_bwd_kernel`` (value block × batch·head, reverse over t) carries dM, dS, dM_a (∂L/∂ the state
+  after token t, from the final states' gradients) and the block's share of dP:
+
+      read:   dM += dy qᵀ, dq = M_tᵀ dy   (read chunk: dM_a += dy qᵀ, dq = M_aᵀ dy)
+      dS += dM;   dθ = ⟨dS, S_{t−1}⟩;   de = −β dS k;   dβ = −eᵀ dS k;   dv = −de;   dk = −β dSᵀ e [+ c M_aᵀ de]
+      [ℓ2] dM_a += c de kᵀ;   [ℓ2, before_step] dP += de · (M_a k);   dα = ⟨dM, M_{t−1}⟩ + dP P̃
+      dM ← α dM,  dS ← θ dS,  dP ← α dP;   at a chunk start dM += dM_a, dM_a ← 0, dP ← 0
+
+  (c = P_t before_step, else 1); after the first token the carried dM, dS, dM_a, dP are the initial state's
+  gradients. The sums over D_v (dq, dk, dβ, dθ, dα, dP) are written per value block and added in torch. Memory:
+  three ``[B, T, H, D_v, D_k]`` fp32 buffers (decoding-sized calls; about what the torch fallback's autograd keeps).
+  ``BACKWARD = "torch"`` (``ATLASLAB_MOMENTUM_BACKWARD=torch``, shared with the chunk kernel) instead runs autograd
+  through :func:`momentum_recurrent_reference` recomputed (≥ fp32) from the saved inputs.
+- :class:`FusedRecurrentMomentumFunction`: the kernel forward with that backward.
 - :func:`memorize_fused_recurrent_momentum`: the ``MODES``-signature engine ``memorize(mode="triton")`` dispatches
   to (:func:`spec_reason`; ``select_kernel`` picks it for ``fused_recurrent``, and for ``auto`` on short calls,
   short calls that start mid-chunk, and specs the chunk kernel does not take); it updates the
@@ -38,12 +51,14 @@ Pieces:
 
 Status: tested only under ``TRITON_INTERPRET=1`` on CPU (``tests/test_triton_momentum_recurrent.py``: outputs, final
 states and every input gradient vs ``memorize(mode="recurrent")`` in float64, b = 1 and 4, both placements, ℓ2 and
-dot, read token and chunk; decoding one token per call equals one call); nothing has run on a GPU and nothing is
-tuned (one config, ``num_warps=4``; three ``[BV, BK]`` fp32 states per program, BV·BK ≤ 4096).
+dot, read token and chunk, RMS-error ratio ~2e-7 in fp32; the op with a cached state entering mid-chunk and two
+value blocks, both backwards; decoding one token per call equals one call); nothing has run on a GPU and nothing is
+tuned (one config, ``num_warps=4``; three ``[BV, BK]`` fp32 states per program, BV·BK ≤ 4096, the backward six).
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -119,12 +134,14 @@ def momentum_recurrent_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 if triton is not None:
 
     @triton.jit
-    def _fused_momentum_kernel(q, k, v, beta, theta, alpha, m0, s0, a0, p0, o, mt, st, at, pt, T, off, b,
-                               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+    def _fused_momentum_kernel(q, k, v, beta, theta, alpha, m0, s0, a0, p0, o, mt, st, at, pt, hm, hs, ha, hp,
+                               T, off, b, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                                BV: tl.constexpr, HAS_ALPHA: tl.constexpr, IS_L2: tl.constexpr,
-                               BEFORE: tl.constexpr, READ_TOKEN: tl.constexpr):
+                               BEFORE: tl.constexpr, READ_TOKEN: tl.constexpr, STORE_STATES: tl.constexpr):
         """One program per (value block, batch·head): carries its rows of M, S, M_a and P over the T tokens (the
-        module docstring's equations; ``off`` = position mod b of the first token)."""
+        module docstring's equations; ``off`` = position mod b of the first token). ``STORE_STATES`` (the backward's
+        recompute) also writes every token's pre-step M_{t−1}, S_{t−1} and anchor M_a ``[B, T, H, D_v, D_k]`` and
+        P before α_t, P̃_t ``[B, T, H]``."""
         i_v = tl.program_id(0)
         i_bh = tl.program_id(1)
         i_b = i_bh // H
@@ -144,6 +161,12 @@ if triton is not None:
             start = ((off + t) % b) == 0                    # a chunk starts: M_a ← M, P ← 1
             b_A = tl.where(start, b_M, b_A)
             b_P = tl.where(start, 1.0, b_P)
+            if STORE_STATES:
+                t_offs = row * V * K + o_v[:, None] * K + o_k[None, :]
+                tl.store(hm + t_offs, b_M, mask=m_h)
+                tl.store(hs + t_offs, b_S, mask=m_h)
+                tl.store(ha + t_offs, b_A, mask=m_h)
+                tl.store(hp + row, b_P, mask=i_v == 0)
             b_q = tl.load(q + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
             b_k = tl.load(k + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
             b_v = tl.load(v + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
@@ -172,11 +195,122 @@ if triton is not None:
         tl.store(at + state_offs, b_A, mask=m_h)
         tl.store(pt + i_bh, b_P, mask=i_v == 0)             # every value block has the same P: one writes it
 
+    @triton.jit
+    def _fused_momentum_bwd_kernel(q, k, v, beta, theta, alpha, hm, hs, ha, hp, do, dmt, dst, dat, dpt,
+                                   dq, dk, dv, dbeta, dtheta, dalpha, dm0, ds0, da0, dp0, T, off, b, B,
+                                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                                   BV: tl.constexpr, HAS_ALPHA: tl.constexpr, IS_L2: tl.constexpr,
+                                   BEFORE: tl.constexpr, READ_TOKEN: tl.constexpr, HAS_DMT: tl.constexpr,
+                                   HAS_DST: tl.constexpr, HAS_DAT: tl.constexpr):
+        """Reverse sweep, one program per (value block, batch·head): carries dM, dS, dM_a = ∂L/∂(state after token t)
+        and this block's share of dP back over the tokens, from the stored pre-step states (the module docstring's
+        backward). Reductions over D_v (dq, dk, dβ, dθ, dα, dP_0) are written per value block (leading ``[NV]``) and
+        summed in torch; dv and the initial states' gradients are per row."""
+        i_v = tl.program_id(0)
+        i_bh = tl.program_id(1)
+        i_b = i_bh // H
+        i_h = i_bh % H
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k = o_k < K
+        m_v = o_v < V
+        m_h = m_v[:, None] & m_k[None, :]
+        state_offs = i_bh.to(tl.int64) * V * K + o_v[:, None] * K + o_k[None, :]
+        part = i_v.to(tl.int64) * B * T * H                 # this value block's slice of the [NV, B, T, H, ...] sums
+        b_dM = tl.zeros([BV, BK], dtype=tl.float32)
+        b_dS = tl.zeros([BV, BK], dtype=tl.float32)
+        b_dA = tl.zeros([BV, BK], dtype=tl.float32)
+        b_dP = tl.load(dpt + i_bh, mask=i_v == 0, other=0.0).to(tl.float32)   # dP_T: counted by one value block
+        if HAS_DMT:
+            b_dM += tl.load(dmt + state_offs, mask=m_h, other=0.0).to(tl.float32)
+        if HAS_DST:
+            b_dS += tl.load(dst + state_offs, mask=m_h, other=0.0).to(tl.float32)
+        if HAS_DAT:
+            b_dA += tl.load(dat + state_offs, mask=m_h, other=0.0).to(tl.float32)
+        for i in range(0, T):
+            t = T - 1 - i
+            row = (i_b.to(tl.int64) * T + t) * H + i_h
+            t_offs = row * V * K + o_v[:, None] * K + o_k[None, :]
+            start = ((off + t) % b) == 0
+            b_Mp = tl.load(hm + t_offs, mask=m_h, other=0.0)    # M_{t−1}, S_{t−1}, M_a (fp32)
+            b_Sp = tl.load(hs + t_offs, mask=m_h, other=0.0)
+            b_A = tl.load(ha + t_offs, mask=m_h, other=0.0)
+            b_Pt = tl.load(hp + row)                            # P̃_t: P before α_t
+            b_q = tl.load(q + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_k = tl.load(k + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_v = tl.load(v + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+            b_do = tl.load(do + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+            b_beta = tl.load(beta + row).to(tl.float32)
+            b_th = tl.load(theta + row).to(tl.float32)
+            b_a = 1.0
+            if HAS_ALPHA:
+                b_a = tl.load(alpha + row).to(tl.float32)
+            b_c = 1.0
+            if BEFORE:
+                b_c = b_Pt * b_a                                # the gradient's point P_t M_a
+            b_u = tl.sum(b_A * b_k[None, :], axis=1)            # M_a k_t
+            if IS_L2:
+                b_e = b_c * b_u - b_v
+            else:
+                b_e = -b_v
+            # the read
+            if READ_TOKEN:
+                b_Mt = b_a * b_Mp + b_th * b_Sp - (b_beta * b_e)[:, None] * b_k[None, :]
+                b_dq = tl.sum(b_Mt * b_do[:, None], axis=0)
+                b_dM += b_do[:, None] * b_q[None, :]
+            else:
+                b_dq = tl.sum(b_A * b_do[:, None], axis=0)
+                b_dA += b_do[:, None] * b_q[None, :]
+            # M_t = α_t M_{t−1} + S_t;  S_t = θ_t S_{t−1} − β_t e_t k_tᵀ
+            b_dS += b_dM
+            b_dal = tl.sum(tl.sum(b_dM * b_Mp, axis=1), axis=0)
+            b_dth = tl.sum(tl.sum(b_dS * b_Sp, axis=1), axis=0)
+            b_dSk = tl.sum(b_dS * b_k[None, :], axis=1)         # dS_t k_t
+            b_de = -b_beta * b_dSk
+            b_dk = -b_beta * tl.sum(b_dS * b_e[:, None], axis=0)
+            b_dbeta = -tl.sum(b_e * b_dSk, axis=0)
+            if IS_L2:   # e_t = c_t M_a k_t − v_t
+                b_dA += (b_c * b_de)[:, None] * b_k[None, :]
+                b_dk += tl.sum(b_A * (b_c * b_de)[:, None], axis=0)
+                if BEFORE:
+                    b_dP += tl.sum(b_de * b_u, axis=0)
+            # P_t = P̃_t α_t
+            if HAS_ALPHA:
+                b_dal += b_dP * b_Pt
+            b_dP = b_dP * b_a
+            b_dM = b_a * b_dM
+            b_dS = b_th * b_dS
+            # a chunk start: M_a = M_{t−1} and P̃ = 1
+            b_dM = tl.where(start, b_dM + b_dA, b_dM)
+            b_dA = tl.where(start, 0.0, b_dA)
+            b_dP = tl.where(start, 0.0, b_dP)
+            tl.store(dv + row * V + o_v, -b_de, mask=m_v)
+            tl.store(dq + (part + row) * K + o_k, b_dq, mask=m_k)
+            tl.store(dk + (part + row) * K + o_k, b_dk, mask=m_k)
+            tl.store(dbeta + part + row, b_dbeta)
+            tl.store(dtheta + part + row, b_dth)
+            if HAS_ALPHA:
+                tl.store(dalpha + part + row, b_dal)
+        tl.store(dm0 + state_offs, b_dM, mask=m_h)
+        tl.store(ds0 + state_offs, b_dS, mask=m_h)
+        tl.store(da0 + state_offs, b_dA, mask=m_h)
+        tl.store(dp0 + i_v.to(tl.int64) * B * H + i_bh, b_dP)
+
+
+def _blocks(K: int, V: int) -> Tuple[int, int]:
+    """(BK, BV): all of D_k, and value rows so that one state block holds ≤ ``STATE_BLOCK`` fp32 elements."""
+    BK = _pow2(K, 16)
+    return BK, min(_pow2(V, 16), max(16, STATE_BLOCK // BK))
+
 
 def fused_recurrent_momentum_forward(q, k, v, beta, theta, alpha, m0, s0, a0, p0, *, position: int,
                                      chunk_size: int, bias: str = "l2", placement: str = "after_step",
-                                     read: str = "token"):
-    """The kernel alone (no autograd); arguments and results as :func:`fused_recurrent_momentum`."""
+                                     read: str = "token", store_states: bool = False):
+    """The kernel alone (no autograd); arguments and results as :func:`fused_recurrent_momentum`.
+
+    ``store_states`` (the backward's recompute) also returns every token's pre-step ``[M_{t−1}, S_{t−1}, M_a]``
+    (``[B, T, H, D_v, D_k]`` fp32 each) and P̃_t (``[B, T, H]``, P before α_t): ``(outputs, states)``.
+    """
     check_args(q, k, v, beta, theta, alpha, m0, s0, a0, p0, position, chunk_size, bias, placement, read)
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -186,18 +320,69 @@ def fused_recurrent_momentum_forward(q, k, v, beta, theta, alpha, m0, s0, a0, p0
     o = torch.empty_like(v)
     mt, st, at = (torch.empty(B, H, V, K, **f32) for _ in range(3))
     pt = torch.empty(B, H, **f32)
-    BK = _pow2(K, 16)
-    BV = min(_pow2(V, 16), max(16, STATE_BLOCK // BK))
+    BK, BV = _blocks(K, V)
     b = int(chunk_size)
+    hist = [torch.empty(B, T, H, V, K, **f32) for _ in range(3)] + [torch.empty(B, T, H, **f32)] if store_states \
+        else [pt] * 4   # never written without STORE_STATES
     _fused_momentum_kernel[(triton.cdiv(V, BV), B * H)](
-        q, k, v, beta, theta, alpha if alpha is not None else beta, m0, s0, a0, p0, o, mt, st, at, pt, T,
+        q, k, v, beta, theta, alpha if alpha is not None else beta, m0, s0, a0, p0, o, mt, st, at, pt, *hist, T,
         int(position) % b, b, H=H, K=K, V=V, BK=BK, BV=BV, HAS_ALPHA=alpha is not None, IS_L2=bias == "l2",
-        BEFORE=placement == "before_step" and alpha is not None, READ_TOKEN=read == "token", num_warps=4)
-    return o, mt.to(m0.dtype), st.to(s0.dtype), at.to(a0.dtype), pt.to(p0.dtype)
+        BEFORE=placement == "before_step" and alpha is not None, READ_TOKEN=read == "token",
+        STORE_STATES=store_states, num_warps=4)
+    out = (o, mt.to(m0.dtype), st.to(s0.dtype), at.to(a0.dtype), pt.to(p0.dtype))
+    return (out, hist) if store_states else out
+
+
+def fused_recurrent_momentum_backward(q, k, v, beta, theta, alpha, m0, s0, a0, p0, do, dmt, dst, dat, dpt, *,
+                                      position: int, chunk_size: int, bias: str = "l2",
+                                      placement: str = "after_step", read: str = "token"):
+    """Gradients of :func:`fused_recurrent_momentum_forward` → ``(dq, dk, dv, dβ, dθ, dα, dM_0, dS_0, dM_a0, dP_0)``
+    (dα None without α; ``dmt, dst, dat, dpt`` may be None).
+
+    The forward kernel is re-run storing every token's pre-step states; ``_fused_momentum_bwd_kernel`` then sweeps
+    the tokens in reverse (memory: three ``[B, T, H, D_v, D_k]`` fp32 buffers, as many states as the torch
+    autograd fallback keeps).
+    """
+    _, (hm, hs, ha, hp) = fused_recurrent_momentum_forward(
+        q, k, v, beta, theta, alpha, m0, s0, a0, p0, position=position, chunk_size=chunk_size, bias=bias,
+        placement=placement, read=read, store_states=True)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    BK, BV = _blocks(K, V)
+    NV = triton.cdiv(V, BV)
+    b = int(chunk_size)
+    q, k, v, beta, theta, do = (x.contiguous() for x in (q, k, v, beta, theta, do))
+    alpha = alpha.contiguous() if alpha is not None else None
+    f32 = dict(dtype=torch.float32, device=q.device)
+    dq, dk = (torch.empty(NV, B, T, H, K, **f32) for _ in range(2))
+    dv = torch.empty(B, T, H, V, **f32)
+    dbeta, dtheta = (torch.empty(NV, B, T, H, **f32) for _ in range(2))
+    dalpha = torch.empty(NV, B, T, H, **f32) if alpha is not None else None
+    dm0, ds0, da0 = (torch.empty(B, H, V, K, **f32) for _ in range(3))
+    dp0 = torch.empty(NV, B, H, **f32)
+    dpt = dpt.contiguous() if dpt is not None else torch.zeros(B, H, **f32)
+    dummy = dpt
+    _fused_momentum_bwd_kernel[(NV, B * H)](
+        q, k, v, beta, theta, alpha if alpha is not None else beta, hm, hs, ha, hp, do,
+        *(x.contiguous() if x is not None else dummy for x in (dmt, dst, dat)), dpt, dq, dk, dv, dbeta, dtheta,
+        dalpha if dalpha is not None else dummy, dm0, ds0, da0, dp0, T, int(position) % b, b, B, H=H, K=K, V=V,
+        BK=BK, BV=BV, HAS_ALPHA=alpha is not None, IS_L2=bias == "l2",
+        BEFORE=placement == "before_step" and alpha is not None, READ_TOKEN=read == "token",
+        HAS_DMT=dmt is not None, HAS_DST=dst is not None, HAS_DAT=dat is not None, num_warps=4)
+    return (dq.sum(0).to(q.dtype), dk.sum(0).to(k.dtype), dv.to(v.dtype), dbeta.sum(0).to(beta.dtype),
+            dtheta.sum(0).to(theta.dtype), dalpha.sum(0).to(alpha.dtype) if alpha is not None else None,
+            dm0.to(m0.dtype), ds0.to(s0.dtype), da0.to(a0.dtype), dp0.sum(0).to(p0.dtype))
+
+
+#: Which backward :class:`FusedRecurrentMomentumFunction` uses: ``"triton"`` (the reverse-sweep kernel) or
+#: ``"torch"`` (autograd through :func:`momentum_recurrent_reference`, recomputed); ``ATLASLAB_MOMENTUM_BACKWARD``
+#: (shared with the momentum chunk kernel) sets the default.
+BACKWARD = os.environ.get("ATLASLAB_MOMENTUM_BACKWARD", "triton").strip().lower()
 
 
 class FusedRecurrentMomentumFunction(torch.autograd.Function):
-    """Kernel forward; backward by autograd through :func:`momentum_recurrent_reference` recomputed (≥ fp32)."""
+    """Kernel forward; backward on the reverse-sweep kernel (:func:`fused_recurrent_momentum_backward`), or, with
+    ``BACKWARD == "torch"``, autograd through :func:`momentum_recurrent_reference` recomputed (≥ fp32)."""
 
     @staticmethod
     def forward(ctx, q, k, v, beta, theta, alpha, m0, s0, a0, p0, position, chunk_size, bias, placement, read):
@@ -211,7 +396,10 @@ class FusedRecurrentMomentumFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         need = ctx.needs_input_grad[:10]
         grads = [None] * 10
-        if any(need):
+        if any(need) and BACKWARD != "torch":
+            got = fused_recurrent_momentum_backward(*saved, do, dmt, dst, dat, dpt, **ctx.opts)
+            grads = [g if n else None for g, n in zip(got, need)]
+        elif any(need):
             with torch.enable_grad():
                 inputs = [_upcast(x).detach().requires_grad_(n) if x is not None else None
                           for x, n in zip(saved, need)]
