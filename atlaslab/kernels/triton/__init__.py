@@ -14,7 +14,7 @@ Kernels (each beside its plain-torch reference in :mod:`.reference` / :mod:`atla
   gradients by autograd through the torch stage-1 coefficients, no memory-sized tensor);
 - :func:`.fused_recurrent_momentum.fused_recurrent_momentum`: token-by-token linear memory + momentum GD at any
   semantic chunk b ≥ 1 (decoding with a cached state: M, S, the chunk-start anchor and Π α carried across calls);
-  backward by autograd through its torch token loop, recomputed;
+  Triton forward and reverse-sweep backward (autograd through its torch token loop as the fallback);
 - :func:`.mlp_chunk.mlp_chunk_step`: one chunk's step of the 2-layer residual MLP memory with the ℓ2 bias (the
   gradient factors δ1, δ2, a at the chunk-start anchor and the chunk-end weights and momenta, GD or momentum);
   :func:`select_mlp_step` returns its ``chunked._dual_step``-compatible form (:func:`.mlp_chunk.mlp_dual_step`).
@@ -64,6 +64,13 @@ The momentum chunk kernel's backward runs on Triton backward kernels (reverse dM
 with torch only for the gates' coefficient gradients; ``ATLASLAB_MOMENTUM_BACKWARD=torch`` falls back to autograd
 through its torch reference (``tests/test_triton_momentum.py``: outputs, final memory and momentum and every input
 gradient against the float64 token loop at b = 4, 8, RMS-error ratio ~1e-7 in fp32 under the interpreter).
+The token-by-token momentum kernel's backward is one Triton reverse sweep over the tokens (from the pre-step states
+a re-run of the forward kernel stores; the sums over D_v per value block, added in torch); the same
+``ATLASLAB_MOMENTUM_BACKWARD=torch`` falls back to autograd through its torch token loop
+(``tests/test_triton_momentum_recurrent.py``: outputs, final memory, momentum, anchor and Π α and every input
+gradient against ``memorize(mode="recurrent")`` in float64 at b = 1, 4, both placements, ℓ2 and dot, read token
+and chunk; decoding one token per call from the cached state equals one call; RMS-error ratio ~2e-7 in fp32 under
+the interpreter).
 
 Omega windows c > 1 (ATLAS Eq.9 with γ gates, b = 1; ``chunk_window_rule`` / ``fused_recurrent_window_rule``,
 references ``reference.window_rule_recurrent`` / ``window_rule_chunk``): the engine gathers every token's c window
