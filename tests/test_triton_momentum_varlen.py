@@ -142,10 +142,12 @@ def test_packed_equals_each_sequence_through_the_float64_reference(b, lens, bias
     assert dict(launches) == LAUNCHES, launches     # one launch per stage for all sequences
 
 
-@pytest.mark.parametrize("read", ["token", "chunk"])
-def test_packed_before_step_equals_each_sequence_through_the_token_loop(read, launches):
-    lens = [1, 3, 7, 4, 9]
-    opts = dict(chunk_size=4, bias="l2", read=read, placement="before_step")
+@pytest.mark.parametrize("b, lens, read", [(4, [1, 3, 7, 4, 9], "token"), (4, [1, 3, 7, 4, 9], "chunk"),
+                                           (8, [1, 7, 11, 8], "token")])
+def test_packed_before_step_equals_each_sequence_through_the_token_loop(b, lens, read, launches):
+    """Against ``memorize(mode="recurrent")`` per sequence, from nonzero initial memories AND momenta (so their
+    gradients, and those of η = β, θ, α, are checked against the token loop itself)."""
+    opts = dict(chunk_size=b, bias="l2", read=read, placement="before_step")
     ratios = _packed_vs_separate(_inputs(lens, H=1, seed=11), _cu(lens), opts, separately=_recurrent_per_sequence)
     _assert_ratios(ratios)
     assert dict(launches) == LAUNCHES, launches

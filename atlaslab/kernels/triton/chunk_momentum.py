@@ -815,7 +815,9 @@ def chunk_momentum(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
 # ------------------------------------------------------------------------------------------ dispatch + engine
 
 def spec_reason(parts, chunk_size: int) -> Optional[str]:
-    """None when the momentum chunk kernel computes ``parts`` at semantic chunk ``chunk_size`` exactly, else why not."""
+    """None when the momentum chunk kernel computes ``parts`` at semantic chunk ``chunk_size`` exactly, else why not.
+
+    Either retention placement is taken (§15.4; before_step with the ℓ2 bias takes the gradients at P_s M_a)."""
     s, ret = parts.spec, parts.retention
     bias = s.attentional_bias.name
     checks = [
@@ -825,7 +827,6 @@ def spec_reason(parts, chunk_size: int) -> Optional[str]:
         (s.inner_optimizer.name == "momentum", f"inner optimizer '{s.inner_optimizer.name}' (momentum)"),
         (s.retention.name in ("none", "decay"), f"retention '{s.retention.name}' (none, decay)"),
         (not getattr(ret, "channel_wise", False), "channel-wise decay (momentum kernel: per-head scalar)"),
-        (getattr(ret, "placement", "after_step") in PLACEMENTS, f"retention placement '{ret.placement}'"),
         (parts.window.size == 1, f"window size {parts.window.size} (c = 1)"),
         (2 <= chunk_size <= MAX_CHUNK, f"chunk_size b = {chunk_size} (momentum kernel: 2 ≤ b ≤ {MAX_CHUNK})"),
         (parts.read in READS, f"read '{parts.read}'"),
