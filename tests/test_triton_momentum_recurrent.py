@@ -117,8 +117,8 @@ def test_memorize_triton_matches_recurrent(name, monkeypatch):
 
 OP_SHAPES = [   # (B, T, H, D_k, D_v, b, position, bias, placement, read, decay)
     (1, 7, 2, 8, 12, 4, 6, "l2", "before_step", "token", True),    # enters mid-chunk, D_k ≠ D_v
-    (1, 5, 1, 128, 48, 3, 1, "l2", "after_step", "chunk", True),   # two value blocks (the second ragged)
-    (1, 6, 1, 64, 80, 4, 3, "l2", "before_step", "token", True),   # two value blocks, each with a share of dP
+    (1, 5, 1, 128, 40, 3, 1, "l2", "after_step", "chunk", True),   # three value blocks (the last one ragged)
+    (1, 6, 1, 64, 80, 4, 3, "l2", "before_step", "token", True),   # 3 | 5 value blocks, each with a share of dP
     (2, 4, 1, 8, 8, 2, 1, "l2", "after_step", "token", False),     # no retention: Π α passes through
     (2, 3, 1, 8, 8, 4, 2, "dot", "before_step", "token", True),    # the call stays inside one chunk
 ]

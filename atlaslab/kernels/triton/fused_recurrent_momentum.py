@@ -51,9 +51,11 @@ Pieces:
 
 Status: tested only under ``TRITON_INTERPRET=1`` on CPU (``tests/test_triton_momentum_recurrent.py``: outputs, final
 states and every input gradient vs ``memorize(mode="recurrent")`` in float64, b = 1 and 4, both placements, ℓ2 and
-dot, read token and chunk, RMS-error ratio ~2e-7 in fp32; the op with a cached state entering mid-chunk and two
+dot, read token and chunk, RMS-error ratio ~2e-7 in fp32; the op with a cached state entering mid-chunk and several
 value blocks, both backwards; decoding one token per call equals one call); nothing has run on a GPU and nothing is
-tuned (one config, ``num_warps=4``; three ``[BV, BK]`` fp32 states per program, BV·BK ≤ 4096, the backward six).
+tuned (one config: ``num_warps=4``, 8 in the backward at D_k ≥ 128; three ``[BV, BK]`` fp32 states per program with
+BV·BK ≤ 2048, seven in the backward with BV·BK ≤ 1024 above the 16-row floor). Compiled for sm_90 without a GPU
+(``bench/compile_sm90.py``).
 """
 from __future__ import annotations
 
@@ -74,8 +76,11 @@ except ImportError:  # pragma: no cover
     triton = None
 
 PLACEMENTS = ("before_step", "after_step")
-#: fp32 elements of each of the three state blocks (M, S, M_a) one program holds
-STATE_BLOCK = 4096
+#: fp32 elements of each state block one program holds: three in the forward (M, S, M_a), seven in the backward
+#: (dM, dS, dM_a, M_{t−1}, S_{t−1}, M_a, M_t); sized so that neither spills registers on sm_90 at D_k = 128
+#: (``bench/compile_sm90.py``)
+STATE_BLOCK = 2048
+STATE_BLOCK_BWD = 1024
 
 
 def check_args(q, k, v, beta, theta, alpha, m0, s0, a0, p0, position, chunk_size, bias, placement, read) -> None:
@@ -297,10 +302,10 @@ if triton is not None:
         tl.store(dp0 + i_v.to(tl.int64) * B * H + i_bh, b_dP)
 
 
-def _blocks(K: int, V: int) -> Tuple[int, int]:
-    """(BK, BV): all of D_k, and value rows so that one state block holds ≤ ``STATE_BLOCK`` fp32 elements."""
+def _blocks(K: int, V: int, elements: int = STATE_BLOCK) -> Tuple[int, int]:
+    """(BK, BV): all of D_k, and value rows so that one state block holds ≤ ``elements`` fp32 (≥ 16 rows)."""
     BK = _pow2(K, 16)
-    return BK, min(_pow2(V, 16), max(16, STATE_BLOCK // BK))
+    return BK, min(_pow2(V, 16), max(16, elements // BK))
 
 
 def fused_recurrent_momentum_forward(q, k, v, beta, theta, alpha, m0, s0, a0, p0, *, position: int,
@@ -348,7 +353,7 @@ def fused_recurrent_momentum_backward(q, k, v, beta, theta, alpha, m0, s0, a0, p
         placement=placement, read=read, store_states=True)
     B, T, H, K = q.shape
     V = v.shape[-1]
-    BK, BV = _blocks(K, V)
+    BK, BV = _blocks(K, V, STATE_BLOCK_BWD)
     NV = triton.cdiv(V, BV)
     b = int(chunk_size)
     q, k, v, beta, theta, do = (x.contiguous() for x in (q, k, v, beta, theta, do))
@@ -368,7 +373,8 @@ def fused_recurrent_momentum_backward(q, k, v, beta, theta, alpha, m0, s0, a0, p
         dalpha if dalpha is not None else dummy, dm0, ds0, da0, dp0, T, int(position) % b, b, B, H=H, K=K, V=V,
         BK=BK, BV=BV, HAS_ALPHA=alpha is not None, IS_L2=bias == "l2",
         BEFORE=placement == "before_step" and alpha is not None, READ_TOKEN=read == "token",
-        HAS_DMT=dmt is not None, HAS_DST=dst is not None, HAS_DAT=dat is not None, num_warps=4)
+        HAS_DMT=dmt is not None, HAS_DST=dst is not None, HAS_DAT=dat is not None,
+        num_warps=4 if BK * BV <= STATE_BLOCK_BWD else 8)   # D_k ≥ 128 (the 16-row floor): twice the threads
     return (dq.sum(0).to(q.dtype), dk.sum(0).to(k.dtype), dv.to(v.dtype), dbeta.sum(0).to(beta.dtype),
             dtheta.sum(0).to(theta.dtype), dalpha.sum(0).to(alpha.dtype) if alpha is not None else None,
             dm0.to(m0.dtype), ds0.to(s0.dtype), da0.to(a0.dtype), dp0.sum(0).to(p0.dtype))
