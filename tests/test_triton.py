@@ -246,7 +246,8 @@ def test_force_torch_and_unsupported_specs_fall_back_to_chunked(monkeypatch):
     monkeypatch.delenv(tk.FORCE_TORCH_ENV)
     q = torch.zeros(1, 4, H, D, device=DEVICE)
     for spec, b in (({"memory": "mlp"}, 1), ({"memory": "linear", "window": "global"}, 1),
-                    ({"memory": "linear", "inner_optimizer": "momentum"}, 1), ({"memory": "linear"}, 4)):
+                    ({"memory": "linear", "inner_optimizer": "momentum", "window": {"size": 2}}, 1),
+                    ({"memory": "linear"}, 4)):
         assert tk.select_kernel(_parts(spec), q, b) is None and tk.spec_reason(_parts(spec), b)
     assert tk.select_kernel(parts, q.double(), 1) is None               # fp64 stays on torch
     unsupported = _parts({"memory": "linear", "window": "global"})
