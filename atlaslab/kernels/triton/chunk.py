@@ -60,7 +60,8 @@ Performance notes (unmeasured: no GPU was available when this was written): the 
 substitution costs BT iterations of O(BT²) work; fla's 16×16 diagonal solves merged by tl.dot are faster
 for BT = 64. The backward grad kernel holds five ``[BT, BK]`` fp32 accumulators and two ``[BT, BT]`` ones per
 program (fla splits dq/dk and dv/dw kernels to lower register pressure; for D_k = 256 that split, or BT = 32,
-will be needed). fp32 dots use IEEE precision by default (``allow_tf32=True`` trades ~1e-3 accuracy for speed).
+will be needed). fp32 dots use TF32 for fp16 / bf16 inputs and IEEE for fp32 ones unless torch's float32 matmul precision allows TF32
+(:func:`.precision.dot_precision`; ``allow_tf32`` forces either).
 """
 from __future__ import annotations
 
@@ -69,6 +70,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from .precision import dot_precision
 from .reference import _upcast, check_args, delta_rule_chunk, log_decay
 
 try:
@@ -838,7 +840,7 @@ def _forward_stages(k, v, beta, la, h0, *, bias, placement, chunk_size, prec, st
 
 
 def chunk_forward(q, k, v, beta, alpha=None, initial_state=None, *, bias="l2", placement="before_step",
-                  read="token", cu_seqlens=None, chunk_size: int = 64, allow_tf32: bool = False):
+                  read="token", cu_seqlens=None, chunk_size: int = 64, allow_tf32: Optional[bool] = None):
     """The three forward kernels, no autograd; arguments as :func:`chunk_delta_rule`. One launch per stage, with
     or without ``cu_seqlens``."""
     check_args(q, k, v, beta, alpha, initial_state, bias, placement, read, cu_seqlens)
@@ -848,7 +850,7 @@ def chunk_forward(q, k, v, beta, alpha=None, initial_state=None, *, bias="l2", p
     q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
     la = log_decay(alpha.float(), q).contiguous() if alpha is not None else None
     h0 = initial_state.contiguous() if initial_state is not None else None
-    prec = "tf32" if allow_tf32 else "ieee"
+    prec = dot_precision(q.dtype, allow_tf32)
     st = _forward_stages(k, v, beta, la, h0, bias=bias, placement=placement, chunk_size=chunk_size, prec=prec,
                          cu_seqlens=cu_seqlens)
     lay = st["layout"]
@@ -864,7 +866,7 @@ def chunk_forward(q, k, v, beta, alpha=None, initial_state=None, *, bias="l2", p
 
 
 def chunk_backward(q, k, v, beta, alpha, initial_state, do, dht, *, bias="l2", placement="before_step",
-                   read="token", cu_seqlens=None, chunk_size: int = 64, allow_tf32: bool = False):
+                   read="token", cu_seqlens=None, chunk_size: int = 64, allow_tf32: Optional[bool] = None):
     """Gradients of :func:`chunk_forward` on the backward kernels (the Triton twin of
     :func:`.reference.delta_rule_chunk_backward`).
 
@@ -888,7 +890,7 @@ def chunk_backward(q, k, v, beta, alpha, initial_state, do, dht, *, bias="l2", p
     la = log_decay(alpha.float(), q).contiguous() if alpha is not None else None
     h0 = initial_state.contiguous() if initial_state is not None else None
     dht = dht.contiguous() if dht is not None else None
-    prec = "tf32" if allow_tf32 else "ieee"
+    prec = dot_precision(q.dtype, allow_tf32)
     is_l2 = bias == "l2"
     st = _forward_stages(k, v, beta, la, h0, bias=bias, placement=placement, chunk_size=chunk_size, prec=prec,
                          store_ainv=True, cu_seqlens=cu_seqlens)
@@ -975,7 +977,7 @@ def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: to
                      alpha: Optional[torch.Tensor] = None, initial_state: Optional[torch.Tensor] = None, *,
                      bias: str = "l2", placement: str = "before_step", read: str = "token",
                      cu_seqlens: Optional[torch.LongTensor] = None, chunk_size: int = 64,
-                     allow_tf32: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+                     allow_tf32: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Linear-memory delta / Hebbian rule, chunk-parallel on Triton (exact; same results as the token loop).
 
     Args:
@@ -988,10 +990,11 @@ def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: to
         cu_seqlens: ``[N + 1]`` offsets of packed sequences (B = 1), or None. Run natively: one launch per
             kernel over the chunks of all sequences (:func:`prepare_chunk_indices`), states restart at each boundary.
         chunk_size: the kernel's compute block BT (a power of two ≥ 16; it does not change the result).
-        allow_tf32: let fp32 dots use TF32.
+        allow_tf32: True / False: fp32 dots in TF32 / IEEE; None: :func:`.precision.dot_precision` chooses (TF32
+            for fp16 / bf16 inputs, else torch's float32 matmul precision).
 
     Returns:
         ``o: [B, T, H, D_v]`` and the final state ``[N, H, D_v, D_k]``.
     """
     return ChunkFunction.apply(q, k, v, beta, alpha, initial_state, bias, placement, read, cu_seqlens,
-                               int(chunk_size), bool(allow_tf32))
+                               int(chunk_size), allow_tf32)

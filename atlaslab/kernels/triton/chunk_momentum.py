@@ -52,7 +52,7 @@ Pieces:
      chunk) and steps M ← P_L M + Q_L S + (a_end ⊙ e)ᵀ k,  S ← Θ_L S + (s_end ⊙ e)ᵀ k;
   3. ``_mom_out_kernel`` (value block × chunk × head, parallel):
      y = P ⊙ (q M_aᵀ) + Q ⊙ (q S_aᵀ) + (A ⊙ q kᵀ) e, or q M_aᵀ for read chunk.
-  Intermediates are fp32; fp32 dots use IEEE precision unless ``allow_tf32``.
+  Intermediates are fp32; their dots take :func:`.precision.dot_precision` (TF32 for half-precision inputs).
 - backward (:func:`chunk_momentum_backward`; nothing but the inputs is saved by the forward):
   1. stages 1–2 are re-run (coefficients, A, e and the chunk-start states M_a, S_a);
   2. ``_mom_bwd_state_kernel`` (value block × sequence·head, reverse over its chunks) carries dM, dS = ∂L/∂(chunk-end
@@ -91,6 +91,7 @@ from typing import Optional, Tuple
 import torch
 
 from .chunk import _Layout, prepare_chunk_indices
+from .precision import dot_precision
 
 try:
     import triton
@@ -597,14 +598,14 @@ def _prepare(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read, placem
 
 def chunk_momentum_forward(q, k, v, beta, theta, alpha, m0, s0, *, chunk_size: int, bias: str = "l2",
                            read: str = "token", placement: str = "after_step", cu_seqlens=None,
-                           allow_tf32: bool = False):
+                           allow_tf32: Optional[bool] = None):
     """The three forward kernels, no autograd; arguments and results as :func:`chunk_momentum`. One launch per
     stage, with or without ``cu_seqlens``."""
     q, k, v, beta, theta, alpha, m0, s0 = _prepare(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read,
                                                    placement, cu_seqlens)
     T = q.shape[1]
     b = int(chunk_size)
-    prec = "tf32" if allow_tf32 else "ieee"
+    prec = dot_precision(q.dtype, allow_tf32)
     st = _forward_stages(q, k, v, beta, theta, alpha, m0, s0, b=b, bias=bias, read=read, prec=prec,
                          placement=placement, cu_seqlens=cu_seqlens)
     sz, lay = st["sizes"], st["layout"]
@@ -674,7 +675,7 @@ def chunk_coefficients(beta: torch.Tensor, theta: torch.Tensor, alpha: Optional[
 
 def chunk_momentum_backward(q, k, v, beta, theta, alpha, m0, s0, do, dmt, dst, dma, *, chunk_size: int,
                             bias: str = "l2", read: str = "token", placement: str = "after_step", cu_seqlens=None,
-                            allow_tf32: bool = False):
+                            allow_tf32: Optional[bool] = None):
     """Gradients of :func:`chunk_momentum_forward` → ``(dq, dk, dv, dβ, dθ, dα, dM_0, dS_0)`` (dα None without α;
     dM_0, dS_0 ``[N, H, D_v, D_k]``).
 
@@ -688,7 +689,7 @@ def chunk_momentum_backward(q, k, v, beta, theta, alpha, m0, s0, do, dmt, dst, d
     B, T, H, K = q.shape
     V = v.shape[-1]
     b = int(chunk_size)
-    prec = "tf32" if allow_tf32 else "ieee"
+    prec = dot_precision(q.dtype, allow_tf32)
     token = read == "token"
     do = do.contiguous()
     st = _forward_stages(q, k, v, beta, theta, alpha, m0, s0, b=b, bias=bias, read=read, prec=prec,
@@ -785,7 +786,7 @@ def _torch_backward(saved, need, grads_out, opts):
 def chunk_momentum(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, theta: torch.Tensor,
                    alpha: Optional[torch.Tensor], initial_state: torch.Tensor, initial_momentum: torch.Tensor, *,
                    chunk_size: int, bias: str = "l2", read: str = "token", placement: str = "after_step",
-                   cu_seqlens: Optional[torch.Tensor] = None, allow_tf32: bool = False
+                   cu_seqlens: Optional[torch.Tensor] = None, allow_tf32: Optional[bool] = None
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Linear memory + momentum GD at semantic chunk size b (module docstring), Triton forward and backward.
 
@@ -802,14 +803,14 @@ def chunk_momentum(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
         cu_seqlens: ``[N + 1]`` offsets of N sequences packed as B = 1, or None. Run natively (one launch per
             stage over all chunks of all sequences); each sequence is its own call (states and semantic chunks
             restart at its first token; an empty sequence returns its initial states).
-        allow_tf32: let fp32 dots use TF32.
+        allow_tf32: True / False: fp32 dots in TF32 / IEEE; None: :func:`.precision.dot_precision` chooses.
 
     Returns:
         ``o: [B, T, H, D_v]``, the final memory M_T and momentum S_T, and the memory at the start of the last chunk
         (the ``MemoryState`` anchor), each ``[N, H, D_v, D_k]``.
     """
     return ChunkMomentumFunction.apply(q, k, v, beta, theta, alpha, initial_state, initial_momentum,
-                                       int(chunk_size), bias, read, placement, cu_seqlens, bool(allow_tf32))
+                                       int(chunk_size), bias, read, placement, cu_seqlens, allow_tf32)
 
 
 # ------------------------------------------------------------------------------------------ dispatch + engine

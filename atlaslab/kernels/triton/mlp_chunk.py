@@ -29,8 +29,8 @@ Pieces:
 
 - :func:`mlp_chunk_reference`: exactly these equations in plain torch (differentiable: autograd through it gives the
   same first-order gradients as ``chunked.gradient_factors`` with ``create_graph`` plus ``_dual_step``'s sums);
-- Triton, two kernels (fp32 intermediates; fp64 in, fp64 out, for tests; fp32 dots in IEEE precision unless
-  ``allow_tf32``); ``RESIDUAL`` and ``DOT`` are constexpr switches:
+- Triton, two kernels (fp32 intermediates; fp64 in, fp64 out, for tests; fp32 dots as
+  :func:`.precision.dot_precision` chooses: TF32 for fp16 / bf16 inputs); ``RESIDUAL`` and ``DOT`` are constexpr switches:
   1. ``_mlp_err_kernel`` (ℓ2 only; one program per batch·head): z, a = σ(z) block by block over the hidden units
      (a is stored), pred = [x +] Σ_blocks a W2[:, blk]ᵀ, e = pred − v stored. The full hidden reduction in pred is
      the one synchronisation point of the step, hence the split into two kernels. Under the dot bias e = −v needs
@@ -69,6 +69,8 @@ from typing import Optional, Tuple
 
 import torch
 from torch.autograd.function import once_differentiable
+
+from .precision import dot_precision
 
 try:
     import triton
@@ -313,7 +315,7 @@ if triton is not None:
 
 
 def mlp_chunk_forward(x, v, W1, W2, S1, S2, P_e, Q_e, A_e, Th_e, S_e, *, activation: str = "gelu",
-                      residual: bool = True, bias: str = "l2", allow_tf32: bool = False,
+                      residual: bool = True, bias: str = "l2", allow_tf32: Optional[bool] = None,
                       block_hidden: Optional[int] = None) -> Outputs:
     """The kernels, no autograd; arguments and results as :func:`mlp_chunk_step`."""
     if triton is None:  # pragma: no cover
@@ -342,7 +344,7 @@ def mlp_chunk_forward(x, v, W1, W2, S1, S2, P_e, Q_e, A_e, Th_e, S_e, *, activat
             else min(MAX_BLOCK_HIDDEN, _pow2(HID), max(16, MAX_TILE // max(BDI, BDO))))
     if BHID < 16 or BHID & (BHID - 1):
         raise ValueError(f"block_hidden must be a power of two ≥ 16, got {block_hidden}")
-    prec = "tf32" if (allow_tf32 and ct == torch.float32) else "ieee"
+    prec = dot_precision(x.dtype, allow_tf32)
     act = ACTIVATIONS[activation]
     if not dot:
         _mlp_err_kernel[(B * H,)](x, v, W1, W2, a, e, W, DI, DO, HID, BW=BW, BDI=BDI, BDO=BDO, BHID=BHID, ACT=act,
@@ -395,7 +397,7 @@ def mlp_chunk_step(x: torch.Tensor, v: torch.Tensor, W1: torch.Tensor, W2: torch
                    S1: Optional[torch.Tensor], S2: Optional[torch.Tensor], P_e: torch.Tensor,
                    Q_e: Optional[torch.Tensor], A_e: torch.Tensor, Th_e: Optional[torch.Tensor],
                    S_e: Optional[torch.Tensor], *, activation: str = "gelu", residual: bool = True,
-                   bias: str = "l2", allow_tf32: bool = False, block_hidden: Optional[int] = None) -> Outputs:
+                   bias: str = "l2", allow_tf32: Optional[bool] = None, block_hidden: Optional[int] = None) -> Outputs:
     """One chunk's gradient factors at the anchor and chunk-end weights / momenta of the 2-layer MLP memory with the
     ℓ2 or dot bias, for all (batch, head) at once (Triton forward, torch-recompute backward).
 
@@ -409,7 +411,8 @@ def mlp_chunk_step(x: torch.Tensor, v: torch.Tensor, W1: torch.Tensor, W2: torch
         activation: ``gelu`` (exact), ``silu`` or ``relu``.
         residual: M(x) = x + W2 σ(W1 x) (needs D_in = D_out) or, False, M(x) = W2 σ(W1 x).
         bias: ``l2`` (e = M(x) − v) or ``dot`` (e = −v; spec §15.10).
-        allow_tf32: let fp32 dots use TF32 on the GPU (~1e-3 relative error); IEEE by default.
+        allow_tf32: True / False: fp32 dots in TF32 / IEEE; None: :func:`.precision.dot_precision` chooses
+            (TF32 for fp16 / bf16 inputs, else torch's float32 matmul precision; fp64 always IEEE).
         block_hidden: hidden units per program of the update kernel (power of two ≥ 16; default
             min(64, next power of two of hidden, max(16, 8192 / max(D-blocks)))).
 

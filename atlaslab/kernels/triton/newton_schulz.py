@@ -25,13 +25,13 @@ which is the reference's ``mT``). The normalisation X_0 = S / (n + ε), n = ‖S
     dX_0 = dS / (n + ε) − S ⟨S, dS⟩ / (n (n + ε)²)   ⇒   dS̄ = Ḡ_0 / (n + ε) − X_0 ⟨X_0, Ḡ_0⟩ / n
 
 (the second term dropped when n = 0, as torch's norm backward does). Padding stays zero through every
-product (the padded rows / columns of X, Ḡ, A, B, P are zero). The backward multiplies in fp32 (IEEE, or TF32
-with ``allow_tf32``) whatever the input dtype, as the torch fallback (autograd of the reference on ``S.float()``)
+product (the padded rows / columns of X, Ḡ, A, B, P are zero). The backward multiplies fp32 operands whatever the
+input dtype (TF32 or IEEE as :func:`.precision.dot_precision` chooses: TF32 for fp16 / bf16 inputs), as the torch fallback (autograd of the reference on ``S.float()``)
 does. ``BACKWARD = "torch"`` (or ``ATLASLAB_NS_BACKWARD=torch`` at import) switches the backward to that
 fallback: the reference recomputed under ``enable_grad`` and differentiated with ``torch.autograd.grad``.
 
 Limits: padded R × C ≤ 128 × 128 (``supports``); larger matrices stay on the torch path. fp32 inputs use
-IEEE-fp32 dots (``allow_tf32=False``; pass True on Ampere+ for speed at ~1e-3 relative error); fp16/bf16
+IEEE-fp32 dots unless torch's float32 matmul precision (or ``allow_tf32=True``) allows TF32; fp16/bf16
 inputs are multiplied in their own precision with fp32 accumulation in the forward, as Muon usually runs.
 Status: forward and backward tested under ``TRITON_INTERPRET=1`` only (``tests/test_triton.py``,
 ``tests/test_triton_ns.py``); never run on a GPU, so the backward's register pressure at 128 × 128 (it holds
@@ -41,11 +41,13 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Optional
 
 import torch
 
 from ..newton_schulz import MUON_COEFFICIENTS
 from ..newton_schulz import newton_schulz as newton_schulz_torch
+from .precision import dot_precision
 
 try:
     import triton
@@ -169,19 +171,19 @@ def _launch_forward(s, steps, eps, coefficients, shape_factor, allow_tf32, save)
     if n:
         _ns_kernel[(n,)](x, y, xs, norms, R, C, x.stride(0), sr, sc, float(eps), a, b, c, scale,
                          STEPS=int(steps), BR=BR, BC=BC, LOW=s.dtype != torch.float32,
-                         PRECISION="tf32" if allow_tf32 else "ieee", SAVE=bool(save),
+                         PRECISION=dot_precision(s.dtype, allow_tf32), SAVE=bool(save),
                          num_warps=4 if BR * BC <= 64 * 64 else 8)
     return y.reshape(s.shape), (xs, norms) if save else None
 
 
 def newton_schulz_forward(s: torch.Tensor, steps: int = 5, eps: float = 1e-7, coefficients=MUON_COEFFICIENTS,
-                          shape_factor: bool = False, allow_tf32: bool = False) -> torch.Tensor:
+                          shape_factor: bool = False, allow_tf32: Optional[bool] = None) -> torch.Tensor:
     """The kernel alone (no autograd): ``s: [..., rows, cols]`` → same shape and dtype."""
     return _launch_forward(s, steps, eps, coefficients, shape_factor, allow_tf32, save=False)[0]
 
 
 def newton_schulz_backward(grad_out: torch.Tensor, saved, s_shape, s_dtype, steps: int, eps: float,
-                           coefficients, shape_factor: bool, allow_tf32: bool = False) -> torch.Tensor:
+                           coefficients, shape_factor: bool, allow_tf32: Optional[bool] = None) -> torch.Tensor:
     """The backward kernel alone: dS from dY and the forward's saved ``(iterates, norms)``."""
     global BACKWARD_LAUNCHES
     xs, norms = saved
@@ -196,7 +198,7 @@ def newton_schulz_backward(grad_out: torch.Tensor, saved, s_shape, s_dtype, step
     if n:
         _ns_bwd_kernel[(n,)](dy, ds, xs, norms, R, C, dy.stride(0), sr, sc, float(eps), a, b, c, scale,
                              STEPS=int(steps), NSAVE=xs.shape[1], BR=BR, BC=BC,
-                             PRECISION="tf32" if allow_tf32 else "ieee",
+                             PRECISION=dot_precision(s_dtype, allow_tf32),
                              num_warps=4 if BR * BC <= 64 * 64 else 8)
         BACKWARD_LAUNCHES += 1
     return ds.reshape(s_shape)
@@ -232,7 +234,7 @@ class _NewtonSchulz(torch.autograd.Function):
 
 
 def newton_schulz(s: torch.Tensor, steps: int = 5, eps: float = 1e-7, coefficients=MUON_COEFFICIENTS,
-                  shape_factor: bool = False, allow_tf32: bool = False) -> torch.Tensor:
+                  shape_factor: bool = False, allow_tf32: Optional[bool] = None) -> torch.Tensor:
     """Drop-in for :func:`atlaslab.kernels.newton_schulz.newton_schulz` on a fused Triton kernel.
 
     Args:
@@ -247,4 +249,4 @@ def newton_schulz(s: torch.Tensor, steps: int = 5, eps: float = 1e-7, coefficien
         ``[..., rows, cols]``, the approximate polar factor of each matrix. Differentiable: the backward kernel
         walks the forward's saved iterates in reverse (``BACKWARD = "torch"``: autograd of the torch reference).
     """
-    return _NewtonSchulz.apply(s, int(steps), float(eps), tuple(coefficients), bool(shape_factor), bool(allow_tf32))
+    return _NewtonSchulz.apply(s, int(steps), float(eps), tuple(coefficients), bool(shape_factor), allow_tf32)
