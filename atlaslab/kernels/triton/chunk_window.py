@@ -785,6 +785,15 @@ def _win_sizes(K: int, V: int, c: int, chunk_size: int):
     return BT, _pow2(BT * c), BK, BVV, min(BVV, max(16, 8192 // BK))
 
 
+def _slot_warps(BS: int) -> int:
+    """Warps for the kernels that hold [BS, BS] slot blocks in registers (UT solve, backward grads): 4 up to 32 slot
+    rows, 8 at 64, 16 at 128. Compiled for sm_90 without a GPU (``bench/compile_sm90.py``, K = 8 test shapes): at 4
+    warps the 64-row builds spill up to ~3 KB / thread (per-head UT) and ~2 KB (channel-wise grads), at 8 warps
+    ≤ 0.7 KB; the 128-row builds (c ≥ 5 at 16-token chunks) spill ~1–3 KB at any warp count (the [BS, BS]
+    forward substitution in registers; fla's blocked 16×16 solves would be the fix). Speed unmeasured."""
+    return 4 if BS <= 32 else (8 if BS <= 64 else 16)
+
+
 def _chunk_log_cumsum(la: Optional[torch.Tensor], B: int, T: int, H: int, BT: int, lay, device) -> torch.Tensor:
     """g ``[B, T, H]`` (``[B, T, H, K]`` for channel-wise la) fp32: the chunk-local (BT tokens) cumsum of log α
     (zeros without decay). With packed
@@ -828,7 +837,7 @@ def _win_forward_stages(xs, vs, coef, la, h0, *, c, bias, placement, BT, BS, BK,
             _win_cw_ut_kernel[(lay.NC, H)](
                 xs, vs, coef, la, g, u, wk, ainv if ainv is not None else dummy, lay.cu, lay.table, T, lay.NT, H=H,
                 IS_VARLEN=lay.varlen, K=K, V=V, C=c, BT=BT, BS=BS, BK=BK, BVV=BVV, BEFORE=placement == "before_step",
-                STORE_AINV=ainv is not None, PRECISION=prec, num_warps=4)
+                STORE_AINV=ainv is not None, PRECISION=prec, num_warps=_slot_warps(BS))
         _win_cw_state_kernel[(triton.cdiv(V, BV), lay.N * H)](
             xs, vs, coef, g, u if is_l2 else dummy, wk if is_l2 else dummy, h0 if h0 is not None else dummy, w, hs,
             ht, lay.cu, lay.offsets, T, lay.NT, H=H, IS_VARLEN=lay.varlen, K=K, V=V, C=c, BT=BT, BS=BS, BK=BK,
@@ -839,7 +848,7 @@ def _win_forward_stages(xs, vs, coef, la, h0, *, c, bias, placement, BT, BS, BK,
             xs, vs, coef, la if la is not None else dummy, g, u, wk, ainv if ainv is not None else dummy, lay.cu,
             lay.table, T, lay.NT, H=H, IS_VARLEN=lay.varlen, K=K, V=V, C=c, BT=BT, BS=BS, BK=BK, BVV=BVV,
             HAS_ALPHA=la is not None, BEFORE=placement == "before_step", STORE_AINV=ainv is not None,
-            PRECISION=prec, num_warps=4)
+            PRECISION=prec, num_warps=_slot_warps(BS))
     _win_state_kernel[(triton.cdiv(V, BV), lay.N * H)](
         xs, vs, coef, g, u if is_l2 else dummy, wk if is_l2 else dummy, h0 if h0 is not None else dummy, w, hs, ht,
         lay.cu, lay.offsets, T, lay.NT, H=H, IS_VARLEN=lay.varlen, K=K, V=V, C=c, BT=BT, BS=BS, BK=BK, BV=BV,
@@ -922,7 +931,7 @@ def window_chunk_backward(q, xs, vs, coef, alpha, initial_state, do, dht, *, bia
     (_win_cw_bwd_grad_kernel if channel else _win_bwd_grad_kernel)[(lay.NC, H)](
         q_, xs_, vs_, coef_, la if la is not None else dummy, g, st["ainv"] if is_l2 else dummy, st["w"], st["hs"],
         dhs, do_, dw, dq, dx, dv, dcoef, dla if dla is not None else dummy, lay.cu, lay.table, T, lay.NT,
-        BEFORE=placement == "before_step", **meta)
+        BEFORE=placement == "before_step", **{**meta, "num_warps": _slot_warps(BS)})
     dalpha = None
     if alpha is not None:
         a = alpha.float()
