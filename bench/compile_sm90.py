@@ -170,9 +170,10 @@ def resource_usage(cubin: bytes) -> dict:
     return {"registers": reg, "stack": stack, "static_shared": shared, "local": local}
 
 
-def compile_all(launches, arch: int, precision=None) -> list:
+def compile_all(launches, arch: int, precision=None, num_warps=None) -> list:
     """Compile each distinct launch for ``GPUTarget("cuda", arch, 32)``; one result dict per distinct kernel build.
-    ``precision``: replaces every launch's ``PRECISION`` constexpr (``tl.dot``'s input_precision), e.g. "tf32"."""
+    ``precision``: replaces every launch's ``PRECISION`` constexpr (``tl.dot``'s input_precision), e.g. "tf32";
+    ``num_warps``: replaces every launch's ``num_warps`` (what-ifs for tuning register pressure)."""
     import importlib
 
     from triton.backends.compiler import GPUTarget
@@ -190,6 +191,8 @@ def compile_all(launches, arch: int, precision=None) -> list:
         kwargs = {k: rebuild(d) for k, d in launch["kwargs"].items()}
         if precision is not None and "PRECISION" in kwargs:
             kwargs["PRECISION"] = precision
+        if num_warps is not None:
+            kwargs["num_warps"] = num_warps
         bound, specialization, options = binders[kernel](*args, **kwargs)
         options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
         key = (launch["module"], launch["name"], repr(specialization), repr(sorted(kwargs.items(), key=str)))
@@ -285,6 +288,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-tests", action="store_true", help="record only the --production calls")
     p.add_argument("--precision", default=None, choices=["ieee", "tf32", "tf32x3"],
                    help="compile with this tl.dot input precision instead of the launches' (what-if; default: as run)")
+    p.add_argument("--num-warps", type=int, default=None, help="compile every launch with this num_warps (what-if)")
     p.add_argument("--launches", type=Path, default=None,
                    help="reuse launches recorded earlier (a file written by --keep-launches) instead of recording")
     p.add_argument("--keep-launches", type=Path, default=None, help="write the recorded launches to this file")
@@ -300,7 +304,7 @@ def main(argv=None) -> int:
         return record(pytest_args, args.record_only, args.production)
     if args.compile_only is not None:
         launches = json.loads(args.compile_only.read_text())
-        results = compile_all(launches, args.arch, args.precision)
+        results = compile_all(launches, args.arch, args.precision, args.num_warps)
         args.compile_only.with_suffix(".out.json").write_text(json.dumps(results))
         return 0
 
@@ -325,7 +329,8 @@ def main(argv=None) -> int:
         n = len(json.loads(launches.read_text()))
         print(f"{n} distinct launches; compiling for sm_{args.arch} ...", flush=True)
         subprocess.run([sys.executable, __file__, "--compile-only", str(launches), "--arch", str(args.arch),
-                        *(["--precision", args.precision] if args.precision else [])],
+                        *(["--precision", args.precision] if args.precision else []),
+                        *(["--num-warps", str(args.num_warps)] if args.num_warps else [])],
                        cwd=ROOT, env={**env, "TRITON_INTERPRET": "0"}, check=True)
         results = json.loads(launches.with_suffix(".out.json").read_text())
     import torch
@@ -334,7 +339,8 @@ def main(argv=None) -> int:
     per_kernel = summarise(results, args.arch)
     command = " ".join(["python bench/compile_sm90.py", *(sys.argv[1:] if argv is None else argv)])
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / (f"compile_sm{args.arch}" + (f"_{args.precision}" if args.precision else ""))
+    stem = args.out / (f"compile_sm{args.arch}" + (f"_{args.precision}" if args.precision else "")
+                       + (f"_w{args.num_warps}" if args.num_warps else ""))
     seconds = time.perf_counter() - start
     stem.with_suffix(".json").write_text(json.dumps({"arch": args.arch, "versions": versions, "seconds": seconds,
                                                      "builds": results}, indent=1))

@@ -435,7 +435,11 @@ if triton is not None:
 
     @triton.jit
     def _decayed_dot(x, y, a, b, o_i, BT: tl.constexpr, STRICT: tl.constexpr):
-        """M[t, s] = Σ_c x[t, c] y[s, c] e^{a[t, c] − b[s, c]} for s < t (STRICT) or s ≤ t, else 0. [BT, BT]."""
+        """M[t, s] = Σ_c x[t, c] y[s, c] e^{a[t, c] − b[s, c]} for s < t (STRICT) or s ≤ t, else 0. [BT, BT].
+
+        The exponents are clamped at 0: on the causal part of a chunk's real rows a − b ≤ 0 already (cumulative
+        log-decays only fall), and a padded row past a ragged chunk's end (a loaded as 0) must not give
+        exp(−b) = inf, which times its zero x is NaN in the column sums of the backward."""
         M = tl.zeros([BT, BT], dtype=tl.float32)
         for s in range(0, BT):
             sel = o_i == s
@@ -443,7 +447,7 @@ if triton is not None:
                 rows = o_i > s
             else:
                 rows = o_i >= s
-            e = tl.exp(tl.where(rows[:, None], a - _row(b, sel)[None, :], 0.0))
+            e = tl.exp(tl.minimum(tl.where(rows[:, None], a - _row(b, sel)[None, :], 0.0), 0.0))
             col = tl.sum(x * _row(y, sel)[None, :] * e, axis=1)
             M = tl.where(sel[None, :] & rows[:, None], col[:, None], M)
         return M
@@ -461,7 +465,7 @@ if triton is not None:
             else:
                 rows = o_i >= s
             d_s = tl.where(rows, tl.sum(tl.where(sel[None, :], D, 0.0), axis=1), 0.0)
-            e = tl.exp(tl.where(rows[:, None], a - _row(b, sel)[None, :], 0.0))
+            e = tl.exp(tl.minimum(tl.where(rows[:, None], a - _row(b, sel)[None, :], 0.0), 0.0))
             R += d_s[:, None] * _row(y, sel)[None, :] * e
             C = tl.where(sel[:, None], tl.sum(d_s[:, None] * x * e, axis=0)[None, :], C)
         return R, C

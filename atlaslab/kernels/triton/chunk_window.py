@@ -52,6 +52,7 @@ import torch
 
 from . import chunk as _chunk
 from .chunk import MAX_D, _pow2
+from .precision import dot_precision
 from .reference import MAX_WINDOW, _upcast, log_decay
 
 try:
@@ -857,7 +858,7 @@ def _win_forward_stages(xs, vs, coef, la, h0, *, c, bias, placement, BT, BS, BK,
 
 
 def window_forward(q, xs, vs, coef, alpha=None, initial_state=None, *, bias="l2", placement="before_step",
-                   read="token", cu_seqlens=None, chunk_size: int = 64, allow_tf32: bool = False):
+                   read="token", cu_seqlens=None, chunk_size: int = 64, allow_tf32: Optional[bool] = None):
     """The window forward kernels, no autograd; arguments as :func:`chunk_window_rule`. One launch per stage,
     with or without ``cu_seqlens``."""
     from .reference import check_window_args
@@ -870,7 +871,7 @@ def window_forward(q, xs, vs, coef, alpha=None, initial_state=None, *, bias="l2"
     xs, vs, coef = (x.contiguous().flatten(1, 2) for x in (xs, vs, coef))     # [B, T·c, H, ·]
     la = log_decay(alpha.float(), q).contiguous() if alpha is not None else None
     h0 = initial_state.contiguous() if initial_state is not None else None
-    prec = "tf32" if allow_tf32 else "ieee"
+    prec = dot_precision(q.dtype, allow_tf32)
     st = _win_forward_stages(xs, vs, coef, la, h0, c=c, bias=bias, placement=placement, BT=BT, BS=BS, BK=BK,
                              BVV=BVV, BV=BV, prec=prec, lay=lay)
     o = torch.empty(B, T, H, V, dtype=vs.dtype, device=q.device)
@@ -887,7 +888,7 @@ def window_forward(q, xs, vs, coef, alpha=None, initial_state=None, *, bias="l2"
 
 
 def window_chunk_backward(q, xs, vs, coef, alpha, initial_state, do, dht, *, bias="l2", placement="before_step",
-                          read="token", cu_seqlens=None, chunk_size: int = 64, allow_tf32: bool = False):
+                          read="token", cu_seqlens=None, chunk_size: int = 64, allow_tf32: Optional[bool] = None):
     """Gradients of :func:`window_forward` on the window backward kernels: ``(dq, dxs, dvs, dcoef, dalpha, dh0)``
     (``dalpha`` / ``dh0`` None when ``alpha`` / ``initial_state`` are). Re-runs stages 1–2 (storing (I + A)⁻¹),
     sweeps the chunks in reverse for dS and dw (``_win_bwd_dh_kernel``), then forms every chunk's gradients in
@@ -907,7 +908,7 @@ def window_chunk_backward(q, xs, vs, coef, alpha, initial_state, do, dht, *, bia
     la = log_decay(alpha.float(), q).contiguous() if alpha is not None else None
     h0 = initial_state.contiguous() if initial_state is not None else None
     dht = dht.contiguous() if dht is not None else None
-    prec = "tf32" if allow_tf32 else "ieee"
+    prec = dot_precision(q.dtype, allow_tf32)
     is_l2 = bias == "l2"
     st = _win_forward_stages(xs_, vs_, coef_, la, h0, c=c, bias=bias, placement=placement, BT=BT, BS=BS, BK=BK,
                              BVV=BVV, BV=BV, prec=prec, lay=lay, store_ainv=True)
@@ -997,7 +998,7 @@ def chunk_window_rule(q: torch.Tensor, xs: torch.Tensor, vs: torch.Tensor, coef:
                       alpha: Optional[torch.Tensor] = None, initial_state: Optional[torch.Tensor] = None, *,
                       bias: str = "l2", placement: str = "before_step", read: str = "token",
                       cu_seqlens: Optional[torch.LongTensor] = None, chunk_size: int = 64,
-                      allow_tf32: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+                      allow_tf32: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Omega-window (c ≥ 1) linear rule, chunk-parallel on Triton: the math of
     :func:`.reference.window_rule_chunk` (exact; same results as :func:`.reference.window_rule_recurrent`).
 
@@ -1016,7 +1017,7 @@ def chunk_window_rule(q: torch.Tensor, xs: torch.Tensor, vs: torch.Tensor, coef:
             slots before a sequence's first token coefficient 0 (the kernels trust ``coef`` for this).
         chunk_size: about how many slot rows a chunk holds: BT = a power of two ≥ 16 near ``chunk_size / c``
             tokens per chunk (it does not change the result).
-        allow_tf32: let fp32 dots use TF32.
+        allow_tf32: True / False: fp32 dots in TF32 / IEEE; None: :func:`.precision.dot_precision` chooses.
 
     Returns:
         ``o: [B, T, H, D_v]`` and the final state(s) ``[N, H, D_v, D_k]``.
@@ -1026,4 +1027,4 @@ def chunk_window_rule(q: torch.Tensor, xs: torch.Tensor, vs: torch.Tensor, coef:
     switches to autograd of the torch chunk form, recomputed.
     """
     return WindowChunkFunction.apply(q, xs, vs, coef, alpha, initial_state, bias, placement, read, cu_seqlens,
-                                     int(chunk_size), bool(allow_tf32))
+                                     int(chunk_size), allow_tf32)
