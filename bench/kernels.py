@@ -22,6 +22,9 @@ Rows (each at every T; ``op`` / ``impl``):
   ``chunk_momentum`` kernel) vs ``torch-chunked``.
 - ``titans_mlp``: 2-layer residual MLP memory (expansion 4, gelu), momentum GD, decay, b = 16: ``triton``
   (``memorize(mode="triton")``: the ``chunked`` engine with the fused ``mlp_chunk`` step) vs ``torch-chunked``.
+- ``omeganet_mlp``: OmegaNet's layout of the same step — 2-layer MLP memory without residual, GD, decay, Omega window
+  c = 4 (γ gates), b = 16 — with the identity feature map (ATLAS's φ_2 maps a head of D = 64 to C(66, 2) = 2145
+  features, beyond the step's 256): ``triton`` (fused step) vs ``torch-chunked``.
 - ``newton_schulz`` (5 quintic steps, one D × D matrix per token and head): ``triton-fused`` vs ``torch``.
 
 Correctness gate (fla's "no speed on a red gate"): before a Triton (or fla) row is timed, the same call's outputs and
@@ -148,6 +151,8 @@ class MemoryCase:
 GDN_GATES = {"lr": (0.1, 0.9), "retention": (0.9, 0.999)}
 WINDOW_GATES = {**GDN_GATES, "window": (0.5, 1.0)}
 MOMENTUM_GATES = {"lr": (0.02, 0.2), "momentum": (0.5, 0.9), "retention": (0.9, 0.999)}
+DEEP_WINDOW_GATES = {"lr": (0.02, 0.2), "retention": (0.9, 0.999), "window": (0.5, 1.0)}   # (a deep memory diverges
+                                                                                           # at η up to 0.9)
 CASES = {c.name: c for c in (
     MemoryCase("gdn", GDN, 1, "chunk", GDN_GATES, lambda B, T, H, D: flops_delta(B, T, H, D, D)),
     MemoryCase("omega_c1", {**GDN, "window": {"size": 1}}, 1, "chunk", WINDOW_GATES, flops_omega(1)),
@@ -156,6 +161,8 @@ CASES = {c.name: c for c in (
                16, "chunk_momentum", MOMENTUM_GATES, flops_momentum(16)),
     MemoryCase("titans_mlp", {"memory": "mlp", "inner_optimizer": "momentum", "retention": "decay"},
                16, "mlp_step", MOMENTUM_GATES, flops_mlp(16)),
+    MemoryCase("omeganet_mlp", {"memory": {"name": "mlp", "residual": False}, "retention": "decay",
+                                "window": {"size": 4}}, 16, "mlp_step", DEEP_WINDOW_GATES, flops_mlp(16)),
 )}
 
 
@@ -602,7 +609,7 @@ def run(args) -> list:
         rows.append(recurrent_row(T, args, ctx))
         rows.append(fla_row(T, args, ctx))
         rows.append(sdpa_row(T, args, ctx))
-        for name in ("omega_c1", "omega_c4", "titans_linear_momentum", "titans_mlp"):
+        for name in ("omega_c1", "omega_c4", "titans_linear_momentum", "titans_mlp", "omeganet_mlp"):
             rows += memory_rows(CASES[name], T, args, ctx)
         rows += ns_rows(T, args, ctx)
         for r in rows[n0:]:

@@ -10,13 +10,15 @@ Kernels (each beside its plain-torch reference in :mod:`.reference` / :mod:`atla
   dα and the initial state's gradient per chunk in parallel), per-head or channel-wise (GLA-style) decay;
   ``cu_seqlens`` natively (one launch per stage over all chunks of all packed sequences, fla's chunk-index table);
 - :func:`.chunk_momentum.chunk_momentum`: linear memory trained by momentum GD at semantic chunk size b > 1
-  (Titans with a matrix memory), the TTT/Titans dual form per chunk; Triton forward and backward (the gates'
+  (Titans with a matrix memory), the TTT/Titans dual form per chunk, decay after or before the step, ``cu_seqlens``
+  natively (one launch per stage over all chunks of all packed sequences); Triton forward and backward (the gates'
   gradients by autograd through the torch stage-1 coefficients, no memory-sized tensor);
 - :func:`.fused_recurrent_momentum.fused_recurrent_momentum`: token-by-token linear memory + momentum GD at any
   semantic chunk b ≥ 1 (decoding with a cached state: M, S, the chunk-start anchor and Π α carried across calls);
   Triton forward and reverse-sweep backward (autograd through its torch token loop as the fallback);
-- :func:`.mlp_chunk.mlp_chunk_step`: one chunk's step of the 2-layer residual MLP memory with the ℓ2 bias (the
-  gradient factors δ1, δ2, a at the chunk-start anchor and the chunk-end weights and momenta, GD or momentum);
+- :func:`.mlp_chunk.mlp_chunk_step`: one chunk's step of the 2-layer MLP memory (residual or not, D_in ≠ D_out, ℓ2 or
+  dot bias: Titans, OmegaNet, DLA, SWDT, DeepTransformer, DoT; the gradient factors δ1, δ2, a at the chunk-start
+  anchor and the chunk-end weights and momenta, GD or momentum);
   :func:`select_mlp_step` returns its ``chunked._dual_step``-compatible form (:func:`.mlp_chunk.mlp_dual_step`).
 
 Dispatch, in the spirit of fla's backend registry: a Triton kernel is used only when
@@ -42,9 +44,16 @@ Dispatch, in the spirit of fla's backend registry: a Triton kernel is used only 
 (:func:`memorize_triton`) uses it and falls back to the torch ``chunked`` engine. Nothing else changes: the
 default ``memorize`` mode and every torch engine stay as they are.
 
+Precision: every kernel keeps fp32 intermediates; the input precision of their fp32 ``tl.dot`` is
+:func:`.precision.dot_precision` (TF32 for fp16 / bf16 inputs, torch's float32 matmul precision for fp32, IEEE for
+fp64; ``allow_tf32`` forces either), because IEEE fp32 dots compile to CUDA-core FMA loops without tensor cores.
+
 Status: every kernel is tested against its torch reference under the interpreter (``tests/test_triton*.py``);
-none has yet run on a GPU. On a CUDA machine run ``TRITON_INTERPRET=0 pytest tests/test_triton*.py`` (the
-same tests on the device) and then ``python bench/kernels.py`` (correctness-gated timings). The chunk kernel's
+none has yet run on a GPU. Every launch those tests make, and bench/kernels.py's cases at head dims 64 and 128,
+compile for sm_90 (H100 / H200) on a CPU machine: ``python bench/compile_sm90.py`` reports registers, spills,
+shared memory and tensor-core use per build (``bench/results/compile_sm90.md``). On a CUDA machine run
+``bash bench/device/check.sh`` (``TRITON_INTERPRET=0 pytest tests/test_triton*.py``, the same tests on the device,
+then ``python bench/kernels.py``, correctness-gated timings; bench/device/README.md). The chunk kernel's
 backward runs on Triton backward kernels (``tests/test_triton_chunk_bwd.py``: every input gradient against the
 float64 token loop, RMS-error ratio ~1e-7 in fp32 under the interpreter; channel-wise decay in
 ``tests/test_triton_channel.py``, the same bar); its torch recompute remains as the reference and the
@@ -63,7 +72,8 @@ ratio ~1e-6 in fp32 under the interpreter); ``ATLASLAB_NS_BACKWARD=torch`` falls
 The momentum chunk kernel's backward runs on Triton backward kernels (reverse dM/dS sweep, per-chunk dq, dk, dv)
 with torch only for the gates' coefficient gradients; ``ATLASLAB_MOMENTUM_BACKWARD=torch`` falls back to autograd
 through its torch reference (``tests/test_triton_momentum.py``: outputs, final memory and momentum and every input
-gradient against the float64 token loop at b = 4, 8, RMS-error ratio ~1e-7 in fp32 under the interpreter).
+gradient against the float64 token loop at b = 4, 8, both placements, RMS-error ratio ~1e-7 in fp32 under the
+interpreter; packed sequences in ``tests/test_triton_momentum_varlen.py``, launches counted).
 The token-by-token momentum kernel's backward is one Triton reverse sweep over the tokens (from the pre-step states
 a re-run of the forward kernel stores; the sums over D_v per value block, added in torch); the same
 ``ATLASLAB_MOMENTUM_BACKWARD=torch`` falls back to autograd through its torch token loop
@@ -84,12 +94,13 @@ so no overflow however fast a channel forgets), with autograd of the torch chunk
 Tested under the interpreter only (``tests/test_triton_window.py``, ``tests/test_triton_window_varlen.py``:
 outputs, final state and the gradients of q, k, v, η, γ, α and the initial state against
 ``memorize(mode="recurrent")`` / the float64 token loop, c = 2, 3, chained calls, channel-wise decay down to
-α ≈ 0.05; RMS-error ratio ~1e-7 in fp32); never run on a GPU, so neither speed nor register pressure (a chunk's
-BT·c ≤ 128 slot rows per program) is measured.
+α ≈ 0.05; RMS-error ratio ~1e-7 in fp32); never run on a GPU, so speed is unmeasured (register pressure of the
+BT·c ≤ 128 slot rows per program: ``bench/results/compile_sm90.md``).
 
-Deep-memory chunk step (``mlp_chunk.py``, issue 6): memory ``mlp`` (depth 2, residual, no LayerNorm, σ gelu / silu /
-relu), ℓ2 bias, GD or momentum in the dual form. Two kernels (anchor errors e over hidden blocks; then per hidden
-block δ1 and the block's chunk-end W1, W2, S1, S2); backward by autograd through its torch reference (first-order,
+Deep-memory chunk step (``mlp_chunk.py``, issue 6): memory ``mlp`` (depth 2, residual or not, no LayerNorm, σ gelu /
+silu / relu, D_in, D_out ≤ 256 — a polynomial φ of degree 2 fits head dims up to 21), ℓ2 or dot bias, GD or momentum
+in the dual form. Two kernels (ℓ2: anchor errors e over hidden blocks; then per hidden block δ1 and the block's
+chunk-end W1, W2, S1, S2; the dot bias needs only the second, e = −v); backward by autograd through its torch reference (first-order,
 which is all the outer loss needs). :func:`select_mlp_step` returns the step when a kernel can run;
 ``memorize(mode="triton")`` passes it to the ``chunked`` fallback (``dual_step``), whose ``_dual_aligned`` then calls
 it in place of ``_dual_step`` (``mode="chunked"`` stays pure torch). Tested under the interpreter only
