@@ -65,3 +65,23 @@ def count_launches(monkeypatch, module, keep) -> collections.Counter:
         if name.endswith("_kernel") and keep(name):
             monkeypatch.setattr(module, name, Counted(name, getattr(module, name)))
     return counts
+
+
+def momentum_parts(spec, H, D, device):
+    """A momentum-trained memory built from ``spec`` (heads ``H``, dims ``D``) with every learnable piece drawn at
+    std 0.3 (a non-zero initial memory), seeded, on ``device``."""
+    from atlaslab.components import build_memory
+    torch.manual_seed(0)
+    parts = build_memory(spec, H, D, D)
+    for p in parts.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return parts.to(device)
+
+
+def momentum_data(parts, T, H, D, seed=0, B=2):
+    """float64 q, k, v ``[B, T, H, D]`` and the gates a momentum spec reads (lr, window, momentum, and retention when
+    the spec decays), in [0.5, 0.95]."""
+    q, k, v = random_qkv(B, T, H, D, seed=seed)
+    names = ("lr", "window", "momentum") + (("retention",) if parts.retention.uses_alpha else ())
+    gates = random_gates(B, T, H, seed=seed + 1, names=names, low=0.5, high=0.95)
+    return (q, k, v), gates

@@ -13,12 +13,11 @@ import copy
 
 import pytest
 import torch
-from helpers import random_gates, random_qkv, require_triton, rms_ratio, triton_device
+from helpers import momentum_data, momentum_parts, require_triton, rms_ratio, triton_device
 
 tk = require_triton()
 
 from atlaslab import memorize  # noqa: E402
-from atlaslab.components import build_memory  # noqa: E402
 from atlaslab.kernels.triton import chunk_momentum as cm  # noqa: E402
 from atlaslab.kernels.triton import fused_recurrent_momentum as frm  # noqa: E402
 
@@ -42,19 +41,11 @@ CASES = {   # name: (spec, b, T)
 
 
 def _parts(spec):
-    torch.manual_seed(0)
-    parts = build_memory(spec, H, D, D)
-    for p in parts.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    return parts.to(DEVICE)
+    return momentum_parts(spec, H, D, DEVICE)
 
 
 def _data(parts, T, seed=0, B=2):
-    """float64 q, k, v and gates (lr, window, momentum, retention when used)."""
-    q, k, v = random_qkv(B, T, H, D, seed=seed)
-    names = ("lr", "window", "momentum") + (("retention",) if parts.retention.uses_alpha else ())
-    gates = random_gates(B, T, H, seed=seed + 1, names=names, low=0.5, high=0.95)
-    return (q, k, v), gates
+    return momentum_data(parts, T, H, D, seed=seed, B=B)
 
 
 def _loss(o, state):

@@ -815,28 +815,34 @@ def chunk_momentum(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
 
 # ------------------------------------------------------------------------------------------ dispatch + engine
 
-def spec_reason(parts, chunk_size: int) -> Optional[str]:
-    """None when the momentum chunk kernel computes ``parts`` at semantic chunk ``chunk_size`` exactly, else why not.
-
-    Either retention placement is taken (§15.4; before_step with the ℓ2 bias takes the gradients at P_s M_a)."""
+def linear_momentum_reason(parts) -> Optional[str]:
+    """None when ``parts`` is a spec the momentum kernels (this chunk kernel and the token-by-token one in
+    ``fused_recurrent_momentum.py``) compute exactly, semantic chunk aside, else the first reason they do not:
+    linear memory, ℓ2 or dot bias, momentum GD, no retention or per-head scalar decay (either placement, §15.4),
+    Omega window c = 1, read token or chunk, head dims ≤ MAX_D."""
     s, ret = parts.spec, parts.retention
     bias = s.attentional_bias.name
     checks = [
-        (s.memory.name == "linear", f"memory '{s.memory.name}' (momentum kernel: linear)"),
+        (s.memory.name == "linear", f"memory '{s.memory.name}' (momentum kernels: linear)"),
         (not parts.kernel_trick, "the exp kernel trick"),
-        (bias in BIASES, f"attentional bias '{bias}' (momentum kernel: l2, dot)"),
+        (bias in BIASES, f"attentional bias '{bias}' (momentum kernels: l2, dot)"),
         (s.inner_optimizer.name == "momentum", f"inner optimizer '{s.inner_optimizer.name}' (momentum)"),
         (s.retention.name in ("none", "decay"), f"retention '{s.retention.name}' (none, decay)"),
-        (not getattr(ret, "channel_wise", False), "channel-wise decay (momentum kernel: per-head scalar)"),
+        (not getattr(ret, "channel_wise", False), "channel-wise decay (momentum kernels: per-head scalar)"),
         (parts.window.size == 1, f"window size {parts.window.size} (c = 1)"),
-        (2 <= chunk_size <= MAX_CHUNK, f"chunk_size b = {chunk_size} (momentum kernel: 2 ≤ b ≤ {MAX_CHUNK})"),
         (parts.read in READS, f"read '{parts.read}'"),
         (max(parts.feature_map.out_dim, parts.value_dim) <= MAX_D, f"head dims > {MAX_D}"),
     ]
-    for ok, why in checks:
-        if not ok:
-            return why
-    return None
+    return next((why for ok, why in checks if not ok), None)
+
+
+def spec_reason(parts, chunk_size: int) -> Optional[str]:
+    """None when the momentum chunk kernel computes ``parts`` at semantic chunk ``chunk_size`` exactly, else why not:
+    :func:`linear_momentum_reason`, and 2 ≤ b ≤ MAX_CHUNK (before_step with the ℓ2 bias takes the gradients at
+    P_s M_a)."""
+    if not 2 <= chunk_size <= MAX_CHUNK:
+        return f"chunk_size b = {chunk_size} (momentum chunk kernel: 2 ≤ b ≤ {MAX_CHUNK})"
+    return linear_momentum_reason(parts)
 
 
 def memorize_chunk_momentum(q, k, v, parts, gates, chunk_size, state, block_size: int = 64, **engine_options):

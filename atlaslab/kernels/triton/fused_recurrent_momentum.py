@@ -65,7 +65,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .chunk_momentum import BIASES, MAX_D, READS, check_args as _check_momentum_args
+from .chunk_momentum import MAX_D, check_args as _check_momentum_args, linear_momentum_reason
 from .fused_recurrent import _pow2
 from .reference import _upcast
 
@@ -455,25 +455,10 @@ def fused_recurrent_momentum(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 def spec_reason(parts, chunk_size: int) -> Optional[str]:
     """None when the token-by-token momentum kernel computes ``parts`` at semantic chunk ``chunk_size`` exactly, else
-    why not (any b ≥ 1, either placement)."""
-    s, ret = parts.spec, parts.retention
-    bias = s.attentional_bias.name
-    checks = [
-        (s.memory.name == "linear", f"memory '{s.memory.name}' (momentum kernels: linear)"),
-        (not parts.kernel_trick, "the exp kernel trick"),
-        (bias in BIASES, f"attentional bias '{bias}' (momentum kernels: l2, dot)"),
-        (s.inner_optimizer.name == "momentum", f"inner optimizer '{s.inner_optimizer.name}' (momentum)"),
-        (s.retention.name in ("none", "decay"), f"retention '{s.retention.name}' (none, decay)"),
-        (not getattr(ret, "channel_wise", False), "channel-wise decay (momentum kernels: per-head scalar)"),
-        (parts.window.size == 1, f"window size {parts.window.size} (c = 1)"),
-        (chunk_size >= 1, f"chunk_size b = {chunk_size} (b ≥ 1)"),
-        (parts.read in READS, f"read '{parts.read}'"),
-        (max(parts.feature_map.out_dim, parts.value_dim) <= MAX_D, f"head dims > {MAX_D}"),
-    ]
-    for ok, why in checks:
-        if not ok:
-            return why
-    return None
+    why not: :func:`.chunk_momentum.linear_momentum_reason`, at any b ≥ 1."""
+    if chunk_size < 1:
+        return f"chunk_size b = {chunk_size} (b ≥ 1)"
+    return linear_momentum_reason(parts)
 
 
 def memorize_fused_recurrent_momentum(q, k, v, parts, gates, chunk_size, state, block_size: int = 64,
