@@ -170,10 +170,10 @@ def resource_usage(cubin: bytes) -> dict:
     return {"registers": reg, "stack": stack, "static_shared": shared, "local": local}
 
 
-def compile_all(launches, arch: int, precision=None, num_warps=None) -> list:
+def compile_all(launches, arch: int, precision=None, num_warps=None, num_stages=None) -> list:
     """Compile each distinct launch for ``GPUTarget("cuda", arch, 32)``; one result dict per distinct kernel build.
     ``precision``: replaces every launch's ``PRECISION`` constexpr (``tl.dot``'s input_precision), e.g. "tf32";
-    ``num_warps``: replaces every launch's ``num_warps`` (what-ifs for tuning register pressure)."""
+    ``num_warps`` / ``num_stages``: replace every launch's (what-ifs for register and shared-memory pressure)."""
     import importlib
 
     from triton.backends.compiler import GPUTarget
@@ -193,6 +193,8 @@ def compile_all(launches, arch: int, precision=None, num_warps=None) -> list:
             kwargs["PRECISION"] = precision
         if num_warps is not None:
             kwargs["num_warps"] = num_warps
+        if num_stages is not None:
+            kwargs["num_stages"] = num_stages
         bound, specialization, options = binders[kernel](*args, **kwargs)
         options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
         key = (launch["module"], launch["name"], repr(specialization), repr(sorted(kwargs.items(), key=str)))
@@ -289,6 +291,7 @@ def main(argv=None) -> int:
     p.add_argument("--precision", default=None, choices=["ieee", "tf32", "tf32x3"],
                    help="compile with this tl.dot input precision instead of the launches' (what-if; default: as run)")
     p.add_argument("--num-warps", type=int, default=None, help="compile every launch with this num_warps (what-if)")
+    p.add_argument("--num-stages", type=int, default=None, help="compile every launch with this num_stages (what-if)")
     p.add_argument("--launches", type=Path, default=None,
                    help="reuse launches recorded earlier (a file written by --keep-launches) instead of recording")
     p.add_argument("--keep-launches", type=Path, default=None, help="write the recorded launches to this file")
@@ -304,7 +307,7 @@ def main(argv=None) -> int:
         return record(pytest_args, args.record_only, args.production)
     if args.compile_only is not None:
         launches = json.loads(args.compile_only.read_text())
-        results = compile_all(launches, args.arch, args.precision, args.num_warps)
+        results = compile_all(launches, args.arch, args.precision, args.num_warps, args.num_stages)
         args.compile_only.with_suffix(".out.json").write_text(json.dumps(results))
         return 0
 
@@ -330,7 +333,8 @@ def main(argv=None) -> int:
         print(f"{n} distinct launches; compiling for sm_{args.arch} ...", flush=True)
         subprocess.run([sys.executable, __file__, "--compile-only", str(launches), "--arch", str(args.arch),
                         *(["--precision", args.precision] if args.precision else []),
-                        *(["--num-warps", str(args.num_warps)] if args.num_warps else [])],
+                        *(["--num-warps", str(args.num_warps)] if args.num_warps else []),
+                        *(["--num-stages", str(args.num_stages)] if args.num_stages else [])],
                        cwd=ROOT, env={**env, "TRITON_INTERPRET": "0"}, check=True)
         results = json.loads(launches.with_suffix(".out.json").read_text())
     import torch
@@ -340,7 +344,8 @@ def main(argv=None) -> int:
     command = " ".join(["python bench/compile_sm90.py", *(sys.argv[1:] if argv is None else argv)])
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / (f"compile_sm{args.arch}" + (f"_{args.precision}" if args.precision else "")
-                       + (f"_w{args.num_warps}" if args.num_warps else ""))
+                       + (f"_w{args.num_warps}" if args.num_warps else "")
+                       + (f"_s{args.num_stages}" if args.num_stages else ""))
     seconds = time.perf_counter() - start
     stem.with_suffix(".json").write_text(json.dumps({"arch": args.arch, "versions": versions, "seconds": seconds,
                                                      "builds": results}, indent=1))

@@ -119,6 +119,7 @@ import torch
 
 from ..chunked import memorize_chunked
 from ..state import keep_history, with_history
+from .fallback import with_torch_fallback
 
 FORCE_TORCH_ENV = "ATLASLAB_FORCE_TORCH"
 #: T at or below which ``auto`` picks the token-by-token kernel (fla switches to fused_recurrent at ≤ 64).
@@ -314,10 +315,14 @@ def memorize_triton(q, k, v, parts, gates, chunk_size, state, block_size: int = 
     memory dual-form chunks with the fused Triton step where :func:`select_mlp_step` finds one.
     """
     engine = select_kernel(parts, q, chunk_size, "auto", position=state.position)
-    if engine is None:
+
+    def chunked():
         return memorize_chunked(q, k, v, parts, gates, chunk_size, state, block_size=block_size,
                                 dual_step=select_mlp_step(parts, q), **engine_options)
-    return engine(q, k, v, parts, gates, chunk_size, state, block_size=block_size)
+    if engine is None:
+        return chunked()
+    return with_torch_fallback(lambda: engine(q, k, v, parts, gates, chunk_size, state, block_size=block_size),
+                               chunked, f"memorize(mode='triton') {engine.kernel} forward")
 
 
 def select_newton_schulz(s: torch.Tensor) -> Optional[Callable]:

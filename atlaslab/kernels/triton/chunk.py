@@ -70,6 +70,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from .fallback import with_torch_fallback
 from .precision import dot_precision
 from .reference import _upcast, check_args, delta_rule_chunk, log_decay
 
@@ -954,12 +955,13 @@ class ChunkFunction(torch.autograd.Function):
     def backward(ctx, do, dht):
         saved = ctx.saved_tensors
         need = ctx.needs_input_grad[:6]
-        if BACKWARD == "torch":
-            grads = _torch_backward(saved, need, do, dht, ctx.opts, ctx.chunk_size)
-        else:
-            grads = chunk_backward(*saved, do, dht, chunk_size=ctx.chunk_size, allow_tf32=ctx.allow_tf32,
-                                   **ctx.opts)
-            grads = [gr if n else None for gr, n in zip(grads, need)]
+        def torch_path():
+            return _torch_backward(saved, need, do, dht, ctx.opts, ctx.chunk_size)
+
+        def kernels():
+            grads = chunk_backward(*saved, do, dht, chunk_size=ctx.chunk_size, allow_tf32=ctx.allow_tf32, **ctx.opts)
+            return [gr if n else None for gr, n in zip(grads, need)]
+        grads = torch_path() if BACKWARD == "torch" else with_torch_fallback(kernels, torch_path, "chunk backward")
         return (*grads, None, None, None, None, None, None)
 
 

@@ -91,6 +91,7 @@ from typing import Optional, Tuple
 import torch
 
 from .chunk import _Layout, prepare_chunk_indices
+from .fallback import with_torch_fallback
 from .precision import dot_precision
 
 try:
@@ -760,11 +761,14 @@ class ChunkMomentumFunction(torch.autograd.Function):
         need = ctx.needs_input_grad[:8]
         if not any(need):
             return (None,) * 14
-        if BACKWARD == "torch":
-            grads = _torch_backward(saved, need, (do, dmt, dst, dma), ctx.opts)
-        else:
+        def torch_path():
+            return _torch_backward(saved, need, (do, dmt, dst, dma), ctx.opts)
+
+        def kernels():
             grads = chunk_momentum_backward(*saved, do, dmt, dst, dma, allow_tf32=ctx.allow_tf32, **ctx.opts)
-            grads = [g if n else None for g, n in zip(grads, need)]
+            return [g if n else None for g, n in zip(grads, need)]
+        grads = (torch_path() if BACKWARD == "torch"
+                 else with_torch_fallback(kernels, torch_path, "momentum chunk backward"))
         return (*grads, None, None, None, None, None, None)
 
 

@@ -52,6 +52,7 @@ import torch
 
 from . import chunk as _chunk
 from .chunk import MAX_D, _pow2
+from .fallback import with_torch_fallback
 from .precision import dot_precision
 from .reference import MAX_WINDOW, _upcast, log_decay
 
@@ -967,11 +968,15 @@ def window_backward(saved, need, do, dht, opts, chunk_size):
     window backward kernels (:func:`window_chunk_backward`, ``chunk_size`` as :func:`chunk_window_rule`'s), or
     autograd of the torch chunk form recomputed (:func:`window_torch_backward`) with ``BACKWARD == "torch"``."""
     q, xs, vs = saved[0], saved[1], saved[2]
-    if _chunk.BACKWARD == "torch":
+
+    def torch_path():
         BT = _win_sizes(q.shape[-1], vs.shape[-1], xs.shape[2], chunk_size)[0]
         return window_torch_backward(saved, need, do, dht, opts, BT)
-    grads = window_chunk_backward(*saved, do, dht, chunk_size=chunk_size, **opts)
-    return [gr if n else None for gr, n in zip(grads, need)]
+
+    def kernels():
+        grads = window_chunk_backward(*saved, do, dht, chunk_size=chunk_size, **opts)
+        return [gr if n else None for gr, n in zip(grads, need)]
+    return torch_path() if _chunk.BACKWARD == "torch" else with_torch_fallback(kernels, torch_path, "window backward")
 
 
 class WindowChunkFunction(torch.autograd.Function):

@@ -70,6 +70,7 @@ from typing import Optional, Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
+from .fallback import with_torch_fallback
 from .precision import dot_precision
 
 try:
@@ -467,9 +468,18 @@ def mlp_dual_step(parts, weights, momentum, x, v, d, P_e, Q_e, A_e, Th_e, S_e):
     rank-1 factors of every per-token gradient at the anchor, ``gradient_factors``' layout and order). Shapes the
     kernels do not take (:func:`supports_shapes`) run ``chunked._dual_step`` instead.
     """
-    if supports_shapes(x, weights["W1"], v) is not None:
-        from ..chunked import _dual_step
+    from ..chunked import _dual_step
+
+    def torch_path():
         return _dual_step(parts, weights, momentum, x, v, d, P_e, Q_e, A_e, Th_e, S_e)
+    if supports_shapes(x, weights["W1"], v) is not None:
+        return torch_path()
+    return with_torch_fallback(lambda: _mlp_dual_step_kernels(parts, weights, momentum, x, v, P_e, Q_e, A_e, Th_e, S_e),
+                               torch_path, "mlp chunk step")
+
+
+def _mlp_dual_step_kernels(parts, weights, momentum, x, v, P_e, Q_e, A_e, Th_e, S_e):
+    """:func:`mlp_dual_step` on the kernels (shapes already checked)."""
     mom = S_e is not None
     cfg = parts.memory.cfg
     d1, d2, a, W1_e, W2_e, S1_e, S2_e = mlp_chunk_step(

@@ -47,6 +47,7 @@ import torch
 
 from ..newton_schulz import MUON_COEFFICIENTS
 from ..newton_schulz import newton_schulz as newton_schulz_torch
+from .fallback import with_torch_fallback
 from .precision import dot_precision
 
 try:
@@ -214,23 +215,26 @@ class _NewtonSchulz(torch.autograd.Function):
         y, saved = _launch_forward(s, steps, eps, coefficients, shape_factor, allow_tf32, save)
         ctx.s_meta = (s.shape, s.dtype)
         if save:
-            ctx.save_for_backward(*saved)
+            ctx.save_for_backward(s, *saved)   # s too: the torch backward if the kernel cannot launch here
         elif ctx.needs_input_grad[0]:
             ctx.save_for_backward(s)
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
-        if ctx.kernel_bwd:
-            saved = ctx.saved_tensors
-            grad_s = newton_schulz_backward(grad_out, saved, *ctx.s_meta, *ctx.args, allow_tf32=ctx.allow_tf32)
-            return grad_s, None, None, None, None, None
-        (s,) = ctx.saved_tensors
-        with torch.enable_grad():
-            s_ = (s.float() if s.dtype in (torch.float16, torch.bfloat16) else s).detach().requires_grad_(True)
-            y = newton_schulz_torch(s_, *ctx.args)
-            (grad_s,) = torch.autograd.grad(y, s_, grad_out.to(y.dtype))
-        return grad_s.to(s.dtype), None, None, None, None, None
+        s, *saved = ctx.saved_tensors
+
+        def torch_path():
+            with torch.enable_grad():
+                s_ = (s.float() if s.dtype in (torch.float16, torch.bfloat16) else s).detach().requires_grad_(True)
+                y = newton_schulz_torch(s_, *ctx.args)
+                (grad_s,) = torch.autograd.grad(y, s_, grad_out.to(y.dtype))
+            return grad_s.to(s.dtype)
+
+        def kernel():
+            return newton_schulz_backward(grad_out, saved, *ctx.s_meta, *ctx.args, allow_tf32=ctx.allow_tf32)
+        grad_s = with_torch_fallback(kernel, torch_path, "newton_schulz backward") if ctx.kernel_bwd else torch_path()
+        return grad_s, None, None, None, None, None
 
 
 def newton_schulz(s: torch.Tensor, steps: int = 5, eps: float = 1e-7, coefficients=MUON_COEFFICIENTS,
@@ -249,4 +253,6 @@ def newton_schulz(s: torch.Tensor, steps: int = 5, eps: float = 1e-7, coefficien
         ``[..., rows, cols]``, the approximate polar factor of each matrix. Differentiable: the backward kernel
         walks the forward's saved iterates in reverse (``BACKWARD = "torch"``: autograd of the torch reference).
     """
-    return _NewtonSchulz.apply(s, int(steps), float(eps), tuple(coefficients), bool(shape_factor), allow_tf32)
+    args = (int(steps), float(eps), tuple(coefficients), bool(shape_factor))
+    return with_torch_fallback(lambda: _NewtonSchulz.apply(s, *args, allow_tf32),
+                               lambda: newton_schulz_torch(s, *args), "newton_schulz")
