@@ -249,34 +249,53 @@ def summarise(results, arch: int) -> dict:
 
 
 def markdown(results, per_kernel, arch: int, command: str, seconds: float, versions: str) -> str:
+    limit = SHARED_LIMIT.get(arch)
     failed = [r for r in results if not r["ok"]]
-    flagged = [r for r in results if r["ok"] and r["flags"]]
+    ok = [r for r in results if r["ok"]]
+    spill = lambda r: r.get("local", 0) + r.get("stack", 0)                      # noqa: E731
+    smem = lambda r: r.get("dynamic_shared", 0) + r.get("static_shared", 0)      # noqa: E731
+    over = lambda r: limit is not None and smem(r) > limit                        # noqa: E731
+    production = [r for r in ok if r["test"].startswith("production:")]
     lines = [f"# Triton kernels compiled for sm_{arch} without a GPU", "",
              f"`{command}` — {versions}, {time.strftime('%Y-%m-%d %H:%M')}; {seconds:.0f} s in all.", "",
-             f"{len(results)} distinct kernel builds (specialisations) of {len(per_kernel)} kernels, recorded from the "
-             f"launches of the Triton tests under the interpreter and compiled to cubin for `GPUTarget('cuda', {arch}, "
-             f"32)`: **{len(results) - len(failed)} compiled, {len(failed)} failed; {len(flagged)} compiled with a flag** "
-             f"(register spills to local memory, or shared memory above the per-block limit).", "",
+             f"{len(results)} distinct kernel builds (specialisations) of {len(per_kernel)} kernels — every launch of "
+             f"the Triton tests under the interpreter, and bench/kernels.py's cases at model head dims ("
+             f"{len(production)} builds) — compiled to cubin for `GPUTarget('cuda', {arch}, 32)`: "
+             f"**{len(ok)} compiled, {len(failed)} failed**; {sum(spill(r) > 0 for r in ok)} use local memory "
+             f"(register spills / a stack frame), {sum(over(r) for r in ok)} ask for more shared memory than a block "
+             f"has ({limit} B), {sum(bool(r.get('tensor_cores')) for r in ok)} use tensor-core instructions.", "",
+             "Registers, stack and static shared memory from `cuobjdump --dump-resource-usage` of each cubin; dynamic "
+             "shared memory from Triton's metadata; tensor cores = a `wgmma` / `mma.sync` instruction in the PTX. "
              "This says nothing about speed or about the numbers a GPU computes (the interpreter tests check the "
-             "arithmetic; `bench/device/check.sh` runs the tests on a GPU).", "",
-             "## Per kernel (worst specialisation)", "",
-             "| kernel | builds | failed | max registers | max local B | max shared B | flags |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+             "arithmetic; `bench/device/check.sh` runs the tests on a GPU).", ""]
+    if production:
+        lines += ["## Model shapes (bench/kernels.py's cases, B = H = 1: the constexprs depend on D and the chunk)", "",
+                  "| case | kernel | dot precision | warps | registers | stack B | shared B | tensor cores | flags |",
+                  "|---|---|---|---:|---:|---:|---:|---|---|"]
+        for r in production:
+            flags = "; ".join(f for f in r["flags"] if not f.startswith("local memory")) or ""
+            lines.append(f"| {r['test'].removeprefix('production: ')} | {r['kernel']} | "
+                         f"{r['constexprs'].get('PRECISION', '—')} | {r['num_warps']} | {r.get('registers', '—')} | "
+                         f"{spill(r)} | {smem(r)} | {'yes' if r.get('tensor_cores') else 'no'} | {flags} |")
+        lines.append("")
+    lines += ["## Every build, per kernel", "",
+              "| kernel | builds | failed | max registers | max stack B | max shared B | spilling builds | "
+              "over shared limit | tensor-core builds |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, rs in sorted(per_kernel.items()):
-        ok = [r for r in rs if r["ok"]]
-        worst = lambda key: max((r.get(key, 0) for r in ok), default=0)   # noqa: E731
-        smem = max((r.get("dynamic_shared", 0) + r.get("static_shared", 0) for r in ok), default=0)
-        flags = sorted({f for r in rs for f in r["flags"]})
-        lines.append(f"| {name} | {len(rs)} | {len(rs) - len(ok)} | {worst('registers')} | {worst('local')} | "
-                     f"{smem} | {'; '.join(flags)} |")
-    if failed or flagged:
-        lines += ["", "## Builds that failed or were flagged", "",
-                  "| kernel | dtypes | constexprs | num_warps | flags / error | a test that launches it |", "|---|---|---|---:|---|---|"]
-        for r in failed + flagged:
-            what = r.get("error", "; ".join(r["flags"])).replace("|", "/")
+        good = [r for r in rs if r["ok"]]
+        lines.append(f"| {name} | {len(rs)} | {len(rs) - len(good)} | "
+                     f"{max((r.get('registers', 0) for r in good), default=0)} | "
+                     f"{max((spill(r) for r in good), default=0)} | {max((smem(r) for r in good), default=0)} | "
+                     f"{sum(spill(r) > 0 for r in good)} | {sum(over(r) for r in good)} | "
+                     f"{sum(bool(r.get('tensor_cores')) for r in good)} |")
+    if failed:
+        lines += ["", "## Builds that failed", "",
+                  "| kernel | dtypes | constexprs | num_warps | error | a test that launches it |", "|---|---|---|---:|---|---|"]
+        for r in failed:
             const = ", ".join(f"{k}={v}" for k, v in r["constexprs"].items())
-            lines.append(f"| {r['kernel']} | {', '.join(r['dtypes'])} | {const} | {r['num_warps']} | {what} | "
-                         f"`{r['test']}` |")
+            lines.append(f"| {r['kernel']} | {', '.join(r['dtypes'])} | {const} | {r['num_warps']} | "
+                         f"{r['error'].replace('|', '/')} | `{r['test']}` |")
     return "\n".join(lines) + "\n"
 
 
@@ -296,6 +315,8 @@ def main(argv=None) -> int:
                    help="reuse launches recorded earlier (a file written by --keep-launches) instead of recording")
     p.add_argument("--keep-launches", type=Path, default=None, help="write the recorded launches to this file")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--report-only", type=Path, default=None,
+                   help="re-write the markdown report from a results JSON written earlier (no recording or compiling)")
     p.add_argument("--record-only", type=Path, default=None, help=argparse.SUPPRESS)   # subprocess 1
     p.add_argument("--compile-only", type=Path, default=None, help=argparse.SUPPRESS)  # subprocess 2
     args = p.parse_args(argv)
@@ -309,6 +330,14 @@ def main(argv=None) -> int:
         launches = json.loads(args.compile_only.read_text())
         results = compile_all(launches, args.arch, args.precision, args.num_warps, args.num_stages)
         args.compile_only.with_suffix(".out.json").write_text(json.dumps(results))
+        return 0
+
+    if args.report_only is not None:
+        saved = json.loads(args.report_only.read_text())
+        results = saved["builds"]
+        per_kernel = summarise(results, saved["arch"])
+        args.report_only.with_suffix(".md").write_text(markdown(results, per_kernel, saved["arch"], saved["command"],
+                                                                saved["seconds"], saved["versions"]))
         return 0
 
     start = time.perf_counter()
@@ -348,7 +377,7 @@ def main(argv=None) -> int:
                        + (f"_s{args.num_stages}" if args.num_stages else ""))
     seconds = time.perf_counter() - start
     stem.with_suffix(".json").write_text(json.dumps({"arch": args.arch, "versions": versions, "seconds": seconds,
-                                                     "builds": results}, indent=1))
+                                                     "command": command, "builds": results}, indent=1))
     stem.with_suffix(".md").write_text(markdown(results, per_kernel, args.arch, command, seconds, versions))
     failed = sum(not r["ok"] for r in results)
     print(f"{len(results)} builds, {failed} failed; wrote {stem}.json and {stem}.md")
