@@ -248,7 +248,7 @@ def summarise(results, arch: int) -> dict:
     return per_kernel
 
 
-def markdown(results, per_kernel, arch: int, command: str, seconds: float, versions: str) -> str:
+def markdown(results, per_kernel, arch: int, command: str, seconds: float, versions: str, date: str) -> str:
     limit = SHARED_LIMIT.get(arch)
     failed = [r for r in results if not r["ok"]]
     ok = [r for r in results if r["ok"]]
@@ -257,7 +257,7 @@ def markdown(results, per_kernel, arch: int, command: str, seconds: float, versi
     over = lambda r: limit is not None and smem(r) > limit                        # noqa: E731
     production = [r for r in ok if r["test"].startswith("production:")]
     lines = [f"# Triton kernels compiled for sm_{arch} without a GPU", "",
-             f"`{command}` — {versions}, {time.strftime('%Y-%m-%d %H:%M')}; {seconds:.0f} s in all.", "",
+             f"`{command}` — {versions}, {date}; {seconds:.0f} s in all.", "",
              f"{len(results)} distinct kernel builds (specialisations) of {len(per_kernel)} kernels — every launch of "
              f"the Triton tests under the interpreter, and bench/kernels.py's cases at model head dims ("
              f"{len(production)} builds) — compiled to cubin for `GPUTarget('cuda', {arch}, 32)`: "
@@ -337,7 +337,7 @@ def main(argv=None) -> int:
         results = saved["builds"]
         per_kernel = summarise(results, saved["arch"])
         args.report_only.with_suffix(".md").write_text(markdown(results, per_kernel, saved["arch"], saved["command"],
-                                                                saved["seconds"], saved["versions"]))
+                                                                saved["seconds"], saved["versions"], saved["date"]))
         return 0
 
     start = time.perf_counter()
@@ -376,9 +376,11 @@ def main(argv=None) -> int:
                        + (f"_w{args.num_warps}" if args.num_warps else "")
                        + (f"_s{args.num_stages}" if args.num_stages else ""))
     seconds = time.perf_counter() - start
-    stem.with_suffix(".json").write_text(json.dumps({"arch": args.arch, "versions": versions, "seconds": seconds,
-                                                     "command": command, "builds": results}, indent=1))
-    stem.with_suffix(".md").write_text(markdown(results, per_kernel, args.arch, command, seconds, versions))
+    date = time.strftime("%Y-%m-%d %H:%M")
+    head = json.dumps({"arch": args.arch, "versions": versions, "seconds": seconds, "command": command, "date": date})
+    builds = ",\n".join(json.dumps(r, sort_keys=True) for r in results)       # one build per line
+    stem.with_suffix(".json").write_text(f'{head[:-1]}, "builds": [\n{builds}\n]}}\n')
+    stem.with_suffix(".md").write_text(markdown(results, per_kernel, args.arch, command, seconds, versions, date))
     failed = sum(not r["ok"] for r in results)
     print(f"{len(results)} builds, {failed} failed; wrote {stem}.json and {stem}.md")
     return 1 if failed else 0
