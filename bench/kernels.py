@@ -3,6 +3,7 @@
     python bench/kernels.py --dtype bf16         # issue 6 on a GPU: T ∈ {2K, 8K, 32K}, B = 1, H = 8, D = 64 (< 8 min)
     python bench/kernels.py --dtype bf16 --quick # T ∈ {2K, 8K} on a GPU (< 3 min); T = 512 on CPU
     python bench/kernels.py --T 2048 8192 --heads 4 --dim 128 --dtype bf16
+    python bench/kernels.py --dtype fp32 --tf32   # fp32 inputs with TF32 dots (torch's "high" matmul precision)
 
 Rows (each at every T; ``op`` / ``impl``):
 
@@ -746,7 +747,8 @@ def write(rows, args, meta) -> Path:
     lines = [f"# Kernel benchmark on {meta['device_name']}", "",
              f"`{meta['command']}` — torch {meta['torch']}, triton {meta['triton']}, fla {meta['fla']}, "
              f"{meta['date']}; {meta['wall_s']:.0f} s in all.",
-             f"B = {args.batch}, H = {args.heads}, D = {args.dim}, dtype {args.dtype}; median of up to {args.reps} "
+             f"B = {args.batch}, H = {args.heads}, D = {args.dim}, dtype {args.dtype} (float32 matmul precision "
+             f"{meta['float32_matmul_precision']}); median of up to {args.reps} "
              f"runs (fewer once a row's {args.row_budget:g} s budget is spent: the reps column).", ""]
     if not meta["triton_timed"]:
         lines += ["**Triton kernels were NOT timed: no GPU.** On CPU Triton runs only in its interpreter "
@@ -772,6 +774,9 @@ def parse(argv=None):
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
+    p.add_argument("--tf32", action="store_true",
+                   help="torch.set_float32_matmul_precision('high'): fp32 rows use TF32 (torch's matmuls and the "
+                        "kernels' dots, kernels/triton/precision.py); half-precision rows always do")
     p.add_argument("--reps", type=int, default=None, help="most timed repeats per row (default 10 on GPU, 3 on CPU)")
     p.add_argument("--row-budget", type=float, default=None,
                    help="seconds of timed repeats per row before stopping (at least 2 repeats; default 3 GPU, 10 CPU)")
@@ -795,6 +800,8 @@ def parse(argv=None):
 def main(argv=None) -> None:
     args = parse(argv)
     args.start = time.perf_counter()
+    if args.tf32:
+        torch.set_float32_matmul_precision("high")
     if not HAS_CUDA:
         torch.set_num_threads(args.threads)
     triton_version = importlib.import_module("triton").__version__ if tk.triton_importable() else None
@@ -803,6 +810,7 @@ def main(argv=None) -> None:
     meta = {"device": device_slug(), "device_name": torch.cuda.get_device_name() if HAS_CUDA else
             f"CPU ({platform.processor() or platform.machine()}, {args.threads} threads)",
             "torch": torch.__version__, "triton": triton_version, "fla": fla_version,
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
             "date": time.strftime("%Y-%m-%d %H:%M"),
             "command": "python bench/kernels.py " + " ".join(sys.argv[1:] if argv is None else argv),
             "wall_s": time.perf_counter() - args.start,
