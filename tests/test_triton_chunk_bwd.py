@@ -194,3 +194,12 @@ def test_chunk_backward_half_precision_dtypes():
     (o_r.square().sum() + ht_r.sum()).backward()
     for a, r in zip(leaves, ref):
         assert a.grad.dtype == torch.float16 and rms_ratio(a.grad.double(), r.grad) <= 2e-2
+
+
+@pytest.mark.parametrize("bias", ["l2", "dot"])
+def test_several_value_blocks_at_head_dim_128(bias):
+    """D_k = 128: the state and backward kernels split D_v = 80 into value blocks of BV = 32 (chunk.value_block,
+    sized so their sm_90 builds fit an H100 / H200 block's shared memory), two full and one ragged."""
+    assert chunk_mod.value_block(128, 128) == 32
+    _assert_ratios(_grads_vs_float64(_inputs(1, 21, 1, 128, 80, seed=6),
+                                     dict(bias=bias, placement="before_step", read="token")))

@@ -755,12 +755,23 @@ if triton is not None:
         tl.store(dla + rows[:, None] * K + o_k[None, :], b_dla, mask=m_tk)
 
 
+#: a value block holds at most this many state elements (BV × BK): compiled for sm_90 (bench/compile_sm90.py), the
+#: backward kernels at BK = 128 ask for 281–312 KB of shared memory per block with BV = 64 — over the 227 KiB of an
+#: H100 / H200 — and 149–197 KB with BV = 32; at BK ≤ 64 the block stays BV = 64.
+MAX_VALUE_BLOCK = 4096
+
+
+def value_block(BK: int, BVV: int) -> int:
+    """BV, the value block of the state and backward kernels, for padded head dims BK (keys) and BVV (values)."""
+    return min(BVV, max(16, MAX_VALUE_BLOCK // BK))
+
+
 def _sizes(K: int, V: int, chunk_size: int):
     """Block sizes: BT (chunk), BK / BVV (padded head dims), BV (value block of the state kernels)."""
     if max(K, V) > MAX_D:
         raise ValueError(f"chunk (triton): head dims D_k = {K}, D_v = {V} must be ≤ {MAX_D}")
     BK, BVV = _pow2(K), _pow2(V)
-    return _pow2(chunk_size), BK, BVV, min(BVV, max(16, 8192 // BK))
+    return _pow2(chunk_size), BK, BVV, value_block(BK, BVV)
 
 
 def prepare_chunk_indices(cu_seqlens: torch.Tensor, chunk_size: int) -> Tuple[torch.Tensor, torch.Tensor]:

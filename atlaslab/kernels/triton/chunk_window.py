@@ -784,7 +784,7 @@ def _win_sizes(K: int, V: int, c: int, chunk_size: int):
     per = max(1, int(chunk_size) // c)
     BT = max(16, 1 << (per.bit_length() - 1))
     BK, BVV = _pow2(K), _pow2(V)
-    return BT, _pow2(BT * c), BK, BVV, min(BVV, max(16, 8192 // BK))
+    return BT, _pow2(BT * c), BK, BVV, _chunk.value_block(BK, BVV)
 
 
 def _slot_warps(BS: int) -> int:
