@@ -17,6 +17,8 @@ Rows (each at every T; ``op`` / ``impl``):
 - ``fla_chunk_gdn`` / ``fla-triton``: fla's ``chunk_gated_delta_rule`` (fla-core's Triton kernel), the same GDN
   problem: fla β = our ``lr`` gate, g = log α (our ``retention`` gate), ``scale = 1`` (bench/peers.py). Optional:
   measured only on CUDA when ``fla`` imports (from the environment, else from bench/.peers, appended to sys.path).
+- ``gla``: linear memory, dot bias, channel-wise decay (α per key channel) after the step, b = 1: ``triton`` (the
+  chunk kernel's channel-wise family) vs ``torch-chunked``.
 - ``omega_c1`` / ``omega_c4``: the GDN spec with an Omega window of c = 1 / c = 4 (ATLAS Eq. 9, γ gates, b = 1):
   ``triton`` (the c = 1 chunk kernel / the window kernel) vs ``torch-chunked``; same shapes.
 - ``titans_linear_momentum``: linear memory, momentum GD, decay (after the step), b = 16: ``triton`` (the
@@ -156,6 +158,9 @@ DEEP_WINDOW_GATES = {"lr": (0.02, 0.2), "retention": (0.9, 0.999), "window": (0.
                                                                                            # at η up to 0.9)
 CASES = {c.name: c for c in (
     MemoryCase("gdn", GDN, 1, "chunk", GDN_GATES, lambda B, T, H, D: flops_delta(B, T, H, D, D)),
+    MemoryCase("gla", {"memory": LINEAR0, "attentional_bias": "dot",
+                       "retention": {"name": "decay", "placement": "after_step", "channel_wise": True}},
+               1, "chunk", GDN_GATES, lambda B, T, H, D: flops_delta(B, T, H, D, D)),
     MemoryCase("omega_c1", {**GDN, "window": {"size": 1}}, 1, "chunk", WINDOW_GATES, flops_omega(1)),
     MemoryCase("omega_c4", {**GDN, "window": {"size": 4}}, 1, "chunk", WINDOW_GATES, flops_omega(4)),
     MemoryCase("titans_linear_momentum", {"memory": "linear", "inner_optimizer": "momentum", "retention": "decay"},
@@ -192,7 +197,9 @@ def memory_problem(case: MemoryCase, B, T, H, D, dtype, device, seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     q, k = (torch.nn.functional.normalize(torch.randn(B, T, H, D, generator=g), dim=-1) for _ in range(2))
     v = torch.randn(B, T, H, D, generator=g)
-    gates = {n: lo + (hi - lo) * torch.rand(B, T, H, generator=g) for n, (lo, hi) in case.gates.items()}
+    channel_wise = isinstance(case.spec.get("retention"), dict) and case.spec["retention"].get("channel_wise")
+    shape = lambda n: (B, T, H, D) if (n == "retention" and channel_wise) else (B, T, H)   # noqa: E731
+    gates = {n: lo + (hi - lo) * torch.rand(*shape(n), generator=g) for n, (lo, hi) in case.gates.items()}
     do = torch.randn(B, T, H, D, generator=g)
     cast = lambda x: x.to(device=device, dtype=dtype)   # noqa: E731
     return [cast(x) for x in (q, k, v)], {n: cast(x) for n, x in gates.items()}, cast(do)
@@ -610,7 +617,7 @@ def run(args) -> list:
         rows.append(recurrent_row(T, args, ctx))
         rows.append(fla_row(T, args, ctx))
         rows.append(sdpa_row(T, args, ctx))
-        for name in ("omega_c1", "omega_c4", "titans_linear_momentum", "titans_mlp", "omeganet_mlp"):
+        for name in ("gla", "omega_c1", "omega_c4", "titans_linear_momentum", "titans_mlp", "omeganet_mlp"):
             rows += memory_rows(CASES[name], T, args, ctx)
         rows += ns_rows(T, args, ctx)
         for r in rows[n0:]:
