@@ -1,10 +1,10 @@
 """When the GPU cannot launch a Triton kernel: the torch path instead, with one warning.
 
 Triton compiles a kernel at its first launch for the device at hand and raises ``OutOfResources`` when the build
-asks for more shared memory (or registers) per block than the chip has. Compiled for sm_90 at head dim 128
-(``python bench/compile_sm90.py``, ``bench/results/compile_sm90.md``), the chunk kernels' backward grad / dS kernels,
-the Omega-window backward grad kernel and the Newton–Schulz backward at 128 × 128 ask for 250–330 KB of shared memory,
-over the 227 KiB an H100 / H200 block can have: on such a GPU they cannot run at that size. Rather than fail the
+asks for more shared memory (or registers) per block than the chip has. Compiled for sm_90 (``python
+bench/compile_sm90.py``, ``bench/results/compile_sm90.md``), the Newton–Schulz backward at 128 × 128 asks for 329 KB
+of shared memory, over the 227 KiB an H100 / H200 block can have (the chunk and window backward kernels did too at head
+dim 128 until their value block was halved, ``chunk.value_block``), and other GPUs have less. Rather than fail the
 training step, every place that launches kernels runs them through :func:`with_torch_fallback`, whose fallback is
 the exact torch path of the same computation (the ``chunked`` engine for a forward, the reference recompute for a
 backward); the warning names the kernel path and the resource, once per path and process.
