@@ -7,7 +7,9 @@ and the gradients of q, k, v, the lr / momentum / decay / window gates and the l
 RMS-error ratio ≤ 1e-3 in fp32 — ℓ2 with both placements, dot bias, read token and chunk, T < b and T not a
 multiple of b; the op against its torch reference with a nonzero cached state (momentum, anchor, Π α) entering
 mid-chunk and several value blocks; decoding: a prompt of 6 tokens then 5 calls of one token equal one call of 11
-(outputs, state, gradients through the chained states); the dispatch. Kernel allocations are poisoned with NaN.
+(outputs, state, gradients through the chained states); the dispatch. Channel-wise decay (spec §15.4, §15.8:
+α_t ∈ [0, 1]^{D_k}, M ← M Diag(α_t) + S, before_step at M_a Diag(P)) the same ways, with one fast-forgetting key
+channel (α ≈ 0.05). Kernel allocations are poisoned with NaN.
 """
 import copy
 
@@ -27,6 +29,9 @@ pytestmark = pytest.mark.usefixtures("poison_empty")   # NaN-filled empty buffer
 H, D = 2, 8
 MOM = {"memory": "linear", "inner_optimizer": "momentum"}
 BEFORE = {"name": "decay", "placement": "before_step"}
+CW = {"name": "decay", "channel_wise": True}
+CW_BEFORE = dict(CW, placement="before_step")
+FAST = 0.05     # the kept fraction of the fast-forgetting key channel (channel 0) in the channel-wise cases
 CASES = {   # name: (spec, b, T)
     "l2_after_token_b4": (dict(MOM, retention="decay"), 4, 11),
     "l2_before_token_b4": (dict(MOM, retention=BEFORE), 4, 9),
@@ -37,6 +42,12 @@ CASES = {   # name: (spec, b, T)
     "l2_token_b4_T_lt_b": (MOM, 4, 3),
     "dot_decay_token_b4": (dict(MOM, attentional_bias="dot", retention="decay"), 4, 9),
     "dot_chunk_b1": (dict(MOM, attentional_bias="dot", read="chunk"), 1, 5),
+    "cw_l2_after_token_b4": (dict(MOM, retention=CW), 4, 11),
+    "cw_l2_before_token_b4": (dict(MOM, retention=CW_BEFORE), 4, 9),
+    "cw_l2_before_chunk_b4_T_lt_b": (dict(MOM, retention=CW_BEFORE, read="chunk"), 4, 3),
+    "cw_l2_after_chunk_b1": (dict(MOM, retention=CW, read="chunk"), 1, 5),
+    "cw_l2_before_token_b1": (dict(MOM, retention=CW_BEFORE), 1, 5),
+    "cw_dot_before_token_b4": (dict(MOM, attentional_bias="dot", retention=CW_BEFORE), 4, 6),
 }
 
 
@@ -45,7 +56,14 @@ def _parts(spec):
 
 
 def _data(parts, T, seed=0, B=2):
-    return momentum_data(parts, T, H, D, seed=seed, B=B)
+    """momentum_data; a channel-wise spec's retention gate ``[B, T, H, D]`` in [0.5, 0.95], channel 0 at ≈ FAST."""
+    (q, k, v), gates = momentum_data(parts, T, H, D, seed=seed, B=B)
+    if parts.retention.channel_wise:
+        g = torch.Generator().manual_seed(seed + 2)
+        alpha = 0.5 + 0.45 * torch.rand(B, T, H, D, generator=g, dtype=torch.float64)
+        alpha[..., 0] = FAST * (1 + 0.2 * torch.rand(B, T, H, generator=g, dtype=torch.float64))
+        gates["retention"] = alpha
+    return (q, k, v), gates
 
 
 def _loss(o, state):
@@ -106,12 +124,16 @@ def test_memorize_triton_matches_recurrent(name, monkeypatch):
         assert torch.isfinite(a).all() and rms_ratio(a.double(), r) <= TOL
 
 
-OP_SHAPES = [   # (B, T, H, D_k, D_v, b, position, bias, placement, read, decay)
+OP_SHAPES = [   # (B, T, H, D_k, D_v, b, position, bias, placement, read, decay: True / False / "channel")
     (1, 7, 2, 8, 12, 4, 6, "l2", "before_step", "token", True),    # enters mid-chunk, D_k ≠ D_v
     (1, 5, 1, 128, 40, 3, 1, "l2", "after_step", "chunk", True),   # three value blocks (the last one ragged)
     (1, 6, 1, 64, 80, 4, 3, "l2", "before_step", "token", True),   # 3 | 5 value blocks, each with a share of dP
     (2, 4, 1, 8, 8, 2, 1, "l2", "after_step", "token", False),     # no retention: Π α passes through
     (2, 3, 1, 8, 8, 4, 2, "dot", "before_step", "token", True),    # the call stays inside one chunk
+    (1, 7, 2, 8, 12, 4, 6, "l2", "before_step", "token", "channel"),   # channel-wise, enters mid-chunk
+    (1, 6, 1, 64, 80, 4, 3, "l2", "before_step", "token", "channel"),  # channel-wise, 5 value blocks share dP
+    (1, 5, 1, 128, 40, 3, 1, "l2", "after_step", "chunk", "channel"),  # channel-wise, D_k = 128, 3 value blocks
+    (2, 4, 1, 8, 8, 2, 1, "l2", "after_step", "token", "channel_no_alpha"),  # [B, H, D_k] Π α, no gate: passes
 ]
 
 
@@ -126,11 +148,16 @@ def test_op_matches_reference_with_cached_state(B, T, nh, K, V, b, pos, bias, pl
     g = torch.Generator().manual_seed(0)
     q, k = (torch.nn.functional.normalize(torch.randn(B, T, nh, K, generator=g), dim=-1) for _ in range(2))
     v = torch.randn(B, T, nh, V, generator=g)
-    beta, theta, alpha = (lo + (1 - lo) * torch.rand(B, T, nh, generator=g) for lo in (0.2, 0.5, 0.6))
+    channel = decay in ("channel", "channel_no_alpha")
+    pc = (K,) if channel else ()
+    beta, theta = (lo + (1 - lo) * torch.rand(B, T, nh, generator=g) for lo in (0.2, 0.5))
+    alpha = 0.6 + 0.4 * torch.rand(B, T, nh, *pc, generator=g)
+    if channel:
+        alpha[..., 0] = FAST
     m0, s0, a0 = (0.4 * torch.randn(B, nh, V, K, generator=g) for _ in range(3))
-    p0 = 0.5 + 0.5 * torch.rand(B, nh, generator=g)
+    p0 = 0.5 + 0.5 * torch.rand(B, nh, *pc, generator=g)
     x = [t.to(DEVICE) if t is not None else None
-         for t in (q, k, v, beta, theta, alpha if decay else None, m0, s0, a0, p0)]
+         for t in (q, k, v, beta, theta, alpha if decay in (True, "channel") else None, m0, s0, a0, p0)]
     leaves = [t.clone().requires_grad_() if t is not None else None for t in x]
     refs = [t.double().requires_grad_() if t is not None else None for t in x]
     opts = dict(position=pos, chunk_size=b, bias=bias, placement=placement, read=read)
@@ -148,8 +175,9 @@ def test_op_matches_reference_with_cached_state(B, T, nh, K, V, b, pos, bias, pl
         assert torch.isfinite(a).all() and (rms_ratio(a.double(), r) <= TOL if r.any() else not a.any())
 
 
-@pytest.mark.parametrize("spec", [dict(MOM, retention=BEFORE), dict(MOM, retention="decay", read="chunk")],
-                         ids=["l2_before_token", "l2_after_chunk"])
+@pytest.mark.parametrize("spec", [dict(MOM, retention=BEFORE), dict(MOM, retention="decay", read="chunk"),
+                                  dict(MOM, retention=CW_BEFORE)],
+                         ids=["l2_before_token", "l2_after_chunk", "cw_l2_before_token"])
 def test_decoding_one_token_per_call_equals_one_call(spec, monkeypatch):
     """A prompt of 6 tokens, then 5 calls of one token (b = 4: calls start mid-chunk and at chunk starts), each on the
     token kernel from the previous call's state, equal one float64 recurrent call of 11: outputs, state, and the
@@ -198,8 +226,15 @@ def test_dispatch(monkeypatch):
     assert kernel(before, short, 4) == "fused_recurrent_momentum"
     assert kernel(before, long_, 4) == ("chunk_momentum" if cm.spec_reason(before, 4) is None
                                         else "fused_recurrent_momentum")
-    for spec in (dict(MOM, retention={"name": "decay", "channel_wise": True}), dict(MOM, window={"size": 3}),
-                 dict(MOM, memory="mlp"), {"memory": "linear", "inner_optimizer": "muon"}):
+    for spec in (dict(MOM, retention=CW), dict(MOM, retention=CW_BEFORE, read="chunk")):   # channel-wise decay:
+        p = _parts(spec)                                                  # the token kernel at any T, b, position
+        assert frm.spec_reason(p, 4) is None and tk.spec_reason(p, 4) is None and "channel-wise" in cm.spec_reason(p, 4)
+        for x, b, kw in ((short, 4, {}), (long_, 4, {}), (long_, 4, dict(position=6)), (long_, 1, {}),
+                         (short, 4, dict(mode="fused_recurrent"))):
+            assert kernel(p, x, b, **kw) == "fused_recurrent_momentum"
+        assert kernel(p, long_, 4, mode="chunk") is None
+    for spec in (dict(MOM, window={"size": 3}), dict(MOM, memory="mlp"),
+                 {"memory": "linear", "inner_optimizer": "muon"}):
         p = _parts(spec)
         assert kernel(p, short, 4) is None and tk.spec_reason(p, 4) and frm.spec_reason(p, 4)
     assert kernel(parts, short.double(), 4) is None                               # fp64 stays on torch

@@ -819,11 +819,12 @@ def chunk_momentum(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
 
 # ------------------------------------------------------------------------------------------ dispatch + engine
 
-def linear_momentum_reason(parts) -> Optional[str]:
+def linear_momentum_reason(parts, channel_wise_ok: bool = False) -> Optional[str]:
     """None when ``parts`` is a spec the momentum kernels (this chunk kernel and the token-by-token one in
     ``fused_recurrent_momentum.py``) compute exactly, semantic chunk aside, else the first reason they do not:
-    linear memory, ℓ2 or dot bias, momentum GD, no retention or per-head scalar decay (either placement, §15.4),
-    Omega window c = 1, read token or chunk, head dims ≤ MAX_D."""
+    linear memory, ℓ2 or dot bias, momentum GD, no retention or per-head scalar decay (either placement, §15.4;
+    ``channel_wise_ok``: channel-wise decay too — the token kernel only), Omega window c = 1, read token or chunk,
+    head dims ≤ MAX_D."""
     s, ret = parts.spec, parts.retention
     bias = s.attentional_bias.name
     checks = [
@@ -832,7 +833,8 @@ def linear_momentum_reason(parts) -> Optional[str]:
         (bias in BIASES, f"attentional bias '{bias}' (momentum kernels: l2, dot)"),
         (s.inner_optimizer.name == "momentum", f"inner optimizer '{s.inner_optimizer.name}' (momentum)"),
         (s.retention.name in ("none", "decay"), f"retention '{s.retention.name}' (none, decay)"),
-        (not getattr(ret, "channel_wise", False), "channel-wise decay (momentum kernels: per-head scalar)"),
+        (channel_wise_ok or not getattr(ret, "channel_wise", False),
+         "channel-wise decay (momentum chunk kernel: per-head scalar)"),
         (parts.window.size == 1, f"window size {parts.window.size} (c = 1)"),
         (parts.read in READS, f"read '{parts.read}'"),
         (max(parts.feature_map.out_dim, parts.value_dim) <= MAX_D, f"head dims > {MAX_D}"),

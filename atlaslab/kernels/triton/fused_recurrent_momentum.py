@@ -84,13 +84,19 @@ STATE_BLOCK_BWD = 1024
 
 
 def check_args(q, k, v, beta, theta, alpha, m0, s0, a0, p0, position, chunk_size, bias, placement, read) -> None:
-    """Validate shapes and options (see :func:`fused_recurrent_momentum`)."""
-    _check_momentum_args(q=q, k=k, v=v, beta=beta, theta=theta, alpha=alpha, m0=m0, s0=s0, chunk_size=chunk_size,
-                         bias=bias, read=read)
+    """Validate shapes and options (see :func:`fused_recurrent_momentum`); channel-wise α (``[B, T, H, D_k]``) goes
+    with a ``[B, H, D_k]`` Π α."""
+    channel = p0.dim() == 3
+    _check_momentum_args(q=q, k=k, v=v, beta=beta, theta=theta, alpha=None if channel else alpha, m0=m0, s0=s0,
+                         chunk_size=chunk_size, bias=bias, read=read)
+    if channel and alpha is not None and tuple(alpha.shape) != tuple(q.shape):
+        raise ValueError(f"alpha (channel-wise): expected [B, T, H, D_k] = {list(q.shape)}, got {list(alpha.shape)}")
     if tuple(a0.shape) != tuple(m0.shape):
         raise ValueError(f"initial_anchor: expected [B, H, D_v, D_k] = {list(m0.shape)}, got {list(a0.shape)}")
-    if tuple(p0.shape) != (q.shape[0], q.shape[2]):
-        raise ValueError(f"initial_chunk_alpha: expected [B, H] = {[q.shape[0], q.shape[2]]}, got {list(p0.shape)}")
+    want = (q.shape[0], q.shape[2]) + ((q.shape[3],) if channel else ())
+    if tuple(p0.shape) != want:
+        raise ValueError(f"initial_chunk_alpha: expected {'[B, H, D_k]' if channel else '[B, H]'} = {list(want)}, "
+                         f"got {list(p0.shape)}")
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}; got '{placement}'")
     if int(position) < 0:
@@ -109,11 +115,13 @@ def momentum_recurrent_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """The module docstring's token equations in plain torch (differentiable).
 
     Args: as :func:`fused_recurrent_momentum`. Returns ``(o [B, T, H, D_v], M_T, S_T, M_a [B, H, D_v, D_k],
-    P [B, H])``.
+    P [B, H] or, channel-wise, [B, H, D_k])``. Channel-wise α (``[B, T, H, D_k]``, spec §15.4, §15.8) acts on the
+    key axis: M ← M Diag(α_t) + S, and ``before_step`` takes the gradient at M_a Diag(P).
     """
     check_args(q, k, v, beta, theta, alpha, m0, s0, a0, p0, position, chunk_size, bias, placement, read)
     b = int(chunk_size)
     before = placement == "before_step" and alpha is not None
+    channel = p0.dim() == 3
     M, S, A, P = m0, s0, a0, p0
     outs = []
     for t in range(q.shape[1]):
@@ -122,13 +130,17 @@ def momentum_recurrent_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         q_t, k_t, v_t = q[:, t], k[:, t], v[:, t]                               # [B, H, D]
         if alpha is not None:
             P = P * alpha[:, t]
-        if bias == "l2":
+        if bias == "l2" and channel:
+            e = torch.einsum("bhvk,bhk->bhv", A, P * k_t if before else k_t) - v_t   # (M_a Diag(P)) k_t − v_t
+        elif bias == "l2":
             pred = torch.einsum("bhvk,bhk->bhv", A, k_t)
             e = (P.unsqueeze(-1) * pred if before else pred) - v_t
         else:
             e = -v_t
         S = theta[:, t, :, None, None] * S - (beta[:, t, :, None] * e).unsqueeze(-1) * k_t.unsqueeze(-2)
-        M = (alpha[:, t, :, None, None] * M if alpha is not None else M) + S
+        if alpha is not None:
+            M = (alpha[:, t, :, None, :] if channel else alpha[:, t, :, None, None]) * M
+        M = M + S
         outs.append(torch.einsum("bhvk,bhk->bhv", M if read == "token" else A, q_t))
     o = torch.stack(outs, 1) if outs else v.new_zeros(v.shape)
     return o, M, S, A, P
@@ -142,11 +154,13 @@ if triton is not None:
     def _fused_momentum_kernel(q, k, v, beta, theta, alpha, m0, s0, a0, p0, o, mt, st, at, pt, hm, hs, ha, hp,
                                T, off, b, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                                BV: tl.constexpr, HAS_ALPHA: tl.constexpr, IS_L2: tl.constexpr,
-                               BEFORE: tl.constexpr, READ_TOKEN: tl.constexpr, STORE_STATES: tl.constexpr):
+                               BEFORE: tl.constexpr, READ_TOKEN: tl.constexpr, STORE_STATES: tl.constexpr,
+                               CHANNEL: tl.constexpr = False):
         """One program per (value block, batch·head): carries its rows of M, S, M_a and P over the T tokens (the
         module docstring's equations; ``off`` = position mod b of the first token). ``STORE_STATES`` (the backward's
         recompute) also writes every token's pre-step M_{t−1}, S_{t−1} and anchor M_a ``[B, T, H, D_v, D_k]`` and
-        P before α_t, P̃_t ``[B, T, H]``."""
+        P before α_t, P̃_t ``[B, T, H]``. ``CHANNEL``: channel-wise α (``alpha [B, T, H, D_k]``, P a ``[BK]``
+        vector, ``p0, pt [B, H, D_k]``, P̃ ``[B, T, H, D_k]``): M ← M Diag(α_t) + S, gradient at M_a Diag(P)."""
         i_v = tl.program_id(0)
         i_bh = tl.program_id(1)
         i_b = i_bh // H
@@ -160,7 +174,10 @@ if triton is not None:
         b_M = tl.load(m0 + state_offs, mask=m_h, other=0.0).to(tl.float32)
         b_S = tl.load(s0 + state_offs, mask=m_h, other=0.0).to(tl.float32)
         b_A = tl.load(a0 + state_offs, mask=m_h, other=0.0).to(tl.float32)
-        b_P = tl.load(p0 + i_bh).to(tl.float32)
+        if CHANNEL:
+            b_P = tl.load(p0 + i_bh.to(tl.int64) * K + o_k, mask=m_k, other=1.0).to(tl.float32)   # [BK]
+        else:
+            b_P = tl.load(p0 + i_bh).to(tl.float32)
         for t in range(0, T):
             row = (i_b.to(tl.int64) * T + t) * H + i_h      # flat (token, head) index of [B, T, H, ...]
             start = ((off + t) % b) == 0                    # a chunk starts: M_a ← M, P ← 1
@@ -171,25 +188,40 @@ if triton is not None:
                 tl.store(hm + t_offs, b_M, mask=m_h)
                 tl.store(hs + t_offs, b_S, mask=m_h)
                 tl.store(ha + t_offs, b_A, mask=m_h)
-                tl.store(hp + row, b_P, mask=i_v == 0)
+                if CHANNEL:
+                    tl.store(hp + row * K + o_k, b_P, mask=o_k + i_v * BK < K)
+                else:
+                    tl.store(hp + row, b_P, mask=i_v == 0)
             b_q = tl.load(q + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
             b_k = tl.load(k + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
             b_v = tl.load(v + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
             b_beta = tl.load(beta + row).to(tl.float32)
             b_th = tl.load(theta + row).to(tl.float32)
             b_a = 1.0
+            b_am = 1.0                                      # α_t as it multiplies M: a scalar, or [1, BK]
             if HAS_ALPHA:
-                b_a = tl.load(alpha + row).to(tl.float32)
+                if CHANNEL:
+                    b_a = tl.load(alpha + row * K + o_k, mask=m_k, other=1.0).to(tl.float32)
+                    b_am = b_a[None, :]
+                else:
+                    b_a = tl.load(alpha + row).to(tl.float32)
+                    b_am = b_a
             b_P = b_P * b_a
             if IS_L2:
-                pred = tl.sum(b_A * b_k[None, :], axis=1)   # M_a k_t
-                if BEFORE:
-                    pred = pred * b_P                       # (P M_a) k_t
+                if CHANNEL:
+                    if BEFORE:
+                        pred = tl.sum(b_A * (b_P * b_k)[None, :], axis=1)   # (M_a Diag(P)) k_t
+                    else:
+                        pred = tl.sum(b_A * b_k[None, :], axis=1)
+                else:
+                    pred = tl.sum(b_A * b_k[None, :], axis=1)   # M_a k_t
+                    if BEFORE:
+                        pred = pred * b_P                       # (P M_a) k_t
                 b_e = pred - b_v
             else:
                 b_e = -b_v
             b_S = b_th * b_S - (b_beta * b_e)[:, None] * b_k[None, :]
-            b_M = b_a * b_M + b_S
+            b_M = b_am * b_M + b_S
             if READ_TOKEN:
                 b_o = tl.sum(b_M * b_q[None, :], axis=1)
             else:
@@ -198,7 +230,10 @@ if triton is not None:
         tl.store(mt + state_offs, b_M, mask=m_h)
         tl.store(st + state_offs, b_S, mask=m_h)
         tl.store(at + state_offs, b_A, mask=m_h)
-        tl.store(pt + i_bh, b_P, mask=i_v == 0)             # every value block has the same P: one writes it
+        if CHANNEL:                                         # every value block has the same P: one writes it
+            tl.store(pt + i_bh.to(tl.int64) * K + o_k, b_P, mask=o_k + i_v * BK < K)
+        else:
+            tl.store(pt + i_bh, b_P, mask=i_v == 0)
 
     @triton.jit
     def _fused_momentum_bwd_kernel(q, k, v, beta, theta, alpha, hm, hs, ha, hp, do, dmt, dst, dat, dpt,
@@ -206,11 +241,12 @@ if triton is not None:
                                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                                    BV: tl.constexpr, HAS_ALPHA: tl.constexpr, IS_L2: tl.constexpr,
                                    BEFORE: tl.constexpr, READ_TOKEN: tl.constexpr, HAS_DMT: tl.constexpr,
-                                   HAS_DST: tl.constexpr, HAS_DAT: tl.constexpr):
+                                   HAS_DST: tl.constexpr, HAS_DAT: tl.constexpr, CHANNEL: tl.constexpr = False):
         """Reverse sweep, one program per (value block, batch·head): carries dM, dS, dM_a = ∂L/∂(state after token t)
         and this block's share of dP back over the tokens, from the stored pre-step states (the module docstring's
         backward). Reductions over D_v (dq, dk, dβ, dθ, dα, dP_0) are written per value block (leading ``[NV]``) and
-        summed in torch; dv and the initial states' gradients are per row."""
+        summed in torch; dv and the initial states' gradients are per row. ``CHANNEL``: channel-wise α, dP and dα
+        per key channel (``[BK]``; dα ``[NV, B, T, H, D_k]``, dP_0 ``[NV, B, H, D_k]``)."""
         i_v = tl.program_id(0)
         i_bh = tl.program_id(1)
         i_b = i_bh // H
@@ -225,7 +261,10 @@ if triton is not None:
         b_dM = tl.zeros([BV, BK], dtype=tl.float32)
         b_dS = tl.zeros([BV, BK], dtype=tl.float32)
         b_dA = tl.zeros([BV, BK], dtype=tl.float32)
-        b_dP = tl.load(dpt + i_bh, mask=i_v == 0, other=0.0).to(tl.float32)   # dP_T: counted by one value block
+        if CHANNEL:   # dP_T: counted by one value block
+            b_dP = tl.load(dpt + i_bh.to(tl.int64) * K + o_k, mask=o_k + i_v * BK < K, other=0.0).to(tl.float32)
+        else:
+            b_dP = tl.load(dpt + i_bh, mask=i_v == 0, other=0.0).to(tl.float32)   # dP_T: counted by one value block
         if HAS_DMT:
             b_dM += tl.load(dmt + state_offs, mask=m_h, other=0.0).to(tl.float32)
         if HAS_DST:
@@ -240,7 +279,10 @@ if triton is not None:
             b_Mp = tl.load(hm + t_offs, mask=m_h, other=0.0)    # M_{t−1}, S_{t−1}, M_a (fp32)
             b_Sp = tl.load(hs + t_offs, mask=m_h, other=0.0)
             b_A = tl.load(ha + t_offs, mask=m_h, other=0.0)
-            b_Pt = tl.load(hp + row)                            # P̃_t: P before α_t
+            if CHANNEL:                                         # P̃_t: P before α_t
+                b_Pt = tl.load(hp + row * K + o_k, mask=m_k, other=0.0)
+            else:
+                b_Pt = tl.load(hp + row)
             b_q = tl.load(q + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
             b_k = tl.load(k + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
             b_v = tl.load(v + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
@@ -248,19 +290,33 @@ if triton is not None:
             b_beta = tl.load(beta + row).to(tl.float32)
             b_th = tl.load(theta + row).to(tl.float32)
             b_a = 1.0
+            b_am = 1.0                                          # α_t as it multiplies M: a scalar, or [1, BK]
             if HAS_ALPHA:
-                b_a = tl.load(alpha + row).to(tl.float32)
+                if CHANNEL:
+                    b_a = tl.load(alpha + row * K + o_k, mask=m_k, other=1.0).to(tl.float32)
+                    b_am = b_a[None, :]
+                else:
+                    b_a = tl.load(alpha + row).to(tl.float32)
+                    b_am = b_a
             b_c = 1.0
             if BEFORE:
-                b_c = b_Pt * b_a                                # the gradient's point P_t M_a
-            b_u = tl.sum(b_A * b_k[None, :], axis=1)            # M_a k_t
-            if IS_L2:
-                b_e = b_c * b_u - b_v
+                b_c = b_Pt * b_a                                # the gradient's point P_t M_a (M_a Diag(P_t))
+            if CHANNEL:
+                b_kc = b_c * b_k                                # P_t ⊙ k_t (k_t after_step)
+                b_u = tl.sum(b_A * b_kc[None, :], axis=1)       # M_a (P_t ⊙ k_t)
+                if IS_L2:
+                    b_e = b_u - b_v
+                else:
+                    b_e = -b_v
             else:
-                b_e = -b_v
+                b_u = tl.sum(b_A * b_k[None, :], axis=1)        # M_a k_t
+                if IS_L2:
+                    b_e = b_c * b_u - b_v
+                else:
+                    b_e = -b_v
             # the read
             if READ_TOKEN:
-                b_Mt = b_a * b_Mp + b_th * b_Sp - (b_beta * b_e)[:, None] * b_k[None, :]
+                b_Mt = b_am * b_Mp + b_th * b_Sp - (b_beta * b_e)[:, None] * b_k[None, :]
                 b_dq = tl.sum(b_Mt * b_do[:, None], axis=0)
                 b_dM += b_do[:, None] * b_q[None, :]
             else:
@@ -268,22 +324,32 @@ if triton is not None:
                 b_dA += b_do[:, None] * b_q[None, :]
             # M_t = α_t M_{t−1} + S_t;  S_t = θ_t S_{t−1} − β_t e_t k_tᵀ
             b_dS += b_dM
-            b_dal = tl.sum(tl.sum(b_dM * b_Mp, axis=1), axis=0)
+            if CHANNEL:
+                b_dal = tl.sum(b_dM * b_Mp, axis=0)             # per key channel: column sums of dM ⊙ M_{t−1}
+            else:
+                b_dal = tl.sum(tl.sum(b_dM * b_Mp, axis=1), axis=0)
             b_dth = tl.sum(tl.sum(b_dS * b_Sp, axis=1), axis=0)
             b_dSk = tl.sum(b_dS * b_k[None, :], axis=1)         # dS_t k_t
             b_de = -b_beta * b_dSk
             b_dk = -b_beta * tl.sum(b_dS * b_e[:, None], axis=0)
             b_dbeta = -tl.sum(b_e * b_dSk, axis=0)
-            if IS_L2:   # e_t = c_t M_a k_t − v_t
-                b_dA += (b_c * b_de)[:, None] * b_k[None, :]
-                b_dk += tl.sum(b_A * (b_c * b_de)[:, None], axis=0)
-                if BEFORE:
-                    b_dP += tl.sum(b_de * b_u, axis=0)
+            if IS_L2:
+                if CHANNEL:   # e_t = M_a (c_t ⊙ k_t) − v_t
+                    b_Ade = tl.sum(b_A * b_de[:, None], axis=0)     # M_aᵀ de  [BK]
+                    b_dA += b_de[:, None] * b_kc[None, :]
+                    b_dk += b_c * b_Ade
+                    if BEFORE:
+                        b_dP += b_k * b_Ade
+                else:         # e_t = c_t M_a k_t − v_t
+                    b_dA += (b_c * b_de)[:, None] * b_k[None, :]
+                    b_dk += tl.sum(b_A * (b_c * b_de)[:, None], axis=0)
+                    if BEFORE:
+                        b_dP += tl.sum(b_de * b_u, axis=0)
             # P_t = P̃_t α_t
             if HAS_ALPHA:
                 b_dal += b_dP * b_Pt
             b_dP = b_dP * b_a
-            b_dM = b_a * b_dM
+            b_dM = b_am * b_dM
             b_dS = b_th * b_dS
             # a chunk start: M_a = M_{t−1} and P̃ = 1
             b_dM = tl.where(start, b_dM + b_dA, b_dM)
@@ -295,11 +361,17 @@ if triton is not None:
             tl.store(dbeta + part + row, b_dbeta)
             tl.store(dtheta + part + row, b_dth)
             if HAS_ALPHA:
-                tl.store(dalpha + part + row, b_dal)
+                if CHANNEL:
+                    tl.store(dalpha + (part + row) * K + o_k, b_dal, mask=m_k)
+                else:
+                    tl.store(dalpha + part + row, b_dal)
         tl.store(dm0 + state_offs, b_dM, mask=m_h)
         tl.store(ds0 + state_offs, b_dS, mask=m_h)
         tl.store(da0 + state_offs, b_dA, mask=m_h)
-        tl.store(dp0 + i_v.to(tl.int64) * B * H + i_bh, b_dP)
+        if CHANNEL:
+            tl.store(dp0 + (i_v.to(tl.int64) * B * H + i_bh) * K + o_k, b_dP, mask=m_k)
+        else:
+            tl.store(dp0 + i_v.to(tl.int64) * B * H + i_bh, b_dP)
 
 
 def _blocks(K: int, V: int, elements: int = STATE_BLOCK) -> Tuple[int, int]:
@@ -314,7 +386,8 @@ def fused_recurrent_momentum_forward(q, k, v, beta, theta, alpha, m0, s0, a0, p0
     """The kernel alone (no autograd); arguments and results as :func:`fused_recurrent_momentum`.
 
     ``store_states`` (the backward's recompute) also returns every token's pre-step ``[M_{t−1}, S_{t−1}, M_a]``
-    (``[B, T, H, D_v, D_k]`` fp32 each) and P̃_t (``[B, T, H]``, P before α_t): ``(outputs, states)``.
+    (``[B, T, H, D_v, D_k]`` fp32 each) and P̃_t (``[B, T, H]``, channel-wise ``[B, T, H, D_k]``; P before α_t):
+    ``(outputs, states)``.
     """
     check_args(q, k, v, beta, theta, alpha, m0, s0, a0, p0, position, chunk_size, bias, placement, read)
     B, T, H, K = q.shape
@@ -324,16 +397,18 @@ def fused_recurrent_momentum_forward(q, k, v, beta, theta, alpha, m0, s0, a0, p0
     f32 = dict(dtype=torch.float32, device=q.device)
     o = torch.empty_like(v)
     mt, st, at = (torch.empty(B, H, V, K, **f32) for _ in range(3))
-    pt = torch.empty(B, H, **f32)
+    channel = p0.dim() == 3                             # channel-wise α: Π α per key channel
+    pc = (K,) if channel else ()
+    pt = torch.empty(B, H, *pc, **f32)
     BK, BV = _blocks(K, V)
     b = int(chunk_size)
-    hist = [torch.empty(B, T, H, V, K, **f32) for _ in range(3)] + [torch.empty(B, T, H, **f32)] if store_states \
-        else [pt] * 4   # never written without STORE_STATES
+    hist = [torch.empty(B, T, H, V, K, **f32) for _ in range(3)] + [torch.empty(B, T, H, *pc, **f32)] \
+        if store_states else [pt] * 4   # never written without STORE_STATES
     _fused_momentum_kernel[(triton.cdiv(V, BV), B * H)](
         q, k, v, beta, theta, alpha if alpha is not None else beta, m0, s0, a0, p0, o, mt, st, at, pt, *hist, T,
         int(position) % b, b, H=H, K=K, V=V, BK=BK, BV=BV, HAS_ALPHA=alpha is not None, IS_L2=bias == "l2",
         BEFORE=placement == "before_step" and alpha is not None, READ_TOKEN=read == "token",
-        STORE_STATES=store_states, num_warps=4)
+        STORE_STATES=store_states, CHANNEL=channel, num_warps=4)
     out = (o, mt.to(m0.dtype), st.to(s0.dtype), at.to(a0.dtype), pt.to(p0.dtype))
     return (out, hist) if store_states else out
 
@@ -362,10 +437,12 @@ def fused_recurrent_momentum_backward(q, k, v, beta, theta, alpha, m0, s0, a0, p
     dq, dk = (torch.empty(NV, B, T, H, K, **f32) for _ in range(2))
     dv = torch.empty(B, T, H, V, **f32)
     dbeta, dtheta = (torch.empty(NV, B, T, H, **f32) for _ in range(2))
-    dalpha = torch.empty(NV, B, T, H, **f32) if alpha is not None else None
+    channel = p0.dim() == 3
+    pc = (K,) if channel else ()
+    dalpha = torch.empty(NV, B, T, H, *pc, **f32) if alpha is not None else None
     dm0, ds0, da0 = (torch.empty(B, H, V, K, **f32) for _ in range(3))
-    dp0 = torch.empty(NV, B, H, **f32)
-    dpt = dpt.contiguous() if dpt is not None else torch.zeros(B, H, **f32)
+    dp0 = torch.empty(NV, B, H, *pc, **f32)
+    dpt = dpt.contiguous() if dpt is not None else torch.zeros(B, H, *pc, **f32)
     dummy = dpt
     _fused_momentum_bwd_kernel[(NV, B * H)](
         q, k, v, beta, theta, alpha if alpha is not None else beta, hm, hs, ha, hp, do,
@@ -373,7 +450,7 @@ def fused_recurrent_momentum_backward(q, k, v, beta, theta, alpha, m0, s0, a0, p
         dalpha if dalpha is not None else dummy, dm0, ds0, da0, dp0, T, int(position) % b, b, B, H=H, K=K, V=V,
         BK=BK, BV=BV, HAS_ALPHA=alpha is not None, IS_L2=bias == "l2",
         BEFORE=placement == "before_step" and alpha is not None, READ_TOKEN=read == "token",
-        HAS_DMT=dmt is not None, HAS_DST=dst is not None, HAS_DAT=dat is not None,
+        HAS_DMT=dmt is not None, HAS_DST=dst is not None, HAS_DAT=dat is not None, CHANNEL=channel,
         num_warps=4 if BK * BV <= STATE_BLOCK_BWD else 8)   # D_k ≥ 128 (the 16-row floor): twice the threads
     return (dq.sum(0).to(q.dtype), dk.sum(0).to(k.dtype), dv.to(v.dtype), dbeta.sum(0).to(beta.dtype),
             dtheta.sum(0).to(theta.dtype), dalpha.sum(0).to(alpha.dtype) if alpha is not None else None,
@@ -432,11 +509,12 @@ def fused_recurrent_momentum(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         q, k: ``[B, T, H, D_k]`` (feature map already applied); v: ``[B, T, H, D_v]`` (D_k, D_v ≤ 256).
         beta: ``[B, T, H]`` step β_t = η_t γ_t.
         theta: ``[B, T, H]`` momentum gate θ_t.
-        alpha: ``[B, T, H]`` per-head kept fraction α_t, or None (no retention).
+        alpha: ``[B, T, H]`` per-head kept fraction α_t, or ``[B, T, H, D_k]`` channel-wise (per key channel,
+            M ← M Diag(α_t) + S; spec §15.4, §15.8), or None (no retention).
         initial_state, initial_momentum, initial_anchor: M, S and the current chunk's start memory M_a before the
             first token, ``[B, H, D_v, D_k]`` (the anchor is used only until the next chunk start).
         initial_chunk_alpha: ``[B, H]`` P, the product of α over the current chunk's tokens so far (1 at a chunk
-            start; ``MemoryState.chunk_alpha``).
+            start; ``MemoryState.chunk_alpha``); ``[B, H, D_k]`` with channel-wise α (this shape selects it).
         position: tokens consumed before this call (chunks start where the position is a multiple of b).
         chunk_size: the semantic chunk b ≥ 1 (it changes the result).
         bias: ``l2`` or ``dot``; placement: ``after_step`` or ``before_step`` (ℓ2: gradient at P M_a); read:
@@ -444,7 +522,7 @@ def fused_recurrent_momentum(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
     Returns:
         ``o: [B, T, H, D_v]`` (dtype of v), the final M, S and M_a ``[B, H, D_v, D_k]`` (dtypes of the initial
-        ones) and the final P ``[B, H]``.
+        ones) and the final P ``[B, H]`` (channel-wise ``[B, H, D_k]``).
     """
     return FusedRecurrentMomentumFunction.apply(q, k, v, beta, theta, alpha, initial_state, initial_momentum,
                                                 initial_anchor, initial_chunk_alpha, int(position), int(chunk_size),
@@ -455,10 +533,10 @@ def fused_recurrent_momentum(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 def spec_reason(parts, chunk_size: int) -> Optional[str]:
     """None when the token-by-token momentum kernel computes ``parts`` at semantic chunk ``chunk_size`` exactly, else
-    why not: :func:`.chunk_momentum.linear_momentum_reason`, at any b ≥ 1."""
+    why not: :func:`.chunk_momentum.linear_momentum_reason` with channel-wise decay allowed, at any b ≥ 1."""
     if chunk_size < 1:
         return f"chunk_size b = {chunk_size} (b ≥ 1)"
-    return linear_momentum_reason(parts)
+    return linear_momentum_reason(parts, channel_wise_ok=True)
 
 
 def memorize_fused_recurrent_momentum(q, k, v, parts, gates, chunk_size, state, block_size: int = 64,
