@@ -34,8 +34,9 @@ Dispatch, in the spirit of fla's backend registry: a Triton kernel is used only 
    ``read`` token or chunk; head dims ≤ 256;
    or, for the momentum kernels (linear memory, ℓ2 or dot bias, inner optimizer momentum, no retention or
    per-head scalar decay, c = 1, read token or chunk): the token-by-token kernel
-   (:func:`.fused_recurrent_momentum.spec_reason`: any b ≥ 1, either placement; ``fused_recurrent``) and the chunk
-   kernel (:func:`.chunk_momentum.spec_reason`: 2 ≤ b ≤ 64; ``chunk``). ``auto`` takes the token kernel for
+   (:func:`.fused_recurrent_momentum.spec_reason`: any b ≥ 1, either placement, channel-wise decay too;
+   ``fused_recurrent``) and the chunk kernel (:func:`.chunk_momentum.spec_reason`: 2 ≤ b ≤ 64, no channel-wise
+   decay; ``chunk``). ``auto`` takes the token kernel for
    T ≤ ``RECURRENT_MAX_T``, for a call that starts mid-chunk (``state.position`` mod b ≠ 0) with
    T ≤ ``MOMENTUM_MID_CHUNK_MAX_T`` (decoding), and whenever the chunk kernel does not take the spec; otherwise the
    chunk kernel (a long call starting mid-chunk finishes that chunk on the torch ``chunked`` engine, then runs it).
@@ -79,8 +80,8 @@ a re-run of the forward kernel stores; the sums over D_v per value block, added 
 ``ATLASLAB_MOMENTUM_BACKWARD=torch`` falls back to autograd through its torch token loop
 (``tests/test_triton_momentum_recurrent.py``: outputs, final memory, momentum, anchor and Π α and every input
 gradient against ``memorize(mode="recurrent")`` in float64 at b = 1, 4, both placements, ℓ2 and dot, read token
-and chunk; decoding one token per call from the cached state equals one call; RMS-error ratio ~2e-7 in fp32 under
-the interpreter).
+and chunk, per-head and channel-wise decay; decoding one token per call from the cached state equals one call;
+RMS-error ratio ~2e-7 in fp32 under the interpreter).
 
 Omega windows c > 1 (ATLAS Eq.9 with γ gates, b = 1; ``chunk_window_rule`` / ``fused_recurrent_window_rule``,
 references ``reference.window_rule_recurrent`` / ``window_rule_chunk``): the engine gathers every token's c window

@@ -3,10 +3,11 @@ with a matrix memory), for inference / decoding with a cached state; its plain t
 engine that uses it.
 
 Spec (../shared/spec/ATLAS_FAMILY.md §15.2 chunk semantics, §15.4 retention placement, §15.5 momentum, §15.10 loss
-scaling; Titans §3.2 Eq.13-14): memory linear, ℓ2 or dot-product bias, inner optimizer ``momentum``, retention none
-or per-head scalar decay placed ``before_step`` or ``after_step``, Omega window c = 1, read ``token`` or ``chunk``.
-This is exactly ``recurrent.py::memorize_recurrent`` for that spec. One head's memory M, momentum S and chunk-start
-anchor M_a are ``[D_v, D_k]``; P is the running decay product of the current chunk (a scalar per head). Per token t
+scaling; Titans §3.2 Eq.13-14): memory linear, ℓ2 or dot-product bias, inner optimizer ``momentum``, retention none,
+per-head scalar decay or channel-wise decay (§15.8, per key channel), placed ``before_step`` or ``after_step``,
+Omega window c = 1, read ``token`` or ``chunk``. This is exactly ``recurrent.py::memorize_recurrent`` for that spec.
+One head's memory M, momentum S and chunk-start anchor M_a are ``[D_v, D_k]``; P is the running decay product of
+the current chunk (a scalar per head; a ``[D_k]`` vector with channel-wise decay, see below). Per token t
 at global position p, with step β_t = η_t γ_t (learning rate × the c = 1 window gate), momentum gate θ_t and kept
 fraction α_t (1 without retention):
 
@@ -17,6 +18,14 @@ fraction α_t (1 without retention):
     S ← θ_t S − β_t e_t k_tᵀ,     M ← α_t M + S                                              (§15.5)
     y_t = M q_t (read token)  or  M_a q_t (read chunk, §15.11)
 
+Channel-wise decay (``retention: {name: decay, channel_wise: true}``, α_t ∈ [0, 1]^{D_k}, gates ``[B, T, H, D_k]``;
+``retention.py::scale_weights`` scales the last = key axis): P ← P ⊙ α_t is a ``[D_k]`` vector per head and
+
+    W_a = M_a (after_step)  or  M_a Diag(P) (before_step),  so e_t = M_a (P ⊙ k_t) − v_t (ℓ2, before_step)
+    M ← M Diag(α_t) + S
+
+(the other lines unchanged; the state's ``chunk_alpha`` is ``[B, H, D_k]``).
+
 The state (M, S, M_a, P) and the position are inputs and outputs, so a sequence of calls of one token each equals
 one call over all of them (the decoding use): nothing restarts at a call boundary unless a chunk starts there.
 
@@ -25,9 +34,10 @@ Pieces:
 - :func:`momentum_recurrent_reference`: these equations in plain torch, token by token (the reference of the kernel
   and the recompute of its backward);
 - ``_fused_momentum_kernel``: one program per (value block × batch·head), sequential over T, the program's rows of
-  M, S, M_a (``[BV, D_k]`` each) and P in fp32 registers; it writes y_t per token and the final state once. Rows
-  of the memory evolve independently (e_t's row i depends only on row i of M_a), so splitting D_v is exact.
-  No ``tl.dot``: every step is rank-1 (outer products and row reductions).
+  M, S, M_a (``[BV, D_k]`` each) and P (channel-wise: a ``[BK]`` vector, constexpr ``CHANNEL``) in fp32
+  registers; it writes y_t per token and the final state once. Rows of the memory evolve independently (e_t's
+  row i depends only on row i of M_a), so splitting D_v is exact. No ``tl.dot``: every step is rank-1 (outer
+  products and row reductions).
 - backward (:func:`fused_recurrent_momentum_backward`; the forward saves only its inputs): the forward kernel is
   re-run storing every token's pre-step M_{t−1}, S_{t−1}, anchor M_a and P̃_t (P before α_t), then
   ``_fused_momentum_bwd_kernel`` (value block × batch·head, reverse over t) carries dM, dS, dM_a (∂L/∂ the state
@@ -39,8 +49,15 @@ Pieces:
       dM ← α dM,  dS ← θ dS,  dP ← α dP;   at a chunk start dM += dM_a, dM_a ← 0, dP ← 0
 
   (c = P_t before_step, else 1); after the first token the carried dM, dS, dM_a, dP are the initial state's
-  gradients. The sums over D_v (dq, dk, dβ, dθ, dα, dP) are written per value block and added in torch. Memory:
-  three ``[B, T, H, D_v, D_k]`` fp32 buffers (decoding-sized calls; about what the torch fallback's autograd keeps).
+  gradients. Channel-wise (c = P_t, a ``[D_k]`` vector, before_step, else 1; dP and dα are ``[D_k]`` per head):
+
+      e = M_a (c ⊙ k) − v;   dk = −β dSᵀ e [+ c ⊙ (M_aᵀ de)];   [ℓ2] dM_a += de (c ⊙ k)ᵀ
+      [ℓ2, before_step] dP += k ⊙ (M_aᵀ de);   dα_j = Σ_i dM_ij (M_{t−1})_ij + dP_j P̃_j   (per key channel j)
+      dM ← dM Diag(α),  dP ← dP ⊙ α   (the rest as above)
+
+  (the read token recompute M_t = M_{t−1} Diag(α) + S_t). The sums over D_v (dq, dk, dβ, dθ, dα, dP) are written
+  per value block and added in torch. Memory: three ``[B, T, H, D_v, D_k]`` fp32 buffers (decoding-sized calls;
+  about what the torch fallback's autograd keeps).
   ``BACKWARD = "torch"`` (``ATLASLAB_MOMENTUM_BACKWARD=torch``, shared with the chunk kernel) instead runs autograd
   through :func:`momentum_recurrent_reference` recomputed (≥ fp32) from the saved inputs.
 - :class:`FusedRecurrentMomentumFunction`: the kernel forward with that backward.
@@ -51,10 +68,11 @@ Pieces:
 
 Status: tested only under ``TRITON_INTERPRET=1`` on CPU (``tests/test_triton_momentum_recurrent.py``: outputs, final
 states and every input gradient vs ``memorize(mode="recurrent")`` in float64, b = 1 and 4, both placements, ℓ2 and
-dot, read token and chunk, RMS-error ratio ~2e-7 in fp32; the op with a cached state entering mid-chunk and several
-value blocks, both backwards; decoding one token per call equals one call); nothing has run on a GPU and nothing is
-tuned (one config: ``num_warps=4``, 8 in the backward at D_k ≥ 128; three ``[BV, BK]`` fp32 states per program with
-BV·BK ≤ 2048, seven in the backward with BV·BK ≤ 1024 above the 16-row floor). Compiled for sm_90 without a GPU
+dot, read token and chunk, per-head and channel-wise decay (one key channel at α ≈ 0.05), RMS-error ratio ~2e-7 in
+fp32; the op with a cached state entering mid-chunk and several value blocks, both backwards; decoding one token
+per call equals one call); nothing has run on a GPU and nothing is tuned (one config: ``num_warps=4``, 8 in the
+backward at D_k ≥ 128; three ``[BV, BK]`` fp32 states per program with BV·BK ≤ 2048, seven in the backward with
+BV·BK ≤ 1024 above the 16-row floor). Compiled for sm_90 without a GPU
 (``bench/compile_sm90.py``).
 """
 from __future__ import annotations
