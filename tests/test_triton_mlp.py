@@ -103,19 +103,15 @@ def test_kernel_fp16_inputs():
         assert rms_ratio(o.double().cpu(), r) <= 1e-2, name
 
 
-@pytest.mark.parametrize("act", ACTS)
-@pytest.mark.parametrize("mom", [True, False])
-def test_function_gradients_match_reference(act, mom):
-    """The autograd Function (fp32 Triton forward, recompute backward) vs autograd of the float64 reference: the
-    outputs and the gradients of x, v, W1, W2, S1, S2 and every coefficient row."""
-    ins = _inputs(momentum=mom, seed=1)
+def _assert_function_matches_reference(ins, **kw):
+    """``mlp_chunk_step`` (fp32 kernels, recompute backward) on float64 inputs ``ins`` vs autograd of the float64
+    reference with options ``kw``: every output and every present input's gradient within TOL."""
     ref_leaves = [None if z is None else z.clone().requires_grad_() for z in ins]
-    ref = mc.mlp_chunk_reference(*ref_leaves, activation=act)
+    ref = mc.mlp_chunk_reference(*ref_leaves, **kw)
     present = [(n, z) for n, z in zip(NAMES, ref_leaves) if z is not None]
     g_ref = torch.autograd.grad(_probe(ref), [z for _, z in present])
-
     leaves = _to(ins, torch.float32, grad=True)
-    out = mc.mlp_chunk_step(*leaves, activation=act)
+    out = mc.mlp_chunk_step(*leaves, **kw)
     for o, r in zip(out, ref):
         if r is not None:
             assert rms_ratio(o.double().cpu(), r.detach()) <= TOL
@@ -123,6 +119,14 @@ def test_function_gradients_match_reference(act, mom):
     for (name, _), g, r in zip(present, got, g_ref):
         assert g.dtype == torch.float32 and torch.isfinite(g).all(), name
         assert rms_ratio(g.double().cpu(), r) <= TOL, name
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("mom", [True, False])
+def test_function_gradients_match_reference(act, mom):
+    """The autograd Function (fp32 Triton forward, recompute backward) vs autograd of the float64 reference: the
+    outputs and the gradients of x, v, W1, W2, S1, S2 and every coefficient row."""
+    _assert_function_matches_reference(_inputs(momentum=mom, seed=1), activation=act)
 
 
 def test_function_float64_equals_reference_and_gradcheck():
@@ -343,21 +347,8 @@ def test_residual_needs_equal_dims():
 def test_general_function_gradients_match_reference(bias, mom):
     """The autograd Function (residual off, D_in = 15 ≠ D_out = 4) vs autograd of the float64 reference: outputs and
     the gradients of x, v, W1, W2, S1, S2 and every coefficient row."""
-    ins = _inputs(B=2, H=2, W=11, D=15, hid=8, momentum=mom, seed=12, DO=4)
-    kw = dict(activation="gelu", residual=False, bias=bias)
-    ref_leaves = [None if z is None else z.clone().requires_grad_() for z in ins]
-    ref = mc.mlp_chunk_reference(*ref_leaves, **kw)
-    present = [(n, z) for n, z in zip(NAMES, ref_leaves) if z is not None]
-    g_ref = torch.autograd.grad(_probe(ref), [z for _, z in present])
-    leaves = _to(ins, torch.float32, grad=True)
-    out = mc.mlp_chunk_step(*leaves, **kw)
-    for o, r in zip(out, ref):
-        if r is not None:
-            assert rms_ratio(o.double().cpu(), r.detach()) <= TOL
-    got = torch.autograd.grad(_probe(out), [z for z in leaves if z is not None])
-    for (name, _), g, r in zip(present, got, g_ref):
-        assert g.dtype == torch.float32 and torch.isfinite(g).all(), name
-        assert rms_ratio(g.double().cpu(), r) <= TOL, name
+    _assert_function_matches_reference(_inputs(B=2, H=2, W=11, D=15, hid=8, momentum=mom, seed=12, DO=4),
+                                       activation="gelu", residual=False, bias=bias)
 
 
 @pytest.mark.parametrize("bias", ["l2", "dot"])
