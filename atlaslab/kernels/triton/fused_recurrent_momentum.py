@@ -169,6 +169,21 @@ def momentum_recurrent_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 if triton is not None:
 
     @triton.jit
+    def _load_alpha(alpha, row, o_k, m_k, K: tl.constexpr, HAS_ALPHA: tl.constexpr, CHANNEL: tl.constexpr):
+        """α_t of token ``row`` → (α_t, α_t as it multiplies M): 1 without retention, a scalar per head, or the
+        [BK] key-channel vector and its [1, BK] row (channel-wise)."""
+        b_a = 1.0
+        b_am = 1.0
+        if HAS_ALPHA:
+            if CHANNEL:
+                b_a = tl.load(alpha + row * K + o_k, mask=m_k, other=1.0).to(tl.float32)
+                b_am = b_a[None, :]
+            else:
+                b_a = tl.load(alpha + row).to(tl.float32)
+                b_am = b_a
+        return b_a, b_am
+
+    @triton.jit
     def _fused_momentum_kernel(q, k, v, beta, theta, alpha, m0, s0, a0, p0, o, mt, st, at, pt, hm, hs, ha, hp,
                                T, off, b, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                                BV: tl.constexpr, HAS_ALPHA: tl.constexpr, IS_L2: tl.constexpr,
@@ -215,15 +230,7 @@ if triton is not None:
             b_v = tl.load(v + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
             b_beta = tl.load(beta + row).to(tl.float32)
             b_th = tl.load(theta + row).to(tl.float32)
-            b_a = 1.0
-            b_am = 1.0                                      # α_t as it multiplies M: a scalar, or [1, BK]
-            if HAS_ALPHA:
-                if CHANNEL:
-                    b_a = tl.load(alpha + row * K + o_k, mask=m_k, other=1.0).to(tl.float32)
-                    b_am = b_a[None, :]
-                else:
-                    b_a = tl.load(alpha + row).to(tl.float32)
-                    b_am = b_a
+            b_a, b_am = _load_alpha(alpha, row, o_k, m_k, K, HAS_ALPHA, CHANNEL)
             b_P = b_P * b_a
             if IS_L2:
                 if CHANNEL:
@@ -307,15 +314,7 @@ if triton is not None:
             b_do = tl.load(do + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
             b_beta = tl.load(beta + row).to(tl.float32)
             b_th = tl.load(theta + row).to(tl.float32)
-            b_a = 1.0
-            b_am = 1.0                                          # α_t as it multiplies M: a scalar, or [1, BK]
-            if HAS_ALPHA:
-                if CHANNEL:
-                    b_a = tl.load(alpha + row * K + o_k, mask=m_k, other=1.0).to(tl.float32)
-                    b_am = b_a[None, :]
-                else:
-                    b_a = tl.load(alpha + row).to(tl.float32)
-                    b_am = b_a
+            b_a, b_am = _load_alpha(alpha, row, o_k, m_k, K, HAS_ALPHA, CHANNEL)
             b_c = 1.0
             if BEFORE:
                 b_c = b_Pt * b_a                                # the gradient's point P_t M_a (M_a Diag(P_t))
