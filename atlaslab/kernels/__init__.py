@@ -5,12 +5,13 @@ chunk-parallel torch engine and Triton kernels plug into :data:`MODES` and must 
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, List, Mapping, Optional, Tuple, Union
 
 import torch
 
 from .chunked import memorize_chunked
 from .newton_schulz import newton_schulz
+from .packed import CuSeqlens, check_cu_seqlens, memorize_packed, sequence_states, split_state
 from . import recurrent as _recurrent
 from .recurrent import initial_state, memorize_recurrent, read_memory
 from .state import GATE_NAMES, Gates, MemoryState, normalise_gates
@@ -32,7 +33,8 @@ def memorize(
     initial_state: Optional[MemoryState] = None,
     block_size: int = 64,
     checkpoint: bool = False,
-) -> Tuple[torch.Tensor, MemoryState]:
+    cu_seqlens: Optional[CuSeqlens] = None,
+) -> Tuple[torch.Tensor, Union[MemoryState, List[MemoryState]]]:
     """Run a memory over a sequence: write every (k_t, v_t), read every q_t.
 
     Args:
@@ -52,10 +54,18 @@ def memorize(
             many tokens are processed in parallel; it does not change the result, unlike ``chunk_size``).
         checkpoint: ``chunked`` only: recompute each chunk in the backward pass instead of storing its
             activations (memory ∝ number of chunks × state size, for long sequences).
+        cu_seqlens: packed variable-length sequences (:mod:`.packed`, fla's convention): inputs ``[1, ΣT_i, …]``
+            and ``[N + 1]`` offsets ``[0, T_0, T_0 + T_1, …, ΣT_i]`` (a list or an integer tensor). Each sequence
+            is its own memory, exactly as if it ran alone: its own initial state, chunks counted from its first
+            token, a window that never reaches into the previous sequence. ``initial_state`` is then None, a
+            batch-N state, or the N batch-1 states a previous packed call returned. ``mode="triton"`` runs the
+            packed sequences natively (one launch per kernel stage) where its kernels take the spec; every other
+            case runs the sequences one after another through the engine.
 
     Returns:
         ``o: [B, T, H, D_v]`` and the final :class:`MemoryState` (``state.weights["W"]: [B, H, D_v, D_k]`` for a
-        linear memory), so a second call continues where this one stopped.
+        linear memory), so a second call continues where this one stopped. With ``cu_seqlens``: a list of N
+        batch-1 states, one per sequence.
     """
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"memorize: expected q, k: [B, T, H, D_k] and v: [B, T, H, D_v]; got "
@@ -73,8 +83,14 @@ def memorize(
     if b < 1:
         raise ValueError(f"memorize: chunk_size must be ≥ 1, got {b}")
     normalised = normalise_gates(gates, parts, q)
+    if cu_seqlens is not None:
+        offsets = check_cu_seqlens(cu_seqlens, B, T)
+        states = sequence_states(initial_state, parts, len(offsets) - 1, q)
+        return memorize_packed(q, k, v, parts, normalised, b, states, offsets, MODES[mode],
+                               block_size=block_size, checkpoint=checkpoint)
     state = initial_state if initial_state is not None else _recurrent.initial_state(parts, B, q.dtype, q.device)
     return MODES[mode](q, k, v, parts, normalised, b, state, block_size=block_size, checkpoint=checkpoint)
 
 
-__all__ = ["GATE_NAMES", "Gates", "MODES", "MemoryState", "initial_state", "memorize", "newton_schulz", "read_memory"]
+__all__ = ["GATE_NAMES", "Gates", "MODES", "MemoryState", "initial_state", "memorize", "newton_schulz", "read_memory",
+           "split_state"]

@@ -326,6 +326,118 @@ def memorize_triton(q, k, v, parts, gates, chunk_size, state, block_size: int = 
                                chunked, f"memorize(mode='triton') {engine.kernel} forward")
 
 
+def _packed_kernel_kind(parts, q, chunk_size: int, states) -> Optional[str]:
+    """The kernel that runs a packed call natively (``cu_seqlens``), or None (the caller loops over sequences).
+
+    c = 1 chunk / token kernels: always (b = 1 specs need no position). Omega windows c > 1: only when no
+    sequence carries a window history yet (the slots are gathered per packed sequence from its own tokens).
+    Momentum: the chunk kernel, for specs it takes, when every sequence starts on a chunk boundary and the call
+    is long enough for ``auto`` to choose it (otherwise each sequence picks its own kernel).
+    """
+    if explain(parts, q, chunk_size) is not None:
+        return None
+    T = q.shape[1]
+    if parts.spec.inner_optimizer.name == "momentum":
+        from .chunk_momentum import spec_reason as chunk_reason
+        on_boundary = all(s.position % chunk_size == 0 for s in states)
+        return "chunk_momentum" if (chunk_reason(parts, chunk_size) is None and on_boundary
+                                    and T > RECURRENT_MAX_T) else None
+    if parts.window.size != 1 and any(s.hist_k.shape[1] for s in states):
+        return None
+    return "fused_recurrent" if T <= RECURRENT_MAX_T else "chunk"
+
+
+def _finish_sequences(parts, states, offsets, k, v, gates, weights, momentum=None, anchor=None,
+                      chunk_alpha=None):
+    """The N per-sequence final states of a native packed call: ``weights`` (and ``momentum`` / ``anchor``)
+    ``[N, H, D_v, D_k]`` from the kernel, each sequence's window history and Π α, its position advanced."""
+    from ..state import split_time
+    sizes = [offsets[i + 1] - offsets[i] for i in range(len(offsets) - 1)]
+    finals = []
+    for i, ((_, ki, vi, gi), state) in enumerate(zip(split_time(sizes, k, k, v, gates), states)):
+        state = dataclasses.replace(state)
+        state.weights = {"W": weights[i:i + 1]}
+        state.anchor = {"W": anchor[i:i + 1]} if anchor is not None else state.weights
+        if momentum is not None:
+            state.momentum = {"W": momentum[i:i + 1]}
+            state.chunk_lr = torch.zeros_like(state.chunk_lr)
+        if chunk_alpha is not None:
+            state.chunk_alpha = chunk_alpha[i:i + 1]
+        elif gates.retention is not None:
+            state.chunk_alpha = gi.retention[:, -1]
+        keep_history(state, parts.window.history(), *with_history(state, ki, vi, gi))
+        state.position += sizes[i]
+        finals.append(state)
+    return finals
+
+
+def _run_packed(kind: str, q, k, v, parts, gates, chunk_size: int, states, offsets, block_size: int):
+    """Run one packed call on the ``kind`` kernel with ``cu_seqlens`` → ``(o, N final states)``."""
+    from .. import packed
+    cu = torch.tensor(offsets, device=q.device, dtype=torch.long)
+    fm, ret = parts.feature_map, parts.retention
+    alpha = gates.retention if (ret.uses_alpha and gates.retention is not None) else None
+    placement = ret.placement if alpha is not None else "after_step"
+    bias = parts.spec.attentional_bias.name
+    W0 = packed.stack_weights(states, "weights")
+    if kind == "chunk_momentum":
+        from .chunk_momentum import chunk_momentum
+        b = int(chunk_size)
+        o, M, S, anchor = chunk_momentum(fm(q), fm(k), v, gates.lr * gates.window, gates.momentum, alpha, W0,
+                                         packed.stack_weights(states, "momentum"), chunk_size=b, bias=bias,
+                                         read=parts.read, placement=ret.placement, cu_seqlens=cu)
+        chunk_alpha = None
+        if alpha is not None:   # Π α over each sequence's last (possibly partial) chunk
+            chunk_alpha = torch.cat([alpha[:, offsets[i + 1] - ((offsets[i + 1] - offsets[i] - 1) % b + 1):
+                                              offsets[i + 1]].prod(1) for i in range(len(offsets) - 1)], 0)
+        else:
+            chunk_alpha = torch.cat([torch.ones_like(s.chunk_alpha) for s in states], 0)
+        return o, _finish_sequences(parts, states, offsets, k, v, gates, M, S, anchor, chunk_alpha)
+    if kind == "chunk":
+        from .chunk import chunk_delta_rule as kernel
+        from .chunk_window import chunk_window_rule as window_kernel
+        extra = dict(chunk_size=min(64, max(16, int(block_size))))
+    else:
+        from .fused_recurrent import (fused_recurrent_delta_rule as kernel,
+                                      fused_recurrent_window_rule as window_kernel)
+        extra = {}
+    opts = dict(bias=bias, placement=placement, read=parts.read, cu_seqlens=cu, **extra)
+    c = parts.window.size
+    if c == 1:
+        o, W = kernel(fm(q), fm(k), v, gates.lr * gates.window, alpha, W0, **opts)
+    else:
+        from .reference import window_slots
+        xs, vs, gs = window_slots(fm(k), v, gates.window, c, cu_seqlens=cu)
+        o, W = window_kernel(fm(q), xs, vs, gates.lr.unsqueeze(2) * gs, alpha, W0, **opts)
+    return o, _finish_sequences(parts, states, offsets, k, v, gates, W)
+
+
+def memorize_triton_packed(q, k, v, parts, gates, chunk_size, states, offsets, block_size: int = 64,
+                           **engine_options):
+    """``memorize(mode="triton", cu_seqlens=...)`` in one go (:mod:`atlaslab.kernels.packed`): the packed sequences
+    on one kernel with ``cu_seqlens`` (one launch per stage over all their chunks), or None when
+    :func:`_packed_kernel_kind` finds no kernel that takes the call natively (then each sequence runs alone).
+
+    ``q, k: [1, ΣT_i, H, D_k]``, ``v: [1, ΣT_i, H, D_v]``, ``states``: N batch-1 states, ``offsets``: the checked
+    ``cu_seqlens`` → ``(o: [1, ΣT_i, H, D_v], N final states)``. A kernel that cannot launch on this GPU falls
+    back to the per-sequence loop (:func:`.fallback.with_torch_fallback`).
+    """
+    kind = _packed_kernel_kind(parts, q, chunk_size, states)
+    if kind is None:
+        return None
+
+    def per_sequence():
+        from ..packed import memorize_packed
+        return memorize_packed(q, k, v, parts, gates, chunk_size, states, offsets, memorize_chunked,
+                               block_size=block_size, **engine_options)
+    return with_torch_fallback(
+        lambda: _run_packed(kind, q, k, v, parts, gates, chunk_size, states, offsets, block_size),
+        per_sequence, f"memorize(mode='triton', cu_seqlens) {kind} forward")
+
+
+memorize_triton.packed = memorize_triton_packed
+
+
 def select_newton_schulz(s: torch.Tensor) -> Optional[Callable]:
     """The fused Newton–Schulz kernel (``newton_schulz``-compatible) for ``s: [..., rows, cols]``, or None."""
     if forced_torch() or not available() or device_ok(s) is not None:
