@@ -134,8 +134,9 @@ def check_args(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read, plac
         raise ValueError(f"expected q, k: [B, T, H, D_k] and v: [B, T, H, D_v]; got q {list(q.shape)}, "
                          f"k {list(k.shape)}, v {list(v.shape)}")
     for name, g in (("beta", beta), ("theta", theta), ("alpha", alpha)):
-        if g is not None and g.shape != q.shape[:3]:
-            raise ValueError(f"{name}: expected {list(q.shape[:3])}, got {list(g.shape)}")
+        if g is not None and g.shape != q.shape[:3] and not (name == "alpha" and g.shape == q.shape):
+            want = f"{list(q.shape[:3])}" + (f" or (channel-wise) {list(q.shape)}" if name == "alpha" else "")
+            raise ValueError(f"{name}: expected {want}, got {list(g.shape)}")
     B, T, H, K = q.shape
     N = B
     if cu_seqlens is not None:
@@ -184,6 +185,8 @@ def momentum_chunk_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         return tuple(torch.cat([p[i] for p in pieces], 1 if i == 0 else 0) for i in range(4))
     b, T = int(chunk_size), q.shape[1]
     before = placement == "before_step" and alpha is not None and bias == "l2"
+    if alpha is not None and alpha.dim() == 4:
+        return _channel_reference(q, k, v, beta, theta, alpha, m0, s0, b, bias, read, before)
     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))                        # [B, H, T, D]
     lb = beta.transpose(1, 2)
     lt = _log_gate(theta).transpose(1, 2)
@@ -213,6 +216,46 @@ def momentum_chunk_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         a_end = A[:, :, -1]                                                     # [B, H, L]
         s_end = -D_t[:, :, -1] * bc
         M, S = (P[:, :, -1, None, None] * M + Q[:, :, -1, None, None] * S + (a_end.unsqueeze(-1) * e).mT @ kc,
+                Th[:, :, -1, None, None] * S + (s_end.unsqueeze(-1) * e).mT @ kc)
+    o = torch.cat(outs, 2).transpose(1, 2) if outs else v.new_zeros(v.shape)
+    return o, M, S, anchor
+
+
+def _channel_reference(q, k, v, beta, theta, alpha, m0, s0, b, bias, read, before):
+    """:func:`momentum_chunk_reference` for channel-wise α ``[B, T, H, D_k]`` (one dense batch): the module
+    docstring's channel-wise chunk equations with the [b, b, D_k] coefficient C formed pairwise in log space
+    (every exponent ≤ 0). Memory O(T·b·D_k) per head (a reference and fallback, not a fast path)."""
+    T = q.shape[1]
+    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))                        # [B, H, T, D]
+    lb = beta.transpose(1, 2)                                                  # [B, H, T]
+    lt = _log_gate(theta).transpose(1, 2)
+    la = _log_gate(alpha).transpose(1, 2)                                      # [B, H, T, K]
+    M, S, anchor, outs = m0, s0, m0, []
+    for t0 in range(0, T, b):
+        sl = slice(t0, min(T, t0 + b))
+        qc, kc, vc, bc = qh[:, :, sl], kh[:, :, sl], vh[:, :, sl], lb[:, :, sl]
+        L = qc.shape[2]
+        ga, gt = la[:, :, sl].cumsum(-2), lt[:, :, sl].cumsum(-1)              # log P [B, H, L, K], log Θ
+        upper = torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1)
+        D_a = (ga.unsqueeze(-2) - ga.unsqueeze(-3)).masked_fill(upper[:, :, None], float("-inf")).exp()  # [s, r, K]
+        D_t = (gt.unsqueeze(-1) - gt.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()             # [r, i]
+        P, Th = ga.exp(), gt.exp()
+        Q = torch.einsum("bhsrc,bhr->bhsc", D_a, Th)                           # Q_s = Σ_r Θ_r D_α[s, r]
+        A = -torch.einsum("bhsrc,bhri->bhsic", D_a, D_t) * bc[:, :, None, :, None]   # A[s, i, c] = −β_i C_s[i, c]
+        if bias == "l2":
+            e = (kc * P if before else kc) @ M.mT - vc                         # M_a (P_s ⊙ k_s) − v_s
+        else:
+            e = -vc
+        if read == "token":
+            W = torch.einsum("bhsic,bhic,bhsc->bhsi", A, kc, qc)               # Σ_c A[s, i, c] k_ic q_sc
+            y = (qc * P) @ M.mT + (qc * Q) @ S.mT + W @ e
+        else:
+            y = qc @ M.mT
+        outs.append(y)
+        anchor = M
+        a_end = A[:, :, -1]                                                     # [B, H, L, K]
+        s_end = -D_t[:, :, -1] * bc
+        M, S = (M * P[:, :, -1, None, :] + S * Q[:, :, -1, None, :] + e.mT @ (kc * a_end),
                 Th[:, :, -1, None, None] * S + (s_end.unsqueeze(-1) * e).mT @ kc)
     o = torch.cat(outs, 2).transpose(1, 2) if outs else v.new_zeros(v.shape)
     return o, M, S, anchor
@@ -269,13 +312,82 @@ if triton is not None:
             tl.store(aq_out + rows[:, None] * BT + o_i[None, :], A * qk, mask=m_t[:, None])
 
     @triton.jit
+    def _cw_rows(x, s, o_i):
+        """x[s] of a [BT] vector (s a runtime index)."""
+        return tl.sum(tl.where(o_i == s, x, 0.0), axis=0)
+
+    @triton.jit
+    def _cw_theta_row(b_gt, s, o_i):
+        """Row s of D_θ: [D_θ[s, i]]_i = e^{gt_s − gt_i} for i ≤ s, else 0 (exponent ≤ 0), and Θ_s = e^{gt_s}."""
+        gt_s = _cw_rows(b_gt, s, o_i)
+        return tl.where(o_i <= s, tl.exp(tl.minimum(gt_s - b_gt, 0.0)), 0.0), tl.exp(gt_s)
+
+    @triton.jit
+    def _cw_chunk_head(beta, lth, la, rows, m_t, m_tk, o_i, o_k, n, K: tl.constexpr, PRECISION: tl.constexpr):
+        """The channel-wise chunk coefficients both the forward and the backward form in registers: β, g_θ (cumsum
+        of log θ), g (cumsum of log α, [BT, BK]), D_θ, E[r, c] = D_α[L, r, c] = e^{g_Lc − g_rc} (r ≤ L, else 0;
+        exponent ≤ 0), C_L = D_θᵀ E (C at the chunk's last row) and the one-hot row L."""
+        b_beta = tl.load(beta + rows, mask=m_t, other=0.0).to(tl.float32)
+        b_gt = tl.cumsum(tl.load(lth + rows, mask=m_t, other=0.0), axis=0)
+        b_g = tl.cumsum(tl.load(la + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0), axis=0)
+        causal = o_i[:, None] >= o_i[None, :]
+        D_t = tl.where(causal, tl.exp(tl.minimum(tl.where(causal, b_gt[:, None] - b_gt[None, :], 0.0), 0.0)), 0.0)
+        sel = o_i == n - 1
+        g_l = tl.sum(tl.where(sel[:, None], b_g, 0.0), axis=0)
+        E = tl.where(m_tk, tl.exp(tl.minimum(g_l[None, :] - b_g, 0.0)), 0.0)
+        C_l = tl.dot(tl.trans(D_t), E, input_precision=PRECISION)
+        return b_beta, b_gt, b_g, D_t, E, C_l, sel
+
+    @triton.jit
+    def _mom_cw_coef_kernel(q, k, beta, lth, la, p_out, qc_out, th_out, aend_out, send_out, aq_out,
+                            cu_seqlens, chunk_indices, T, b, NT, H: tl.constexpr, K: tl.constexpr,
+                            BT: tl.constexpr, BK: tl.constexpr, READ_TOKEN: tl.constexpr, IS_VARLEN: tl.constexpr,
+                            PRECISION: tl.constexpr):
+        """Stage 1, channel-wise (program: global chunk × head): P = e^g, Θ, s_end = −β D_θ[L, :] as before;
+        a_end = −β ⊙ C_L ``[B, T, H, K]`` by one ``tl.dot``; then a loop over the chunk's rows s carries
+        C_s = C_{s−1} Diag(α_s) + D_θ[s, :] ⊗ 1 ([BT, BK]; every factor ≤ 1) and Q_s = α_s ⊙ Q_{s−1} + Θ_s,
+        storing Q ``[B, T, H, K]`` and (read token) the read row W[s, :] = −β ⊙ ((C_s ⊙ k) q_s) ``[B, T, H, BT]``."""
+        i_c = tl.program_id(0)
+        i_h = tl.program_id(1)
+        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)
+        o_i = tl.arange(0, BT)
+        o_k = tl.arange(0, BK)
+        m_k = o_k < K
+        n = tl.minimum(T - i_t * b, b)                    # real tokens of this chunk (L = n − 1)
+        m_t = o_i < n
+        rows = (bos + i_t * b + o_i) * H + i_h
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_beta, b_gt, b_g, D_t, E, C_l, sel = _cw_chunk_head(beta, lth, la, rows, m_t, m_tk, o_i, o_k, n, K,
+                                                             PRECISION)
+        tl.store(p_out + rows[:, None] * K + o_k[None, :], tl.exp(b_g), mask=m_tk)
+        tl.store(th_out + rows, tl.exp(b_gt), mask=m_t)
+        tl.store(send_out + rows, -tl.sum(tl.where(sel[:, None], D_t, 0.0), axis=0) * b_beta, mask=m_t)
+        tl.store(aend_out + rows[:, None] * K + o_k[None, :], -b_beta[:, None] * C_l, mask=m_tk)
+        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_C = tl.zeros([BT, BK], dtype=tl.float32)
+        b_Q = tl.zeros([BK], dtype=tl.float32)
+        for s in range(0, n):
+            row = (bos + i_t * b + s) * H + i_h
+            b_a = tl.exp(tl.load(la + row * K + o_k, mask=m_k, other=0.0))       # α_s
+            d_row, th_s = _cw_theta_row(b_gt, s, o_i)
+            b_C = b_C * b_a[None, :] + d_row[:, None]
+            b_Q = b_Q * b_a + th_s
+            tl.store(qc_out + row * K + o_k, b_Q, mask=m_k)
+            if READ_TOKEN:
+                b_qs = tl.load(q + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+                tl.store(aq_out + row * BT + o_i, -b_beta * tl.sum(b_C * b_k * b_qs[None, :], axis=1),
+                         mask=o_i < BT)
+
+    @triton.jit
     def _mom_state_kernel(k, v, p, qc, th, aend, send, m0, s0, e_out, hm, hs, mt, st, cu_seqlens, chunk_offsets,
                           T, b, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                           BK: tl.constexpr, BV: tl.constexpr, IS_L2: tl.constexpr, BEFORE: tl.constexpr,
-                          IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr):
+                          IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, CHANNEL: tl.constexpr = False):
         """Stage 2, sequential over one sequence's chunks (program: value block × sequence·head): store (M_a, S_a)
         ``[NC, H, V, K]``, e = k M_aᵀ − v (ℓ2; before_step: P ⊙ (k M_aᵀ) − v) or −v (dot), then
-        M ← P_L M + Q_L S + (a_end ⊙ e)ᵀ k and S ← Θ_L S + (s_end ⊙ e)ᵀ k; the last (M, S) → ``mt, st [N, H, V, K]``."""
+        M ← P_L M + Q_L S + (a_end ⊙ e)ᵀ k and S ← Θ_L S + (s_end ⊙ e)ᵀ k; the last (M, S) → ``mt, st [N, H, V, K]``.
+        ``CHANNEL`` (p, qc, aend ``[B, T, H, K]``): e = (k ⊙ P) M_aᵀ − v (before_step),
+        M ← M Diag(P_L) + S Diag(Q_L) + eᵀ (k ⊙ a_end)."""
         i_v = tl.program_id(0)
         i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
         i_n = i_bh // H
@@ -302,23 +414,39 @@ if triton is not None:
             b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
                           other=0.0).to(tl.float32)
             b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+            m_tk = m_t[:, None] & m_k[None, :]
             if IS_L2:
-                b_e = tl.dot(b_k, tl.trans(b_M), input_precision=PRECISION)
-                if BEFORE:      # the gradient at the decayed anchor P_s M_a (§15.4)
-                    b_pe = tl.load(p + rows, mask=m_t, other=0.0)
-                    b_e = b_pe[:, None] * b_e
+                if CHANNEL:
+                    if BEFORE:  # the gradient at M_a Diag(P_s): e_s = M_a (P_s ⊙ k_s) − v_s
+                        b_kp = b_k * tl.load(p + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+                    else:
+                        b_kp = b_k
+                    b_e = tl.dot(b_kp, tl.trans(b_M), input_precision=PRECISION)
+                else:
+                    b_e = tl.dot(b_k, tl.trans(b_M), input_precision=PRECISION)
+                    if BEFORE:      # the gradient at the decayed anchor P_s M_a (§15.4)
+                        b_pe = tl.load(p + rows, mask=m_t, other=0.0)
+                        b_e = b_pe[:, None] * b_e
                 b_e = b_e - b_v
             else:
                 b_e = -b_v
             tl.store(e_out + rows[:, None] * V + o_v[None, :], b_e, mask=m_tv)
             last = tl.minimum(T - i_t * b, b) - 1
             r_last = (bos + i_t * b + last) * H + i_h
-            p_l = tl.load(p + r_last)
-            q_l = tl.load(qc + r_last)
             t_l = tl.load(th + r_last)
-            b_ae = tl.load(aend + rows, mask=m_t, other=0.0)
             b_se = tl.load(send + rows, mask=m_t, other=0.0)
-            new_M = p_l * b_M + q_l * b_S + tl.dot(tl.trans(b_e * b_ae[:, None]), b_k, input_precision=PRECISION)
+            if CHANNEL:         # M ← M Diag(P_L) + S Diag(Q_L) + eᵀ (k ⊙ a_end)
+                p_l = tl.load(p + r_last * K + o_k, mask=m_k, other=0.0)
+                q_l = tl.load(qc + r_last * K + o_k, mask=m_k, other=0.0)
+                b_ka = b_k * tl.load(aend + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+                new_M = b_M * p_l[None, :] + b_S * q_l[None, :] \
+                    + tl.dot(tl.trans(b_e), b_ka, input_precision=PRECISION)
+            else:
+                p_l = tl.load(p + r_last)
+                q_l = tl.load(qc + r_last)
+                b_ae = tl.load(aend + rows, mask=m_t, other=0.0)
+                new_M = p_l * b_M + q_l * b_S \
+                    + tl.dot(tl.trans(b_e * b_ae[:, None]), b_k, input_precision=PRECISION)
             b_S = t_l * b_S + tl.dot(tl.trans(b_e * b_se[:, None]), b_k, input_precision=PRECISION)
             b_M = new_M
         tl.store(mt + i_bh.to(tl.int64) * V * K + h_offs, b_M, mask=m_h)
@@ -327,9 +455,10 @@ if triton is not None:
     @triton.jit
     def _mom_out_kernel(q, p, qc, aq, e, hm, hs, o, cu_seqlens, chunk_indices, T, b, NT, H: tl.constexpr,
                         K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                        READ_TOKEN: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr):
+                        READ_TOKEN: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+                        CHANNEL: tl.constexpr = False):
         """Stage 3, per chunk (value block × global chunk × head): y = P ⊙ (q M_aᵀ) + Q ⊙ (q S_aᵀ) + (A ⊙ q kᵀ) e
-        (read token); q M_aᵀ (read chunk)."""
+        (read token); q M_aᵀ (read chunk). ``CHANNEL``: y = (q ⊙ P) M_aᵀ + (q ⊙ Q) S_aᵀ + W e (``aq`` holds W)."""
         i_v = tl.program_id(0)
         i_c = tl.program_id(1)
         i_h = tl.program_id(2)
@@ -348,15 +477,25 @@ if triton is not None:
         b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
                       other=0.0).to(tl.float32)
         b_M = tl.load(hm + h_offs, mask=m_h, other=0.0)
-        b_o = tl.dot(b_q, tl.trans(b_M), input_precision=PRECISION)
         if READ_TOKEN:
             b_S = tl.load(hs + h_offs, mask=m_h, other=0.0)
-            b_p = tl.load(p + rows, mask=m_t, other=0.0)
-            b_qc = tl.load(qc + rows, mask=m_t, other=0.0)
             b_aq = tl.load(aq + rows[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
             b_e = tl.load(e + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-            b_o = b_p[:, None] * b_o + b_qc[:, None] * tl.dot(b_q, tl.trans(b_S), input_precision=PRECISION) \
-                + tl.dot(b_aq, b_e, input_precision=PRECISION)
+            if CHANNEL:
+                m_tk = m_t[:, None] & m_k[None, :]
+                b_p = tl.load(p + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+                b_qc = tl.load(qc + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+                b_o = tl.dot(b_q * b_p, tl.trans(b_M), input_precision=PRECISION) \
+                    + tl.dot(b_q * b_qc, tl.trans(b_S), input_precision=PRECISION) \
+                    + tl.dot(b_aq, b_e, input_precision=PRECISION)
+            else:
+                b_p = tl.load(p + rows, mask=m_t, other=0.0)
+                b_qc = tl.load(qc + rows, mask=m_t, other=0.0)
+                b_o = b_p[:, None] * tl.dot(b_q, tl.trans(b_M), input_precision=PRECISION) \
+                    + b_qc[:, None] * tl.dot(b_q, tl.trans(b_S), input_precision=PRECISION) \
+                    + tl.dot(b_aq, b_e, input_precision=PRECISION)
+        else:
+            b_o = tl.dot(b_q, tl.trans(b_M), input_precision=PRECISION)
         tl.store(o + rows[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
 
     @triton.jit
@@ -365,11 +504,12 @@ if triton is not None:
                               V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                               IS_L2: tl.constexpr, BEFORE: tl.constexpr, READ_TOKEN: tl.constexpr,
                               HAS_DMT: tl.constexpr, HAS_DST: tl.constexpr, HAS_DMA: tl.constexpr,
-                              IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr):
+                              IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, CHANNEL: tl.constexpr = False):
         """Backward stage 2, reverse over one sequence's chunks (value block × sequence·head). dM, dS = ∂L/∂(chunk-end
         M, S): dE = (A ⊙ q kᵀ)ᵀ dO + a_end ⊙ (k dMᵀ) + s_end ⊙ (k dSᵀ);
         dM ← P_L dM + (P ⊙ dO)ᵀ q + [ℓ2] dEᵀ k (before_step: (P ⊙ dE)ᵀ k)   (read chunk: dOᵀ q);
-        dS ← Q_L dM + Θ_L dS + (Q ⊙ dO)ᵀ q."""
+        dS ← Q_L dM + Θ_L dS + (Q ⊙ dO)ᵀ q.  ``CHANNEL``: dE = Wᵀ dO + (k ⊙ a_end) dMᵀ + s_end ⊙ (k dSᵀ);
+        dM ← dM Diag(P_L) + dOᵀ (q ⊙ P) + [ℓ2] dEᵀ (k [⊙ P, before_step]);  dS ← dM Diag(Q_L) + Θ_L dS + dOᵀ (q ⊙ Q)."""
         i_v = tl.program_id(0)
         i_bh = tl.program_id(1)
         i_n = i_bh // H
@@ -402,31 +542,54 @@ if triton is not None:
             b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
             b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
             b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-            b_ae = tl.load(aend + rows, mask=m_t, other=0.0)
             b_se = tl.load(send + rows, mask=m_t, other=0.0)
-            b_p = tl.load(p + rows, mask=m_t, other=0.0)
             last = tl.minimum(T - i_t * b, b) - 1
             r_last = (bos + i_t * b + last) * H + i_h
-            p_l = tl.load(p + r_last)
-            q_l = tl.load(qc + r_last)
             t_l = tl.load(th + r_last)
-            b_de = b_ae[:, None] * tl.dot(b_k, tl.trans(b_dM), input_precision=PRECISION) \
-                + b_se[:, None] * tl.dot(b_k, tl.trans(b_dS), input_precision=PRECISION)
-            if READ_TOKEN:
-                b_aq = tl.load(aq + rows[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
-                b_de += tl.dot(tl.trans(b_aq), b_do, input_precision=PRECISION)
-                b_qc = tl.load(qc + rows, mask=m_t, other=0.0)
-                new_dM = p_l * b_dM + tl.dot(tl.trans(b_do * b_p[:, None]), b_q, input_precision=PRECISION)
-                b_dS = q_l * b_dM + t_l * b_dS \
-                    + tl.dot(tl.trans(b_do * b_qc[:, None]), b_q, input_precision=PRECISION)
-            else:
-                new_dM = p_l * b_dM + tl.dot(tl.trans(b_do), b_q, input_precision=PRECISION)
-                b_dS = q_l * b_dM + t_l * b_dS
-            if IS_L2:
-                if BEFORE:      # ∂e_s / ∂M_a = P_s k_sᵀ
-                    new_dM += tl.dot(tl.trans(b_de * b_p[:, None]), b_k, input_precision=PRECISION)
+            if CHANNEL:
+                b_p = tl.load(p + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+                p_l = tl.load(p + r_last * K + o_k, mask=m_k, other=0.0)
+                q_l = tl.load(qc + r_last * K + o_k, mask=m_k, other=0.0)
+                b_ka = b_k * tl.load(aend + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+                b_de = tl.dot(b_ka, tl.trans(b_dM), input_precision=PRECISION) \
+                    + b_se[:, None] * tl.dot(b_k, tl.trans(b_dS), input_precision=PRECISION)
+                if READ_TOKEN:
+                    b_aq = tl.load(aq + rows[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
+                    b_de += tl.dot(tl.trans(b_aq), b_do, input_precision=PRECISION)
+                    b_qc = tl.load(qc + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+                    new_dM = b_dM * p_l[None, :] + tl.dot(tl.trans(b_do), b_q * b_p, input_precision=PRECISION)
+                    b_dS = b_dM * q_l[None, :] + t_l * b_dS \
+                        + tl.dot(tl.trans(b_do), b_q * b_qc, input_precision=PRECISION)
                 else:
-                    new_dM += tl.dot(tl.trans(b_de), b_k, input_precision=PRECISION)
+                    new_dM = b_dM * p_l[None, :] + tl.dot(tl.trans(b_do), b_q, input_precision=PRECISION)
+                    b_dS = b_dM * q_l[None, :] + t_l * b_dS
+                if IS_L2:
+                    if BEFORE:  # ∂e_s / ∂M_a = (P_s ⊙ k_s)ᵀ
+                        new_dM += tl.dot(tl.trans(b_de), b_k * b_p, input_precision=PRECISION)
+                    else:
+                        new_dM += tl.dot(tl.trans(b_de), b_k, input_precision=PRECISION)
+            else:
+                b_ae = tl.load(aend + rows, mask=m_t, other=0.0)
+                b_p = tl.load(p + rows, mask=m_t, other=0.0)
+                p_l = tl.load(p + r_last)
+                q_l = tl.load(qc + r_last)
+                b_de = b_ae[:, None] * tl.dot(b_k, tl.trans(b_dM), input_precision=PRECISION) \
+                    + b_se[:, None] * tl.dot(b_k, tl.trans(b_dS), input_precision=PRECISION)
+                if READ_TOKEN:
+                    b_aq = tl.load(aq + rows[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
+                    b_de += tl.dot(tl.trans(b_aq), b_do, input_precision=PRECISION)
+                    b_qc = tl.load(qc + rows, mask=m_t, other=0.0)
+                    new_dM = p_l * b_dM + tl.dot(tl.trans(b_do * b_p[:, None]), b_q, input_precision=PRECISION)
+                    b_dS = q_l * b_dM + t_l * b_dS \
+                        + tl.dot(tl.trans(b_do * b_qc[:, None]), b_q, input_precision=PRECISION)
+                else:
+                    new_dM = p_l * b_dM + tl.dot(tl.trans(b_do), b_q, input_precision=PRECISION)
+                    b_dS = q_l * b_dM + t_l * b_dS
+                if IS_L2:
+                    if BEFORE:      # ∂e_s / ∂M_a = P_s k_sᵀ
+                        new_dM += tl.dot(tl.trans(b_de * b_p[:, None]), b_k, input_precision=PRECISION)
+                    else:
+                        new_dM += tl.dot(tl.trans(b_de), b_k, input_precision=PRECISION)
             b_dM = new_dM
             tl.store(de_out + rows[:, None] * V + o_v[None, :], b_de, mask=m_tv)
             if HAS_DMA:         # the anchor output is the start state of the last chunk
@@ -440,13 +603,17 @@ if triton is not None:
                              dae, dse, da, cu_seqlens, chunk_indices, T, b, NT, H: tl.constexpr, K: tl.constexpr,
                              V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                              IS_L2: tl.constexpr, BEFORE: tl.constexpr, READ_TOKEN: tl.constexpr,
-                             IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr):
+                             IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, CHANNEL: tl.constexpr = False):
         """Backward stage 3, per global chunk × head (a loop over value blocks), from M_a, S_a (chunk start) and
         dM, dS (chunk end): G = dO eᵀ; dq = P ⊙ (dO M_a) + Q ⊙ (dO S_a) + (G ⊙ A) k (read chunk: dO M_a);
         dk = (G ⊙ A)ᵀ q + [ℓ2] dE M_a (before_step: P ⊙ (dE M_a)) + a_end ⊙ (e dM) + s_end ⊙ (e dS); dv = −dE; and
         the coefficients' grads dP = rowsum(dO ⊙ q M_aᵀ) (+⟨dM, M_a⟩ at L; before_step: + rowsum(k ⊙ dE M_a)),
         dQ = rowsum(dO ⊙ q S_aᵀ) (+⟨dM, S_a⟩ at L), dΘ = ⟨dS, S_a⟩ at L, d a_end = rowsum(k ⊙ e dM),
-        d s_end = rowsum(k ⊙ e dS), dA = G ⊙ q kᵀ (read token)."""
+        d s_end = rowsum(k ⊙ e dS), dA = G ⊙ q kᵀ (read token).  ``CHANNEL`` (P, Q, a_end and their gradients
+        ``[B, T, H, K]``): dq = P ⊙ (dO M_a) + Q ⊙ (dO S_a), dk = [ℓ2] (c ⊙) dE M_a + a_end ⊙ (e dM) + s_end ⊙ (e dS)
+        (the intra-chunk W terms are added by ``_mom_cw_gate_kernel``), dP = q ⊙ (dO M_a) (+ Σ_v dM ⊙ M_a at L;
+        before_step: + k ⊙ (dE M_a)), dQ = q ⊙ (dO S_a) (+ Σ_v dM ⊙ S_a at L), d a_end = k ⊙ (e dM), and G itself
+        into ``da``."""
         i_c = tl.program_id(0)
         i_h = tl.program_id(1)
         i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)
@@ -459,18 +626,26 @@ if triton is not None:
         m_tk = m_t[:, None] & m_k[None, :]
         b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_p = tl.load(p + rows, mask=m_t, other=0.0)
-        b_qc = tl.load(qc + rows, mask=m_t, other=0.0)
-        b_ae = tl.load(aend + rows, mask=m_t, other=0.0)
         b_se = tl.load(send + rows, mask=m_t, other=0.0)
+        if CHANNEL:     # per key channel: [BT, BK] coefficients and gradients
+            b_p = tl.load(p + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+            b_qc = tl.load(qc + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+            b_ae = tl.load(aend + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+            b_dp = tl.zeros([BT, BK], dtype=tl.float32)
+            b_dqc = tl.zeros([BT, BK], dtype=tl.float32)
+            b_dae = tl.zeros([BT, BK], dtype=tl.float32)
+        else:
+            b_p = tl.load(p + rows, mask=m_t, other=0.0)
+            b_qc = tl.load(qc + rows, mask=m_t, other=0.0)
+            b_ae = tl.load(aend + rows, mask=m_t, other=0.0)
+            b_dp = tl.zeros([BT], dtype=tl.float32)
+            b_dqc = tl.zeros([BT], dtype=tl.float32)
+            b_dae = tl.zeros([BT], dtype=tl.float32)
         last = tl.minimum(T - i_t * b, b) - 1
         h_base = (i_c.to(tl.int64) * H + i_h) * V * K
         b_dq = tl.zeros([BT, BK], dtype=tl.float32)
         b_dk = tl.zeros([BT, BK], dtype=tl.float32)
         b_G = tl.zeros([BT, BT], dtype=tl.float32)
-        b_dp = tl.zeros([BT], dtype=tl.float32)
-        b_dqc = tl.zeros([BT], dtype=tl.float32)
-        b_dae = tl.zeros([BT], dtype=tl.float32)
         b_dse = tl.zeros([BT], dtype=tl.float32)
         b_mm = tl.zeros([BV, BK], dtype=tl.float32)        # dM ⊙ M_a, dM ⊙ S_a, dS ⊙ S_a: summed at the end
         b_ms = tl.zeros([BV, BK], dtype=tl.float32)
@@ -492,46 +667,166 @@ if triton is not None:
             b_doM = tl.dot(b_do, b_M, input_precision=PRECISION)
             if READ_TOKEN:
                 b_doS = tl.dot(b_do, b_S, input_precision=PRECISION)
-                b_dq += b_p[:, None] * b_doM + b_qc[:, None] * b_doS
-                b_dp += tl.sum(b_q * b_doM, axis=1)
-                b_dqc += tl.sum(b_q * b_doS, axis=1)
+                if CHANNEL:
+                    b_dq += b_p * b_doM + b_qc * b_doS
+                    b_dp += b_q * b_doM
+                    b_dqc += b_q * b_doS
+                else:
+                    b_dq += b_p[:, None] * b_doM + b_qc[:, None] * b_doS
+                    b_dp += tl.sum(b_q * b_doM, axis=1)
+                    b_dqc += tl.sum(b_q * b_doS, axis=1)
                 b_G += tl.dot(b_do, tl.trans(b_e), input_precision=PRECISION)
             else:
                 b_dq += b_doM
             if IS_L2:
                 b_deM = tl.dot(b_de, b_M, input_precision=PRECISION)
                 if BEFORE:      # e_s = P_s M_a k_s − v_s: dk_s = P_s M_aᵀ dE_s, dP_s += dE_s · M_a k_s
-                    b_dk += b_p[:, None] * b_deM
-                    b_dp += tl.sum(b_k * b_deM, axis=1)
+                    if CHANNEL:     # e_s = M_a (P_s ⊙ k_s) − v_s
+                        b_dk += b_p * b_deM
+                        b_dp += b_k * b_deM
+                    else:
+                        b_dk += b_p[:, None] * b_deM
+                        b_dp += tl.sum(b_k * b_deM, axis=1)
                 else:
                     b_dk += b_deM
             b_eM = tl.dot(b_e, b_dM, input_precision=PRECISION)
             b_eS = tl.dot(b_e, b_dS, input_precision=PRECISION)
-            b_dk += b_ae[:, None] * b_eM + b_se[:, None] * b_eS
-            b_dae += tl.sum(b_k * b_eM, axis=1)
+            if CHANNEL:
+                b_dk += b_ae * b_eM + b_se[:, None] * b_eS
+                b_dae += b_k * b_eM
+            else:
+                b_dk += b_ae[:, None] * b_eM + b_se[:, None] * b_eS
+                b_dae += tl.sum(b_k * b_eM, axis=1)
             b_dse += tl.sum(b_k * b_eS, axis=1)
             b_mm += b_dM * b_M
             b_ms += b_dM * b_S
             b_ss += b_dS * b_S
         if READ_TOKEN:
-            b_A = tl.load(a + rows[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
-            b_W = b_G * b_A
-            b_dq += tl.dot(b_W, b_k, input_precision=PRECISION)
-            b_dk += tl.dot(tl.trans(b_W), b_q, input_precision=PRECISION)
-            causal = (o_i[:, None] >= o_i[None, :]) & m_t[None, :]
-            qk = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
-            tl.store(da + rows[:, None] * BT + o_i[None, :], tl.where(causal, b_G * qk, 0.0), mask=m_t[:, None])
+            if CHANNEL:     # the W terms need the per-channel C_s: the gate kernel takes G from here
+                tl.store(da + rows[:, None] * BT + o_i[None, :], b_G, mask=m_t[:, None])
+            else:
+                b_A = tl.load(a + rows[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
+                b_W = b_G * b_A
+                b_dq += tl.dot(b_W, b_k, input_precision=PRECISION)
+                b_dk += tl.dot(tl.trans(b_W), b_q, input_precision=PRECISION)
+                causal = (o_i[:, None] >= o_i[None, :]) & m_t[None, :]
+                qk = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
+                tl.store(da + rows[:, None] * BT + o_i[None, :], tl.where(causal, b_G * qk, 0.0),
+                         mask=m_t[:, None])
         sel = o_i == last
-        b_dp += tl.where(sel, tl.sum(tl.sum(b_mm, axis=1), axis=0), 0.0)
-        b_dqc += tl.where(sel, tl.sum(tl.sum(b_ms, axis=1), axis=0), 0.0)
         b_dth = tl.where(sel, tl.sum(tl.sum(b_ss, axis=1), axis=0), 0.0)
         tl.store(dq + rows[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
         tl.store(dk + rows[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
-        tl.store(dp + rows, b_dp, mask=m_t)
-        tl.store(dqc + rows, b_dqc, mask=m_t)
+        if CHANNEL:
+            b_dp += tl.where(sel[:, None], tl.sum(b_mm, axis=0)[None, :], 0.0)
+            b_dqc += tl.where(sel[:, None], tl.sum(b_ms, axis=0)[None, :], 0.0)
+            tl.store(dp + rows[:, None] * K + o_k[None, :], b_dp, mask=m_tk)
+            tl.store(dqc + rows[:, None] * K + o_k[None, :], b_dqc, mask=m_tk)
+            tl.store(dae + rows[:, None] * K + o_k[None, :], b_dae, mask=m_tk)
+        else:
+            b_dp += tl.where(sel, tl.sum(tl.sum(b_mm, axis=1), axis=0), 0.0)
+            b_dqc += tl.where(sel, tl.sum(tl.sum(b_ms, axis=1), axis=0), 0.0)
+            tl.store(dp + rows, b_dp, mask=m_t)
+            tl.store(dqc + rows, b_dqc, mask=m_t)
+            tl.store(dae + rows, b_dae, mask=m_t)
         tl.store(dth + rows, b_dth, mask=m_t)
-        tl.store(dae + rows, b_dae, mask=m_t)
         tl.store(dse + rows, b_dse, mask=m_t)
+
+    @triton.jit
+    def _mom_cw_gate_kernel(q, k, beta, lth, la, qc, gm, dp, dqc, dth, dae, dse, dq, dk, dbeta, dla, dlth,
+                            cu_seqlens, chunk_indices, T, b, NT, H: tl.constexpr, K: tl.constexpr,
+                            BT: tl.constexpr, BK: tl.constexpr, READ_TOKEN: tl.constexpr, IS_VARLEN: tl.constexpr,
+                            PRECISION: tl.constexpr):
+        """Backward stage 4, channel-wise (program: global chunk × head): from G = dO eᵀ (``gm``, read token) and
+        the coefficient gradients dP, dQ, d a_end ``[B, T, H, K]``, dΘ_L, d s_end ``[B, T, H]`` of
+        ``_mom_bwd_grad_kernel``, adds the intra-chunk W terms to dq, dk and forms dβ, d log α ``[B, T, H, K]`` and
+        d log θ ``[B, T, H]`` (module docstring, "channel-wise backward"): a forward loop over s carrying C_s and a
+        reverse loop over r carrying B_r = Â_r + B_{r+1} Diag(α_{r+1}) and R_r = dQ_r + α_{r+1} ⊙ R_{r+1}, then
+        reverse cumsums of the log-decay gradients within the chunk."""
+        i_c = tl.program_id(0)
+        i_h = tl.program_id(1)
+        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)
+        o_i = tl.arange(0, BT)
+        o_k = tl.arange(0, BK)
+        m_k = o_k < K
+        n = tl.minimum(T - i_t * b, b)
+        m_t = o_i < n
+        rows = (bos + i_t * b + o_i) * H + i_h
+        m_tk = m_t[:, None] & m_k[None, :]
+        t_offs = rows[:, None] * K + o_k[None, :]
+        b_beta, b_gt, b_g, D_t, E, C_l, sel = _cw_chunk_head(beta, lth, la, rows, m_t, m_tk, o_i, o_k, n, K,
+                                                             PRECISION)
+        b_th = tl.exp(b_gt)
+        b_P = tl.where(m_tk, tl.exp(b_g), 0.0)
+        b_dae = tl.load(dae + t_offs, mask=m_tk, other=0.0)
+        b_dse = tl.load(dse + rows, mask=m_t, other=0.0)
+        b_dth = tl.load(dth + rows, mask=m_t, other=0.0)          # dΘ_L at row L, 0 elsewhere
+        b_sl = tl.sum(tl.where(sel[:, None], D_t, 0.0), axis=0)     # D_θ[L, :]
+        b_se = -b_beta * b_sl
+        # P_s = e^{g_s}, Q_s (the '+' end of their log-decays), Θ_L = e^{gt_L}, s_end = −β e^{gt_L − gt}
+        b_dg = tl.load(dp + t_offs, mask=m_tk, other=0.0) * b_P \
+            + tl.load(dqc + t_offs, mask=m_tk, other=0.0) * tl.load(qc + t_offs, mask=m_tk, other=0.0)
+        b_dgt = b_dth * b_th + tl.where(sel, tl.sum(b_dse * b_se, axis=0), 0.0) - b_dse * b_se
+        b_db = -b_dse * b_sl
+        # a_end = −β ⊙ C_L, C_L = D_θᵀ E: Â = −β ⊙ d a_end; X = Â ⊙ C_L; the '−' ends Σ_i D_θ[r, i] Â_i ⊙ E_r
+        b_ah = -b_beta[:, None] * b_dae
+        b_X = b_ah * C_l
+        b_dg += tl.where(sel[:, None], tl.sum(b_X, axis=0)[None, :], 0.0)
+        b_dgt -= tl.sum(b_X, axis=1)
+        b_db -= tl.sum(b_dae * C_l, axis=1)
+        b_Y = E * tl.dot(D_t, b_ah, input_precision=PRECISION)
+        b_dg -= b_Y
+        b_dgt += tl.sum(b_Y, axis=1)
+        b_k = tl.load(k + t_offs, mask=m_tk, other=0.0).to(tl.float32)
+        b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+        if READ_TOKEN:      # W[s, i] = −β_i Σ_c C_s[i, c] k_ic q_sc
+            b_C = tl.zeros([BT, BK], dtype=tl.float32)
+            for s in range(0, n):
+                row = (bos + i_t * b + s) * H + i_h
+                b_a = tl.exp(tl.load(la + row * K + o_k, mask=m_k, other=0.0))
+                d_row, th_s = _cw_theta_row(b_gt, s, o_i)
+                b_C = b_C * b_a[None, :] + d_row[:, None]
+                b_qs = tl.load(q + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+                b_gr = tl.load(gm + row * BT + o_i, mask=o_i <= s, other=0.0)      # G[s, i], i ≤ s
+                b_u = -b_beta * b_gr
+                b_KC = b_k * b_C
+                dq_s = tl.sum(b_u[:, None] * b_KC, axis=0)                       # Σ_i G A[s, i, :] ⊙ k_i
+                w_s = tl.sum(b_KC * b_qs[None, :], axis=1)                        # Σ_c C_s k q_s
+                b_dk += b_u[:, None] * b_C * b_qs[None, :]
+                b_db -= b_gr * w_s
+                b_dgt -= b_u * w_s
+                b_dg = tl.where((o_i == s)[:, None], b_dg + (b_qs * dq_s)[None, :], b_dg)
+                tl.store(dq + row * K + o_k, tl.load(dq + row * K + o_k, mask=m_k, other=0.0) + dq_s, mask=m_k)
+        b_B = tl.zeros([BT, BK], dtype=tl.float32)
+        b_R = tl.zeros([BK], dtype=tl.float32)
+        for j in range(0, n):
+            r = n - 1 - j
+            row = (bos + i_t * b + r) * H + i_h
+            b_an = tl.exp(tl.load(la + (row + H) * K + o_k, mask=m_k & (o_k < K * (n - 1 - r)),
+                                    other=0.0))                                 # α_{r+1} (r < L)
+            d_row, th_r = _cw_theta_row(b_gt, r, o_i)
+            b_R = tl.load(dqc + row * K + o_k, mask=m_k, other=0.0) + b_an * b_R
+            dgm = th_r * b_R
+            dgt_r = tl.sum(dgm, axis=0)
+            if READ_TOKEN:
+                b_qr = tl.load(q + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+                b_u = -b_beta * tl.load(gm + row * BT + o_i, mask=o_i <= r, other=0.0)
+                b_B = b_B * b_an[None, :] + b_u[:, None] * b_k * b_qr[None, :]
+                b_YB = d_row[:, None] * b_B
+                dgm += tl.sum(b_YB, axis=0)
+                dgt_r += tl.sum(tl.sum(b_YB, axis=1), axis=0)
+            b_dg = tl.where((o_i == r)[:, None], b_dg - dgm[None, :], b_dg)
+            b_dgt = tl.where(o_i == r, b_dgt + dgt_r, b_dgt)
+        tl.store(dla + t_offs, tl.cumsum(b_dg, axis=0, reverse=True), mask=m_tk)
+        tl.store(dlth + rows, tl.cumsum(b_dgt, axis=0, reverse=True), mask=m_t)
+        tl.store(dbeta + rows, b_db, mask=m_t)
+        if READ_TOKEN:
+            tl.store(dk + t_offs, tl.load(dk + t_offs, mask=m_tk, other=0.0) + b_dk, mask=m_tk)
+
+
+def _channel(alpha) -> bool:
+    """Whether α is channel-wise (``[B, T, H, D_k]``, one kept fraction per key channel)."""
+    return alpha is not None and alpha.dim() == 4
 
 
 def _before(placement: str, alpha, bias: str) -> bool:
@@ -553,16 +848,25 @@ def _forward_stages(q, k, v, beta, theta, alpha, m0, s0, *, b: int, bias: str, r
     lth = _log_gate(theta.float()).contiguous()
     la = _log_gate(alpha.float()).contiguous() if alpha is not None else None
     f32 = {"dtype": torch.float32, "device": q.device}
-    st = {name: torch.empty(B, T, H, **f32) for name in ("p", "qc", "th", "aend", "send")}
+    channel = _channel(alpha)
+    st = {name: torch.empty(B, T, H, *((K,) if channel and name in ("p", "qc", "aend") else ()), **f32)
+          for name in ("p", "qc", "th", "aend", "send")}
     token = read == "token"
     st["aq"] = torch.empty(B, T, H, BT, **f32) if token else None
-    st["a"] = torch.empty(B, T, H, BT, **f32) if store_a else None
+    st["a"] = torch.empty(B, T, H, BT, **f32) if store_a and not channel else None
     dummy = st["p"]
-    _mom_coef_kernel[(lay.NC, H)](q, k, beta, lth, la if la is not None else lth, st["p"], st["qc"], st["th"],
-                                  st["aend"], st["send"], st["aq"] if token else dummy,
-                                  st["a"] if store_a else dummy, lay.cu, lay.table, T, b, lay.NT, H=H, K=K, BT=BT,
-                                  BK=BK, HAS_ALPHA=la is not None, READ_TOKEN=token, STORE_A=store_a,
-                                  IS_VARLEN=lay.varlen, PRECISION=prec, num_warps=4)
+    if channel:
+        _mom_cw_coef_kernel[(lay.NC, H)](q, k, beta, lth, la, st["p"], st["qc"], st["th"], st["aend"], st["send"],
+                                         st["aq"] if token else dummy, lay.cu, lay.table, T, b, lay.NT, H=H, K=K,
+                                         BT=BT, BK=BK, READ_TOKEN=token, IS_VARLEN=lay.varlen, PRECISION=prec,
+                                         num_warps=4)
+    else:
+        _mom_coef_kernel[(lay.NC, H)](q, k, beta, lth, la if la is not None else lth, st["p"], st["qc"], st["th"],
+                                      st["aend"], st["send"], st["aq"] if token else dummy,
+                                      st["a"] if store_a else dummy, lay.cu, lay.table, T, b, lay.NT, H=H, K=K,
+                                      BT=BT, BK=BK, HAS_ALPHA=la is not None, READ_TOKEN=token, STORE_A=store_a,
+                                      IS_VARLEN=lay.varlen, PRECISION=prec, num_warps=4)
+    st["la"], st["lth"] = la, lth
     st["e"] = torch.empty(B, T, H, V, **f32)
     for name in ("hm", "hs"):
         st[name] = torch.empty(lay.NC, H, V, K, **f32)
@@ -571,8 +875,10 @@ def _forward_stages(q, k, v, beta, theta, alpha, m0, s0, *, b: int, bias: str, r
     _mom_state_kernel[(triton.cdiv(V, BV), lay.N * H)](
         k, v, st["p"], st["qc"], st["th"], st["aend"], st["send"], m0, s0, st["e"], st["hm"], st["hs"], st["mt"],
         st["st"], lay.cu, lay.offsets, T, b, lay.NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, IS_L2=bias == "l2",
-        BEFORE=_before(placement, alpha, bias), IS_VARLEN=lay.varlen, PRECISION=prec, num_warps=4)
+        BEFORE=_before(placement, alpha, bias), IS_VARLEN=lay.varlen, PRECISION=prec, num_warps=4,
+        **({"CHANNEL": True} if channel else {}))
     st["sizes"] = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV)
+    st["channel"] = {"CHANNEL": True} if channel else {}    # launched only when set: the scalar builds unchanged
     st["layout"] = lay
     return st
 
@@ -614,7 +920,7 @@ def chunk_momentum_forward(q, k, v, beta, theta, alpha, m0, s0, *, chunk_size: i
     token = read == "token"
     _mom_out_kernel[(triton.cdiv(sz["V"], sz["BV"]), lay.NC, sz["H"])](
         q, st["p"], st["qc"], st["aq"] if token else st["p"], st["e"], st["hm"], st["hs"], o, lay.cu, lay.table, T,
-        b, lay.NT, **sz, READ_TOKEN=token, IS_VARLEN=lay.varlen, PRECISION=prec, num_warps=4)
+        b, lay.NT, **sz, READ_TOKEN=token, IS_VARLEN=lay.varlen, PRECISION=prec, num_warps=4, **st["channel"])
     idx, empty = _last_chunks(lay)
     anchor = st["hm"][idx]
     if empty is not None:
@@ -701,8 +1007,9 @@ def chunk_momentum_backward(q, k, v, beta, theta, alpha, m0, s0, do, dmt, dst, d
     de = torch.empty(B, T, H, V, **f32)
     dm0, ds0 = (torch.empty(lay.N, H, V, K, **f32) for _ in range(2))
     dummy = st["p"]
+    channel = _channel(alpha)
     meta = dict(sz, IS_L2=bias == "l2", BEFORE=_before(placement, alpha, bias), READ_TOKEN=token,
-                IS_VARLEN=lay.varlen, PRECISION=prec, num_warps=4)
+                IS_VARLEN=lay.varlen, PRECISION=prec, num_warps=4, **st["channel"])
     _mom_bwd_state_kernel[(triton.cdiv(V, sz["BV"]), lay.N * H)](
         q, k, do, st["aq"] if token else dummy, st["p"], st["qc"], st["th"], st["aend"], st["send"],
         *(x.contiguous() if x is not None else dummy for x in (dmt, dst, dma)), de, dhm, dhs, dm0, ds0, lay.cu,
@@ -715,12 +1022,23 @@ def chunk_momentum_backward(q, k, v, beta, theta, alpha, m0, s0, do, dmt, dst, d
     dq = torch.empty(B, T, H, K, **f32)
     dk = torch.empty(B, T, H, K, **f32)
     dv = torch.empty(B, T, H, V, **f32)
-    dp, dqc, dth, dae, dse = (torch.empty(B, T, H, **f32) for _ in range(5))
-    da = torch.empty(B, T, H, sz["BT"], **f32) if token else None
+    kc = (K,) if channel else ()
+    dp, dqc, dae = (torch.empty(B, T, H, *kc, **f32) for _ in range(3))
+    dth, dse = (torch.empty(B, T, H, **f32) for _ in range(2))
+    da = torch.empty(B, T, H, sz["BT"], **f32) if token else None       # dA (scalar decay) or G (channel-wise)
     _mom_bwd_grad_kernel[(lay.NC, H)](
-        q, k, do, st["a"] if token else dummy, st["p"], st["qc"], st["aend"], st["send"], st["e"], de, st["hm"],
-        st["hs"], dhm, dhs, dq, dk, dv, dp, dqc, dth, dae, dse, da if token else dummy, lay.cu, lay.table, T, b,
-        lay.NT, **meta)
+        q, k, do, st["a"] if token and not channel else dummy, st["p"], st["qc"], st["aend"], st["send"], st["e"],
+        de, st["hm"], st["hs"], dhm, dhs, dq, dk, dv, dp, dqc, dth, dae, dse, da if token else dummy, lay.cu,
+        lay.table, T, b, lay.NT, **meta)
+    if channel:
+        dbeta, dlth = (torch.empty(B, T, H, **f32) for _ in range(2))
+        dla = torch.empty(B, T, H, K, **f32)
+        _mom_cw_gate_kernel[(lay.NC, H)](
+            q, k, beta, st["lth"], st["la"], st["qc"], da if token else dummy, dp, dqc, dth, dae, dse, dq, dk, dbeta,
+            dla, dlth, lay.cu, lay.table, T, b, lay.NT, H=H, K=K, BT=sz["BT"], BK=sz["BK"], READ_TOKEN=token,
+            IS_VARLEN=lay.varlen, PRECISION=prec, num_warps=4)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbeta.to(beta.dtype),
+                _from_log_grad(dlth, theta), _from_log_grad(dla, alpha), dm0.to(m0.dtype), ds0.to(s0.dtype))
     with torch.enable_grad():
         gates = [x.detach().float().requires_grad_(True) if x is not None else None for x in (beta, theta, alpha)]
         coef = chunk_coefficients(*gates, b, cu_seqlens=cu_seqlens)
@@ -733,6 +1051,13 @@ def chunk_momentum_backward(q, k, v, beta, theta, alpha, m0, s0, do, dmt, dst, d
     dalpha = dgates[2].to(alpha.dtype) if alpha is not None else None
     return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbeta, dtheta, dalpha, dm0.to(m0.dtype),
             ds0.to(s0.dtype))
+
+
+def _from_log_grad(dlog: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """∂L/∂x from ∂L/∂ log x, with log x = log max(x, tiny) as :func:`_log_gate` (no gradient below tiny)."""
+    xf = x.float()
+    tiny = torch.finfo(xf.dtype).tiny
+    return torch.where(xf >= tiny, dlog / xf.clamp_min(tiny), torch.zeros_like(dlog)).to(x.dtype)
 
 
 #: Which backward :class:`ChunkMomentumFunction` uses: ``"triton"`` (the backward kernels + autograd through
@@ -822,8 +1147,8 @@ def chunk_momentum(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
 def linear_momentum_reason(parts, channel_wise_ok: bool = False) -> Optional[str]:
     """None when ``parts`` is a spec the momentum kernels (this chunk kernel and the token-by-token one in
     ``fused_recurrent_momentum.py``) compute exactly, semantic chunk aside, else the first reason they do not:
-    linear memory, ℓ2 or dot bias, momentum GD, no retention or per-head scalar decay (either placement, §15.4;
-    ``channel_wise_ok``: channel-wise decay too — the token kernel only), Omega window c = 1, read token or chunk,
+    linear memory, ℓ2 or dot bias, momentum GD, no retention, per-head scalar decay or (``channel_wise_ok``, which
+    both kernels now pass) channel-wise decay, either placement (§15.4), Omega window c = 1, read token or chunk,
     head dims ≤ MAX_D."""
     s, ret = parts.spec, parts.retention
     bias = s.attentional_bias.name
@@ -844,11 +1169,11 @@ def linear_momentum_reason(parts, channel_wise_ok: bool = False) -> Optional[str
 
 def spec_reason(parts, chunk_size: int) -> Optional[str]:
     """None when the momentum chunk kernel computes ``parts`` at semantic chunk ``chunk_size`` exactly, else why not:
-    :func:`linear_momentum_reason`, and 2 ≤ b ≤ MAX_CHUNK (before_step with the ℓ2 bias takes the gradients at
-    P_s M_a)."""
+    :func:`linear_momentum_reason` with channel-wise decay allowed, and 2 ≤ b ≤ MAX_CHUNK (before_step with the ℓ2
+    bias takes the gradients at P_s M_a, channel-wise at M_a Diag(P_s))."""
     if not 2 <= chunk_size <= MAX_CHUNK:
         return f"chunk_size b = {chunk_size} (momentum chunk kernel: 2 ≤ b ≤ {MAX_CHUNK})"
-    return linear_momentum_reason(parts)
+    return linear_momentum_reason(parts, channel_wise_ok=True)
 
 
 def memorize_chunk_momentum(q, k, v, parts, gates, chunk_size, state, block_size: int = 64, **engine_options):
