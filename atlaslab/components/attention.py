@@ -40,14 +40,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, rest], dim=-1)
 
 
-def attention_mask(T: int, window: Optional[int] = None, prefix: int = 0, device=None) -> torch.Tensor:
+def attention_mask(T: int, window: Optional[int] = None, prefix: int = 0, device=None,
+                   sequence: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Boolean ``[T, T]`` mask (True = may attend): causal, limited to the last ``window`` tokens
-    (the query itself included), with the first ``prefix`` positions (persistent tokens) always visible."""
+    (the query itself included), with the first ``prefix`` positions (persistent tokens) always visible.
+    ``sequence: [T]``, each token's sequence in a packed batch: a query sees only its own sequence's tokens."""
     i = torch.arange(T, device=device)[:, None]
     j = torch.arange(T, device=device)[None, :]
     allowed = j <= i
     if window is not None:
         allowed = allowed & ((i - j < window) | (j < prefix))
+    if sequence is not None:
+        allowed = allowed & (sequence[:, None] == sequence[None, :])
     return allowed
 
 
@@ -91,14 +95,25 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d_model, H * D, bias=cfg.bias)
         self.o_proj = nn.Linear(H * D, d_model, bias=cfg.bias)
 
+    #: takes packed variable-length batches (``cu_seqlens``)
+    takes_packed = True
+
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None, prefix: int = 0,
-                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+                positions: Optional[torch.Tensor] = None, cu_seqlens=None) -> torch.Tensor:
         """``x: [B, T, d_model]`` → ``[B, T, d_model]``.
 
         ``mask``: an explicit boolean ``[T, T]`` mask (True = attend); default: causal (within ``window`` for
         SWA) with the first ``prefix`` positions always visible. ``positions: [T]`` for RoPE (default 0..T−1).
+        ``cu_seqlens``: packed sequences (``x: [1, ΣT_i, d_model]``, offsets ``[N + 1]``): every query attends
+        within its own sequence only, and RoPE counts positions from each sequence's first token.
         """
         B, T, _ = x.shape
+        if cu_seqlens is not None:
+            if mask is not None or positions is not None or prefix:
+                raise ValueError("attention: cu_seqlens sets the mask and positions; do not pass them as well")
+            from ..kernels.packed import check_cu_seqlens, sequence_positions
+            sequence, positions = sequence_positions(check_cu_seqlens(cu_seqlens, B, T), x.device)
+            mask = attention_mask(T, self.window, 0, x.device, sequence=sequence)
         H, D = self.num_heads, self.head_dim
         q = self.q_proj(x).view(B, T, H, D)
         k = self.k_proj(x).view(B, T, H, D)

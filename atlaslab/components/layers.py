@@ -66,16 +66,48 @@ class ShortConv(nn.Module):
         self.kernel_size = kernel_size
         self.conv = nn.Conv1d(channels, channels, kernel_size, groups=channels, bias=False)
 
-    def forward(self, x: torch.Tensor, cache: Optional[torch.Tensor] = None):
+    def forward(self, x: torch.Tensor, cache: Optional[torch.Tensor] = None, cu_seqlens=None):
+        """With ``cu_seqlens`` (packed sequences: ``x: [1, ΣT_i, C]``, offsets ``[N + 1]``, see
+        :meth:`forward_packed`) the convolution restarts at every sequence; ``cache`` is then ``[N, K-1, C]``."""
+        if cu_seqlens is not None:
+            return self.forward_packed(x, cu_seqlens, cache)
         B, T, C = x.shape
         K = self.kernel_size
         if cache is None:
             cache = x.new_zeros(B, K - 1, C)
         full = torch.cat([cache, x], dim=1)                       # [B, K-1+T, C]
-        w = self.conv.weight[:, 0, :].to(x.dtype)                 # [C, K] (Conv1d layout: cross-correlation)
+        w = self._taps(x)
         # K shifted products instead of conv1d: same result, and far faster for tiny / float64 inputs on CPU
         y = sum(full[:, j:j + T] * w[:, j] for j in range(K))     # [B, T, C]
         return y, full[:, full.shape[1] - (K - 1):]
+
+    def _taps(self, x: torch.Tensor) -> torch.Tensor:
+        """The filter ``[C, K]`` (Conv1d layout, cross-correlation: tap K−1 multiplies the current token)."""
+        return self.conv.weight[:, 0, :].to(x.dtype)
+
+    def forward_packed(self, x: torch.Tensor, cu_seqlens, cache: Optional[torch.Tensor] = None):
+        """Packed sequences ``x: [1, ΣT_i, C]`` → ``(y: [1, ΣT_i, C], caches: [N, K-1, C])``, equal to running each
+        sequence alone from its own cache (``cache[i]``, zeros when None): a token s steps into its sequence takes
+        the ``K − 1 − s`` oldest taps from that cache, never from the sequence before it."""
+        from ..kernels.packed import check_cu_seqlens, sequence_positions
+        B, T, C = x.shape
+        offsets = check_cu_seqlens(cu_seqlens, B, T)
+        N, K = len(offsets) - 1, self.kernel_size
+        if cache is None:
+            cache = x.new_zeros(N, K - 1, C)
+        seq, pos = sequence_positions(offsets, x.device)
+        w, xs, t = self._taps(x), x[0], torch.arange(T, device=x.device)
+        y = xs * w[:, K - 1]
+        for s in range(1, K):                                    # the token s steps back, or the cache slot
+            earlier = xs[(t - s).clamp_min(0)]
+            cached = cache[seq, (K - 1 - s + pos).clamp(0, K - 2)]
+            y = y + torch.where((pos >= s)[:, None], earlier, cached) * w[:, K - 1 - s]
+        ends = torch.tensor(offsets[1:], device=x.device)[:, None]            # [N, 1]
+        starts = torch.tensor(offsets[:-1], device=x.device)[:, None]
+        u = ends - (K - 1) + torch.arange(K - 1, device=x.device)             # token each new slot holds [N, K-1]
+        from_cache = cache[torch.arange(N, device=x.device)[:, None], (K - 1 + u - starts).clamp(0, K - 2)]
+        new_cache = torch.where((u >= starts)[..., None], xs[u.clamp_min(0)], from_cache)
+        return y.unsqueeze(0), new_cache
 
 
 def _logit(p: float) -> float:
@@ -265,13 +297,14 @@ class MemoryLayer(nn.Module):
         return out
 
     # -- backbone -----------------------------------------------------------------------------------
-    def _branch(self, x, which: str, cache: Optional[torch.Tensor]):
-        """Projection → conv → SiLU (→ ℓ2) of q, k or v. Returns ``([B, T, H, D], new_cache)``."""
+    def _branch(self, x, which: str, cache: Optional[torch.Tensor], cu_seqlens=None):
+        """Projection → conv → SiLU (→ ℓ2) of q, k or v. Returns ``([B, T, H, D], new_cache)`` (packed: the conv
+        restarts at every sequence of ``cu_seqlens``, and the caches are ``[N, K-1, C]``)."""
         proj = getattr(self, f"{which}_proj")
         h = proj(x)
         new_cache = None
         if self.cfg.conv:
-            h, new_cache = getattr(self, f"{which}_conv")(h, cache)
+            h, new_cache = getattr(self, f"{which}_conv")(h, cache, cu_seqlens=cu_seqlens)
         if self.cfg.silu:
             h = F.silu(h)
         h = h.reshape(*x.shape[:2], self.num_heads, -1)
@@ -293,11 +326,19 @@ class MemoryLayer(nn.Module):
         p = next(self.parameters())
         return MemoryLayerState(initial_state(self.parts, batch, dtype or p.dtype, device or p.device), {})
 
-    def forward(self, x: torch.Tensor, state: Optional[MemoryLayerState] = None, return_state: bool = False):
+    #: takes packed variable-length batches (``cu_seqlens``)
+    takes_packed = True
+
+    def forward(self, x: torch.Tensor, state: Optional[MemoryLayerState] = None, return_state: bool = False,
+                cu_seqlens=None):
         """``x: [B, T, d_model]`` → ``[B, T, d_model]`` (and the new :class:`MemoryLayerState` if asked).
 
         ``state`` continues a previous call (memory, conv caches): chained calls equal one call.
+        ``cu_seqlens``: packed sequences (``x: [1, ΣT_i, d_model]``, offsets ``[N + 1]``; see
+        :meth:`forward_packed`).
         """
+        if cu_seqlens is not None:
+            return self.forward_packed(x, cu_seqlens, state, return_state)
         from ..kernels import memorize
 
         conv = state.conv if state is not None else {}
@@ -312,6 +353,35 @@ class MemoryLayer(nn.Module):
             return y
         caches = {n: c for n, c in (("q", cq), ("k", ck), ("v", cv)) if c is not None}
         return y, MemoryLayerState(mem_state, caches)
+
+    def forward_packed(self, x: torch.Tensor, cu_seqlens, states=None, return_state: bool = False):
+        """N packed sequences ``x: [1, ΣT_i, d_model]`` (offsets ``cu_seqlens: [N + 1]``), each exactly as if it ran
+        alone: the convs restart at every sequence and ``memorize(..., cu_seqlens=...)`` gives each its own memory
+        (``mode="triton"`` runs them natively on the kernels). ``states``: None or the N batch-1
+        :class:`MemoryLayerState` a previous call returned; with ``return_state``, returns those of this call."""
+        from ..kernels import memorize
+        from ..kernels.packed import check_cu_seqlens
+        offsets = check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1])
+        N = len(offsets) - 1
+        if states is not None and (isinstance(states, MemoryLayerState) or len(states) != N):
+            raise ValueError(f"MemoryLayer: with cu_seqlens, state must be None or {N} MemoryLayerStates (one per "
+                             f"sequence, what a packed call returns)")
+
+        def caches(which):
+            if states is None or any(which not in s.conv for s in states):
+                return None
+            return torch.cat([s.conv[which] for s in states], 0)
+        q, cq = self._branch(x, "q", caches("q"), offsets)
+        k, ck = self._branch(x, "k", caches("k"), offsets)
+        v, cv = self._branch(x, "v", caches("v"), offsets)
+        o, mem_states = memorize(q, k, v, self.parts, self.gates(x), mode=self.cfg.mode,
+                                 checkpoint=self.cfg.checkpoint, cu_seqlens=offsets,
+                                 initial_state=[s.memory for s in states] if states is not None else None)
+        y = self._output(o, x)
+        if not return_state:
+            return y
+        conv = [(n, c) for n, c in (("q", cq), ("k", ck), ("v", cv)) if c is not None]
+        return y, [MemoryLayerState(m, {n: c[i:i + 1] for n, c in conv}) for i, m in enumerate(mem_states)]
 
     def read(self, x: torch.Tensor, state: Optional[MemoryLayerState] = None,
              q_cache: Optional[torch.Tensor] = None):

@@ -158,8 +158,12 @@ class LMLayer(nn.Module):
         self.mlp_norm = RMSNorm(d_model, eps) if hidden else None
         self.mlp = SwiGLU(d_model, hidden) if hidden else None
 
-    def forward(self, x):
-        x = x + self.mixer(self.mixer_norm(x))
+    def forward(self, x, cu_seqlens=None):
+        """``x: [B, T, d_model]``; ``cu_seqlens``: packed sequences (``[1, ΣT_i, d_model]``), passed to the mixer."""
+        if cu_seqlens is None:
+            x = x + self.mixer(self.mixer_norm(x))
+        else:
+            x = x + self.mixer(self.mixer_norm(x), cu_seqlens=cu_seqlens)
         if self.mlp is not None:
             x = x + self.mlp(self.mlp_norm(x))
         return x
@@ -197,19 +201,49 @@ class LanguageModel(nn.Module):
             self.head = nn.Linear(c.d_model, c.vocab_size, bias=False)
             nn.init.normal_(self.head.weight, std=c.init_std)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
+        """``input_ids: [B, T]`` → logits ``[B, T, vocab]``.
+
+        ``cu_seqlens``: packed documents (``input_ids: [1, ΣT_i]``, offsets ``[N + 1]`` = ``[0, T_0, T_0 + T_1, …]``,
+        fla's convention): every layer treats each document as its own sequence (memories start fresh, convs
+        and attention never look across a document start, RoPE restarts), so the logits equal each document run
+        alone, without padding. Every mixer must take packed batches (``takes_packed``); the blocks do not yet.
+        """
+        if cu_seqlens is not None:
+            self._check_packed(input_ids, cu_seqlens)
         x = self.embed(input_ids)
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, cu_seqlens)
         x = self.norm(x)
         w = self.embed.weight if self.head is None else self.head.weight
         return x @ w.to(x.dtype).t()
 
-    def loss(self, input_ids: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Mean next-token cross-entropy: predict ``targets`` (default: ``input_ids`` shifted by one)."""
+    def _check_packed(self, input_ids: torch.Tensor, cu_seqlens) -> None:
+        """Refuse packed inputs early, naming the mixer that cannot take them."""
+        from ..kernels.packed import check_cu_seqlens
+        if input_ids.dim() != 2:
+            raise ValueError(f"LanguageModel: input_ids must be [B, T], got {list(input_ids.shape)}")
+        check_cu_seqlens(cu_seqlens, *input_ids.shape)
+        for key, layer in zip(self.layer_keys, self.layers):
+            if not getattr(layer.mixer, "takes_packed", False):
+                takes = sorted({k for k, lay in zip(self.layer_keys, self.layers)
+                                if getattr(lay.mixer, "takes_packed", False)})
+                raise ValueError(f"mixers.{key}: '{self.resolved.mixers[key][1].name}' does not take packed "
+                                 f"sequences (cu_seqlens); mixers of this model that do: {takes or 'none'} "
+                                 f"(memory, attention, swa)")
+
+    def loss(self, input_ids: torch.Tensor, targets: Optional[torch.Tensor] = None,
+             cu_seqlens=None) -> torch.Tensor:
+        """Mean next-token cross-entropy: predict ``targets`` (default: ``input_ids`` shifted by one).
+
+        With ``cu_seqlens`` (packed documents) give ``targets`` explicitly: a shift of the packed row would ask
+        each document's last token to predict the next document's first.
+        """
         if targets is None:
+            if cu_seqlens is not None:
+                raise ValueError("LanguageModel.loss: with cu_seqlens, pass targets (each document's own next tokens)")
             input_ids, targets = input_ids[:, :-1], input_ids[:, 1:]
-        logits = self(input_ids)
+        logits = self(input_ids, cu_seqlens=cu_seqlens)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
     # -- accounting ---------------------------------------------------------------------------------

@@ -54,6 +54,14 @@ def check_cu_seqlens(cu_seqlens: CuSeqlens, B: int, T: int) -> List[int]:
     return offsets
 
 
+def sequence_positions(offsets: Sequence[int], device=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Each packed token's sequence and its position in it: ``(seq [T], pos [T])`` (long) for offsets ``[N + 1]``."""
+    cu = torch.as_tensor(list(offsets), device=device, dtype=torch.long)
+    t = torch.arange(int(cu[-1]), device=device)
+    seq = torch.searchsorted(cu, t, right=True) - 1
+    return seq, t - cu[seq]
+
+
 def state_batch(state: MemoryState) -> int:
     """The batch size of a state (its window history always has the batch dim)."""
     return state.hist_k.shape[0]
@@ -124,5 +132,5 @@ def memorize_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parts, ga
     return torch.cat(outputs, 1), finals
 
 
-__all__ = ["check_cu_seqlens", "memorize_packed", "sequence_states", "split_state", "stack_weights",
-           "state_batch"]
+__all__ = ["check_cu_seqlens", "memorize_packed", "sequence_positions", "sequence_states", "split_state",
+           "stack_weights", "state_batch"]
