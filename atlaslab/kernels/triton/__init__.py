@@ -45,6 +45,14 @@ Dispatch, in the spirit of fla's backend registry: a Triton kernel is used only 
 (:func:`memorize_triton`) uses it and falls back to the torch ``chunked`` engine. Nothing else changes: the
 default ``memorize`` mode and every torch engine stay as they are.
 
+Packed calls (``memorize(..., mode="triton", cu_seqlens=...)``, :mod:`atlaslab.kernels.packed`):
+:func:`memorize_triton_packed` runs all sequences in one kernel call with ``cu_seqlens`` where
+:func:`_packed_kernel_kind` finds a kernel — the c = 1 chunk / token kernels always, the Omega-window kernels while
+no sequence carries window history yet, the momentum chunk kernel when every sequence starts on a chunk boundary
+and the call is long — and each sequence's final state is cut from the kernel's ``[N, …]`` states; otherwise every
+sequence runs alone through :func:`memorize_triton` (``tests/test_memorize_packed.py``: one kernel call counted,
+outputs, states and gradients against each sequence alone on the float64 reference).
+
 Precision: every kernel keeps fp32 intermediates; the input precision of their fp32 ``tl.dot`` is
 :func:`.precision.dot_precision` (TF32 for fp16 / bf16 inputs, torch's float32 matmul precision for fp32, IEEE for
 fp64; ``allow_tf32`` forces either), because IEEE fp32 dots compile to CUDA-core FMA loops without tensor cores.
@@ -473,5 +481,6 @@ def select_mlp_step(parts, x: torch.Tensor) -> Optional[Callable]:
 
 
 __all__ = ["FORCE_TORCH_ENV", "available", "explain", "forced_torch", "interpreting", "memorize_triton",
+           "memorize_triton_packed",
            "orthogonalise", "select_kernel", "select_mlp_step", "select_newton_schulz", "spec_reason",
            "triton_importable"]
