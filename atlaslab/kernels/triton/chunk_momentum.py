@@ -2,8 +2,8 @@
 with a matrix memory), its plain torch reference, and the ``memorize`` engine that uses them.
 
 Spec (../shared/spec/ATLAS_FAMILY.md §15.2 chunk semantics, §15.4 placement, §15.5 momentum; Titans §3.2 Eq.16-18):
-memory linear, ℓ2 or dot-product bias, inner optimizer ``momentum``, retention none or per-head scalar decay with
-either placement, Omega window c = 1, read ``token`` or ``chunk``. One head's memory M and momentum S are
+memory linear, ℓ2 or dot-product bias, inner optimizer ``momentum``, retention none, per-head scalar decay or
+channel-wise decay (per key channel; below) with either placement, Omega window c = 1, read ``token`` or ``chunk``. One head's memory M and momentum S are
 ``[D_v, D_k]``; per token s of a chunk that starts from the anchor M_a = M_{t'} (and momentum S_a), with step
 β_s = η_s γ_s (learning rate × the c = 1 window gate), momentum gate θ_s, kept fraction α_s (1 without retention)
 and the chunk-local cumulative product P_s = Π_{τ=t'}^{s} α_τ:
@@ -28,6 +28,62 @@ Unrolled over the chunk (the TTT / Titans dual form; ``_dual_segment`` in ``kern
 and the next chunk starts from M_L, S_L (L = the chunk's last real token; the last chunk may be partial).
 Decay products are formed in log space as exp(g_s − g_r) on the causal part only (α, θ clamped at the smallest
 positive normal, as :func:`.reference.log_decay`, so a gate of exactly 0 gets no gradient), so no ratio overflows.
+
+Channel-wise decay (``retention: {name: decay, channel_wise: true}``, §15.4, §15.8; α_t ∈ [0, 1]^{D_k}, gates
+``[B, T, H, D_k]``). The definition (``recurrent.py``, as ``fused_recurrent_momentum.py``): P_s = Π_{τ=t'}^{s} α_τ is
+a [D_k] vector, e_s = M_a k_s − v_s (after_step) or (M_a Diag(P_s)) k_s − v_s = M_a (P_s ⊙ k_s) − v_s (before_step),
+S_s = θ_s S_{s−1} − β_s e_s k_sᵀ (θ stays a per-head scalar) and M_s = M_{s−1} Diag(α_s) + S_s. Unrolling M with
+D_α[s, r] = Π_{τ=r+1}^{s} α_τ (now a [D_k] vector, acting on the key axis) gives
+
+    M_s = M_a Diag(P_s) + S_a Diag(Q_s) + Σ_{i≤s} e_i (k_i ⊙ A[s, i, :])ᵀ,
+    Q_s = Σ_{r≤s} Θ_r D_α[s, r],     A[s, i, c] = −β_i C_s[i, c],   C_s[i, c] = Σ_{r=i}^{s} D_θ[r, i] D_α[s, r]_c
+
+(S_s as above), so the reads and the chunk-end step become
+
+    read token:  y_s = M_a (P_s ⊙ q_s) + S_a (Q_s ⊙ q_s) + Σ_{i≤s} W[s, i] e_i,   W[s, i] = Σ_c A[s, i, c] k_ic q_sc
+    M_L = M_a Diag(P_L) + S_a Diag(Q_L) + Σ_i e_i (k_i ⊙ a_end_i)ᵀ,   a_end_i = A[L, i, :]  (a [D_k] row per token)
+
+— the scalar form with P, Q, a_end per key channel, and W in place of A ⊙ (q kᵀ). Unlike GLA's single decay, the
+coefficient of a write inside a chunk is the double sum C (momentum is a second recurrence between the write and
+the memory), which does not split into a factor of s times a factor of i: folding Diag(Π α) into k and q (k ⊙ e^{−g},
+q ⊙ e^{g}) would need C_s = e^{g_s} ⊙ (F_s − F_{i−1}) Θ_i^{−1} with F_s = Σ_{r≤s} Θ_r e^{−g_r}, whose e^{−g} and Θ^{−1}
+overflow fp32 once a channel forgets fast (α = 0.05: e^{−g} > 1e38 after 30 tokens) and whose difference cancels. The
+kernels instead carry C over the chunk's rows, C_s = C_{s−1} Diag(α_s) + D_θ[s, :] ⊗ 1 ([b, D_k], every factor ≤ 1,
+every exponent ≤ 0), which is exact at any decay (a channel whose Π α underflows simply contributes 0), and form
+
+- a_end = −β ⊙ (D_θᵀ E), E[r, c] = D_α[L, r]_c = e^{g_Lc − g_rc} (r ≤ L) — one ``tl.dot``, no loop;
+- Q_s = α_s ⊙ Q_{s−1} + Θ_s and (read token) W[s, :] = −β ⊙ ((C_s ⊙ k) q_s), row by row in ``_mom_cw_coef_kernel``
+  (O(b² D_k) per chunk on CUDA cores, W stored as ``[B, T, H, BT]`` like A ⊙ q kᵀ);
+
+and the state / output / reverse-sweep kernels (``CHANNEL`` constexpr) read P, Q, a_end ``[B, T, H, D_k]``:
+e = (k ⊙ P) M_aᵀ − v, M ← M Diag(P_L) + S Diag(Q_L) + eᵀ (k ⊙ a_end), y = (q ⊙ P) M_aᵀ + (q ⊙ Q) S_aᵀ + W e.
+
+Channel-wise backward: the state sweep is the scalar one with the per-channel factors (dE = Wᵀ dO + (k ⊙ a_end) dMᵀ
++ s_end ⊙ (k dSᵀ); dM ← dM Diag(P_L) + dOᵀ (q ⊙ P) + [ℓ2] dEᵀ (k [⊙ P]); dS ← dM Diag(Q_L) + Θ_L dS + dOᵀ (q ⊙ Q));
+the per-chunk grad kernel forms dq, dk, dv without the W terms and the coefficient gradients dP, dQ, d a_end
+(``[B, T, H, D_k]``), dΘ_L, d s_end and G = dO eᵀ (dA[s, i, c] = G[s, i] k_ic q_sc — b × D_k per token, never
+stored); then ``_mom_cw_gate_kernel`` maps them to the inputs in the same loops. With Â_s[i, c] = −β_i dA[s, i, c]
+and the log-decay rule (a factor e^{x_s − x_r} sends its gradient to the later end with +, the earlier with −, and
+d log α_τ = Σ_{s≥τ} dg_s, a reverse cumsum within the chunk):
+
+    forward over s (carrying C_s):  dq_s += Σ_i G[s, i] A[s, i, :] ⊙ k_i,  dk_i += G[s, i] A[s, i, :] ⊙ q_s,
+                                    dβ_i −= G[s, i] Σ_c C_s k q_s,  dg_s += q_s ⊙ dq_s^W,  dg_θ,i −= Σ_c Â_s C_s
+    reverse over r (carrying B_r = Â_r + B_{r+1} Diag(α_{r+1}) and R_r = dQ_r + α_{r+1} ⊙ R_{r+1}):
+                                    dg_r −= Θ_r R_r + Σ_i D_θ[r, i] B_r[i, :],  dg_θ,r += Σ_c (same)
+    closed form (dots):             the a_end terms (Â = −β ⊙ d a_end at s = L; its B_r = Â ⊙ E_r), P (dg += dP ⊙ P),
+                                    Q (dg += dQ ⊙ Q), Θ_L, s_end = −β D_θ[L, :]
+
+then d log α = revcumsum(dg), d log θ = revcumsum(dg_θ), dα = d log α / α and dθ = d log θ / θ (0 below the
+smallest normal, where the forward clamps, as :func:`_log_gate`). No torch autograd and no [b, b, D_k] tensor.
+
+Limits (channel-wise): the loops cost O(b² D_k) per chunk and head in the coefficient and gate kernels on CUDA cores
+(b serial steps of [b, D_k] element-wise work; fla's sub-chunked GLA products would put part of this on tensor cores;
+not done), on top of the scalar path's work; the gate kernel holds ~4 [BT, BK] fp32 blocks (C, B, k, dk) per
+program, the coefficient kernel 2, so b = 64 with D_k = 128 or more presses registers (see
+``bench/compile_sm90.py``); every factor is ≤ 1 so nothing overflows, and a channel whose Π α underflows fp32 inside a
+chunk gives exactly the float64 answer's negligible contribution; the torch reference (and the
+``ATLASLAB_MOMENTUM_BACKWARD=torch`` fallback through it) forms the [b, b, D_k] coefficient per chunk, O(T·b·D_k)
+memory per head — a reference, not a fast path. Tested only under the interpreter.
 
 Variable-length batches (``cu_seqlens [N + 1]``, N sequences packed as ``[1, total_T, H, D]``) run natively, as the
 delta-rule chunk kernels do (:mod:`.chunk`, whose chunk tables and ``_chunk_span`` / ``_sequence_span`` jit helpers
@@ -67,6 +123,9 @@ Pieces:
      the dE M_a term of dk is scaled by P and dP gains the e path, dP_s += dE_s · (M_a k_s) = rowsum(k ⊙ dE M_a);
   4. **torch**: autograd through :func:`chunk_coefficients` (stage 1 in torch, all chunks at once, O(T·b) work and
      no memory-sized tensor) maps the coefficients' gradients to dβ, dθ, dα (so dP's e path reaches dα there).
+  Channel-wise decay: ``_mom_cw_coef_kernel`` replaces stage 1 (forward and recompute), the other kernels take
+  ``CHANNEL``, and ``_mom_cw_gate_kernel`` (chunk × head, parallel) replaces step 4: it adds the W terms to dq, dk
+  and forms dβ, dθ, dα itself (see "Channel-wise backward" above).
   ``BACKWARD = "torch"`` (or ``ATLASLAB_MOMENTUM_BACKWARD=torch``) instead recomputes
   :func:`momentum_chunk_reference` (≥ fp32) under ``enable_grad`` and differentiates it with autograd (the
   reference backward, kept as a fallback).
@@ -77,6 +136,9 @@ Pieces:
 
 Status: tested only under ``TRITON_INTERPRET=1`` on CPU (``tests/test_triton_momentum.py``: outputs, states and every
 input gradient vs the float64 token loop, both placements, RMS-error ratio ~1e-7 in fp32;
+``tests/test_triton_momentum_channel.py``: channel-wise decay the same ways — engine vs ``memorize(mode="recurrent")``,
+op vs the float64 reference, chained calls, ``cu_seqlens``, a key channel at α ≈ 0.05, and one whose Π α underflows
+fp32 within a b = 32 chunk — RMS-error ratio ≤ 2e-6, typically ~2e-7;
 ``tests/test_triton_momentum_varlen.py``: packed sequences vs each sequence alone, launches counted); nothing has run
 on a GPU and nothing is tuned (one config, ``num_warps=4``; the backward grad kernel holds a few [BT, BK] and
 [BT, BT] fp32 accumulators per program, which for D_k = 256 may need a smaller value block or split kernels, as fla
@@ -1123,7 +1185,8 @@ def chunk_momentum(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
         q, k: ``[B, T, H, D_k]`` (feature map already applied); v: ``[B, T, H, D_v]`` (D_k, D_v ≤ 256).
         beta: ``[B, T, H]`` step β_t = η_t γ_t.
         theta: ``[B, T, H]`` momentum gate θ_t.
-        alpha: ``[B, T, H]`` per-head kept fraction α_t, or None.
+        alpha: ``[B, T, H]`` per-head kept fraction α_t, ``[B, T, H, D_k]`` channel-wise (per key channel,
+            M ← M Diag(α_t) + S; before_step takes the gradient at M_a Diag(P_s)), or None.
         initial_state, initial_momentum: M and S before the first token, ``[N, H, D_v, D_k]`` (N = B, or the
             number of packed sequences); every sequence starts at a chunk boundary.
         chunk_size: the semantic chunk b (2 ≤ b ≤ 64 on the kernels; it changes the result).
