@@ -29,6 +29,11 @@ Rows (each at every T; ``op`` / ``impl``):
   c = 4 (γ gates), b = 16 — with the identity feature map (ATLAS's φ_2 maps a head of D = 64 to C(66, 2) = 2145
   features, beyond the step's 256): ``triton`` (fused step) vs ``torch-chunked``.
 - ``newton_schulz`` (5 quintic steps, one D × D matrix per token and head): ``triton-fused`` vs ``torch``.
+- ``gdn_docs``: the GDN spec on ``--docs`` ragged documents (random lengths ≥ 1) totalling T tokens (B = 1):
+  ``triton-packed`` (``memorize(mode="triton", cu_seqlens=...)``: one kernel call over all documents) vs
+  ``triton-padded`` (the documents right-padded to a ``[N, max T_i]`` batch, what one does without varlen) vs
+  ``torch-chunked-loop`` (each document alone on the torch engine: the definition, and both gates' reference).
+  tokens/s counts real tokens only.
 
 Correctness gate (fla's "no speed on a red gate"): before a Triton (or fla) row is timed, the same call's outputs and
 input gradients (q, k, v and every gate) are compared with the torch reference, in fp32, in this run at the timed
@@ -262,6 +267,63 @@ def gate_memory(case: MemoryCase, parts, B, T, H, D, dtype, device) -> float:
     return compare(memory_step(case, parts, "triton", *problem), reference_outputs(case, parts, problem))
 
 
+def document_lengths(T: int, n: int, seed: int = 0) -> list:
+    """``n`` document lengths ≥ 1 summing to T (uniform random cut points, seeded): a packed batch's ragged docs."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = sorted(torch.randperm(T - 1, generator=g)[:n - 1].add(1).tolist())
+    return [b - a for a, b in zip([0] + cuts, cuts + [T])]
+
+
+def packed_step(parts, lengths, inputs, gates, do, layout: str, backward=True):
+    """GDN on ``len(lengths)`` documents, one forward (+ backward) → ``[o, dq, dk, dv, d(each gate)]`` in the packed
+    order. ``layout``: ``packed`` (one ``[1, ΣT_i]`` call with ``cu_seqlens``, mode triton), ``padded`` (the docs
+    right-padded to ``[N, max T_i]``, one triton call: what is done without varlen support), or ``loop`` (each doc
+    alone through the torch ``chunked`` engine: the definition, the gate's reference)."""
+    case = CASES["gdn"]
+    leaves = [x.detach().requires_grad_(backward) for x in inputs]
+    gl = {n: x.detach().requires_grad_(backward) for n, x in gates.items()}
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    with torch.set_grad_enabled(backward), chunk_kernel_only():
+        if layout == "packed":
+            o, _ = memorize(*leaves, parts, gl, mode="triton", chunk_size=1, cu_seqlens=offsets)
+        elif layout == "loop":
+            o, _ = memorize(*leaves, parts, gl, mode="chunked", chunk_size=1, cu_seqlens=offsets)
+        else:
+            L = max(lengths)
+
+            def pad(x, value=0.0):   # [1, ΣT, …] → [N, L, …]; what follows a doc's end changes nothing before it
+                return torch.stack([torch.nn.functional.pad(x[0, a:b], [0, 0] * (x.dim() - 2) + [0, L - (b - a)],
+                                                            value=value)
+                                    for a, b in zip(offsets[:-1], offsets[1:])])
+            # padded α = 1 (no decay): α = 0 would put log 0 into the kernels' decay exponents
+            o_pad, _ = memorize(*(pad(x) for x in leaves), parts,
+                                {n: pad(x, 1.0 if n == "retention" else 0.0) for n, x in gl.items()},
+                                mode="triton", chunk_size=1)
+            o = torch.cat([o_pad[i:i + 1, :n] for i, n in enumerate(lengths)], 1)
+        if not backward:
+            return [o]
+        grads = torch.autograd.grad(o, leaves + list(gl.values()), do)
+    return [o, *grads]
+
+
+def gate_packed(parts, T, H, D, docs, dtype, device, layout="packed") -> float:
+    """The packed (or padded) GDN call vs each document alone on the fp32 torch engine: max RMS-error ratio over o
+    and every input gradient. Raises :class:`NotRunnable` when the triton mode has no native packed kernel."""
+    lengths = document_lengths(T, docs, seed=1)
+    inputs, gates, do = memory_problem(CASES["gdn"], 1, T, H, D, dtype, device, seed=1)
+    why = triton_reason(CASES["gdn"], parts, inputs[0])        # fresh documents: no state, no window history
+    if why is None and layout == "packed" and tk._packed_kernel_kind(parts, inputs[0], 1, []) is None:
+        why = "the packed dispatch found no native kernel"
+    if why is not None:
+        raise NotRunnable(f"kernel 'chunk' not selected: {why}")
+    ref_parts = copy.deepcopy(parts).float()
+    ref = packed_step(ref_parts, lengths, [x.float() for x in inputs], {n: x.float() for n, x in gates.items()},
+                      do.float(), "loop")
+    return compare(packed_step(parts, lengths, inputs, gates, do, layout), ref)
+
+
 def gate_recurrent(B, T, H, D, dtype, device):
     """The token-by-token GDN kernel's forward (o, final state) vs the fp32 torch chunk reference."""
     from atlaslab.kernels.triton.fused_recurrent import fused_recurrent_forward
@@ -461,6 +523,9 @@ def interpreter_gates() -> dict:
     out = {c.name: _outcome(lambda c=c: gate_memory(c, build_parts(c, H, D, f32, "cpu"), B, T, H, D, f32, "cpu"))
            for c in CASES.values()}
     out["fused_recurrent"] = _outcome(lambda: gate_recurrent(B, T, H, D, f32, "cpu"))
+    for layout in ("packed", "padded"):
+        out[f"gdn_docs_{layout}"] = _outcome(lambda layout=layout: gate_packed(
+            build_parts(CASES["gdn"], H, D, f32, "cpu"), T, H, D, 3, f32, "cpu", layout))
     out["newton_schulz"] = _outcome(lambda: gate_ns(3, D, f32, "cpu"))
     naive = load_fla_naive()
     out[FLA_IMPL] = None if naive is None else _outcome(lambda: gate_fla(naive, B, T, H, D, f32, "cpu"))
@@ -531,6 +596,35 @@ def fla_row(T, args, ctx) -> dict:
     gT = min(T, args.gate_max_T)
     return gated_row("fla_chunk_gdn", FLA_IMPL, T, args, lambda: gate_fla(fn, B, gT, H, D, dtype, device),
                      lambda: fla_step(fn, *problem), fl, ctx["tol"], gate_T=gT)
+
+
+def packed_rows(T, args, ctx) -> list:
+    """GDN on ``--docs`` ragged documents totalling T tokens: packed with ``cu_seqlens`` (one kernel call) vs the
+    same documents right-padded to a batch (both triton, gated against each document alone), and the torch loop."""
+    H, D, dtype, device, n = args.heads, args.dim, ctx["dtype"], ctx["device"], args.docs
+    parts = ctx["parts"]["gdn"]
+    lengths = document_lengths(T, n)
+    inputs, gates, do = memory_problem(CASES["gdn"], 1, T, H, D, dtype, device)
+    problem = (lengths, inputs, gates, do)
+    fl = 3 * flops_delta(1, T, H, D, D)
+    padded_tokens = n * max(lengths)
+    note = f"{n} docs, longest {max(lengths)}"
+    cpu_skip = (f"skipped on CPU above T = {args.cpu_max_T}" if device == "cpu" and T > args.cpu_max_T else None)
+    rows = [torch_row("gdn_docs", "torch-chunked-loop", T, args, lambda: packed_step(parts, *problem, "loop"), fl,
+                      skip=cpu_skip, tokens=T, note=note)]
+    for layout in ("packed", "padded"):
+        impl = f"triton-{layout}"
+        if ctx["timed"]:
+            gT = min(T, args.gate_max_T)
+            rows.append(gated_row("gdn_docs", impl, T, args,
+                                  lambda layout=layout: gate_packed(parts, gT, H, D, n, dtype, device, layout),
+                                  lambda layout=layout: packed_step(parts, *problem, layout), fl, ctx["tol"],
+                                  tokens=T, gate_T=gT,
+                                  note=note + (f"; {padded_tokens} padded tokens" if layout == "padded" else "")))
+        else:
+            rows.append(gated_row("gdn_docs", impl, T, args, ctx["gates"].get(f"gdn_docs_{layout}"), None, fl, 1e-3,
+                                  note=NOT_TIMED if ctx["gates"] else ctx["why_not"], gate_T=TINY["T"], tokens=T))
+    return rows
 
 
 def sdpa_row(T, args, ctx) -> dict:
@@ -617,6 +711,7 @@ def run(args) -> list:
         rows.append(recurrent_row(T, args, ctx))
         rows.append(fla_row(T, args, ctx))
         rows.append(sdpa_row(T, args, ctx))
+        rows += packed_rows(T, args, ctx)
         for name in ("gla", "omega_c1", "omega_c4", "titans_linear_momentum", "titans_mlp", "omeganet_mlp"):
             rows += memory_rows(CASES[name], T, args, ctx)
         rows += ns_rows(T, args, ctx)
@@ -793,6 +888,7 @@ def parse(argv=None):
     p.add_argument("--cpu-max-T", type=int, default=8192, help="CPU: skip the torch chunked engine above this T")
     p.add_argument("--cpu-sdpa-max-T", type=int, default=8192, help="CPU: skip SDPA above this T (T² memory)")
     p.add_argument("--cpu-ns-max", type=int, default=512, help="CPU: cap on Newton–Schulz matrices per call")
+    p.add_argument("--docs", type=int, default=8, help="documents in the packed / padded GDN rows (gdn_docs)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads for torch")
     p.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
     args = p.parse_args(argv)

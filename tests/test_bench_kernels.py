@@ -150,3 +150,17 @@ def test_report_end_to_end_with_stubbed_gates(monkeypatch, tmp_path):
     assert all(r["seconds"] for r in data["rows"] if r["impl"] in ("torch-chunked", "torch-sdpa", "torch"))
     md = (tmp_path / "kernels_cpu.md").read_text()
     assert "## Targets (issue 6)" in md and "not measured" in md
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_document_rows_gate_against_each_document_alone(layout, monkeypatch):
+    """The gdn_docs gates (packed with cu_seqlens / right-padded, both triton) pass against each document alone on
+    the torch engine; a wrong native packed output fails the packed gate."""
+    parts = bk.build_parts(bk.CASES["gdn"], H, D, F32, "cpu")
+    lengths = bk.document_lengths(T, 3, seed=1)
+    assert sum(lengths) == T and min(lengths) >= 1 and len(lengths) == 3
+    assert bk.gate_packed(parts, T, H, D, 3, F32, "cpu", layout) <= 1e-3
+    if layout == "packed":
+        real = tk._run_packed
+        monkeypatch.setattr(tk, "_run_packed", lambda *a, **kw: (lambda o, s: (o.roll(1, 1), s))(*real(*a, **kw)))
+        assert bk.gate_packed(parts, T, H, D, 3, F32, "cpu", layout) > 1e-3
