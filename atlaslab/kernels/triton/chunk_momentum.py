@@ -476,40 +476,46 @@ if triton is not None:
             b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
                           other=0.0).to(tl.float32)
             b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-            m_tk = m_t[:, None] & m_k[None, :]
-            if IS_L2:
-                if CHANNEL:
+            last = tl.minimum(T - i_t * b, b) - 1
+            r_last = (bos + i_t * b + last) * H + i_h
+            if CHANNEL:
+                m_tk = m_t[:, None] & m_k[None, :]
+                if IS_L2:
                     if BEFORE:  # the gradient at M_a Diag(P_s): e_s = M_a (P_s ⊙ k_s) − v_s
                         b_kp = b_k * tl.load(p + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
                     else:
                         b_kp = b_k
-                    b_e = tl.dot(b_kp, tl.trans(b_M), input_precision=PRECISION)
+                    b_e = tl.dot(b_kp, tl.trans(b_M), input_precision=PRECISION) - b_v
                 else:
+                    b_e = -b_v
+                tl.store(e_out + rows[:, None] * V + o_v[None, :], b_e, mask=m_tv)
+                # M ← M Diag(P_L) + S Diag(Q_L) + eᵀ (k ⊙ a_end)
+                p_l = tl.load(p + r_last * K + o_k, mask=m_k, other=0.0)
+                q_l = tl.load(qc + r_last * K + o_k, mask=m_k, other=0.0)
+                t_l = tl.load(th + r_last)
+                b_ka = b_k * tl.load(aend + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+                b_se = tl.load(send + rows, mask=m_t, other=0.0)
+                new_M = b_M * p_l[None, :] + b_S * q_l[None, :] \
+                    + tl.dot(tl.trans(b_e), b_ka, input_precision=PRECISION)
+                b_S = t_l * b_S + tl.dot(tl.trans(b_e * b_se[:, None]), b_k, input_precision=PRECISION)
+            else:
+                if IS_L2:
                     b_e = tl.dot(b_k, tl.trans(b_M), input_precision=PRECISION)
                     if BEFORE:      # the gradient at the decayed anchor P_s M_a (§15.4)
                         b_pe = tl.load(p + rows, mask=m_t, other=0.0)
                         b_e = b_pe[:, None] * b_e
-                b_e = b_e - b_v
-            else:
-                b_e = -b_v
-            tl.store(e_out + rows[:, None] * V + o_v[None, :], b_e, mask=m_tv)
-            last = tl.minimum(T - i_t * b, b) - 1
-            r_last = (bos + i_t * b + last) * H + i_h
-            t_l = tl.load(th + r_last)
-            b_se = tl.load(send + rows, mask=m_t, other=0.0)
-            if CHANNEL:         # M ← M Diag(P_L) + S Diag(Q_L) + eᵀ (k ⊙ a_end)
-                p_l = tl.load(p + r_last * K + o_k, mask=m_k, other=0.0)
-                q_l = tl.load(qc + r_last * K + o_k, mask=m_k, other=0.0)
-                b_ka = b_k * tl.load(aend + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-                new_M = b_M * p_l[None, :] + b_S * q_l[None, :] \
-                    + tl.dot(tl.trans(b_e), b_ka, input_precision=PRECISION)
-            else:
+                    b_e = b_e - b_v
+                else:
+                    b_e = -b_v
+                tl.store(e_out + rows[:, None] * V + o_v[None, :], b_e, mask=m_tv)
                 p_l = tl.load(p + r_last)
                 q_l = tl.load(qc + r_last)
+                t_l = tl.load(th + r_last)
                 b_ae = tl.load(aend + rows, mask=m_t, other=0.0)
-                new_M = p_l * b_M + q_l * b_S \
-                    + tl.dot(tl.trans(b_e * b_ae[:, None]), b_k, input_precision=PRECISION)
-            b_S = t_l * b_S + tl.dot(tl.trans(b_e * b_se[:, None]), b_k, input_precision=PRECISION)
+                b_se = tl.load(send + rows, mask=m_t, other=0.0)
+                new_M = p_l * b_M + q_l * b_S + tl.dot(tl.trans(b_e * b_ae[:, None]), b_k,
+                                                       input_precision=PRECISION)
+                b_S = t_l * b_S + tl.dot(tl.trans(b_e * b_se[:, None]), b_k, input_precision=PRECISION)
             b_M = new_M
         tl.store(mt + i_bh.to(tl.int64) * V * K + h_offs, b_M, mask=m_h)
         tl.store(st + i_bh.to(tl.int64) * V * K + h_offs, b_S, mask=m_h)
@@ -539,25 +545,29 @@ if triton is not None:
         b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
                       other=0.0).to(tl.float32)
         b_M = tl.load(hm + h_offs, mask=m_h, other=0.0)
-        if READ_TOKEN:
-            b_S = tl.load(hs + h_offs, mask=m_h, other=0.0)
-            b_aq = tl.load(aq + rows[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
-            b_e = tl.load(e + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-            if CHANNEL:
+        if CHANNEL:
+            if READ_TOKEN:
                 m_tk = m_t[:, None] & m_k[None, :]
+                b_S = tl.load(hs + h_offs, mask=m_h, other=0.0)
                 b_p = tl.load(p + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
                 b_qc = tl.load(qc + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+                b_aq = tl.load(aq + rows[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
+                b_e = tl.load(e + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
                 b_o = tl.dot(b_q * b_p, tl.trans(b_M), input_precision=PRECISION) \
                     + tl.dot(b_q * b_qc, tl.trans(b_S), input_precision=PRECISION) \
                     + tl.dot(b_aq, b_e, input_precision=PRECISION)
             else:
-                b_p = tl.load(p + rows, mask=m_t, other=0.0)
-                b_qc = tl.load(qc + rows, mask=m_t, other=0.0)
-                b_o = b_p[:, None] * tl.dot(b_q, tl.trans(b_M), input_precision=PRECISION) \
-                    + b_qc[:, None] * tl.dot(b_q, tl.trans(b_S), input_precision=PRECISION) \
-                    + tl.dot(b_aq, b_e, input_precision=PRECISION)
+                b_o = tl.dot(b_q, tl.trans(b_M), input_precision=PRECISION)
         else:
             b_o = tl.dot(b_q, tl.trans(b_M), input_precision=PRECISION)
+            if READ_TOKEN:
+                b_S = tl.load(hs + h_offs, mask=m_h, other=0.0)
+                b_p = tl.load(p + rows, mask=m_t, other=0.0)
+                b_qc = tl.load(qc + rows, mask=m_t, other=0.0)
+                b_aq = tl.load(aq + rows[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
+                b_e = tl.load(e + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+                b_o = b_p[:, None] * b_o + b_qc[:, None] * tl.dot(b_q, tl.trans(b_S), input_precision=PRECISION) \
+                    + tl.dot(b_aq, b_e, input_precision=PRECISION)
         tl.store(o + rows[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
 
     @triton.jit
@@ -688,26 +698,28 @@ if triton is not None:
         m_tk = m_t[:, None] & m_k[None, :]
         b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_se = tl.load(send + rows, mask=m_t, other=0.0)
         if CHANNEL:     # per key channel: [BT, BK] coefficients and gradients
             b_p = tl.load(p + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
             b_qc = tl.load(qc + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
             b_ae = tl.load(aend + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-            b_dp = tl.zeros([BT, BK], dtype=tl.float32)
-            b_dqc = tl.zeros([BT, BK], dtype=tl.float32)
-            b_dae = tl.zeros([BT, BK], dtype=tl.float32)
         else:
             b_p = tl.load(p + rows, mask=m_t, other=0.0)
             b_qc = tl.load(qc + rows, mask=m_t, other=0.0)
             b_ae = tl.load(aend + rows, mask=m_t, other=0.0)
-            b_dp = tl.zeros([BT], dtype=tl.float32)
-            b_dqc = tl.zeros([BT], dtype=tl.float32)
-            b_dae = tl.zeros([BT], dtype=tl.float32)
+        b_se = tl.load(send + rows, mask=m_t, other=0.0)
         last = tl.minimum(T - i_t * b, b) - 1
         h_base = (i_c.to(tl.int64) * H + i_h) * V * K
         b_dq = tl.zeros([BT, BK], dtype=tl.float32)
         b_dk = tl.zeros([BT, BK], dtype=tl.float32)
         b_G = tl.zeros([BT, BT], dtype=tl.float32)
+        if CHANNEL:
+            b_dp = tl.zeros([BT, BK], dtype=tl.float32)
+            b_dqc = tl.zeros([BT, BK], dtype=tl.float32)
+            b_dae = tl.zeros([BT, BK], dtype=tl.float32)
+        else:
+            b_dp = tl.zeros([BT], dtype=tl.float32)
+            b_dqc = tl.zeros([BT], dtype=tl.float32)
+            b_dae = tl.zeros([BT], dtype=tl.float32)
         b_dse = tl.zeros([BT], dtype=tl.float32)
         b_mm = tl.zeros([BV, BK], dtype=tl.float32)        # dM ⊙ M_a, dM ⊙ S_a, dS ⊙ S_a: summed at the end
         b_ms = tl.zeros([BV, BK], dtype=tl.float32)
@@ -776,22 +788,26 @@ if triton is not None:
                 tl.store(da + rows[:, None] * BT + o_i[None, :], tl.where(causal, b_G * qk, 0.0),
                          mask=m_t[:, None])
         sel = o_i == last
+        if CHANNEL:     # Σ_v dM ⊙ M_a, Σ_v dM ⊙ S_a per key channel
+            b_dp += tl.where(sel[:, None], tl.sum(b_mm, axis=0)[None, :], 0.0)
+            b_dqc += tl.where(sel[:, None], tl.sum(b_ms, axis=0)[None, :], 0.0)
+        else:
+            b_dp += tl.where(sel, tl.sum(tl.sum(b_mm, axis=1), axis=0), 0.0)
+            b_dqc += tl.where(sel, tl.sum(tl.sum(b_ms, axis=1), axis=0), 0.0)
         b_dth = tl.where(sel, tl.sum(tl.sum(b_ss, axis=1), axis=0), 0.0)
         tl.store(dq + rows[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
         tl.store(dk + rows[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
         if CHANNEL:
-            b_dp += tl.where(sel[:, None], tl.sum(b_mm, axis=0)[None, :], 0.0)
-            b_dqc += tl.where(sel[:, None], tl.sum(b_ms, axis=0)[None, :], 0.0)
             tl.store(dp + rows[:, None] * K + o_k[None, :], b_dp, mask=m_tk)
             tl.store(dqc + rows[:, None] * K + o_k[None, :], b_dqc, mask=m_tk)
-            tl.store(dae + rows[:, None] * K + o_k[None, :], b_dae, mask=m_tk)
         else:
-            b_dp += tl.where(sel, tl.sum(tl.sum(b_mm, axis=1), axis=0), 0.0)
-            b_dqc += tl.where(sel, tl.sum(tl.sum(b_ms, axis=1), axis=0), 0.0)
             tl.store(dp + rows, b_dp, mask=m_t)
             tl.store(dqc + rows, b_dqc, mask=m_t)
-            tl.store(dae + rows, b_dae, mask=m_t)
         tl.store(dth + rows, b_dth, mask=m_t)
+        if CHANNEL:
+            tl.store(dae + rows[:, None] * K + o_k[None, :], b_dae, mask=m_tk)
+        else:
+            tl.store(dae + rows, b_dae, mask=m_t)
         tl.store(dse + rows, b_dse, mask=m_t)
 
     @triton.jit
