@@ -109,3 +109,35 @@ def test_a_block_refuses_packed_sequences_naming_the_mixer():
         model(ids, cu_seqlens=OFFSETS)
     with pytest.raises(ValueError, match="cu_seqlens"):
         model(ids.expand(2, -1), cu_seqlens=OFFSETS)
+
+
+def test_packed_prefill_then_batched_decoding():
+    """Prefill three prompts of different lengths in one packed call, stack their states, decode the three as a
+    batch one token at a time: equals each sequence's own prefill and decoding."""
+    layer = _mixer(GDN)
+    prompts = [4, 1, 6]
+    off = [0, 4, 5, 11]
+    x = _x(11, seed=4)
+    steps = torch.randn(3, 3, D, generator=torch.Generator().manual_seed(5), dtype=F64)   # [N, 3 tokens, d]
+    _, states = layer(x, cu_seqlens=off, return_state=True)
+    batch = layer.stack_states(states)
+    ys = []
+    for t in range(3):
+        y, batch = layer(steps[:, t:t + 1], batch, return_state=True)
+        ys.append(y)
+    y = torch.cat(ys, 1)                                                   # [N, 3, d]
+    for i in range(3):
+        _, si = layer(_pieces(x, off)[i], return_state=True)
+        yi = layer(steps[i:i + 1], si)
+        assert torch.allclose(y[i:i + 1], yi, atol=1e-12)
+
+
+def test_states_that_cannot_stack_say_why():
+    layer = _mixer(ATLAS_LIKE)                                            # b = 4, window c = 3
+    x = _x(7, seed=2)
+    _, states = layer(x, cu_seqlens=[0, 2, 7], return_state=True)        # positions 2 and 5: mod 4 differ
+    with pytest.raises(ValueError, match="position mod b"):
+        layer.stack_states(states)
+    _, states = layer(x[:, :6], cu_seqlens=[0, 1, 6], return_state=True)  # positions 1, 5: window histories 1, 2
+    with pytest.raises(ValueError, match="'hist_k' differs in shape"):
+        layer.stack_states(states)

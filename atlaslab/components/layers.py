@@ -383,6 +383,15 @@ class MemoryLayer(nn.Module):
         conv = [(n, c) for n, c in (("q", cq), ("k", ck), ("v", cv)) if c is not None]
         return y, [MemoryLayerState(m, {n: c[i:i + 1] for n, c in conv}) for i, m in enumerate(mem_states)]
 
+    def stack_states(self, states) -> MemoryLayerState:
+        """The per-sequence states of a packed call → one batch-N :class:`MemoryLayerState` (then decode the N
+        sequences as a batch); exact where :func:`atlaslab.kernels.packed.stack_states` allows it (positions equal
+        modulo the training chunk b, equal window histories), else a ValueError saying what differs."""
+        from ..kernels.packed import stack_states
+        states = list(states)
+        conv = {n: torch.cat([s.conv[n] for s in states], 0) for n in states[0].conv}
+        return MemoryLayerState(stack_states([s.memory for s in states], self.parts.chunk_size), conv)
+
     def read(self, x: torch.Tensor, state: Optional[MemoryLayerState] = None,
              q_cache: Optional[torch.Tensor] = None):
         """Read the memory with queries from ``x`` and write nothing (Titans MAC's h_t = M*_{t−1}(q_t)).

@@ -11,7 +11,8 @@ import torch
 
 from .chunked import memorize_chunked
 from .newton_schulz import newton_schulz
-from .packed import CuSeqlens, check_cu_seqlens, memorize_packed, sequence_states, split_state
+from .packed import (CuSeqlens, check_cu_seqlens, memorize_packed, sequence_states, split_state,
+                     stack_states)
 from . import recurrent as _recurrent
 from .recurrent import initial_state, memorize_recurrent, read_memory
 from .state import GATE_NAMES, Gates, MemoryState, normalise_gates
@@ -93,4 +94,4 @@ def memorize(
 
 
 __all__ = ["GATE_NAMES", "Gates", "MODES", "MemoryState", "initial_state", "memorize", "newton_schulz", "read_memory",
-           "split_state"]
+           "split_state", "stack_states"]

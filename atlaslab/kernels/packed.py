@@ -13,7 +13,8 @@ of all sequences) is asked first; it returns None when it cannot, and the loop r
 
 States: a packed call takes and returns one :class:`~.state.MemoryState` of batch 1 per sequence (the sequences
 may stand at different positions, which one batched state cannot express); :func:`split_state` cuts a batch-N
-state (e.g. ``initial_state(parts, N, …)``) into such a list.
+state (e.g. ``initial_state(parts, N, …)``) into such a list, and :func:`stack_states` stacks such a list back into
+one batch-N state where that is exact (e.g. a packed prefill of N prompts, then batched decoding).
 """
 from __future__ import annotations
 
@@ -83,6 +84,39 @@ def split_state(state: MemoryState) -> List[MemoryState]:
     return [_map_tensors(state, lambda x, i=i: x[i:i + 1]) for i in range(state_batch(state))]
 
 
+def stack_states(states: Sequence[MemoryState], chunk_size: int) -> MemoryState:
+    """N states (e.g. a packed prefill's, one per sequence) → one batch-N state, for batched decoding.
+
+    Exact when the engines cannot tell the sequences apart by position: the engines read ``position`` only modulo
+    the training chunk b (where a chunk starts), so the positions must agree modulo ``chunk_size``, and every
+    tensor (window history, the exp kernel trick's slot bank) must have the same shape. The stacked state's
+    ``position`` is the first state's (the others' differ by multiples of b). Raises ValueError naming what differs.
+    """
+    states = list(states)
+    if not states:
+        raise ValueError("stack_states: no states")
+    b = int(chunk_size)
+    rests = sorted({s.position % b for s in states})
+    if len(rests) > 1:
+        raise ValueError(f"stack_states: the positions {[s.position for s in states]} fall at different points of "
+                         f"a b = {b} training chunk (position mod b: {rests}); only states at the same point stack")
+    first = states[0]
+
+    def stack(name, values):
+        if all(x is None for x in values):
+            return None
+        if isinstance(values[0], dict):
+            return {w: stack(f"{name}.{w}", [x[w] for x in values]) for w in values[0]}
+        shapes = sorted({tuple(x.shape[1:]) for x in values})
+        if len(shapes) > 1:
+            raise ValueError(f"stack_states: '{name}' differs in shape between the states ({shapes}; e.g. a window "
+                             f"history shorter than c − 1 tokens, or the exp kernel trick's bank of every token)")
+        return torch.cat(values, 0)
+    fields = {f.name: stack(f.name, [getattr(s, f.name) for s in states]) for f in dataclasses.fields(first)
+              if f.name != "position"}
+    return MemoryState(position=first.position, **fields)
+
+
 def stack_weights(states: Sequence[MemoryState], field: str, name: str = "W") -> torch.Tensor:
     """``[N, …]``: the tensor ``name`` of the weight dict ``field`` (weights, momentum, anchor) of every state."""
     return torch.cat([getattr(s, field)[name] for s in states], 0)
@@ -133,4 +167,4 @@ def memorize_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parts, ga
 
 
 __all__ = ["check_cu_seqlens", "memorize_packed", "sequence_positions", "sequence_states", "split_state",
-           "stack_weights", "state_batch"]
+           "stack_states", "stack_weights", "state_batch"]
