@@ -157,6 +157,7 @@ TRITON_SPECS = {
     "titans_momentum_b4": SPECS["titans_momentum_b4"],
     "titans_decay_before_b4": {**SPECS["titans_momentum_b4"],
                                "retention": {"name": "decay", "placement": "before_step"}},
+    "titans_channel_b4": {**SPECS["titans_momentum_b4"], "retention": {"name": "decay", "channel_wise": True}},
 }
 #: which kernel module / function a native packed call reaches, per spec and kind
 KERNEL_CALLS = {"chunk": ("chunk", "chunk_delta_rule"), "fused_recurrent": ("fused_recurrent",
