@@ -6,7 +6,10 @@ in fp32: square, wide and tall matrices, a batch with extra leading dims, steps 
 non-default coefficients / ε, a zero matrix in the batch, a non-contiguous upstream gradient; the backward
 kernel really runs (``BACKWARD_LAUNCHES``); the ``BACKWARD = "torch"`` fallback agrees and launches nothing;
 no iterates are saved when the input needs no gradient; fp16 inputs (looser bar: the forward's products run
-in fp16). Under TRITON_INTERPRET=1 on CPU: tiny shapes only.
+in fp16). The staged backward (``_ns_bwd_staged_kernel``, padded tiles over ``STAGED_TILE``: 128 × 128 and 64 × 256)
+at small tiles with ``STAGED_TILE`` lowered (several row blocks, fewer programs than matrices so a program loops, the
+same cases as above), which tiles take it, and once at 128 × 128 (one matrix, one step). Under TRITON_INTERPRET=1
+on CPU: tiny shapes only.
 """
 import pytest
 import torch
@@ -108,3 +111,61 @@ def test_half_precision_input():
     da, db, _, _ = _grads((2, 8, 16), dtype=torch.float16, steps=5)
     assert nsk.BACKWARD_LAUNCHES == before + 1 and da.dtype == torch.float16
     assert rms_ratio(da.double().cpu(), db) <= 5e-2                   # fp16 forward products
+
+
+# ------------------------------------------------------------------ the staged backward (row blocks, workspace)
+
+@pytest.fixture
+def staged(monkeypatch):
+    """Every tile takes the staged backward; row blocks of 16 rows (several per matrix from 32 padded rows)."""
+    monkeypatch.setattr(nsk, "STAGED_TILE", 0)
+    monkeypatch.setattr(nsk, "STAGED_ROWS", 16)
+    return monkeypatch
+
+
+def _check_staged(monkeypatch, shape, programs=None, **kw):
+    before = nsk.STAGED_LAUNCHES
+    monkeypatch.setattr(nsk, "STAGED_PROGRAMS", programs)
+    err = _check(shape, **kw)
+    assert nsk.STAGED_LAUNCHES == before + 1, "the staged backward kernel did not run"
+    return err
+
+
+def test_staged_tiles():
+    assert nsk.staged(128, 128) and nsk.staged(100, 70) and nsk.staged(64, 256) and nsk.staged(200, 40)
+    assert not any(nsk.staged(r, c) for r, c in [(64, 128), (128, 64), (64, 64), (16, 256), (32, 256), (8, 16)])
+    assert nsk.staged_rows(128) == 32 and nsk.staged_rows(64) == 32 and nsk.staged_rows(32) == 16 == nsk.staged_rows(16)
+
+
+@pytest.mark.parametrize("shape,programs", [((2, 20, 24), None), ((3, 24, 40), 2), ((3, 40, 20), 1),
+                                            ((3, 5, 12), 2), ((2, 13, 6), None), ((2, 2, 3, 33), 3)],
+                         ids=["square", "wide", "tall", "wide_ragged", "tall_ragged", "batch"])
+@pytest.mark.parametrize("steps", [1, 5])
+def test_staged_backward_matches_reference(staged, shape, programs, steps):
+    _check_staged(staged, shape, programs, steps=steps)
+
+
+def test_staged_options(staged):
+    _check_staged(staged, (2, 9, 5), steps=0)                         # normalisation + transpose alone
+    _check_staged(staged, (2, 40, 20), 1, steps=5, shape_factor=True)
+    _check_staged(staged, (2, 18, 34), steps=2, eps=1e-3, coefficients=(2.0, -1.5, 0.5))
+    staged.setattr(nsk, "STAGED_ROWS", 64)                            # BR / 2: two row blocks of 32
+    _check_staged(staged, (1, 33, 40), steps=3)
+
+
+def test_staged_zero_matrix_in_batch(staged):
+    staged.setattr(nsk, "STAGED_PROGRAMS", 2)                         # program 0 runs matrices 0 and 2
+    da, db, _, _ = _grads((3, 20, 17), zero=1, steps=2)
+    assert all(rms_ratio(da[i].double(), db[i]) <= TOL for i in range(3))
+
+
+def test_staged_half_precision_input(staged):
+    before = nsk.STAGED_LAUNCHES
+    da, db, _, _ = _grads((2, 20, 34), dtype=torch.float16, steps=5)
+    assert nsk.STAGED_LAUNCHES == before + 1 and da.dtype == torch.float16
+    assert rms_ratio(da.double().cpu(), db) <= 5e-2
+
+
+def test_staged_backward_at_128(monkeypatch):
+    """The production tile (ATLAS head dim 128): the staged kernel without a lowered threshold."""
+    _check_staged(monkeypatch, (1, 128, 128), steps=1)

@@ -30,12 +30,35 @@ input dtype (TF32 or IEEE as :func:`.precision.dot_precision` chooses: TF32 for 
 does. ``BACKWARD = "torch"`` (or ``ATLASLAB_NS_BACKWARD=torch`` at import) switches the backward to that
 fallback: the reference recomputed under ``enable_grad`` and differentiated with ``torch.autograd.grad``.
 
+Staged backward (``_ns_bwd_staged_kernel``, padded R × C > ``STAGED_TILE`` = 64 × 128, i.e. 128 × 128 and 64 × 256).
+Holding X, Ḡ, A, B, P in one program needs more shared memory than an sm_90 block has there (328,704 B at
+128 × 128 and 279,552 B at 64 × 256 with TF32, over 232,448 B; ``bench/compile_sm90.py``), so this variant keeps
+only row blocks of ``BM`` rows (``staged_rows``: BR / 2, at most 32) in registers and streams the products through an
+fp32 workspace in global memory (L2-resident: 2 · BR · BC + 2 · BR² floats per program, 256 KB at 128 × 128).
+Each reverse step, for the row blocks r of rows r·BM … (r+1)·BM − 1 (X = X_i and Ḡ = Ḡ_{i+1} read from memory):
+
+    stage 1:  A[r] = X[r] Xᵀ,  M[r] = Ḡ[r] Xᵀ                                       → workspace A, M
+    stage 2:  P[r] = M[r] + (Mᵀ)[r]                                                 → workspace P
+    stage 3:  B[r] = bA[r] + c A[r] A,   Q[r] = bP[r] + c(P[r] A + A[r] P)   (= (bP + c(PA + AP))[r])
+              Ḡ_i[r] = aḠ[r] + B[r] Ḡ + Q[r] X                                     → the other Ḡ buffer
+
+the same equations as above, row block by row block ((UV)[r] = U[r] V). A CTA barrier (``tl.debug_barrier``)
+separates the stages, since a stage reads whole matrices that every thread of the program wrote in the previous
+one. Ḡ ping-pongs between two buffers (Ḡ_{i+1} is read whole while Ḡ_i is written); M lives in the buffer that
+receives Ḡ_i, dead before stage 3 writes it. The normalisation's ⟨X_0, Ḡ_0⟩ sums over the row blocks before dS is
+written. One launch for the batch: ``staged_programs`` programs (one per SM on a GPU) each loop over matrices
+pid, pid + nprog, … with their own workspace, so the workspace does not grow with the batch. The largest products
+per program are [BM, BC] × [BC, BR] and [BM, BR] × [BR, BC] (vs [BR, BR] × [BR, BC] in the one-program kernel);
+compiled for sm_90 with 8 warps, BM = 32 asks for 115,712 B of shared memory at 128 × 128 and 132,096 B at
+64 × 256 (BM = 64: 148,480 B and more register spills; BM = 16: less shared memory, but each of its 8 row blocks
+reloads the whole A, P, Ḡ, X). Smaller tiles keep ``_ns_bwd_kernel``.
+
 Limits: padded R × C ≤ 128 × 128 (``supports``); larger matrices stay on the torch path. fp32 inputs use
 IEEE-fp32 dots unless torch's float32 matmul precision (or ``allow_tf32=True``) allows TF32; fp16/bf16
 inputs are multiplied in their own precision with fp32 accumulation in the forward, as Muon usually runs.
-Status: forward and backward tested under ``TRITON_INTERPRET=1`` only (``tests/test_triton.py``,
-``tests/test_triton_ns.py``); never run on a GPU, so the backward's register pressure at 128 × 128 (it holds
-X, Ḡ, A, B, P at once) and its speed are unmeasured.
+Status: forward and both backward kernels tested under ``TRITON_INTERPRET=1`` only (``tests/test_triton.py``,
+``tests/test_triton_ns.py``; the staged one also at small tiles with ``STAGED_TILE`` lowered) and compiled for
+sm_90 (``bench/compile_sm90.py``); never run on a GPU, so their speed is unmeasured.
 """
 from __future__ import annotations
 
@@ -63,8 +86,36 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 #: "triton" (default): the backward kernel; "torch": autograd through the recomputed torch reference.
 BACKWARD = os.environ.get("ATLASLAB_NS_BACKWARD", "triton").strip().lower()
-#: Launches of the backward kernel (tests read it to check the kernel path really ran).
+#: Launches of the backward kernels (tests read them to check the kernel path really ran), and of the staged one.
 BACKWARD_LAUNCHES = 0
+STAGED_LAUNCHES = 0
+
+
+#: Padded tiles (R × C after transposing to wide) above this size take the staged backward (module docstring):
+#: the one-program backward asks for more shared memory than an sm_90 block has at 128 × 128 and 64 × 256.
+STAGED_TILE = 64 * 128
+#: Rows per block of the staged backward (at most; ``staged_rows``).
+STAGED_ROWS = 32
+#: Programs of the staged backward (each loops over matrices with its own workspace); None: the GPU's SM count.
+STAGED_PROGRAMS: Optional[int] = None
+
+
+def staged(rows: int, cols: int) -> bool:
+    """True when the backward of ``[rows, cols]`` matrices takes the staged kernel (padded tile > ``STAGED_TILE``)."""
+    return _pad(min(rows, cols)) * _pad(max(rows, cols)) > STAGED_TILE
+
+
+def staged_rows(br: int) -> int:
+    """Row block of the staged backward for ``br`` padded rows: ``br / 2`` up to ``STAGED_ROWS``, at least 16."""
+    return max(16, min(STAGED_ROWS, br // 2))
+
+
+def staged_programs(n: int, device: torch.device) -> int:
+    """Programs of the staged backward for ``n`` matrices: one per SM (``STAGED_PROGRAMS`` overrides), ≤ n."""
+    cap = STAGED_PROGRAMS
+    if cap is None:
+        cap = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else n
+    return max(1, min(n, int(cap)))
 
 
 def _pad(n: int) -> int:
@@ -144,6 +195,92 @@ if triton is not None:
         ds = g / (norm + eps) - x0 * (inner * inv)
         tl.store(DS_ptr + offs, ds.to(DS_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _ns_bwd_staged_kernel(DY_ptr, DS_ptr, Xs_ptr, N_ptr, W_ptr, n_mat, R, C, stride_b, stride_r, stride_c,
+                              eps, ca, cb, cc, scale, STEPS: tl.constexpr, NSAVE: tl.constexpr, BR: tl.constexpr,
+                              BC: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr):
+        """The backward of :func:`_ns_bwd_kernel` in row blocks of ``BM`` rows (module docstring, "Staged backward").
+
+        Each program loops over matrices ``pid, pid + nprog, …`` with its own fp32 workspace
+        ``W[pid] = (Ḡ⁰ [BR, BC], Ḡ¹ [BR, BC], A [BR, BR], P [BR, BR])`` (M = Ḡ Xᵀ shares the Ḡ buffer that the
+        step writes last). ``DY``/``DS`` share the wide-view strides; ``Xs``: ``[n, NSAVE, BR, BC]`` fp32,
+        ``N``: ``[n]``. A barrier separates the stages (another thread reads what one wrote)."""
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        rm = tl.arange(0, BM)
+        rr = tl.arange(0, BR)
+        cols = tl.arange(0, BC)
+        GSIZE: tl.constexpr = BR * BC
+        ASIZE: tl.constexpr = BR * BR
+        w_g = W_ptr + pid.to(tl.int64) * (2 * GSIZE + 2 * ASIZE)   # Ḡ buffers 0 and 1
+        w_a = w_g + 2 * GSIZE                                       # A = X Xᵀ
+        w_p = w_a + ASIZE                                           # P = M + Mᵀ
+        full_g = rr[:, None] * BC + cols[None, :]                   # a whole [BR, BC] tile
+        full_a = rr[:, None] * BR + rr[None, :]                     # a whole [BR, BR] tile
+        for it in range(0, tl.cdiv(n_mat - pid, nprog)):
+            m64 = pid.to(tl.int64) + it * nprog                     # matrices pid, pid + nprog, …
+            x_base = Xs_ptr + m64 * NSAVE * GSIZE
+            # Ḡ_k = σ dY (zero in the padding) → buffer 0
+            for r0 in tl.static_range(0, BR, BM):
+                rows = r0 + rm
+                mask = (rows[:, None] < R) & (cols[None, :] < C)
+                offs = m64 * stride_b + rows[:, None] * stride_r + cols[None, :] * stride_c
+                g = tl.load(DY_ptr + offs, mask=mask, other=0.0).to(tl.float32) * scale
+                tl.store(w_g + rows[:, None] * BC + cols[None, :], g)
+            tl.debug_barrier()
+            for j in range(STEPS):
+                x_i = x_base + (STEPS - 1 - j) * GSIZE              # X_i, i = k − 1 − j
+                g_cur = w_g + (j % 2) * GSIZE
+                g_new = w_g + ((j + 1) % 2) * GSIZE                 # also holds M until stage 3 writes Ḡ_i
+                # stage 1: A[r] = X[r] Xᵀ, M[r] = Ḡ[r] Xᵀ
+                for r0 in tl.static_range(0, BR, BM):
+                    rows = r0 + rm
+                    x_r = tl.load(x_i + rows[:, None] * BC + cols[None, :])
+                    g_r = tl.load(g_cur + rows[:, None] * BC + cols[None, :])
+                    xt = tl.trans(tl.load(x_i + full_g))
+                    a_r = tl.dot(x_r, xt, input_precision=PRECISION)
+                    m_r = tl.dot(g_r, xt, input_precision=PRECISION)
+                    tl.store(w_a + rows[:, None] * BR + rr[None, :], a_r)
+                    tl.store(g_new + rows[:, None] * BR + rr[None, :], m_r)
+                tl.debug_barrier()
+                # stage 2: P[r] = M[r] + (Mᵀ)[r]
+                for r0 in tl.static_range(0, BR, BM):
+                    rows = r0 + rm
+                    p_r = (tl.load(g_new + rows[:, None] * BR + rr[None, :])
+                           + tl.load(g_new + rr[None, :] * BR + rows[:, None]))
+                    tl.store(w_p + rows[:, None] * BR + rr[None, :], p_r)
+                tl.debug_barrier()
+                # stage 3: Ḡ_i[r] = aḠ[r] + B[r] Ḡ + Q[r] X,  B[r] = bA[r] + cA[r]A,  Q[r] = bP[r] + c(P[r]A + A[r]P)
+                for r0 in tl.static_range(0, BR, BM):
+                    rows = r0 + rm
+                    a_r = tl.load(w_a + rows[:, None] * BR + rr[None, :])
+                    p_r = tl.load(w_p + rows[:, None] * BR + rr[None, :])
+                    a_f = tl.load(w_a + full_a)
+                    b_r = cb * a_r + cc * tl.dot(a_r, a_f, input_precision=PRECISION)
+                    q_r = cb * p_r + cc * tl.dot(p_r, a_f, input_precision=PRECISION)
+                    q_r += cc * tl.dot(a_r, tl.load(w_p + full_a), input_precision=PRECISION)
+                    upd = ca * tl.load(g_cur + rows[:, None] * BC + cols[None, :])
+                    upd += tl.dot(b_r, tl.load(g_cur + full_g), input_precision=PRECISION)
+                    upd += tl.dot(q_r, tl.load(x_i + full_g), input_precision=PRECISION)
+                    tl.store(g_new + rows[:, None] * BC + cols[None, :], upd)
+                tl.debug_barrier()
+            # the normalisation: dS = Ḡ_0 / (n + ε) − X_0 ⟨X_0, Ḡ_0⟩ / n, the inner product over all row blocks
+            g_fin = w_g + (STEPS % 2) * GSIZE
+            inner = 0.0
+            for r0 in tl.static_range(0, BR, BM):
+                tile = (r0 + rm)[:, None] * BC + cols[None, :]
+                inner += tl.sum(tl.sum(tl.load(x_base + tile) * tl.load(g_fin + tile), axis=1), axis=0)
+            norm = tl.load(N_ptr + m64)
+            inv = tl.where(norm > 0, 1.0 / tl.maximum(norm, 1e-30), 0.0)
+            for r0 in tl.static_range(0, BR, BM):
+                rows = r0 + rm
+                tile = rows[:, None] * BC + cols[None, :]
+                ds = tl.load(g_fin + tile) / (norm + eps) - tl.load(x_base + tile) * (inner * inv)
+                mask = (rows[:, None] < R) & (cols[None, :] < C)
+                offs = m64 * stride_b + rows[:, None] * stride_r + cols[None, :] * stride_c
+                tl.store(DS_ptr + offs, ds.to(DS_ptr.dtype.element_ty), mask=mask)
+            tl.debug_barrier()                                      # before the next matrix overwrites Ḡ⁰
+
 
 def _geometry(rows: int, cols: int, x: torch.Tensor):
     """(R, C, stride_r, stride_c) of the wide view of contiguous ``x: [n, rows, cols]``."""
@@ -186,7 +323,7 @@ def newton_schulz_forward(s: torch.Tensor, steps: int = 5, eps: float = 1e-7, co
 def newton_schulz_backward(grad_out: torch.Tensor, saved, s_shape, s_dtype, steps: int, eps: float,
                            coefficients, shape_factor: bool, allow_tf32: Optional[bool] = None) -> torch.Tensor:
     """The backward kernel alone: dS from dY and the forward's saved ``(iterates, norms)``."""
-    global BACKWARD_LAUNCHES
+    global BACKWARD_LAUNCHES, STAGED_LAUNCHES
     xs, norms = saved
     rows, cols = s_shape[-2:]
     dy = grad_out.reshape(-1, rows, cols).contiguous()
@@ -196,10 +333,18 @@ def newton_schulz_backward(grad_out: torch.Tensor, saved, s_shape, s_dtype, step
     a, b, c = (float(z) for z in coefficients)
     scale = math.sqrt(max(1.0, rows / cols)) if shape_factor else 1.0
     BR, BC = _pad(R), _pad(C)
-    if n:
+    precision = dot_precision(s_dtype, allow_tf32)
+    if n and staged(rows, cols):
+        nprog = staged_programs(n, dy.device)
+        work = torch.empty(nprog, 2 * BR * BC + 2 * BR * BR, device=dy.device, dtype=torch.float32)
+        _ns_bwd_staged_kernel[(nprog,)](dy, ds, xs, norms, work, n, R, C, dy.stride(0), sr, sc, float(eps), a, b, c,
+                                        scale, STEPS=int(steps), NSAVE=xs.shape[1], BR=BR, BC=BC,
+                                        BM=staged_rows(BR), PRECISION=precision, num_warps=8)
+        BACKWARD_LAUNCHES += 1
+        STAGED_LAUNCHES += 1
+    elif n:
         _ns_bwd_kernel[(n,)](dy, ds, xs, norms, R, C, dy.stride(0), sr, sc, float(eps), a, b, c, scale,
-                             STEPS=int(steps), NSAVE=xs.shape[1], BR=BR, BC=BC,
-                             PRECISION=dot_precision(s_dtype, allow_tf32),
+                             STEPS=int(steps), NSAVE=xs.shape[1], BR=BR, BC=BC, PRECISION=precision,
                              num_warps=4 if BR * BC <= 64 * 64 else 8)
         BACKWARD_LAUNCHES += 1
     return ds.reshape(s_shape)
