@@ -268,5 +268,8 @@ def test_dispatch():
         assert kernel(p, long_, 4, mode="fused_recurrent") == "fused_recurrent_momentum"
         assert kernel(p, long_, 1) == "fused_recurrent_momentum" and kernel(p, long_, 1, mode="chunk") is None
         assert "chunk_size" in cm.spec_reason(p, cm.MAX_CHUNK + 1)
+        b = cm.MAX_CHANNEL_CHUNK                                             # sm_90 shared memory: b ≤ 32
+        assert kernel(p, long_, b) == "chunk_momentum" and "channel-wise" in cm.spec_reason(p, 2 * b)
+        assert kernel(p, long_, 2 * b) == "fused_recurrent_momentum" and kernel(p, long_, 2 * b, mode="chunk") is None
     p = _parts(dict(MOM, retention=CW, window={"size": 3}))
     assert cm.spec_reason(p, 4) and kernel(p, long_, 4) is None

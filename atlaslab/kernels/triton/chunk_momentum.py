@@ -79,8 +79,11 @@ smallest normal, where the forward clamps, as :func:`_log_gate`). No torch autog
 Limits (channel-wise): the loops cost O(b² D_k) per chunk and head in the coefficient and gate kernels on CUDA cores
 (b serial steps of [b, D_k] element-wise work; fla's sub-chunked GLA products would put part of this on tensor cores;
 not done), on top of the scalar path's work; the gate kernel holds ~4 [BT, BK] fp32 blocks (C, B, k, dk) per
-program, the coefficient kernel 2, so b = 64 with D_k = 128 or more presses registers (see
-``bench/compile_sm90.py``); every factor is ≤ 1 so nothing overflows, and a channel whose Π α underflows fp32 inside a
+program, the coefficient kernel 2, and the state sweeps' extra [BT, BK] operands (P, Q, k ⊙ a_end) need shared
+memory: compiled for sm_90, every channel-wise build at b ≤ 32 (D_k = 64, 128; fp32 and fp16) fits, but at b = 64 and
+D_k = 128 ``_mom_bwd_state_kernel`` asks for up to 409 KiB (over the 227 KiB of a block; the scalar kernels' worst at
+b = 64 is 241 KiB), so :func:`spec_reason` takes channel-wise decay only at b ≤ ``MAX_CHANNEL_CHUNK`` = 32 (the
+value block is halved channel-wise for the same reason; row sub-blocks in the sweeps would lift this, not done); every factor is ≤ 1 so nothing overflows, and a channel whose Π α underflows fp32 inside a
 chunk gives exactly the float64 answer's negligible contribution; the torch reference (and the
 ``ATLASLAB_MOMENTUM_BACKWARD=torch`` fallback through it) forms the [b, b, D_k] coefficient per chunk, O(T·b·D_k)
 memory per head — a reference, not a fast path. Tested only under the interpreter.
@@ -168,6 +171,10 @@ if triton is not None:
 MAX_D = 256
 #: largest semantic chunk b the kernels take (the coefficient kernel holds [b, b] blocks in registers)
 MAX_CHUNK = 64
+#: largest b the dispatch gives the kernels with channel-wise decay: at b = 64 and D_k = 128 the channel-wise state
+#: sweeps ask for more shared memory than an sm_90 block has (up to 409 KiB fp32 / 313 KiB fp16 in
+#: ``_mom_bwd_state_kernel``); every build at b ≤ 32 fits (``bench/compile_sm90.py``)
+MAX_CHANNEL_CHUNK = 32
 BIASES = ("l2", "dot")
 READS = ("token", "chunk")
 PLACEMENTS = ("after_step", "before_step")
@@ -921,7 +928,9 @@ def _forward_stages(q, k, v, beta, theta, alpha, m0, s0, *, b: int, bias: str, r
     B, T, H, K = q.shape
     V = v.shape[-1]
     BT, BK, BVV = _pow2(b), _pow2(K), _pow2(V)
-    BV = min(BVV, max(16, 4096 // BK))        # two [BV, BK] fp32 states live in the state kernels
+    # two [BV, BK] fp32 states live in the state kernels; channel-wise, their [BT, BK] coefficient blocks (P, Q,
+    # k ⊙ a_end) take the room of half of them (sm_90 shared memory at b = 64, bench/compile_sm90.py)
+    BV = min(BVV, max(16, (2048 if _channel(alpha) else 4096) // BK))
     lay = _Layout(B, T, b, cu_seqlens, q)     # the chunk table counts b-token chunks
     lth = _log_gate(theta.float()).contiguous()
     la = _log_gate(alpha.float()).contiguous() if alpha is not None else None
@@ -1249,10 +1258,15 @@ def linear_momentum_reason(parts, channel_wise_ok: bool = False) -> Optional[str
 def spec_reason(parts, chunk_size: int) -> Optional[str]:
     """None when the momentum chunk kernel computes ``parts`` at semantic chunk ``chunk_size`` exactly, else why not:
     :func:`linear_momentum_reason` with channel-wise decay allowed, and 2 ≤ b ≤ MAX_CHUNK (before_step with the ℓ2
-    bias takes the gradients at P_s M_a, channel-wise at M_a Diag(P_s))."""
+    bias takes the gradients at P_s M_a, channel-wise at M_a Diag(P_s)); channel-wise decay only at b ≤
+    MAX_CHANNEL_CHUNK (sm_90 shared memory; the token kernel takes larger b)."""
     if not 2 <= chunk_size <= MAX_CHUNK:
         return f"chunk_size b = {chunk_size} (momentum chunk kernel: 2 ≤ b ≤ {MAX_CHUNK})"
-    return linear_momentum_reason(parts, channel_wise_ok=True)
+    why = linear_momentum_reason(parts, channel_wise_ok=True)
+    if why is None and getattr(parts.retention, "channel_wise", False) and chunk_size > MAX_CHANNEL_CHUNK:
+        why = (f"chunk_size b = {chunk_size} with channel-wise decay (momentum chunk kernel: b ≤ {MAX_CHANNEL_CHUNK}, "
+               f"sm_90 shared memory)")
+    return why
 
 
 def memorize_chunk_momentum(q, k, v, parts, gates, chunk_size, state, block_size: int = 64, **engine_options):
