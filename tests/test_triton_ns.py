@@ -8,7 +8,7 @@ kernel really runs (``BACKWARD_LAUNCHES``); the ``BACKWARD = "torch"`` fallback 
 no iterates are saved when the input needs no gradient; fp16 inputs (looser bar: the forward's products run
 in fp16). The staged backward (``_ns_bwd_staged_kernel``, padded tiles over ``STAGED_TILE``: 128 × 128 and 64 × 256)
 at small tiles with ``STAGED_TILE`` lowered (several row blocks, fewer programs than matrices so a program loops, the
-same cases as above), which tiles take it, and once at 128 × 128 (one matrix, one step). Under TRITON_INTERPRET=1
+same cases as above), which tiles take it, and at 128 × 128 and 256 × 64 as they are. Under TRITON_INTERPRET=1
 on CPU: tiny shapes only.
 """
 import pytest
@@ -166,6 +166,8 @@ def test_staged_half_precision_input(staged):
     assert rms_ratio(da.double().cpu(), db) <= 5e-2
 
 
-def test_staged_backward_at_128(monkeypatch):
-    """The production tile (ATLAS head dim 128): the staged kernel without a lowered threshold."""
-    _check_staged(monkeypatch, (1, 128, 128), steps=1)
+def test_staged_backward_at_production_tiles(monkeypatch):
+    """The tiles that take it by default: 128 × 128 (ATLAS head dim 128; two matrices on one program, 5 steps) and
+    64 × 256 (tall: read through transposed strides)."""
+    _check_staged(monkeypatch, (2, 128, 128), 1, steps=5)
+    _check_staged(monkeypatch, (1, 256, 64), steps=1)
