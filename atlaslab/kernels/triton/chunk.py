@@ -117,21 +117,482 @@ if triton is not None:
             boc = i_n.to(tl.int64) * NT
         return bos, T, NT, boc
 
+    # ------------------------------------------------------------------ shared pieces (Triton inlines them)
+    # Row conventions of every kernel here and in :mod:`.chunk_window`: a tensor [B, T, H, N] (or [B, T·C, H, N]
+    # for window slots) is addressed by flat rows (b·T + t)·H + h and a column index < N; a chunk has BT tokens
+    # (rows ``rows``, mask ``m_t``) and BS write rows ("slots": the tokens themselves for C = 1, the BT·C window
+    # slots for C > 1; rows ``srow``, their tokens' rows ``trow``, local token ``tau``, mask ``m_s``).
+
+    @triton.jit
+    def _tile(ptr, rows, cols, N, mask):
+        """The fp32 block ``ptr[rows, cols]`` ``[R, BC]`` of a row-major tensor with N columns (rows ``[R]``, cols
+        ``[BC]``), 0 where the ``[R, BC]`` mask is off."""
+        return tl.load(ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _vec(ptr, rows, m):
+        """The fp32 entries ``ptr[rows]`` ``[R]`` of a per-row tensor ([B, T, H]: β, coef, per-head g or log α)."""
+        return tl.load(ptr + rows, mask=m, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _state_tile(ptr, row, h_offs, m_h, V: tl.constexpr, K: tl.constexpr):
+        """The fp32 value block ``[BV, BK]`` of state ``row`` of a ``[rows, H, V, K]``-flat state tensor (initial /
+        final states: row = sequence × head; chunk states: row = global chunk × H + head); h_offs, m_h: the
+        block's offsets o_v·K + o_k and mask."""
+        return tl.load(ptr + row * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _put_state(ptr, row, h_offs, m_h, V: tl.constexpr, K: tl.constexpr, x):
+        """Stores the value block x ``[BV, BK]`` as state ``row`` (layout of :func:`_state_tile`)."""
+        tl.store(ptr + row * V * K + h_offs, x, mask=m_h)
+
+    @triton.jit
+    def _token_rows(o_i, bos, i_t, i_h, T, H: tl.constexpr, BT: tl.constexpr):
+        """Chunk i_t (tokens o_i = arange(BT)) of a sequence starting at row bos (length T): (m_t (t < T), the
+        tokens' flat rows ``(bos + t)·H + i_h``)."""
+        o_t = i_t * BT + o_i
+        m_t = o_t < T
+        rows = (bos + o_t) * H + i_h
+        return m_t, rows
+
+    @triton.jit
+    def _slot_tokens(o_s, C: tl.constexpr):
+        """tau: the local token of each write row o_s ``[BS]`` (o_s // C; for C = 1 the rows are the tokens)."""
+        if C == 1:
+            tau = o_s
+        else:
+            tau = o_s // C
+        return tau
+
+    @triton.jit
+    def _slot_rows(bos, i_t, i_h, o_s, tau, T, H: tl.constexpr, C: tl.constexpr, BT: tl.constexpr):
+        """The write rows of chunk i_t (o_s, tau from :func:`_slot_tokens`): (m_s, srow = their flat rows, trow = their
+        tokens' flat rows). C = 1: the chunk's BT tokens (trow = srow); C > 1: the BT·C Omega-window slots
+        s = τ·C + j of the ``[B, T·C, H, ·]`` slot tensors (rows past BT·C or T masked)."""
+        if C == 1:
+            tok = i_t * BT + o_s
+            m_s = tok < T
+            srow = (bos + tok) * H + i_h
+            trow = srow
+        else:
+            tok = i_t * BT + tau
+            m_s = (o_s < BT * C) & (tok < T)
+            srow = ((bos + i_t * BT) * C + o_s) * H + i_h
+            trow = (bos + tok) * H + i_h
+        return m_s, srow, trow
+
+    @triton.jit
+    def _sweep_program(cu_seqlens, chunk_offsets, T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       IS_VARLEN: tl.constexpr):
+        """Set-up of a sequential sweep program (grid: value block × sequence·head): (i_bh the state row, i_h, the
+        sequence's first row bos, length T, chunks NT, first chunk row boc, o_i = arange(BT) (a chunk's tokens),
+        o_s = arange(BS) (its write rows), tau = their local tokens, o_k, o_v (this value block), m_k, m_v, m_h and h_offs (a ``[BV, BK]``
+        state block's mask and offsets))."""
+        i_v = tl.program_id(0)
+        i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
+        i_n = i_bh // H
+        i_h = i_bh % H
+        bos, T, NT, boc = _sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
+        o_i = tl.arange(0, BT)
+        o_s = tl.arange(0, BS)
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k = o_k < K
+        m_v = o_v < V
+        m_h = m_v[:, None] & m_k[None, :]
+        h_offs = o_v[:, None] * K + o_k[None, :]
+        tau = _slot_tokens(o_s, C)
+        return i_bh, i_h, bos, T, NT, boc, o_i, o_s, tau, o_k, o_v, m_k, m_v, m_h, h_offs
+
+    @triton.jit
+    def _gates(g, rows, m, o_k, m_k, K: tl.constexpr, CHANNEL: tl.constexpr):
+        """A gate tensor (g or log α) at ``rows``: ``[R]`` per head ([B, T, H]), ``[R, BK]`` channel-wise."""
+        if CHANNEL:
+            x = _tile(g, rows, o_k, K, m[:, None] & m_k[None, :])
+        else:
+            x = _vec(g, rows, m)
+        return x
+
+    @triton.jit
+    def _last_gate(g, bos, i_t, i_h, T, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, o_k,
+                   m_k, CHANNEL: tl.constexpr):
+        """(last, g_L): the index of chunk i_t's last real token and g there (a scalar, or ``[BK]`` channel-wise;
+        the row's address is formed as each kernel family always has, which its compiled builds depend on)."""
+        last = tl.minimum(T - i_t * BT, BT) - 1
+        if not CHANNEL:
+            g_last = tl.load(g + (bos + i_t * BT + last) * H + i_h)
+        elif C == 1:
+            g_last = tl.load(g + (bos + i_t * BT + last) * H * K + i_h * K + o_k, mask=m_k, other=0.0)
+        else:
+            g_last = tl.load(g + ((bos + i_t * BT + last) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+        return last, g_last
+
+    @triton.jit
+    def _read_gate(b_g, la, rows, m_t, o_k, m_k, K: tl.constexpr, HAS_ALPHA: tl.constexpr,
+                   READ_TOKEN: tl.constexpr, CHANNEL: tl.constexpr):
+        """gq, the log-decay a read sees (§15.4): g for read token (o_t = S_t q_t), g − log α for read chunk
+        (o_t = S_{t−1} q_t); shape of b_g."""
+        if READ_TOKEN:
+            b_gq = b_g
+        elif HAS_ALPHA:
+            b_gq = b_g - _gates(la, rows, m_t, o_k, m_k, K, CHANNEL)
+        else:
+            b_gq = b_g
+        return b_gq
+
+    @triton.jit
+    def _write_gate(b_g, b_la, BEFORE: tl.constexpr):
+        """G, the log-decay a write's key carries (§15.4): g for before_step (S_t = α_t S_{t−1} − ...), g − log α
+        for after_step (the decay applied after the step)."""
+        if BEFORE:
+            b_G = b_g
+        else:
+            b_G = b_g - b_la
+        return b_G
+
+    @triton.jit
+    def _causal(o_i, tau, m_s, C: tl.constexpr, STRICT: tl.constexpr):
+        """``[BT, BS]`` read mask: token t sees write row r where τ_r < t (STRICT: read chunk) or τ_r ≤ t, and m_s
+        (the comparison written as each kernel family always has: the builds depend on the form)."""
+        if C == 1:
+            if STRICT:
+                causal = (o_i[:, None] > tau[None, :]) & m_s[None, :]
+            else:
+                causal = (o_i[:, None] >= tau[None, :]) & m_s[None, :]
+        else:
+            if STRICT:
+                causal = (tau[None, :] < o_i[:, None]) & m_s[None, :]
+            else:
+                causal = (tau[None, :] <= o_i[:, None]) & m_s[None, :]
+        return causal
+
+    @triton.jit
+    def _masked_decay(a, b, mask):
+        """e^{a_t − b_s} ``[R, S]`` where mask holds, 1 elsewhere (a ``[R]``, b ``[S]``: per-head log-decays)."""
+        return tl.exp(tl.where(mask, a[:, None] - b[None, :], 0.0))
+
+    @triton.jit
+    def _unit_lower_inverse(A, o, N: tl.constexpr):
+        """(I + A)⁻¹ ``[N, N]`` of a strictly lower A (the UT/WY system) by forward substitution in registers:
+        row i = e_i − Σ_{j<i} A[i, j] · row j (o = arange(N))."""
+        Ti = tl.where(o[:, None] == o[None, :], 1.0, 0.0)
+        for i in range(1, N):
+            a_i = tl.sum(tl.where(o[:, None] == i, A, 0.0), axis=0)
+            new = tl.where(o == i, 1.0, 0.0) - tl.sum(a_i[:, None] * Ti, axis=0)
+            Ti = tl.where(o[:, None] == i, new[None, :], Ti)
+        return Ti
+
+    @triton.jit
+    def _row(x, sel):
+        """Row ``sel`` (a one-hot [BT] mask) of a [BT, N] block, as an [N] vector."""
+        return tl.sum(tl.where(sel[:, None], x, 0.0), axis=0)
+
+    @triton.jit
+    def _decayed_dot(x, y, a, b, o_i, BT: tl.constexpr, STRICT: tl.constexpr):
+        """M[t, s] = Σ_c x[t, c] y[s, c] e^{a[t, c] − b[s, c]} for s < t (STRICT) or s ≤ t, else 0. [BT, BT].
+
+        The exponents are clamped at 0: on the causal part of a chunk's real rows a − b ≤ 0 already (cumulative
+        log-decays only fall), and a padded row past a ragged chunk's end (a loaded as 0) must not give
+        exp(−b) = inf, which times its zero x is NaN in the column sums of the backward."""
+        M = tl.zeros([BT, BT], dtype=tl.float32)
+        for s in range(0, BT):
+            sel = o_i == s
+            if STRICT:
+                rows = o_i > s
+            else:
+                rows = o_i >= s
+            e = tl.exp(tl.minimum(tl.where(rows[:, None], a - _row(b, sel)[None, :], 0.0), 0.0))
+            col = tl.sum(x * _row(y, sel)[None, :] * e, axis=1)
+            M = tl.where(sel[None, :] & rows[:, None], col[:, None], M)
+        return M
+
+    @triton.jit
+    def _decayed_mm(D, x, y, a, b, o_i, BT: tl.constexpr, STRICT: tl.constexpr):
+        """For D [BT, BT] (used on its causal part): R[t, c] = Σ_s D[t, s] y[s, c] e^{a_tc − b_sc} and
+        C[s, c] = Σ_t D[t, s] x[t, c] e^{a_tc − b_sc}, both [BT, N] (the two gradients of :func:`_decayed_dot`)."""
+        R = tl.zeros_like(x)
+        C = tl.zeros_like(x)
+        for s in range(0, BT):
+            sel = o_i == s
+            if STRICT:
+                rows = o_i > s
+            else:
+                rows = o_i >= s
+            d_s = tl.where(rows, tl.sum(tl.where(sel[None, :], D, 0.0), axis=1), 0.0)
+            e = tl.exp(tl.minimum(tl.where(rows[:, None], a - _row(b, sel)[None, :], 0.0), 0.0))
+            R += d_s[:, None] * _row(y, sel)[None, :] * e
+            C = tl.where(sel[:, None], tl.sum(d_s[:, None] * x * e, axis=0)[None, :], C)
+        return R, C
+
+    @triton.jit
+    def _slot_decayed_dot(x, a, ok, tok, xs, g_tok, o_i, o_s, R: tl.constexpr, BT: tl.constexpr,
+                          BS: tl.constexpr, C: tl.constexpr, STRICT: tl.constexpr):
+        """M[r, s'] = Σ_c x[r, c] xs[s', c] e^{a[r, c] − g_tok[τ_s', c]} where τ_s' < tok[r] (STRICT) or ≤ tok[r],
+        and ok[r]; else 0. x, a ``[R, BK]`` (rows: tokens or slots, local token ``tok [R]``); xs ``[BS, BK]`` the
+        chunk's slots (slot s' = τ·C + j); g_tok ``[BT, BK]`` the chunk-local log-decay cumsum at its tokens.
+        Returns ``[R, BS]`` (columns past BT·C are 0). The window (C > 1) form of :func:`_decayed_dot`: one
+        ``[R, BK]`` exponential per token, shared by its C slots."""
+        M = tl.zeros([R, BS], dtype=tl.float32)
+        for s in range(0, BT):
+            b_s = tl.sum(tl.where((o_i == s)[:, None], g_tok, 0.0), axis=0)             # [BK]: g at token s
+            if STRICT:
+                rows = ok & (tok > s)
+            else:
+                rows = ok & (tok >= s)
+            e = tl.exp(tl.where(rows[:, None], a - b_s[None, :], 0.0))                # ≤ 1 where used
+            for j in tl.static_range(C):
+                sel = o_s == s * C + j
+                y = tl.sum(tl.where(sel[:, None], xs, 0.0), axis=0)
+                col = tl.sum(x * y[None, :] * e, axis=1)
+                M = tl.where(sel[None, :] & rows[:, None], col[:, None], M)
+        return M
+
+    @triton.jit
+    def _slot_decayed_mm(D, x, a, ok, tok, xs, g_tok, o_i, o_s, BT: tl.constexpr, C: tl.constexpr,
+                         STRICT: tl.constexpr):
+        """The two gradients of :func:`_slot_decayed_dot` for D ``[R, BS]`` (used on the same causal part):
+        Rm[r, c] = Σ_s' D[r, s'] xs[s', c] e^{a_rc − g_τs',c} ``[R, BK]`` and
+        Cm[s', c] = Σ_r D[r, s'] x[r, c] e^{a_rc − g_τs',c} ``[BS, BK]``."""
+        Rm = tl.zeros_like(x)
+        Cm = tl.zeros_like(xs)
+        for s in range(0, BT):
+            b_s = tl.sum(tl.where((o_i == s)[:, None], g_tok, 0.0), axis=0)
+            if STRICT:
+                rows = ok & (tok > s)
+            else:
+                rows = ok & (tok >= s)
+            e = tl.exp(tl.where(rows[:, None], a - b_s[None, :], 0.0))
+            for j in tl.static_range(C):
+                sel = o_s == s * C + j
+                d = tl.where(rows, tl.sum(tl.where(sel[None, :], D, 0.0), axis=1), 0.0)      # column s' of D
+                y = tl.sum(tl.where(sel[:, None], xs, 0.0), axis=0)
+                Rm += d[:, None] * y[None, :] * e
+                Cm = tl.where(sel[:, None], tl.sum(d[:, None] * x * e, axis=0)[None, :], Cm)
+        return Rm, Cm
+
+    @triton.jit
+    def _channel_scores(x, a, ok, tok, xs, g_tok, o_i, o_s, R: tl.constexpr, C: tl.constexpr, BT: tl.constexpr,
+                        BS: tl.constexpr, STRICT: tl.constexpr):
+        """Channel-wise decayed products ``[R, BS]`` M[r, s'] = Σ_c x_rc xs_s'c e^{a_rc − g_τs',c} (causal, see
+        :func:`_slot_decayed_dot`): :func:`_decayed_dot` for C = 1 (rows and columns the chunk's tokens),
+        :func:`_slot_decayed_dot` for C > 1."""
+        if C == 1:
+            M = _decayed_dot(x, xs, a, g_tok, o_i, BT, STRICT)
+        else:
+            M = _slot_decayed_dot(x, a, ok, tok, xs, g_tok, o_i, o_s, R, BT, BS, C, STRICT)
+        return M
+
+    @triton.jit
+    def _ut_solve(b_x, b_c, b_v, b_G, b_gs, b_g, u_out, wk_out, ainv_out, srow, m_s, o_i, tau, o_s, o_k, m_k, o_v,
+                  m_v, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+                  STORE_AINV: tl.constexpr, CHANNEL: tl.constexpr, PRECISION: tl.constexpr):
+        """Stage 1's UT system over a chunk's write rows (x ``[BS, BK]``, v ``[BS, BVV]``, c ``[BS]`` = β or coef):
+        A[r, r'] = c_r e^{G_τr − g_τr'} x_r·x_r' (per head; b_G, b_gs ``[BS]``) or c_r Σ_c x_rc x_r'c e^{G_τr,c −
+        g_τr',c} (channel-wise; b_G ``[BS, BK]``, b_g ``[BT, BK]`` at the tokens) for τr' < τr; then
+        u = (I + A)⁻¹ (c v), w_k = (I + A)⁻¹ (c e^G ⊙ x) stored at srow and, with STORE_AINV, (I + A)⁻¹ itself
+        (``[B, T(·C), H, BS]``) for the backward's dr = (I + A)⁻ᵀ dw."""
+        if CHANNEL:
+            A = b_c[:, None] * _channel_scores(b_x, b_G, m_s, tau, b_x, b_g, o_i, o_s, BS, C, BT, BS, True)
+        else:
+            strict = tau[:, None] > tau[None, :]
+            kk = tl.dot(b_x, tl.trans(b_x), input_precision=PRECISION)
+            if C == 1:     # (the decay formed before the product, as the C = 1 kernel always had it)
+                ratio = _masked_decay(b_G, b_gs, strict)
+                A = tl.where(strict, b_c[:, None] * kk * ratio, 0.0)
+            else:
+                A = tl.where(strict, b_c[:, None] * kk * _masked_decay(b_G, b_gs, strict), 0.0)
+        Ti = _unit_lower_inverse(A, o_s, BS)
+        b_u = tl.dot(Ti, b_c[:, None] * b_v, input_precision=PRECISION)
+        if CHANNEL:
+            b_wk = tl.dot(Ti, b_c[:, None] * b_x * tl.exp(b_G), input_precision=PRECISION)
+        else:
+            b_wk = tl.dot(Ti, (b_c * tl.exp(b_G))[:, None] * b_x, input_precision=PRECISION)
+        tl.store(u_out + srow[:, None] * V + o_v[None, :], b_u, mask=m_s[:, None] & m_v[None, :])
+        tl.store(wk_out + srow[:, None] * K + o_k[None, :], b_wk, mask=m_s[:, None] & m_k[None, :])
+        if STORE_AINV:
+            tl.store(ainv_out + srow[:, None] * BS + o_s[None, :], Ti, mask=m_s[:, None])
+
+    @triton.jit
+    def _read_scores(b_q, b_x, b_gq, b_g, b_gs, causal, m_t, o_i, o_s, C: tl.constexpr, BT: tl.constexpr,
+                     BS: tl.constexpr, READ_TOKEN: tl.constexpr, CHANNEL: tl.constexpr, PRECISION: tl.constexpr):
+        """The intra-chunk read P ``[BT, BS]``: P[t, r] = e^{gq_t − g_τr} q_t·x_r (per head; on the ``causal``
+        mask of :func:`_causal`) or Σ_c q_tc x_rc e^{gq_tc − g_τr,c} (channel-wise) for τ_r ≤ t (read token) or
+        τ_r < t (read chunk). b_q, b_gq ``[BT, ·]`` at the tokens, b_x ``[BS, BK]`` and b_gs (per head: g at the
+        slots' tokens ``[BS]``) at the write rows, b_g the tokens' g (channel-wise ``[BT, BK]``)."""
+        if CHANNEL:
+            P = _channel_scores(b_q, b_gq, m_t, o_i, b_x, b_g, o_i, o_s, BT, C, BT, BS, not READ_TOKEN)
+        else:
+            qx = tl.dot(b_q, tl.trans(b_x), input_precision=PRECISION)
+            P = tl.where(causal, qx * _masked_decay(b_gq, b_gs, causal), 0.0)
+        return P
+
+    @triton.jit
+    def _state_sweep(k, v, beta, g, u, wk, h0, w_out, hs, ht, cu_seqlens, chunk_offsets, T, NT,
+                     H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                     BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr,
+                     IS_L2: tl.constexpr, CHANNEL: tl.constexpr, PRECISION: tl.constexpr):
+        """Stage 2 (one program per value block × sequence × head, sequential over its chunks): stores every
+        chunk-start state S_0 (``hs [NC, H, V, K]``), the pseudo-values w = u − w_k S_0ᵀ (ℓ2) or c v (dot) of the
+        chunk's write rows, and steps S ← e^{g_L} S + Σ_r e^{g_L − g_τr} w_r k_rᵀ (per head) or
+        S ← S Diag(e^{g_L}) + Σ_r w_r (k_r ⊙ e^{g_L − g_τr})ᵀ (channel-wise); the last S to ``ht [N, H, V, K]``.
+        k, v, beta, u, wk, w_out: the write rows (tokens, or window slots for C > 1); g ``[B, T, H(, K)]``."""
+        i_bh, i_h, bos, T, NT, boc, o_i, o_s, tau, o_k, o_v, m_k, m_v, m_h, h_offs = _sweep_program(
+            cu_seqlens, chunk_offsets, T, NT, H, K, V, C, BT, BS, BK, BV, IS_VARLEN)
+        h = tl.zeros([BV, BK], dtype=tl.float32)
+        if HAS_H0:
+            h += _state_tile(h0, i_bh.to(tl.int64), h_offs, m_h, V, K)
+        for i_t in range(0, NT):
+            _put_state(hs, (boc + i_t) * H + i_h, h_offs, m_h, V, K, h)    # chunk-start state, [NC, H, V, K]
+            m_s, srow, trow = _slot_rows(bos, i_t, i_h, o_s, tau, T, H, C, BT)
+            m_sk = m_s[:, None] & m_k[None, :]
+            m_sv = m_s[:, None] & m_v[None, :]
+            b_x = _tile(k, srow, o_k, K, m_sk)
+            if IS_L2:
+                b_w = _tile(u, srow, o_v, V, m_sv) - tl.dot(_tile(wk, srow, o_k, K, m_sk), tl.trans(h),
+                                                             input_precision=PRECISION)
+            else:
+                b_v = _tile(v, srow, o_v, V, m_sv)
+                b_w = _vec(beta, srow, m_s)[:, None] * b_v
+            tl.store(w_out + srow[:, None] * V + o_v[None, :], b_w, mask=m_sv)
+            b_gs = _gates(g, trow, m_s, o_k, m_k, K, CHANNEL)
+            last, g_last = _last_gate(g, bos, i_t, i_h, T, H, K, C, BT, o_k, m_k, CHANNEL)
+            if CHANNEL:
+                b_xd = b_x * tl.exp(tl.where(m_sk, g_last[None, :] - b_gs, 0.0))
+                h = h * tl.exp(g_last)[None, :] + tl.dot(tl.trans(b_w), b_xd, input_precision=PRECISION)
+            else:
+                decay = tl.exp(tl.where(m_s, g_last - b_gs, 0.0))
+                h = h * tl.exp(g_last) + tl.dot(tl.trans(b_w * decay[:, None]), b_x, input_precision=PRECISION)
+        _put_state(ht, i_bh.to(tl.int64), h_offs, m_h, V, K, h)
+
+    @triton.jit
+    def _out_chunk(q, k, la, g, w, hs, o, cu_seqlens, chunk_indices, T, NT, H: tl.constexpr,
+                   IS_VARLEN: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr,
+                   BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_ALPHA: tl.constexpr,
+                   READ_TOKEN: tl.constexpr, CHANNEL: tl.constexpr, PRECISION: tl.constexpr):
+        """Stage 3 (value block × chunk × head, all chunks in parallel): o = e^{gq} ⊙ (q S_0ᵀ) (per head) or
+        (q ⊙ e^{gq}) S_0ᵀ (channel-wise) + P w, P of :func:`_read_scores`. q, o ``[B, T, H, ·]``; k, w the write
+        rows (tokens, or window slots for C > 1). The per-head window kernel has its own body
+        (:func:`.chunk_window._win_out_kernel`: its loads form their masks in another order)."""
+        i_v = tl.program_id(0)
+        i_c = tl.program_id(1)            # global chunk index
+        i_h = tl.program_id(2)
+        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
+        boc = i_c.to(tl.int64) - i_t      # global index of the sequence's first chunk (rows of hs / dhs)
+        o_i = tl.arange(0, BT)
+        o_s = tl.arange(0, BS)
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k = o_k < K
+        m_v = o_v < V
+        m_t, rows = _token_rows(o_i, bos, i_t, i_h, T, H, BT)
+        tau = _slot_tokens(o_s, C)
+        m_s, srow, trow = _slot_rows(bos, i_t, i_h, o_s, tau, T, H, C, BT)
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_q = _tile(q, rows, o_k, K, m_tk)
+        b_x = tl.load(k + srow[:, None] * K + o_k[None, :], mask=m_s[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_g = _gates(g, rows, m_t, o_k, m_k, K, CHANNEL)
+        b_gq = _read_gate(b_g, la, rows, m_t, o_k, m_k, K, HAS_ALPHA, READ_TOKEN, CHANNEL)
+        causal = _causal(o_i, tau, m_s, C, not READ_TOKEN)        # (per head only)
+        b_w = tl.load(w + srow[:, None] * V + o_v[None, :], mask=m_s[:, None] & m_v[None, :], other=0.0)
+        h = tl.load(hs + (_chunk_row(i_c, i_t, boc, C) * H + i_h) * V * K + o_v[:, None] * K + o_k[None, :],
+                    mask=m_v[:, None] & m_k[None, :], other=0.0)
+        if CHANNEL:
+            b_o = tl.dot(b_q * tl.exp(b_gq), tl.trans(h), input_precision=PRECISION)
+        else:
+            b_o = tl.exp(b_gq)[:, None] * tl.dot(b_q, tl.trans(h), input_precision=PRECISION)
+        P = _read_scores(b_q, b_x, b_gq, b_g, b_g, causal, m_t, o_i, o_s, C, BT, BS, READ_TOKEN, CHANNEL, PRECISION)
+        b_o += tl.dot(P, b_w, input_precision=PRECISION)
+        tl.store(o + rows[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+
+    @triton.jit
+    def _chunk_row(i_c, i_t, boc, C: tl.constexpr):
+        """The global chunk index of chunk program i_c (its row in the chunk-state tensors), written as each kernel
+        family always has: boc + i_t (C = 1; boc = i_c − i_t) or i_c (window kernels); their builds depend on it."""
+        if C == 1:
+            row = boc + i_t
+        else:
+            row = i_c.to(tl.int64)
+        return row
+
+    @triton.jit
+    def _dh_step(dh, P, b_do, b_q, b_x, b_gq, b_gs, g_last, m_s, m_sk, srow, o_v, m_v, o_k, dw, wk,
+                 V: tl.constexpr, K: tl.constexpr, IS_L2: tl.constexpr, CHANNEL: tl.constexpr,
+                 PRECISION: tl.constexpr):
+        """One chunk of the backward reverse sweep, from dS = ∂L/∂S_L of its end ``[BV, BK]``: stores
+        dw = Pᵀ do + e^{g_L − g_τ} ⊙ (x dSᵀ) (per head) or Pᵀ do + (x ⊙ e^{g_L − g_τ}) dSᵀ (channel-wise) at the
+        write rows and returns the chunk-start dS = e^{g_L} dS + (e^{gq} ⊙ do)ᵀ q (per head) or
+        dS Diag(e^{g_L}) + doᵀ (q ⊙ e^{gq}) (channel-wise), − dwᵀ w_k for l2. P ``[BT, BS]``: the intra-chunk
+        read (:func:`_read_scores`); b_q, b_do, b_gq at the tokens; b_x, b_gs at the write rows (mask m_s, m_sk)."""
+        if CHANNEL:
+            b_xd = b_x * tl.exp(tl.where(m_sk, g_last[None, :] - b_gs, 0.0))
+            b_dw = tl.dot(tl.trans(P), b_do, input_precision=PRECISION) \
+                + tl.dot(b_xd, tl.trans(dh), input_precision=PRECISION)
+        else:
+            decay = tl.exp(tl.where(m_s, g_last - b_gs, 0.0))
+            b_dw = tl.dot(tl.trans(P), b_do, input_precision=PRECISION) \
+                + decay[:, None] * tl.dot(b_x, tl.trans(dh), input_precision=PRECISION)
+        tl.store(dw + srow[:, None] * V + o_v[None, :], b_dw, mask=m_s[:, None] & m_v[None, :])
+        if CHANNEL:
+            dh = dh * tl.exp(g_last)[None, :] + tl.dot(tl.trans(b_do), b_q * tl.exp(b_gq), input_precision=PRECISION)
+        else:
+            dh = dh * tl.exp(g_last) + tl.dot(tl.trans(b_do * tl.exp(b_gq)[:, None]), b_q, input_precision=PRECISION)
+        if IS_L2:
+            b_wk = tl.load(wk + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0)
+            dh -= tl.dot(tl.trans(b_dw), b_wk, input_precision=PRECISION)
+        return dh
+
+    @triton.jit
+    def _dh_sweep(q, k, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT,
+                  H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr, HAS_ALPHA: tl.constexpr, HAS_DHT: tl.constexpr,
+                  HAS_H0: tl.constexpr, IS_L2: tl.constexpr, READ_TOKEN: tl.constexpr, CHANNEL: tl.constexpr,
+                  PRECISION: tl.constexpr):
+        """Backward reverse sweep over chunks of the C = 1 kernels (value block × sequence × head): dS = ∂L/∂S_L of
+        each chunk's end (stored, ``dhs [NC, H, V, K]``; from ``dht``), one :func:`_dh_step` per chunk; the last dS
+        is the initial state's gradient (``dh0 [N, H, V, K]``). The window kernels' sweep:
+        :func:`.chunk_window._win_dh_sweep`."""
+        i_bh, i_h, bos, T, NT, boc, o_i, o_s, tau, o_k, o_v, m_k, m_v, m_h, h_offs = _sweep_program(
+            cu_seqlens, chunk_offsets, T, NT, H, K, V, 1, BT, BT, BK, BV, IS_VARLEN)
+        dh = tl.zeros([BV, BK], dtype=tl.float32)
+        if HAS_DHT:
+            dh += _state_tile(dht, i_bh.to(tl.int64), h_offs, m_h, V, K)
+        for j in range(0, NT):
+            i_t = NT - 1 - j
+            _put_state(dhs, (boc + i_t) * H + i_h, h_offs, m_h, V, K, dh)   # ∂L/∂(end state of chunk i_t)
+            m_t, rows = _token_rows(o_i, bos, i_t, i_h, T, H, BT)
+            m_tk = m_t[:, None] & m_k[None, :]
+            m_tv = m_t[:, None] & m_v[None, :]
+            b_q = _tile(q, rows, o_k, K, m_tk)
+            b_k = _tile(k, rows, o_k, K, m_tk)
+            b_do = _tile(do, rows, o_v, V, m_tv)
+            b_g = _gates(g, rows, m_t, o_k, m_k, K, CHANNEL)
+            last, g_last = _last_gate(g, bos, i_t, i_h, T, H, K, 1, BT, o_k, m_k, CHANNEL)
+            b_gq = _read_gate(b_g, la, rows, m_t, o_k, m_k, K, HAS_ALPHA, READ_TOKEN, CHANNEL)
+            causal = _causal(o_i, o_i, m_t, 1, not READ_TOKEN)        # (per head only)
+            P = _read_scores(b_q, b_k, b_gq, b_g, b_g, causal, m_t, o_i, o_i, 1, BT, BT, READ_TOKEN, CHANNEL,
+                             PRECISION)
+            dh = _dh_step(dh, P, b_do, b_q, b_k, b_gq, b_g, g_last, m_t, m_tk, rows, o_v, m_v, o_k, dw, wk, V, K,
+                          IS_L2, CHANNEL, PRECISION)
+        if HAS_H0:
+            _put_state(dh0, i_bh.to(tl.int64), h_offs, m_h, V, K, dh)
+
     @triton.jit
     def _chunk_ut_kernel(k, v, beta, la, g_out, u_out, wk_out, ainv_out, cu_seqlens, chunk_indices, T, NT,
                          H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
                          V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BVV: tl.constexpr,
                          HAS_ALPHA: tl.constexpr, IS_L2: tl.constexpr, BEFORE: tl.constexpr,
                          STORE_AINV: tl.constexpr, PRECISION: tl.constexpr):
+        """Stage 1 (chunk × head, all chunks in parallel): g = chunk-local cumsum of log α (stored); for l2 the UT
+        system (:func:`_ut_solve`): A[t, s] = β_t e^{G_t − g_s} k_t·k_s (s < t), (I + A)⁻¹ by forward
+        substitution, u = (I + A)⁻¹ β v, w_k = (I + A)⁻¹ (β e^G k), (I + A)⁻¹ ``[B, T, H, BT]``."""
         i_c = tl.program_id(0)            # global chunk index: all chunks of all sequences in one launch
         i_h = tl.program_id(1)
         i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
         o_i = tl.arange(0, BT)
-        o_t = i_t * BT + o_i
-        m_t = o_t < T
-        rows = (bos + o_t) * H + i_h
+        m_t, rows = _token_rows(o_i, bos, i_t, i_h, T, H, BT)
         if HAS_ALPHA:
-            b_la = tl.load(la + rows, mask=m_t, other=0.0).to(tl.float32)
+            b_la = _vec(la, rows, m_t)
         else:
             b_la = tl.zeros([BT], dtype=tl.float32)
         b_g = tl.cumsum(b_la, axis=0)
@@ -145,54 +606,56 @@ if triton is not None:
                           other=0.0).to(tl.float32)
             b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
                           other=0.0).to(tl.float32)
-            b_beta = tl.load(beta + rows, mask=m_t, other=0.0).to(tl.float32)
-            if BEFORE:
-                b_G = b_g
-            else:
-                b_G = b_g - b_la
-            strict = o_i[:, None] > o_i[None, :]
-            kk = tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)
-            ratio = tl.exp(tl.where(strict, b_G[:, None] - b_g[None, :], 0.0))
-            A = tl.where(strict, b_beta[:, None] * kk * ratio, 0.0)
-            # (I + A)⁻¹ by forward substitution: row i = e_i − Σ_{j<i} A[i, j] · row j
-            Ti = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
-            for i in range(1, BT):
-                a_i = tl.sum(tl.where(o_i[:, None] == i, A, 0.0), axis=0)
-                new = tl.where(o_i == i, 1.0, 0.0) - tl.sum(a_i[:, None] * Ti, axis=0)
-                Ti = tl.where(o_i[:, None] == i, new[None, :], Ti)
-            b_u = tl.dot(Ti, b_beta[:, None] * b_v, input_precision=PRECISION)
-            b_wk = tl.dot(Ti, (b_beta * tl.exp(b_G))[:, None] * b_k, input_precision=PRECISION)
-            tl.store(u_out + rows[:, None] * V + o_v[None, :], b_u, mask=m_t[:, None] & m_v[None, :])
-            tl.store(wk_out + rows[:, None] * K + o_k[None, :], b_wk, mask=m_t[:, None] & m_k[None, :])
-            if STORE_AINV:   # (I + A)⁻¹ rows, [B, T, H, BT], for the backward's dr = (I + A)⁻ᵀ dw
-                tl.store(ainv_out + rows[:, None] * BT + o_i[None, :], Ti, mask=m_t[:, None])
+            b_beta = _vec(beta, rows, m_t)
+            b_G = _write_gate(b_g, b_la, BEFORE)
+            _ut_solve(b_k, b_beta, b_v, b_G, b_g, b_g, u_out, wk_out, ainv_out, rows, m_t, o_i, o_i, o_i, o_k, m_k,
+                      o_v, m_v, K, V, 1, BT, BT, STORE_AINV, False, PRECISION)
+
+    @triton.jit
+    def _cw_ut_kernel(k, v, beta, la, g_out, u_out, wk_out, ainv_out, cu_seqlens, chunk_indices, T, NT,
+                      H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
+                      V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BVV: tl.constexpr, IS_L2: tl.constexpr,
+                      BEFORE: tl.constexpr, STORE_AINV: tl.constexpr, PRECISION: tl.constexpr):
+        """Stage 1, channel-wise: g = chunk-local cumsum of log α per key channel; for l2 the UT system
+        (:func:`_ut_solve`): A[t, s] = β_t Σ_c k_tc k_sc e^{G_tc − g_sc} (s < t), (I + A)⁻¹, u = (I + A)⁻¹ β v,
+        w_k = (I + A)⁻¹ β (k ⊙ e^G)."""
+        i_c = tl.program_id(0)            # global chunk index: all chunks of all sequences in one launch
+        i_h = tl.program_id(1)
+        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
+        o_i = tl.arange(0, BT)
+        o_k = tl.arange(0, BK)
+        m_k = o_k < K
+        m_t, rows = _token_rows(o_i, bos, i_t, i_h, T, H, BT)
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_la = _tile(la, rows, o_k, K, m_tk)
+        b_g = tl.cumsum(b_la, axis=0)
+        tl.store(g_out + rows[:, None] * K + o_k[None, :], b_g, mask=m_tk)
+        if IS_L2:
+            o_v = tl.arange(0, BVV)
+            m_v = o_v < V
+            b_k = _tile(k, rows, o_k, K, m_tk)
+            b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                          other=0.0).to(tl.float32)
+            b_beta = _vec(beta, rows, m_t)
+            b_G = _write_gate(b_g, b_la, BEFORE)
+            _ut_solve(b_k, b_beta, b_v, b_G, b_g, b_g, u_out, wk_out, ainv_out, rows, m_t, o_i, o_i, o_i, o_k, m_k,
+                      o_v, m_v, K, V, 1, BT, BT, STORE_AINV, True, PRECISION)
 
     @triton.jit
     def _chunk_state_kernel(k, v, beta, g, u, wk, h0, w_out, hs, ht, cu_seqlens, chunk_offsets, T, NT,
                             H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
                             V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                             HAS_H0: tl.constexpr, IS_L2: tl.constexpr, PRECISION: tl.constexpr):
-        i_v = tl.program_id(0)
-        i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
-        i_n = i_bh // H
-        i_h = i_bh % H
-        bos, T, NT, boc = _sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
-        o_i = tl.arange(0, BT)
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_k = o_k < K
-        m_v = o_v < V
-        m_h = m_v[:, None] & m_k[None, :]
-        h_offs = o_v[:, None] * K + o_k[None, :]
+        """Stage 2, per head (the loop of :func:`_state_sweep` with the masks formed in the loads, as this kernel's
+        builds have them): w = u − w_k S_0ᵀ; S ← e^{g_L} S + Σ_s e^{g_L − g_s} w_s k_sᵀ."""
+        i_bh, i_h, bos, T, NT, boc, o_i, o_s, tau, o_k, o_v, m_k, m_v, m_h, h_offs = _sweep_program(
+            cu_seqlens, chunk_offsets, T, NT, H, K, V, 1, BT, BT, BK, BV, IS_VARLEN)
         h = tl.zeros([BV, BK], dtype=tl.float32)
         if HAS_H0:
-            h += tl.load(h0 + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
+            h += _state_tile(h0, i_bh.to(tl.int64), h_offs, m_h, V, K)
         for i_t in range(0, NT):
-            # chunk-start state, [NC, H, V, K] (NC: all chunks of all sequences)
-            tl.store(hs + ((boc + i_t) * H + i_h) * V * K + h_offs, h, mask=m_h)
-            o_t = i_t * BT + o_i
-            m_t = o_t < T
-            rows = (bos + o_t) * H + i_h
+            _put_state(hs, (boc + i_t) * H + i_h, h_offs, m_h, V, K, h)    # chunk-start state, [NC, H, V, K]
+            m_t, rows = _token_rows(o_i, bos, i_t, i_h, T, H, BT)
             b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
                           other=0.0).to(tl.float32)
             if IS_L2:
@@ -202,55 +665,42 @@ if triton is not None:
             else:
                 b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
                               other=0.0).to(tl.float32)
-                b_beta = tl.load(beta + rows, mask=m_t, other=0.0).to(tl.float32)
-                b_w = b_beta[:, None] * b_v
+                b_w = _vec(beta, rows, m_t)[:, None] * b_v
             tl.store(w_out + rows[:, None] * V + o_v[None, :], b_w, mask=m_t[:, None] & m_v[None, :])
-            b_g = tl.load(g + rows, mask=m_t, other=0.0)
-            last = tl.minimum(T - i_t * BT, BT) - 1
-            g_last = tl.load(g + (bos + i_t * BT + last) * H + i_h)
+            b_g = _vec(g, rows, m_t)
+            last, g_last = _last_gate(g, bos, i_t, i_h, T, H, K, 1, BT, o_k, m_k, False)
             decay = tl.exp(tl.where(m_t, g_last - b_g, 0.0))
             h = h * tl.exp(g_last) + tl.dot(tl.trans(b_w * decay[:, None]), b_k, input_precision=PRECISION)
-        tl.store(ht + i_bh.to(tl.int64) * V * K + h_offs, h, mask=m_h)
+        _put_state(ht, i_bh.to(tl.int64), h_offs, m_h, V, K, h)
+
+    @triton.jit
+    def _cw_state_kernel(k, v, beta, g, u, wk, h0, w_out, hs, ht, cu_seqlens, chunk_offsets, T, NT,
+                         H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
+                         V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                         HAS_H0: tl.constexpr, IS_L2: tl.constexpr, PRECISION: tl.constexpr):
+        """Stage 2, channel-wise (:func:`_state_sweep`): w = u − w_k S_0ᵀ;
+        S ← S Diag(e^{g_L}) + Σ_s w_s (k_s ⊙ e^{g_L − g_s})ᵀ."""
+        _state_sweep(k, v, beta, g, u, wk, h0, w_out, hs, ht, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K, V,
+                     1, BT, BT, BK, BV, HAS_H0, IS_L2, True, PRECISION)
 
     @triton.jit
     def _chunk_out_kernel(q, k, la, g, w, hs, o, cu_seqlens, chunk_indices, T, NT,
                           H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_ALPHA: tl.constexpr,
                           READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
-        i_v = tl.program_id(0)
-        i_c = tl.program_id(1)            # global chunk index
-        i_h = tl.program_id(2)
-        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
-        boc = i_c.to(tl.int64) - i_t      # global index of the sequence's first chunk (rows of hs / dhs)
-        o_i = tl.arange(0, BT)
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_k = o_k < K
-        m_v = o_v < V
-        o_t = i_t * BT + o_i
-        m_t = o_t < T
-        rows = (bos + o_t) * H + i_h
-        m_tk = m_t[:, None] & m_k[None, :]
-        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_g = tl.load(g + rows, mask=m_t, other=0.0)
-        if READ_TOKEN:
-            b_gq = b_g
-            causal = (o_i[:, None] >= o_i[None, :]) & m_t[None, :]
-        else:
-            if HAS_ALPHA:
-                b_gq = b_g - tl.load(la + rows, mask=m_t, other=0.0).to(tl.float32)
-            else:
-                b_gq = b_g
-            causal = (o_i[:, None] > o_i[None, :]) & m_t[None, :]
-        b_w = tl.load(w + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-        h = tl.load(hs + ((boc + i_t) * H + i_h) * V * K + o_v[:, None] * K + o_k[None, :],
-                    mask=m_v[:, None] & m_k[None, :], other=0.0)
-        b_o = tl.exp(b_gq)[:, None] * tl.dot(b_q, tl.trans(h), input_precision=PRECISION)
-        qk = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
-        qk = tl.where(causal, qk * tl.exp(tl.where(causal, b_gq[:, None] - b_g[None, :], 0.0)), 0.0)
-        b_o += tl.dot(qk, b_w, input_precision=PRECISION)
-        tl.store(o + rows[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+        """Stage 3 (:func:`_out_chunk`, per head): o = e^{g} (q S_0ᵀ) + [causal e^{g_t − g_s} q kᵀ] w."""
+        _out_chunk(q, k, la, g, w, hs, o, cu_seqlens, chunk_indices, T, NT, H, IS_VARLEN, K, V, 1, BT, BT, BK, BV,
+                   HAS_ALPHA, READ_TOKEN, False, PRECISION)
+
+    @triton.jit
+    def _cw_out_kernel(q, k, la, g, w, hs, o, cu_seqlens, chunk_indices, T, NT,
+                       H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, READ_TOKEN: tl.constexpr,
+                       PRECISION: tl.constexpr):
+        """Stage 3, channel-wise (:func:`_out_chunk`): o = (q ⊙ e^{gq}) S_0ᵀ + P w,
+        P[t, s] = Σ_c q_tc k_sc e^{gq_tc − g_sc} (causal)."""
+        _out_chunk(q, k, la, g, w, hs, o, cu_seqlens, chunk_indices, T, NT, H, IS_VARLEN, K, V, 1, BT, BT, BK, BV,
+                   True, READ_TOKEN, True, PRECISION)
 
     @triton.jit
     def _chunk_bwd_dh_kernel(q, k, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT,
@@ -258,59 +708,21 @@ if triton is not None:
                              V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                              HAS_ALPHA: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
                              IS_L2: tl.constexpr, READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
-        """Reverse sweep over chunks (one program per value block × head). dS = ∂L/∂S_L of the chunk end:
+        """Reverse sweep over chunks (:func:`_dh_sweep`, per head). dS = ∂L/∂S_L of the chunk end:
         dw = Pᵀ do + e^{g_L − g} ⊙ (k dSᵀ);  dS ← e^{g_L} dS + (e^{gq} ⊙ do)ᵀ q − [l2] dwᵀ w_k."""
-        i_v = tl.program_id(0)
-        i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
-        i_n = i_bh // H
-        i_h = i_bh % H
-        bos, T, NT, boc = _sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
-        o_i = tl.arange(0, BT)
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_k = o_k < K
-        m_v = o_v < V
-        m_h = m_v[:, None] & m_k[None, :]
-        h_offs = o_v[:, None] * K + o_k[None, :]
-        dh = tl.zeros([BV, BK], dtype=tl.float32)
-        if HAS_DHT:
-            dh += tl.load(dht + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
-        for j in range(0, NT):
-            i_t = NT - 1 - j
-            # ∂L/∂(end state of chunk i_t), [NC, H, V, K]
-            tl.store(dhs + ((boc + i_t) * H + i_h) * V * K + h_offs, dh, mask=m_h)
-            o_t = i_t * BT + o_i
-            m_t = o_t < T
-            rows = (bos + o_t) * H + i_h
-            m_tk = m_t[:, None] & m_k[None, :]
-            m_tv = m_t[:, None] & m_v[None, :]
-            b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-            b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-            b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-            b_g = tl.load(g + rows, mask=m_t, other=0.0)
-            last = tl.minimum(T - i_t * BT, BT) - 1
-            g_last = tl.load(g + (bos + i_t * BT + last) * H + i_h)
-            if READ_TOKEN:
-                b_gq = b_g
-                causal = (o_i[:, None] >= o_i[None, :]) & m_t[None, :]
-            else:
-                if HAS_ALPHA:
-                    b_gq = b_g - tl.load(la + rows, mask=m_t, other=0.0).to(tl.float32)
-                else:
-                    b_gq = b_g
-                causal = (o_i[:, None] > o_i[None, :]) & m_t[None, :]
-            qk = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
-            P = tl.where(causal, qk * tl.exp(tl.where(causal, b_gq[:, None] - b_g[None, :], 0.0)), 0.0)
-            decay = tl.exp(tl.where(m_t, g_last - b_g, 0.0))
-            b_dw = tl.dot(tl.trans(P), b_do, input_precision=PRECISION) \
-                + decay[:, None] * tl.dot(b_k, tl.trans(dh), input_precision=PRECISION)
-            tl.store(dw + rows[:, None] * V + o_v[None, :], b_dw, mask=m_tv)
-            dh = dh * tl.exp(g_last) + tl.dot(tl.trans(b_do * tl.exp(b_gq)[:, None]), b_q, input_precision=PRECISION)
-            if IS_L2:
-                b_wk = tl.load(wk + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-                dh -= tl.dot(tl.trans(b_dw), b_wk, input_precision=PRECISION)
-        if HAS_H0:
-            tl.store(dh0 + i_bh.to(tl.int64) * V * K + h_offs, dh, mask=m_h)
+        _dh_sweep(q, k, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K, V, BT,
+                  BK, BV, HAS_ALPHA, HAS_DHT, HAS_H0, IS_L2, READ_TOKEN, False, PRECISION)
+
+    @triton.jit
+    def _cw_bwd_dh_kernel(q, k, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT,
+                          H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
+                          V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                          HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, IS_L2: tl.constexpr,
+                          READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
+        """Reverse sweep, channel-wise (:func:`_dh_sweep`): dw = Pᵀ do + (k ⊙ e^{g_L − g}) dSᵀ;
+        dS ← dS Diag(e^{g_L}) + doᵀ (q ⊙ e^{gq}) − [l2] dwᵀ w_k."""
+        _dh_sweep(q, k, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K, V, BT,
+                  BK, BV, True, HAS_DHT, HAS_H0, IS_L2, READ_TOKEN, True, PRECISION)
 
     @triton.jit
     def _chunk_bwd_grad_kernel(q, k, v, beta, la, g, ainv, w, hs, dhs, do, dw, dq, dk, dv, dbeta, dla, cu_seqlens,
@@ -428,228 +840,6 @@ if triton is not None:
     # ------------------------------------------------------------------ channel-wise (GLA-style) decay
     # la, g: [B, T, H, K]. Every intra-chunk decay is formed pairwise, e^{a_tc − b_sc} with a causal exponent
     # ≤ 0, by a loop over the chunk's columns s (no e^{−g} factorisation, so no overflow at any decay).
-
-    @triton.jit
-    def _row(x, sel):
-        """Row ``sel`` (a one-hot [BT] mask) of a [BT, N] block, as an [N] vector."""
-        return tl.sum(tl.where(sel[:, None], x, 0.0), axis=0)
-
-    @triton.jit
-    def _decayed_dot(x, y, a, b, o_i, BT: tl.constexpr, STRICT: tl.constexpr):
-        """M[t, s] = Σ_c x[t, c] y[s, c] e^{a[t, c] − b[s, c]} for s < t (STRICT) or s ≤ t, else 0. [BT, BT].
-
-        The exponents are clamped at 0: on the causal part of a chunk's real rows a − b ≤ 0 already (cumulative
-        log-decays only fall), and a padded row past a ragged chunk's end (a loaded as 0) must not give
-        exp(−b) = inf, which times its zero x is NaN in the column sums of the backward."""
-        M = tl.zeros([BT, BT], dtype=tl.float32)
-        for s in range(0, BT):
-            sel = o_i == s
-            if STRICT:
-                rows = o_i > s
-            else:
-                rows = o_i >= s
-            e = tl.exp(tl.minimum(tl.where(rows[:, None], a - _row(b, sel)[None, :], 0.0), 0.0))
-            col = tl.sum(x * _row(y, sel)[None, :] * e, axis=1)
-            M = tl.where(sel[None, :] & rows[:, None], col[:, None], M)
-        return M
-
-    @triton.jit
-    def _decayed_mm(D, x, y, a, b, o_i, BT: tl.constexpr, STRICT: tl.constexpr):
-        """For D [BT, BT] (used on its causal part): R[t, c] = Σ_s D[t, s] y[s, c] e^{a_tc − b_sc} and
-        C[s, c] = Σ_t D[t, s] x[t, c] e^{a_tc − b_sc}, both [BT, N] (the two gradients of :func:`_decayed_dot`)."""
-        R = tl.zeros_like(x)
-        C = tl.zeros_like(x)
-        for s in range(0, BT):
-            sel = o_i == s
-            if STRICT:
-                rows = o_i > s
-            else:
-                rows = o_i >= s
-            d_s = tl.where(rows, tl.sum(tl.where(sel[None, :], D, 0.0), axis=1), 0.0)
-            e = tl.exp(tl.minimum(tl.where(rows[:, None], a - _row(b, sel)[None, :], 0.0), 0.0))
-            R += d_s[:, None] * _row(y, sel)[None, :] * e
-            C = tl.where(sel[:, None], tl.sum(d_s[:, None] * x * e, axis=0)[None, :], C)
-        return R, C
-
-    @triton.jit
-    def _cw_ut_kernel(k, v, beta, la, g_out, u_out, wk_out, ainv_out, cu_seqlens, chunk_indices, T, NT,
-                      H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
-                      V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BVV: tl.constexpr, IS_L2: tl.constexpr,
-                      BEFORE: tl.constexpr, STORE_AINV: tl.constexpr, PRECISION: tl.constexpr):
-        """Stage 1, channel-wise: g = chunk-local cumsum of log α per key channel; for l2,
-        A[t, s] = β_t Σ_c k_tc k_sc e^{G_tc − g_sc} (s < t), (I + A)⁻¹, u = (I + A)⁻¹ β v,
-        w_k = (I + A)⁻¹ β (k ⊙ e^G)."""
-        i_c = tl.program_id(0)            # global chunk index: all chunks of all sequences in one launch
-        i_h = tl.program_id(1)
-        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
-        o_i = tl.arange(0, BT)
-        o_k = tl.arange(0, BK)
-        m_k = o_k < K
-        o_t = i_t * BT + o_i
-        m_t = o_t < T
-        rows = (bos + o_t) * H + i_h
-        m_tk = m_t[:, None] & m_k[None, :]
-        b_la = tl.load(la + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_g = tl.cumsum(b_la, axis=0)
-        tl.store(g_out + rows[:, None] * K + o_k[None, :], b_g, mask=m_tk)
-        if IS_L2:
-            o_v = tl.arange(0, BVV)
-            m_v = o_v < V
-            b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-            b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
-                          other=0.0).to(tl.float32)
-            b_beta = tl.load(beta + rows, mask=m_t, other=0.0).to(tl.float32)
-            if BEFORE:
-                b_G = b_g
-            else:
-                b_G = b_g - b_la
-            A = b_beta[:, None] * _decayed_dot(b_k, b_k, b_G, b_g, o_i, BT, True)
-            Ti = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
-            for i in range(1, BT):
-                a_i = tl.sum(tl.where(o_i[:, None] == i, A, 0.0), axis=0)
-                new = tl.where(o_i == i, 1.0, 0.0) - tl.sum(a_i[:, None] * Ti, axis=0)
-                Ti = tl.where(o_i[:, None] == i, new[None, :], Ti)
-            b_u = tl.dot(Ti, b_beta[:, None] * b_v, input_precision=PRECISION)
-            b_wk = tl.dot(Ti, b_beta[:, None] * b_k * tl.exp(b_G), input_precision=PRECISION)
-            tl.store(u_out + rows[:, None] * V + o_v[None, :], b_u, mask=m_t[:, None] & m_v[None, :])
-            tl.store(wk_out + rows[:, None] * K + o_k[None, :], b_wk, mask=m_tk)
-            if STORE_AINV:
-                tl.store(ainv_out + rows[:, None] * BT + o_i[None, :], Ti, mask=m_t[:, None])
-
-    @triton.jit
-    def _cw_state_kernel(k, v, beta, g, u, wk, h0, w_out, hs, ht, cu_seqlens, chunk_offsets, T, NT,
-                         H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
-                         V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                         HAS_H0: tl.constexpr, IS_L2: tl.constexpr, PRECISION: tl.constexpr):
-        """Stage 2, channel-wise: w = u − w_k S_0ᵀ; S ← S Diag(e^{g_L}) + Σ_s w_s (k_s ⊙ e^{g_L − g_s})ᵀ."""
-        i_v = tl.program_id(0)
-        i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
-        i_n = i_bh // H
-        i_h = i_bh % H
-        bos, T, NT, boc = _sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
-        o_i = tl.arange(0, BT)
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_k = o_k < K
-        m_v = o_v < V
-        m_h = m_v[:, None] & m_k[None, :]
-        h_offs = o_v[:, None] * K + o_k[None, :]
-        h = tl.zeros([BV, BK], dtype=tl.float32)
-        if HAS_H0:
-            h += tl.load(h0 + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
-        for i_t in range(0, NT):
-            tl.store(hs + ((boc + i_t) * H + i_h) * V * K + h_offs, h, mask=m_h)
-            o_t = i_t * BT + o_i
-            m_t = o_t < T
-            rows = (bos + o_t) * H + i_h
-            m_tk = m_t[:, None] & m_k[None, :]
-            m_tv = m_t[:, None] & m_v[None, :]
-            b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-            if IS_L2:
-                b_u = tl.load(u + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-                b_wk = tl.load(wk + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-                b_w = b_u - tl.dot(b_wk, tl.trans(h), input_precision=PRECISION)
-            else:
-                b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-                b_beta = tl.load(beta + rows, mask=m_t, other=0.0).to(tl.float32)
-                b_w = b_beta[:, None] * b_v
-            tl.store(w_out + rows[:, None] * V + o_v[None, :], b_w, mask=m_tv)
-            b_g = tl.load(g + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-            last = tl.minimum(T - i_t * BT, BT) - 1
-            g_last = tl.load(g + (bos + i_t * BT + last) * H * K + i_h * K + o_k, mask=m_k,
-                             other=0.0)
-            b_kd = b_k * tl.exp(tl.where(m_tk, g_last[None, :] - b_g, 0.0))
-            h = h * tl.exp(g_last)[None, :] + tl.dot(tl.trans(b_w), b_kd, input_precision=PRECISION)
-        tl.store(ht + i_bh.to(tl.int64) * V * K + h_offs, h, mask=m_h)
-
-    @triton.jit
-    def _cw_out_kernel(q, k, la, g, w, hs, o, cu_seqlens, chunk_indices, T, NT,
-                       H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, READ_TOKEN: tl.constexpr,
-                       PRECISION: tl.constexpr):
-        """Stage 3, channel-wise: o = (q ⊙ e^{gq}) S_0ᵀ + P w, P[t, s] = Σ_c q_tc k_sc e^{gq_tc − g_sc} (causal)."""
-        i_v = tl.program_id(0)
-        i_c = tl.program_id(1)            # global chunk index
-        i_h = tl.program_id(2)
-        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
-        boc = i_c.to(tl.int64) - i_t      # global index of the sequence's first chunk (rows of hs / dhs)
-        o_i = tl.arange(0, BT)
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_k = o_k < K
-        m_v = o_v < V
-        o_t = i_t * BT + o_i
-        m_t = o_t < T
-        rows = (bos + o_t) * H + i_h
-        m_tk = m_t[:, None] & m_k[None, :]
-        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_g = tl.load(g + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-        if READ_TOKEN:
-            b_gq = b_g
-        else:
-            b_gq = b_g - tl.load(la + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_w = tl.load(w + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-        h = tl.load(hs + ((boc + i_t) * H + i_h) * V * K + o_v[:, None] * K + o_k[None, :],
-                    mask=m_v[:, None] & m_k[None, :], other=0.0)
-        b_o = tl.dot(b_q * tl.exp(b_gq), tl.trans(h), input_precision=PRECISION)
-        P = _decayed_dot(b_q, b_k, b_gq, b_g, o_i, BT, not READ_TOKEN)
-        b_o += tl.dot(P, b_w, input_precision=PRECISION)
-        tl.store(o + rows[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
-
-    @triton.jit
-    def _cw_bwd_dh_kernel(q, k, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT,
-                          H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
-                          V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                          HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, IS_L2: tl.constexpr,
-                          READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
-        """Reverse sweep, channel-wise: dw = Pᵀ do + (k ⊙ e^{g_L − g}) dSᵀ;
-        dS ← dS Diag(e^{g_L}) + doᵀ (q ⊙ e^{gq}) − [l2] dwᵀ w_k."""
-        i_v = tl.program_id(0)
-        i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
-        i_n = i_bh // H
-        i_h = i_bh % H
-        bos, T, NT, boc = _sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
-        o_i = tl.arange(0, BT)
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_k = o_k < K
-        m_v = o_v < V
-        m_h = m_v[:, None] & m_k[None, :]
-        h_offs = o_v[:, None] * K + o_k[None, :]
-        dh = tl.zeros([BV, BK], dtype=tl.float32)
-        if HAS_DHT:
-            dh += tl.load(dht + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
-        for j in range(0, NT):
-            i_t = NT - 1 - j
-            tl.store(dhs + ((boc + i_t) * H + i_h) * V * K + h_offs, dh, mask=m_h)
-            o_t = i_t * BT + o_i
-            m_t = o_t < T
-            rows = (bos + o_t) * H + i_h
-            m_tk = m_t[:, None] & m_k[None, :]
-            m_tv = m_t[:, None] & m_v[None, :]
-            b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-            b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-            b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-            b_g = tl.load(g + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-            last = tl.minimum(T - i_t * BT, BT) - 1
-            g_last = tl.load(g + (bos + i_t * BT + last) * H * K + i_h * K + o_k, mask=m_k,
-                             other=0.0)
-            if READ_TOKEN:
-                b_gq = b_g
-            else:
-                b_gq = b_g - tl.load(la + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-            P = _decayed_dot(b_q, b_k, b_gq, b_g, o_i, BT, not READ_TOKEN)
-            b_kd = b_k * tl.exp(tl.where(m_tk, g_last[None, :] - b_g, 0.0))
-            b_dw = tl.dot(tl.trans(P), b_do, input_precision=PRECISION) \
-                + tl.dot(b_kd, tl.trans(dh), input_precision=PRECISION)
-            tl.store(dw + rows[:, None] * V + o_v[None, :], b_dw, mask=m_tv)
-            dh = dh * tl.exp(g_last)[None, :] + tl.dot(tl.trans(b_do), b_q * tl.exp(b_gq), input_precision=PRECISION)
-            if IS_L2:
-                b_wk = tl.load(wk + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-                dh -= tl.dot(tl.trans(b_dw), b_wk, input_precision=PRECISION)
-        if HAS_H0:
-            tl.store(dh0 + i_bh.to(tl.int64) * V * K + h_offs, dh, mask=m_h)
 
     @triton.jit
     def _cw_bwd_grad_kernel(q, k, v, beta, la, g, ainv, w, hs, dhs, do, dw, dq, dk, dv, dbeta, dla, cu_seqlens,

@@ -63,10 +63,52 @@ except ImportError:  # pragma: no cover
     triton = None
 
 if triton is not None:
-    from .chunk import _chunk_span, _sequence_span   # the (varlen or dense) row / chunk bounds of a program
+    # the shared stage bodies and pieces (C = 1 and window, per-head and channel-wise decay) live in .chunk
+    from .chunk import (_causal, _chunk_span, _dh_step, _gates, _last_gate, _out_chunk, _put_state, _read_gate,
+                        _read_scores, _slot_decayed_mm, _slot_rows, _slot_tokens, _state_sweep, _state_tile,
+                        _sweep_program, _tile, _token_rows, _ut_solve, _vec)
 
-
-if triton is not None:
+    @triton.jit
+    def _win_ut(xs, vs, coef, la, g, u_out, wk_out, ainv_out, cu_seqlens, chunk_indices, T, NT, H: tl.constexpr,
+                IS_VARLEN: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr,
+                BS: tl.constexpr, BK: tl.constexpr, BVV: tl.constexpr, HAS_ALPHA: tl.constexpr, BEFORE: tl.constexpr,
+                STORE_AINV: tl.constexpr, CHANNEL: tl.constexpr, PRECISION: tl.constexpr):
+        """Stage 1 (ℓ2 only) of the window kernels, per chunk × head: the UT system of the chunk's BT·C slots
+        (:func:`.chunk._ut_solve`), decays at the slots' tokens (g given, ``[B, T, H(, K)]``; G = g before_step,
+        g − log α after_step)."""
+        i_c = tl.program_id(0)            # global chunk index: all chunks of all sequences in one launch
+        i_h = tl.program_id(1)
+        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
+        o_i = tl.arange(0, BT)
+        o_s = tl.arange(0, BS)
+        o_k = tl.arange(0, BK)
+        o_v = tl.arange(0, BVV)
+        m_k = o_k < K
+        m_v = o_v < V
+        m_t, rows = _token_rows(o_i, bos, i_t, i_h, T, H, BT)
+        tau = _slot_tokens(o_s, C)
+        m_s, srow, trow = _slot_rows(bos, i_t, i_h, o_s, tau, T, H, C, BT)
+        if CHANNEL:
+            m_sk = m_s[:, None] & m_k[None, :]
+            b_x = _tile(xs, srow, o_k, K, m_sk)
+        else:    # (the per-head kernel forms this mask after the address)
+            b_x = tl.load(xs + srow[:, None] * K + o_k[None, :], mask=m_s[:, None] & m_k[None, :],
+                          other=0.0).to(tl.float32)
+        b_v = tl.load(vs + srow[:, None] * V + o_v[None, :], mask=m_s[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        b_c = _vec(coef, srow, m_s)
+        if CHANNEL:
+            b_g = _gates(g, rows, m_t, o_k, m_k, K, True)          # g at the chunk's tokens [BT, BK]
+        b_gs = _gates(g, trow, m_s, o_k, m_k, K, CHANNEL)
+        if not CHANNEL:
+            b_g = b_gs
+        if BEFORE:
+            b_G = b_gs
+        elif HAS_ALPHA:
+            b_G = b_gs - _gates(la, trow, m_s, o_k, m_k, K, CHANNEL)
+        else:
+            b_G = b_gs
+        _ut_solve(b_x, b_c, b_v, b_G, b_gs, b_g, u_out, wk_out, ainv_out, srow, m_s, o_i, tau, o_s, o_k, m_k, o_v,
+                  m_v, K, V, C, BT, BS, STORE_AINV, CHANNEL, PRECISION)
 
     @triton.jit
     def _win_ut_kernel(xs, vs, coef, la, g, u_out, wk_out, ainv_out, cu_seqlens, chunk_indices, T, NT,
@@ -76,99 +118,26 @@ if triton is not None:
                        PRECISION: tl.constexpr):
         """Stage 1 (ℓ2 only), per chunk × head: A[r, r'] = coef_r e^{G_τr − g_τr'} x_r·x_r' (τr' < τr), its
         unit-triangular inverse by forward substitution, u = (I + A)⁻¹ (coef v), w_k = (I + A)⁻¹ (coef e^G x)."""
-        i_c = tl.program_id(0)            # global chunk index: all chunks of all sequences in one launch
-        i_h = tl.program_id(1)
-        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
-        o_s = tl.arange(0, BS)
-        o_k = tl.arange(0, BK)
-        o_v = tl.arange(0, BVV)
-        m_k = o_k < K
-        m_v = o_v < V
-        tau = o_s // C
-        tok = i_t * BT + tau
-        m_s = (o_s < BT * C) & (tok < T)
-        srow = ((bos + i_t * BT) * C + o_s) * H + i_h
-        trow = (bos + tok) * H + i_h
-        b_x = tl.load(xs + srow[:, None] * K + o_k[None, :], mask=m_s[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        b_v = tl.load(vs + srow[:, None] * V + o_v[None, :], mask=m_s[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        b_c = tl.load(coef + srow, mask=m_s, other=0.0).to(tl.float32)
-        b_g = tl.load(g + trow, mask=m_s, other=0.0)
-        if BEFORE:
-            b_G = b_g
-        else:
-            if HAS_ALPHA:
-                b_G = b_g - tl.load(la + trow, mask=m_s, other=0.0).to(tl.float32)
-            else:
-                b_G = b_g
-        strict = tau[:, None] > tau[None, :]
-        xx = tl.dot(b_x, tl.trans(b_x), input_precision=PRECISION)
-        A = tl.where(strict, b_c[:, None] * xx * tl.exp(tl.where(strict, b_G[:, None] - b_g[None, :], 0.0)), 0.0)
-        Ti = tl.where(o_s[:, None] == o_s[None, :], 1.0, 0.0)
-        for i in range(1, BS):
-            a_i = tl.sum(tl.where(o_s[:, None] == i, A, 0.0), axis=0)
-            new = tl.where(o_s == i, 1.0, 0.0) - tl.sum(a_i[:, None] * Ti, axis=0)
-            Ti = tl.where(o_s[:, None] == i, new[None, :], Ti)
-        b_u = tl.dot(Ti, b_c[:, None] * b_v, input_precision=PRECISION)
-        b_wk = tl.dot(Ti, (b_c * tl.exp(b_G))[:, None] * b_x, input_precision=PRECISION)
-        tl.store(u_out + srow[:, None] * V + o_v[None, :], b_u, mask=m_s[:, None] & m_v[None, :])
-        tl.store(wk_out + srow[:, None] * K + o_k[None, :], b_wk, mask=m_s[:, None] & m_k[None, :])
-        if STORE_AINV:
-            tl.store(ainv_out + srow[:, None] * BS + o_s[None, :], Ti, mask=m_s[:, None])
+        _win_ut(xs, vs, coef, la, g, u_out, wk_out, ainv_out, cu_seqlens, chunk_indices, T, NT, H, IS_VARLEN, K, V,
+                C, BT, BS, BK, BVV, HAS_ALPHA, BEFORE, STORE_AINV, False, PRECISION)
 
     @triton.jit
     def _win_state_kernel(xs, vs, coef, g, u, wk, h0, w_out, hs, ht, cu_seqlens, chunk_offsets, T, NT,
                           H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
                           V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr, HAS_H0: tl.constexpr, IS_L2: tl.constexpr, PRECISION: tl.constexpr):
-        """Stage 2, per value block × head, sequential over chunks: w = u − w_k S_0ᵀ (dot: coef v), stores the
-        chunk-start states, S ← e^{g_L} S + Σ_r e^{g_L − g_τr} w_r x_rᵀ."""
-        i_v = tl.program_id(0)
-        i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
-        i_n = i_bh // H
-        i_h = i_bh % H
-        bos, T, NT, boc = _sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
-        o_s = tl.arange(0, BS)
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_k = o_k < K
-        m_v = o_v < V
-        m_h = m_v[:, None] & m_k[None, :]
-        h_offs = o_v[:, None] * K + o_k[None, :]
-        tau = o_s // C
-        h = tl.zeros([BV, BK], dtype=tl.float32)
-        if HAS_H0:
-            h += tl.load(h0 + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
-        for i_t in range(0, NT):
-            tl.store(hs + ((boc + i_t) * H + i_h) * V * K + h_offs, h, mask=m_h)   # [NC, H, V, K]
-            tok = i_t * BT + tau
-            m_s = (o_s < BT * C) & (tok < T)
-            srow = ((bos + i_t * BT) * C + o_s) * H + i_h
-            trow = (bos + tok) * H + i_h
-            m_sk = m_s[:, None] & m_k[None, :]
-            m_sv = m_s[:, None] & m_v[None, :]
-            b_x = tl.load(xs + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0).to(tl.float32)
-            if IS_L2:
-                b_u = tl.load(u + srow[:, None] * V + o_v[None, :], mask=m_sv, other=0.0)
-                b_wk = tl.load(wk + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0)
-                b_w = b_u - tl.dot(b_wk, tl.trans(h), input_precision=PRECISION)
-            else:
-                b_v = tl.load(vs + srow[:, None] * V + o_v[None, :], mask=m_sv, other=0.0).to(tl.float32)
-                b_c = tl.load(coef + srow, mask=m_s, other=0.0).to(tl.float32)
-                b_w = b_c[:, None] * b_v
-            tl.store(w_out + srow[:, None] * V + o_v[None, :], b_w, mask=m_sv)
-            b_g = tl.load(g + trow, mask=m_s, other=0.0)
-            last = tl.minimum(T - i_t * BT, BT) - 1
-            g_last = tl.load(g + (bos + i_t * BT + last) * H + i_h)
-            decay = tl.exp(tl.where(m_s, g_last - b_g, 0.0))
-            h = h * tl.exp(g_last) + tl.dot(tl.trans(b_w * decay[:, None]), b_x, input_precision=PRECISION)
-        tl.store(ht + i_bh.to(tl.int64) * V * K + h_offs, h, mask=m_h)
+        """Stage 2 (:func:`.chunk._state_sweep` on the slots), per value block × head, sequential over chunks:
+        w = u − w_k S_0ᵀ (dot: coef v), stores the chunk-start states, S ← e^{g_L} S + Σ_r e^{g_L − g_τr} w_r x_rᵀ."""
+        _state_sweep(xs, vs, coef, g, u, wk, h0, w_out, hs, ht, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K,
+                     V, C, BT, BS, BK, BV, HAS_H0, IS_L2, False, PRECISION)
 
     @triton.jit
     def _win_out_kernel(q, xs, la, g, w, hs, o, cu_seqlens, chunk_indices, T, NT, H: tl.constexpr,
                         IS_VARLEN: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                         C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                         HAS_ALPHA: tl.constexpr, READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
-        """Stage 3, per value block × chunk × head: o = e^{gq} (q S_0ᵀ) + [m e^{gq_t − g_τr} q_t·x_r] w."""
+        """Stage 3, per value block × chunk × head: o = e^{gq} (q S_0ᵀ) + [m e^{gq_t − g_τr} q_t·x_r] w (the
+        pieces of :func:`.chunk._out_chunk`, in this kernel's order of loads)."""
         i_v = tl.program_id(0)
         i_c = tl.program_id(1)
         i_h = tl.program_id(2)
@@ -179,36 +148,63 @@ if triton is not None:
         o_v = i_v * BV + tl.arange(0, BV)
         m_k = o_k < K
         m_v = o_v < V
-        o_t = i_t * BT + o_i
-        m_t = o_t < T
-        rows = (bos + o_t) * H + i_h
-        tau = o_s // C
-        tok = i_t * BT + tau
-        m_s = (o_s < BT * C) & (tok < T)
-        srow = ((bos + i_t * BT) * C + o_s) * H + i_h
-        trow = (bos + tok) * H + i_h
+        m_t, rows = _token_rows(o_i, bos, i_t, i_h, T, H, BT)
+        tau = _slot_tokens(o_s, C)
+        m_s, srow, trow = _slot_rows(bos, i_t, i_h, o_s, tau, T, H, C, BT)
         b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_x = tl.load(xs + srow[:, None] * K + o_k[None, :], mask=m_s[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        b_g = tl.load(g + rows, mask=m_t, other=0.0)
-        b_gs = tl.load(g + trow, mask=m_s, other=0.0)
-        if READ_TOKEN:
-            b_gq = b_g
-            causal = (tau[None, :] <= o_i[:, None]) & m_s[None, :]
-        else:
-            if HAS_ALPHA:
-                b_gq = b_g - tl.load(la + rows, mask=m_t, other=0.0).to(tl.float32)
-            else:
-                b_gq = b_g
-            causal = (tau[None, :] < o_i[:, None]) & m_s[None, :]
+        b_g = _vec(g, rows, m_t)
+        b_gs = _vec(g, trow, m_s)
+        b_gq = _read_gate(b_g, la, rows, m_t, o_k, m_k, K, HAS_ALPHA, READ_TOKEN, False)
+        causal = _causal(o_i, tau, m_s, C, not READ_TOKEN)
         b_w = tl.load(w + srow[:, None] * V + o_v[None, :], mask=m_s[:, None] & m_v[None, :], other=0.0)
         h = tl.load(hs + (i_c.to(tl.int64) * H + i_h) * V * K + o_v[:, None] * K + o_k[None, :],
                     mask=m_v[:, None] & m_k[None, :], other=0.0)
         b_o = tl.exp(b_gq)[:, None] * tl.dot(b_q, tl.trans(h), input_precision=PRECISION)
-        qx = tl.dot(b_q, tl.trans(b_x), input_precision=PRECISION)
-        qx = tl.where(causal, qx * tl.exp(tl.where(causal, b_gq[:, None] - b_gs[None, :], 0.0)), 0.0)
-        b_o += tl.dot(qx, b_w, input_precision=PRECISION)
+        b_o += tl.dot(_read_scores(b_q, b_x, b_gq, b_g, b_gs, causal, m_t, o_i, o_s, C, BT, BS, READ_TOKEN, False,
+                                   PRECISION), b_w, input_precision=PRECISION)
         tl.store(o + rows[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
+    @triton.jit
+    def _win_dh_sweep(q, xs, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT, H: tl.constexpr,
+                      IS_VARLEN: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr,
+                      BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_ALPHA: tl.constexpr,
+                      HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, IS_L2: tl.constexpr, READ_TOKEN: tl.constexpr,
+                      CHANNEL: tl.constexpr, PRECISION: tl.constexpr):
+        """Backward reverse sweep of the window kernels (value block × sequence × head): dS = ∂L/∂S_L of each chunk's
+        end (stored, ``dhs [NC, H, V, K]``; from ``dht``), one :func:`.chunk._dh_step` per chunk on its BT·C slot
+        rows; the last dS is the initial state's gradient (``dh0 [N, H, V, K]``)."""
+        i_bh, i_h, bos, T, NT, boc, o_i, o_s, tau, o_k, o_v, m_k, m_v, m_h, h_offs = _sweep_program(
+            cu_seqlens, chunk_offsets, T, NT, H, K, V, C, BT, BS, BK, BV, IS_VARLEN)
+        dh = tl.zeros([BV, BK], dtype=tl.float32)
+        if HAS_DHT:
+            dh += _state_tile(dht, i_bh.to(tl.int64), h_offs, m_h, V, K)
+        for j in range(0, NT):
+            i_t = NT - 1 - j
+            _put_state(dhs, (boc + i_t) * H + i_h, h_offs, m_h, V, K, dh)   # ∂L/∂(end state of chunk i_t)
+            m_t, rows = _token_rows(o_i, bos, i_t, i_h, T, H, BT)
+            m_s, srow, trow = _slot_rows(bos, i_t, i_h, o_s, tau, T, H, C, BT)
+            m_sk = m_s[:, None] & m_k[None, :]
+            if CHANNEL:
+                m_tk = m_t[:, None] & m_k[None, :]
+                b_q = _tile(q, rows, o_k, K, m_tk)
+            else:    # (the per-head kernel forms this mask after the address)
+                b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
+                              other=0.0).to(tl.float32)
+            b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                           other=0.0).to(tl.float32)
+            b_x = _tile(xs, srow, o_k, K, m_sk)
+            b_g = _gates(g, rows, m_t, o_k, m_k, K, CHANNEL)
+            b_gs = _gates(g, trow, m_s, o_k, m_k, K, CHANNEL)
+            last, g_last = _last_gate(g, bos, i_t, i_h, T, H, K, C, BT, o_k, m_k, CHANNEL)
+            b_gq = _read_gate(b_g, la, rows, m_t, o_k, m_k, K, HAS_ALPHA, READ_TOKEN, CHANNEL)
+            causal = _causal(o_i, tau, m_s, C, not READ_TOKEN)        # (per head only)
+            P = _read_scores(b_q, b_x, b_gq, b_g, b_gs, causal, m_t, o_i, o_s, C, BT, BS, READ_TOKEN, CHANNEL,
+                             PRECISION)
+            dh = _dh_step(dh, P, b_do, b_q, b_x, b_gq, b_gs, g_last, m_s, m_sk, srow, o_v, m_v, o_k, dw, wk, V, K,
+                          IS_L2, CHANNEL, PRECISION)
+        if HAS_H0:
+            _put_state(dh0, i_bh.to(tl.int64), h_offs, m_h, V, K, dh)
 
     @triton.jit
     def _win_bwd_dh_kernel(q, xs, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT,
@@ -216,66 +212,10 @@ if triton is not None:
                            V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
                            BV: tl.constexpr, HAS_ALPHA: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
                            IS_L2: tl.constexpr, READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
-        """Reverse sweep over chunks (value block × head): dw = Pᵀ do + e^{g_L − g_τ} ⊙ (x dSᵀ) on the slots;
-        dS ← e^{g_L} dS + (e^{gq} ⊙ do)ᵀ q − [l2] dwᵀ w_k."""
-        i_v = tl.program_id(0)
-        i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
-        i_n = i_bh // H
-        i_h = i_bh % H
-        bos, T, NT, boc = _sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
-        o_i = tl.arange(0, BT)
-        o_s = tl.arange(0, BS)
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_k = o_k < K
-        m_v = o_v < V
-        m_h = m_v[:, None] & m_k[None, :]
-        h_offs = o_v[:, None] * K + o_k[None, :]
-        tau = o_s // C
-        dh = tl.zeros([BV, BK], dtype=tl.float32)
-        if HAS_DHT:
-            dh += tl.load(dht + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
-        for j in range(0, NT):
-            i_t = NT - 1 - j
-            tl.store(dhs + ((boc + i_t) * H + i_h) * V * K + h_offs, dh, mask=m_h)
-            o_t = i_t * BT + o_i
-            m_t = o_t < T
-            rows = (bos + o_t) * H + i_h
-            tok = i_t * BT + tau
-            m_s = (o_s < BT * C) & (tok < T)
-            srow = ((bos + i_t * BT) * C + o_s) * H + i_h
-            trow = (bos + tok) * H + i_h
-            m_sk = m_s[:, None] & m_k[None, :]
-            b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
-                          other=0.0).to(tl.float32)
-            b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
-                           other=0.0).to(tl.float32)
-            b_x = tl.load(xs + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0).to(tl.float32)
-            b_g = tl.load(g + rows, mask=m_t, other=0.0)
-            b_gs = tl.load(g + trow, mask=m_s, other=0.0)
-            last = tl.minimum(T - i_t * BT, BT) - 1
-            g_last = tl.load(g + (bos + i_t * BT + last) * H + i_h)
-            if READ_TOKEN:
-                b_gq = b_g
-                causal = (tau[None, :] <= o_i[:, None]) & m_s[None, :]
-            else:
-                if HAS_ALPHA:
-                    b_gq = b_g - tl.load(la + rows, mask=m_t, other=0.0).to(tl.float32)
-                else:
-                    b_gq = b_g
-                causal = (tau[None, :] < o_i[:, None]) & m_s[None, :]
-            qx = tl.dot(b_q, tl.trans(b_x), input_precision=PRECISION)
-            P = tl.where(causal, qx * tl.exp(tl.where(causal, b_gq[:, None] - b_gs[None, :], 0.0)), 0.0)
-            decay = tl.exp(tl.where(m_s, g_last - b_gs, 0.0))
-            b_dw = tl.dot(tl.trans(P), b_do, input_precision=PRECISION) \
-                + decay[:, None] * tl.dot(b_x, tl.trans(dh), input_precision=PRECISION)
-            tl.store(dw + srow[:, None] * V + o_v[None, :], b_dw, mask=m_s[:, None] & m_v[None, :])
-            dh = dh * tl.exp(g_last) + tl.dot(tl.trans(b_do * tl.exp(b_gq)[:, None]), b_q, input_precision=PRECISION)
-            if IS_L2:
-                b_wk = tl.load(wk + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0)
-                dh -= tl.dot(tl.trans(b_dw), b_wk, input_precision=PRECISION)
-        if HAS_H0:
-            tl.store(dh0 + i_bh.to(tl.int64) * V * K + h_offs, dh, mask=m_h)
+        """Reverse sweep over chunks (:func:`.chunk._dh_sweep`, value block × head): dw = Pᵀ do + e^{g_L − g_τ} ⊙
+        (x dSᵀ) on the slots; dS ← e^{g_L} dS + (e^{gq} ⊙ do)ᵀ q − [l2] dwᵀ w_k."""
+        _win_dh_sweep(q, xs, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K, V,
+                      C, BT, BS, BK, BV, HAS_ALPHA, HAS_DHT, HAS_H0, IS_L2, READ_TOKEN, False, PRECISION)
 
     @triton.jit
     def _win_bwd_grad_kernel(q, xs, vs, coef, la, g, ainv, w, hs, dhs, do, dw, dq, dx, dv, dcoef, dla,
@@ -410,186 +350,34 @@ if triton is not None:
     # over the chunk's BT tokens (one exponential block per token, shared by its C slots).
 
     @triton.jit
-    def _slot_decayed_dot(x, a, ok, tok, xs, g_tok, o_i, o_s, R: tl.constexpr, BT: tl.constexpr,
-                          BS: tl.constexpr, C: tl.constexpr, STRICT: tl.constexpr):
-        """M[r, s'] = Σ_c x[r, c] xs[s', c] e^{a[r, c] − g_tok[τ_s', c]} where τ_s' < tok[r] (STRICT) or ≤ tok[r],
-        and ok[r]; else 0. x, a ``[R, BK]`` (rows: tokens or slots, local token ``tok [R]``); xs ``[BS, BK]`` the
-        chunk's slots (slot s' = τ·C + j); g_tok ``[BT, BK]`` the chunk-local log-decay cumsum at its tokens.
-        Returns ``[R, BS]`` (columns past BT·C are 0)."""
-        M = tl.zeros([R, BS], dtype=tl.float32)
-        for s in range(0, BT):
-            b_s = tl.sum(tl.where((o_i == s)[:, None], g_tok, 0.0), axis=0)             # [BK]: g at token s
-            if STRICT:
-                rows = ok & (tok > s)
-            else:
-                rows = ok & (tok >= s)
-            e = tl.exp(tl.where(rows[:, None], a - b_s[None, :], 0.0))                # ≤ 1 where used
-            for j in tl.static_range(C):
-                sel = o_s == s * C + j
-                y = tl.sum(tl.where(sel[:, None], xs, 0.0), axis=0)
-                col = tl.sum(x * y[None, :] * e, axis=1)
-                M = tl.where(sel[None, :] & rows[:, None], col[:, None], M)
-        return M
-
-    @triton.jit
     def _win_cw_ut_kernel(xs, vs, coef, la, g, u_out, wk_out, ainv_out, cu_seqlens, chunk_indices, T, NT,
                           H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BVV: tl.constexpr,
                           BEFORE: tl.constexpr, STORE_AINV: tl.constexpr, PRECISION: tl.constexpr):
         """Stage 1 (ℓ2 only), channel-wise, per chunk × head: A[r, r'] = coef_r Σ_c x_rc x_r'c e^{G_τr,c − g_τr',c}
         (τr' < τr), (I + A)⁻¹ by forward substitution, u = (I + A)⁻¹ (coef v), w_k = (I + A)⁻¹ (coef x ⊙ e^{G_τ})."""
-        i_c = tl.program_id(0)
-        i_h = tl.program_id(1)
-        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)
-        o_i = tl.arange(0, BT)
-        o_s = tl.arange(0, BS)
-        o_k = tl.arange(0, BK)
-        o_v = tl.arange(0, BVV)
-        m_k = o_k < K
-        m_v = o_v < V
-        o_t = i_t * BT + o_i
-        m_t = o_t < T
-        rows = (bos + o_t) * H + i_h
-        tau = o_s // C
-        tok = i_t * BT + tau
-        m_s = (o_s < BT * C) & (tok < T)
-        srow = ((bos + i_t * BT) * C + o_s) * H + i_h
-        trow = (bos + tok) * H + i_h
-        m_sk = m_s[:, None] & m_k[None, :]
-        b_x = tl.load(xs + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0).to(tl.float32)
-        b_v = tl.load(vs + srow[:, None] * V + o_v[None, :], mask=m_s[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        b_c = tl.load(coef + srow, mask=m_s, other=0.0).to(tl.float32)
-        b_gt = tl.load(g + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-        b_gs = tl.load(g + trow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0)
-        if BEFORE:
-            b_G = b_gs
-        else:
-            b_G = b_gs - tl.load(la + trow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0).to(tl.float32)
-        A = b_c[:, None] * _slot_decayed_dot(b_x, b_G, m_s, tau, b_x, b_gt, o_i, o_s, BS, BT, BS, C, True)
-        Ti = tl.where(o_s[:, None] == o_s[None, :], 1.0, 0.0)
-        for i in range(1, BS):
-            a_i = tl.sum(tl.where(o_s[:, None] == i, A, 0.0), axis=0)
-            new = tl.where(o_s == i, 1.0, 0.0) - tl.sum(a_i[:, None] * Ti, axis=0)
-            Ti = tl.where(o_s[:, None] == i, new[None, :], Ti)
-        b_u = tl.dot(Ti, b_c[:, None] * b_v, input_precision=PRECISION)
-        b_wk = tl.dot(Ti, b_c[:, None] * b_x * tl.exp(b_G), input_precision=PRECISION)
-        tl.store(u_out + srow[:, None] * V + o_v[None, :], b_u, mask=m_s[:, None] & m_v[None, :])
-        tl.store(wk_out + srow[:, None] * K + o_k[None, :], b_wk, mask=m_sk)
-        if STORE_AINV:
-            tl.store(ainv_out + srow[:, None] * BS + o_s[None, :], Ti, mask=m_s[:, None])
+        _win_ut(xs, vs, coef, la, g, u_out, wk_out, ainv_out, cu_seqlens, chunk_indices, T, NT, H, IS_VARLEN, K, V,
+                C, BT, BS, BK, BVV, True, BEFORE, STORE_AINV, True, PRECISION)
 
     @triton.jit
     def _win_cw_state_kernel(xs, vs, coef, g, u, wk, h0, w_out, hs, ht, cu_seqlens, chunk_offsets, T, NT,
                              H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
                              V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
                              BV: tl.constexpr, HAS_H0: tl.constexpr, IS_L2: tl.constexpr, PRECISION: tl.constexpr):
-        """Stage 2, channel-wise, per value block × sequence × head, sequential over chunks: w = u − w_k S_0ᵀ
+        """Stage 2, channel-wise (:func:`.chunk._state_sweep`), per value block × sequence × head: w = u − w_k S_0ᵀ
         (dot: coef v), stores the chunk-start states, S ← S Diag(e^{g_L}) + Σ_r w_r (x_r ⊙ e^{g_L − g_τr})ᵀ."""
-        i_v = tl.program_id(0)
-        i_bh = tl.program_id(1)
-        i_n = i_bh // H
-        i_h = i_bh % H
-        bos, T, NT, boc = _sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
-        o_s = tl.arange(0, BS)
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_k = o_k < K
-        m_v = o_v < V
-        m_h = m_v[:, None] & m_k[None, :]
-        h_offs = o_v[:, None] * K + o_k[None, :]
-        tau = o_s // C
-        h = tl.zeros([BV, BK], dtype=tl.float32)
-        if HAS_H0:
-            h += tl.load(h0 + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
-        for i_t in range(0, NT):
-            tl.store(hs + ((boc + i_t) * H + i_h) * V * K + h_offs, h, mask=m_h)
-            tok = i_t * BT + tau
-            m_s = (o_s < BT * C) & (tok < T)
-            srow = ((bos + i_t * BT) * C + o_s) * H + i_h
-            trow = (bos + tok) * H + i_h
-            m_sk = m_s[:, None] & m_k[None, :]
-            m_sv = m_s[:, None] & m_v[None, :]
-            b_x = tl.load(xs + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0).to(tl.float32)
-            if IS_L2:
-                b_u = tl.load(u + srow[:, None] * V + o_v[None, :], mask=m_sv, other=0.0)
-                b_wk = tl.load(wk + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0)
-                b_w = b_u - tl.dot(b_wk, tl.trans(h), input_precision=PRECISION)
-            else:
-                b_v = tl.load(vs + srow[:, None] * V + o_v[None, :], mask=m_sv, other=0.0).to(tl.float32)
-                b_c = tl.load(coef + srow, mask=m_s, other=0.0).to(tl.float32)
-                b_w = b_c[:, None] * b_v
-            tl.store(w_out + srow[:, None] * V + o_v[None, :], b_w, mask=m_sv)
-            b_gs = tl.load(g + trow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0)
-            last = tl.minimum(T - i_t * BT, BT) - 1
-            g_last = tl.load(g + ((bos + i_t * BT + last) * H + i_h) * K + o_k, mask=m_k, other=0.0)
-            b_xd = b_x * tl.exp(tl.where(m_sk, g_last[None, :] - b_gs, 0.0))
-            h = h * tl.exp(g_last)[None, :] + tl.dot(tl.trans(b_w), b_xd, input_precision=PRECISION)
-        tl.store(ht + i_bh.to(tl.int64) * V * K + h_offs, h, mask=m_h)
+        _state_sweep(xs, vs, coef, g, u, wk, h0, w_out, hs, ht, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K,
+                     V, C, BT, BS, BK, BV, HAS_H0, IS_L2, True, PRECISION)
 
     @triton.jit
     def _win_cw_out_kernel(q, xs, la, g, w, hs, o, cu_seqlens, chunk_indices, T, NT, H: tl.constexpr,
                            IS_VARLEN: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                            C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                            READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
-        """Stage 3, channel-wise, per value block × chunk × head: o = (q ⊙ e^{gq}) S_0ᵀ + P w,
+        """Stage 3, channel-wise (:func:`.chunk._out_chunk`): o = (q ⊙ e^{gq}) S_0ᵀ + P w,
         P[t, r] = Σ_c q_tc x_rc e^{gq_tc − g_τr,c} (τr ≤ t for read token, < t for read chunk)."""
-        i_v = tl.program_id(0)
-        i_c = tl.program_id(1)
-        i_h = tl.program_id(2)
-        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)
-        o_i = tl.arange(0, BT)
-        o_s = tl.arange(0, BS)
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_k = o_k < K
-        m_v = o_v < V
-        o_t = i_t * BT + o_i
-        m_t = o_t < T
-        rows = (bos + o_t) * H + i_h
-        tau = o_s // C
-        tok = i_t * BT + tau
-        m_s = (o_s < BT * C) & (tok < T)
-        srow = ((bos + i_t * BT) * C + o_s) * H + i_h
-        m_tk = m_t[:, None] & m_k[None, :]
-        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_x = tl.load(xs + srow[:, None] * K + o_k[None, :], mask=m_s[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        b_g = tl.load(g + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-        if READ_TOKEN:
-            b_gq = b_g
-        else:
-            b_gq = b_g - tl.load(la + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_w = tl.load(w + srow[:, None] * V + o_v[None, :], mask=m_s[:, None] & m_v[None, :], other=0.0)
-        h = tl.load(hs + (i_c.to(tl.int64) * H + i_h) * V * K + o_v[:, None] * K + o_k[None, :],
-                    mask=m_v[:, None] & m_k[None, :], other=0.0)
-        b_o = tl.dot(b_q * tl.exp(b_gq), tl.trans(h), input_precision=PRECISION)
-        P = _slot_decayed_dot(b_q, b_gq, m_t, o_i, b_x, b_g, o_i, o_s, BT, BT, BS, C, not READ_TOKEN)
-        b_o += tl.dot(P, b_w, input_precision=PRECISION)
-        tl.store(o + rows[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
-
-
-
-    @triton.jit
-    def _slot_decayed_mm(D, x, a, ok, tok, xs, g_tok, o_i, o_s, BT: tl.constexpr, C: tl.constexpr,
-                         STRICT: tl.constexpr):
-        """The two gradients of :func:`_slot_decayed_dot` for D ``[R, BS]`` (used on the same causal part):
-        Rm[r, c] = Σ_s' D[r, s'] xs[s', c] e^{a_rc − g_τs',c} ``[R, BK]`` and
-        Cm[s', c] = Σ_r D[r, s'] x[r, c] e^{a_rc − g_τs',c} ``[BS, BK]``."""
-        Rm = tl.zeros_like(x)
-        Cm = tl.zeros_like(xs)
-        for s in range(0, BT):
-            b_s = tl.sum(tl.where((o_i == s)[:, None], g_tok, 0.0), axis=0)
-            if STRICT:
-                rows = ok & (tok > s)
-            else:
-                rows = ok & (tok >= s)
-            e = tl.exp(tl.where(rows[:, None], a - b_s[None, :], 0.0))
-            for j in tl.static_range(C):
-                sel = o_s == s * C + j
-                d = tl.where(rows, tl.sum(tl.where(sel[None, :], D, 0.0), axis=1), 0.0)      # column s' of D
-                y = tl.sum(tl.where(sel[:, None], xs, 0.0), axis=0)
-                Rm += d[:, None] * y[None, :] * e
-                Cm = tl.where(sel[:, None], tl.sum(d[:, None] * x * e, axis=0)[None, :], Cm)
-        return Rm, Cm
+        _out_chunk(q, xs, la, g, w, hs, o, cu_seqlens, chunk_indices, T, NT, H, IS_VARLEN, K, V, C, BT, BS, BK, BV,
+                   True, READ_TOKEN, True, PRECISION)
 
     @triton.jit
     def _win_cw_bwd_dh_kernel(q, xs, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT,
@@ -597,60 +385,10 @@ if triton is not None:
                               V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
                               BV: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, IS_L2: tl.constexpr,
                               READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
-        """Reverse sweep, channel-wise (value block × sequence × head): dw = Pᵀ do + (x ⊙ e^{g_L − g_τ}) dSᵀ on the
+        """Reverse sweep, channel-wise (:func:`.chunk._dh_sweep`): dw = Pᵀ do + (x ⊙ e^{g_L − g_τ}) dSᵀ on the
         slots; dS ← dS Diag(e^{g_L}) + doᵀ (q ⊙ e^{gq}) − [l2] dwᵀ w_k; the last dS is the initial state's."""
-        i_v = tl.program_id(0)
-        i_bh = tl.program_id(1)
-        i_n = i_bh // H
-        i_h = i_bh % H
-        bos, T, NT, boc = _sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
-        o_i = tl.arange(0, BT)
-        o_s = tl.arange(0, BS)
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_k = o_k < K
-        m_v = o_v < V
-        m_h = m_v[:, None] & m_k[None, :]
-        h_offs = o_v[:, None] * K + o_k[None, :]
-        tau = o_s // C
-        dh = tl.zeros([BV, BK], dtype=tl.float32)
-        if HAS_DHT:
-            dh += tl.load(dht + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
-        for j in range(0, NT):
-            i_t = NT - 1 - j
-            tl.store(dhs + ((boc + i_t) * H + i_h) * V * K + h_offs, dh, mask=m_h)
-            o_t = i_t * BT + o_i
-            m_t = o_t < T
-            rows = (bos + o_t) * H + i_h
-            tok = i_t * BT + tau
-            m_s = (o_s < BT * C) & (tok < T)
-            srow = ((bos + i_t * BT) * C + o_s) * H + i_h
-            trow = (bos + tok) * H + i_h
-            m_sk = m_s[:, None] & m_k[None, :]
-            m_tk = m_t[:, None] & m_k[None, :]
-            b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-            b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
-                           other=0.0).to(tl.float32)
-            b_x = tl.load(xs + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0).to(tl.float32)
-            b_g = tl.load(g + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-            b_gs = tl.load(g + trow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0)
-            last = tl.minimum(T - i_t * BT, BT) - 1
-            g_last = tl.load(g + ((bos + i_t * BT + last) * H + i_h) * K + o_k, mask=m_k, other=0.0)
-            if READ_TOKEN:
-                b_gq = b_g
-            else:
-                b_gq = b_g - tl.load(la + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-            P = _slot_decayed_dot(b_q, b_gq, m_t, o_i, b_x, b_g, o_i, o_s, BT, BT, BS, C, not READ_TOKEN)
-            b_xd = b_x * tl.exp(tl.where(m_sk, g_last[None, :] - b_gs, 0.0))
-            b_dw = tl.dot(tl.trans(P), b_do, input_precision=PRECISION) \
-                + tl.dot(b_xd, tl.trans(dh), input_precision=PRECISION)
-            tl.store(dw + srow[:, None] * V + o_v[None, :], b_dw, mask=m_s[:, None] & m_v[None, :])
-            dh = dh * tl.exp(g_last)[None, :] + tl.dot(tl.trans(b_do), b_q * tl.exp(b_gq), input_precision=PRECISION)
-            if IS_L2:
-                b_wk = tl.load(wk + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0)
-                dh -= tl.dot(tl.trans(b_dw), b_wk, input_precision=PRECISION)
-        if HAS_H0:
-            tl.store(dh0 + i_bh.to(tl.int64) * V * K + h_offs, dh, mask=m_h)
+        _win_dh_sweep(q, xs, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K, V,
+                      C, BT, BS, BK, BV, True, HAS_DHT, HAS_H0, IS_L2, READ_TOKEN, True, PRECISION)
 
     @triton.jit
     def _win_cw_bwd_grad_kernel(q, xs, vs, coef, la, g, ainv, w, hs, dhs, do, dw, dq, dx, dv, dcoef, dla,
