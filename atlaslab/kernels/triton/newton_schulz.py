@@ -49,9 +49,11 @@ receives Ḡ_i, dead before stage 3 writes it. The normalisation's ⟨X_0, Ḡ_0
 written. One launch for the batch: ``staged_programs`` programs (one per SM on a GPU) each loop over matrices
 pid, pid + nprog, … with their own workspace, so the workspace does not grow with the batch. The largest products
 per program are [BM, BC] × [BC, BR] and [BM, BR] × [BR, BC] (vs [BR, BR] × [BR, BC] in the one-program kernel);
-compiled for sm_90 with 8 warps, BM = 32 asks for 115,712 B of shared memory at 128 × 128 and 132,096 B at
-64 × 256 (BM = 64: 148,480 B and more register spills; BM = 16: less shared memory, but each of its 8 row blocks
-reloads the whole A, P, Ḡ, X). Smaller tiles keep ``_ns_bwd_kernel``.
+compiled for sm_90 with 8 warps, BM = 32 asks for 115,712 B (IEEE) / 103,424 B (TF32) of shared memory at
+128 × 128 and 132,096 B at 64 × 256 (BM = 64: 148,480 B and more register spills; BM = 16: less shared memory,
+but each of its 8 row blocks reloads the whole A, P, Ḡ, X). The saved iterates and the workspace are whole padded
+tiles, so their loads and stores need no mask (only dY / dS, at the matrix's own shape, are masked). Smaller
+tiles keep ``_ns_bwd_kernel``.
 
 Limits: padded R × C ≤ 128 × 128 (``supports``); larger matrices stay on the torch path. fp32 inputs use
 IEEE-fp32 dots unless torch's float32 matmul precision (or ``allow_tf32=True``) allows TF32; fp16/bf16
