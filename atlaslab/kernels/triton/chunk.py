@@ -45,6 +45,15 @@ e^{−g} factorisation, so no overflow at any decay strength) by a loop over the
 (``_decayed_dot`` / ``_decayed_mm``, O(BT² D_k) per chunk); fla's GLA kernels instead use 16-token sub-chunks
 with tensor-core products between sub-chunks, the faster choice on a GPU (not done here).
 
+Code layout: each stage is written once as a ``@triton.jit`` body that Triton inlines into the named kernels
+(``_ut_solve``, ``_state_sweep``, ``_out_chunk``, ``_dh_step`` / ``_dh_sweep``, ``_grad_per_head``,
+``_grad_channel``), shared by the C = 1 kernels here and the Omega-window kernels of :mod:`.chunk_window` (C > 1:
+the BT·C window slots are the chunk's write rows, :func:`_slot_rows`) and switched by ``tl.constexpr`` flags (C,
+CHANNEL). Each variant's body emits the same Triton IR, op for op, as the separate kernels it replaced (so the same
+sm_90 builds: register allocation depends on the order of the IR); where the variants had formed a mask, an address or
+a comparison in a different order the body keeps each one's order (``_causal``, ``_last_gate``, ``_chunk_row``, the
+C == 1 branches of the grad bodies), and ``_chunk_state_kernel`` and ``_win_out_kernel`` keep their own short bodies.
+
 Variable-length batches (``cu_seqlens [N + 1]``, sequences packed as ``[1, total_T, H, D]``) run natively, as in
 fla: :func:`prepare_chunk_indices` builds on the host the table of (sequence, chunk within it) for every BT-token
 chunk of every sequence (chunks never cross a sequence boundary; a sequence's last chunk may be partial) and each
@@ -187,8 +196,8 @@ if triton is not None:
                        IS_VARLEN: tl.constexpr):
         """Set-up of a sequential sweep program (grid: value block × sequence·head): (i_bh the state row, i_h, the
         sequence's first row bos, length T, chunks NT, first chunk row boc, o_i = arange(BT) (a chunk's tokens),
-        o_s = arange(BS) (its write rows), tau = their local tokens, o_k, o_v (this value block), m_k, m_v, m_h and h_offs (a ``[BV, BK]``
-        state block's mask and offsets))."""
+        o_s = arange(BS) (its write rows), tau = their local tokens, o_k, o_v (this value block), m_k, m_v, and
+        m_h, h_offs: a ``[BV, BK]`` state block's mask and offsets o_v·K + o_k)."""
         i_v = tl.program_id(0)
         i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
         i_n = i_bh // H
@@ -578,6 +587,290 @@ if triton is not None:
             _put_state(dh0, i_bh.to(tl.int64), h_offs, m_h, V, K, dh)
 
     @triton.jit
+    def _grad_program(q, k, beta, g, cu_seqlens, chunk_indices, T, NT, H: tl.constexpr, IS_VARLEN: tl.constexpr,
+                      K: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
+                      CHANNEL: tl.constexpr):
+        """Set-up of a backward grad program (chunk × head): (i_c, i_h, bos, i_t, T, boc, o_i, o_s,
+        tau, o_k, m_k, m_t, rows, m_s, srow, trow, m_tk, m_sk, q ``[BT, BK]``, x ``[BS, BK]`` (k or the window
+        slots), c ``[BS]`` (β or coef), g at the tokens and gs at the write rows' tokens (per head ``[·]``,
+        channel-wise ``[·, BK]``))."""
+        i_c = tl.program_id(0)            # global chunk index: all chunks of all sequences in one launch
+        i_h = tl.program_id(1)
+        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
+        boc = i_c.to(tl.int64) - i_t      # global index of the sequence's first chunk (rows of hs / dhs)
+        o_i = tl.arange(0, BT)
+        o_s = tl.arange(0, BS)
+        o_k = tl.arange(0, BK)
+        m_k = o_k < K
+        m_t, rows = _token_rows(o_i, bos, i_t, i_h, T, H, BT)
+        tau = _slot_tokens(o_s, C)
+        m_s, srow, trow = _slot_rows(bos, i_t, i_h, o_s, tau, T, H, C, BT)
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_sk = m_s[:, None] & m_k[None, :]
+        b_q = _tile(q, rows, o_k, K, m_tk)
+        b_x = _tile(k, srow, o_k, K, m_sk)
+        b_c = _vec(beta, srow, m_s)
+        b_g = _gates(g, rows, m_t, o_k, m_k, K, CHANNEL)
+        if C == 1:
+            b_gs = b_g
+        else:
+            b_gs = _gates(g, trow, m_s, o_k, m_k, K, CHANNEL)
+        return (i_c, i_h, bos, i_t, T, boc, o_i, o_s, tau, o_k, m_k, m_t, rows, m_s, srow, trow, m_tk, m_sk, b_q, b_x,
+                b_c, b_g, b_gs)
+
+    @triton.jit
+    def _grad_block(i_v, do, w, dw, v, hs, dhs, rows, m_t, srow, m_s, h_base, o_k, m_k, V: tl.constexpr,
+                    K: tl.constexpr, BV: tl.constexpr):
+        """Value block i_v of a grad program: (o_v, m_v, m_sv, do ``[BT, BV]``, w, dw, v ``[BS, BV]`` at the write
+        rows, the chunk's S_0 and dS ``[BV, BK]`` (state offset h_base))."""
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_sv = m_s[:, None] & m_v[None, :]
+        m_h = m_v[:, None] & m_k[None, :]
+        b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                       other=0.0).to(tl.float32)
+        b_w = tl.load(w + srow[:, None] * V + o_v[None, :], mask=m_sv, other=0.0)
+        b_dw = tl.load(dw + srow[:, None] * V + o_v[None, :], mask=m_sv, other=0.0)
+        b_v = tl.load(v + srow[:, None] * V + o_v[None, :], mask=m_sv, other=0.0).to(tl.float32)
+        S0 = tl.load(hs + h_base + o_v[:, None] * K + o_k[None, :], mask=m_h, other=0.0)
+        dS = tl.load(dhs + h_base + o_v[:, None] * K + o_k[None, :], mask=m_h, other=0.0)
+        return o_v, m_sv, b_do, b_w, b_dw, b_v, S0, dS
+
+    @triton.jit
+    def _grad_l2_block(Ti, b_dw, S0, b_xS, PRECISION: tl.constexpr):
+        """For the ℓ2 residual of one value block: (dr = (I + A)⁻ᵀ dw ``[BS, BV]``, b_xS S_0ᵀ ``[BS, BV]``), b_xS the
+        keys the residual reads S_0 with (x per head, x ⊙ e^G channel-wise)."""
+        b_dr = tl.dot(tl.trans(Ti), b_dw, input_precision=PRECISION)
+        b_kS = tl.dot(b_xS, tl.trans(S0), input_precision=PRECISION)
+        return b_dr, b_kS
+
+    @triton.jit
+    def _store_dla(dla, b_dg, b_dG, b_dgq, rows, m_t, o_k, m_k, K: tl.constexpr, BEFORE: tl.constexpr,
+                   READ_TOKEN: tl.constexpr, CHANNEL: tl.constexpr):
+        """d log α = reverse-cumsum over the chunk of (dg + dG) (g = chunk-local cumsum of log α) − [after] dG
+        (G = g − log α) − [read chunk] d gq (gq = g − log α), per token ``[BT]`` (and channel ``[BT, BK]``)."""
+        b_dla = tl.cumsum(b_dg + b_dG, axis=0, reverse=True)
+        if not BEFORE:
+            b_dla -= b_dG
+        if not READ_TOKEN:
+            b_dla -= b_dgq
+        if CHANNEL:
+            tl.store(dla + rows[:, None] * K + o_k[None, :], b_dla, mask=m_t[:, None] & m_k[None, :])
+        else:
+            tl.store(dla + rows, b_dla, mask=m_t)
+
+    @triton.jit
+    def _grad_per_head(q, k, v, beta, la, g, ainv, w, hs, dhs, do, dw, dq, dk, dv, dbeta, dla, cu_seqlens,
+                       chunk_indices, T, NT, H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
+                       V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
+                       BV: tl.constexpr, HAS_ALPHA: tl.constexpr, IS_L2: tl.constexpr, BEFORE: tl.constexpr,
+                       READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
+        """Per chunk × head (all chunks in parallel, a loop over value blocks), per-head decay: dq (tokens), dk, dv,
+        dβ (write rows) and d log α (tokens) from S_0 (chunk start), dS (chunk end), w, dw and (I + A)⁻¹ — the
+        equations of :func:`.reference.delta_rule_chunk_backward` step 3 on the write rows (C > 1: the window slots,
+        whose dg / dG terms are summed into their tokens by a one-hot [BT, BS] reduction before the reverse cumsum
+        of d log α)."""
+        (i_c, i_h, bos, i_t, T, boc, o_i, o_s, tau, o_k, m_k, m_t, rows, m_s, srow, trow, m_tk, m_sk, b_q, b_x, b_c,
+         b_g, b_gs) = _grad_program(q, k, beta, g, cu_seqlens, chunk_indices, T, NT, H, IS_VARLEN, K, C, BT, BS, BK,
+                                    False)
+        if HAS_ALPHA:
+            b_la = _vec(la, rows, m_t)
+            if C == 1:
+                b_las = b_la
+            else:
+                b_las = _vec(la, trow, m_s)
+        else:
+            b_la = tl.zeros([BT], dtype=tl.float32)
+            b_las = tl.zeros([BS], dtype=tl.float32)
+        last, g_last = _last_gate(g, bos, i_t, i_h, T, H, K, C, BT, o_k, m_k, False)
+        if READ_TOKEN:
+            b_gq = b_g
+        else:
+            b_gq = b_g - b_la
+        causal = _causal(o_i, tau, m_s, C, not READ_TOKEN)
+        b_G = _write_gate(b_gs, b_las, BEFORE)
+        e_gq = tl.exp(b_gq)
+        e_G = tl.exp(b_G)
+        decay = tl.exp(tl.where(m_s, g_last - b_gs, 0.0))
+        Eq = tl.where(causal, _masked_decay(b_gq, b_gs, causal), 0.0)
+        b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dks = tl.zeros([BS, BK], dtype=tl.float32)       # (e^{g_L − g} ⊙ w) dS: the state path
+        b_dkl = tl.zeros([BS, BK], dtype=tl.float32)       # −β e^G ⊙ (dr S_0): the l2 residual path
+        b_dP = tl.zeros([BT, BS], dtype=tl.float32)        # do wᵀ
+        b_dA = tl.zeros([BS, BS], dtype=tl.float32)        # −dr wᵀ
+        b_db = tl.zeros([BS], dtype=tl.float32)
+        b_dG = tl.zeros([BS], dtype=tl.float32)
+        if C == 1:   # ⟨dS, S_0⟩: summed at the end (C = 1) or per value block (window), as the builds have it
+            b_dgl = tl.zeros([BV, BK], dtype=tl.float32)
+        else:
+            b_dgl = tl.zeros([BK], dtype=tl.float32)
+        h_base = (_chunk_row(i_c, i_t, boc, C) * H + i_h) * V * K
+        if IS_L2:
+            Ti = tl.load(ainv + srow[:, None] * BS + o_s[None, :], mask=m_s[:, None], other=0.0)
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v, m_sv, b_do, b_w, b_dw, b_v, S0, dS = _grad_block(i_v, do, w, dw, v, hs, dhs, rows, m_t, srow, m_s,
+                                                                  h_base, o_k, m_k, V, K, BV)
+            b_dq += tl.dot(b_do * e_gq[:, None], S0, input_precision=PRECISION)
+            b_dP += tl.dot(b_do, tl.trans(b_w), input_precision=PRECISION)
+            b_dks += tl.dot(b_w * decay[:, None], dS, input_precision=PRECISION)
+            if C == 1:
+                b_dgl += dS * S0
+            else:
+                b_dgl += tl.sum(dS * S0, axis=0)
+            if IS_L2:
+                b_dr, b_kS = _grad_l2_block(Ti, b_dw, S0, b_x, PRECISION)
+                b_db += tl.sum(b_dr * (b_v - e_G[:, None] * b_kS), axis=1)
+                b_dG -= b_c * e_G * tl.sum(b_dr * b_kS, axis=1)
+                b_dkl -= (b_c * e_G)[:, None] * tl.dot(b_dr, S0, input_precision=PRECISION)
+                b_dA -= tl.dot(b_dr, tl.trans(b_w), input_precision=PRECISION)
+                b_dv = b_c[:, None] * b_dr
+            else:
+                b_db += tl.sum(b_dw * b_v, axis=1)
+                b_dv = b_c[:, None] * b_dw
+            tl.store(dv + srow[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_sv)
+        b_dP = b_dP * Eq
+        b_dq += tl.dot(b_dP, b_x, input_precision=PRECISION)
+        b_dkp = tl.dot(tl.trans(b_dP), b_q, input_precision=PRECISION)
+        b_dgq = tl.sum(b_q * b_dq, axis=1)
+        ks = tl.sum(b_x * b_dks, axis=1)
+        if C == 1:   # dg of the tokens (the write rows are the tokens)
+            b_dgs = b_dgq - tl.sum(b_x * b_dkp, axis=1) - ks
+            dgl = tl.exp(g_last) * tl.sum(tl.sum(b_dgl, axis=1), axis=0) + tl.sum(ks, axis=0)
+            b_dgs += tl.where(o_i == last, dgl, 0.0)
+        else:        # dg at the slots' tokens, key side
+            b_dgs = -tl.sum(b_x * b_dkp, axis=1) - ks
+            dgl = tl.exp(g_last) * tl.sum(b_dgl, axis=0) + tl.sum(ks, axis=0)
+        b_dk = b_dkp + b_dks + b_dkl
+        if IS_L2:
+            strict = (tau[:, None] > tau[None, :]) & m_s[None, :]
+            E = tl.where(strict, _masked_decay(b_G, b_gs, strict), 0.0)
+            xx = tl.dot(b_x, tl.trans(b_x), input_precision=PRECISION)
+            b_dA = tl.where(strict, b_dA, 0.0)
+            Z = b_dA * b_c[:, None] * E                     # ∂L/∂(x_r·x_r')
+            Ad = Z * xx                                     # dA ⊙ A
+            b_db += tl.sum(b_dA * E * xx, axis=1)
+            b_dG += tl.sum(Ad, axis=1)
+            b_dgs -= tl.sum(Ad, axis=0)
+            b_dk += tl.dot(Z, b_x, input_precision=PRECISION) + tl.dot(tl.trans(Z), b_x, input_precision=PRECISION)
+        tl.store(dq + rows[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
+        tl.store(dk + srow[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_sk)
+        tl.store(dbeta + srow, b_db.to(dbeta.dtype.element_ty), mask=m_s)
+        if HAS_ALPHA:
+            if C == 1:
+                b_dg = b_dgs
+                b_dG_t = b_dG
+            else:
+                own = (tau[None, :] == o_i[:, None]) & m_s[None, :]      # [BT, BS]: slot → its token
+                b_dG_t = tl.sum(tl.where(own, b_dG[None, :], 0.0), axis=1)
+                b_dg = b_dgq + tl.sum(tl.where(own, b_dgs[None, :], 0.0), axis=1) + tl.where(o_i == last, dgl, 0.0)
+            _store_dla(dla, b_dg, b_dG_t, b_dgq, rows, m_t, o_k, m_k, K, BEFORE, READ_TOKEN, False)
+
+    @triton.jit
+    def _grad_channel(q, k, v, beta, la, g, ainv, w, hs, dhs, do, dw, dq, dk, dv, dbeta, dla, cu_seqlens,
+                      chunk_indices, T, NT, H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
+                      V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
+                      BV: tl.constexpr, IS_L2: tl.constexpr, BEFORE: tl.constexpr, READ_TOKEN: tl.constexpr,
+                      PRECISION: tl.constexpr):
+        """Per chunk × head, channel-wise decay: the equations of :func:`.reference._channel_wise_backward` step 3
+        on the write rows. With D = do wᵀ, dr = (I + A)⁻ᵀ dw, dA = −strict(dr wᵀ), x_G = x ⊙ e^{G_τ},
+        Z = c_r dA[r, r']: dq = (do S_0) ⊙ e^{gq} + Σ_r D[t, r] x_r ⊙ e^{gq_t − g_τr};
+        dx = Σ_t D[t, r] q_t ⊙ e^{gq_t − g_τr} + (w dS) ⊙ e^{g_L − g_τ} − c (dr S_0) ⊙ e^{G_τ}
+             + Σ_r' Z[r, r'] x_r' ⊙ e^{G_τr − g_τr'} + Σ_r Z[r, r'] x_r ⊙ e^{G_τr − g_τr'} (the last at r');
+        dc = Σ_v dr ⊙ (v − x_G S_0ᵀ) + x_r · Σ_r' dA[r, r'] x_r' ⊙ e^{G_τr − g_τr'}  (dot: Σ_v dw ⊙ v);
+        per write row dg = −x ⊙ (dx_P + dx_S) − [l2] x ⊙ Z-column term, dG = −c (dr S_0) ⊙ x_G + x ⊙ Z-row term,
+        summed into their tokens (C > 1: one-hot [BT, BS] products) with d gq = q ⊙ dq and, at the chunk's last
+        token, e^{g_L} ⊙ Σ_v dS ⊙ S_0 + Σ_r x_r ⊙ dx_S,r; d log α ``[BT, K]`` = reverse-cumsum(dg + dG) − [after] dG
+        − [read chunk] d gq. The pairwise decays: :func:`_decayed_mm` (C = 1) / :func:`_slot_decayed_mm`."""
+        (i_c, i_h, bos, i_t, T, boc, o_i, o_s, tau, o_k, m_k, m_t, rows, m_s, srow, trow, m_tk, m_sk, b_q, b_x, b_c,
+         b_g, b_gs) = _grad_program(q, k, beta, g, cu_seqlens, chunk_indices, T, NT, H, IS_VARLEN, K, C, BT, BS, BK,
+                                    True)
+        b_la = _tile(la, rows, o_k, K, m_tk)
+        if C == 1:
+            b_las = b_la
+        else:
+            b_las = _tile(la, trow, o_k, K, m_sk)
+        last, g_last = _last_gate(g, bos, i_t, i_h, T, H, K, C, BT, o_k, m_k, True)
+        if READ_TOKEN:
+            b_gq = b_g
+        else:
+            b_gq = b_g - b_la
+        b_G = _write_gate(b_gs, b_las, BEFORE)
+        e_G = tl.exp(b_G)
+        b_xG = b_x * e_G
+        decay = tl.exp(tl.where(m_sk, g_last[None, :] - b_gs, 0.0))
+        b_dq = tl.zeros([BT, BK], dtype=tl.float32)        # do S_0, then ⊙ e^{gq}
+        b_dks = tl.zeros([BS, BK], dtype=tl.float32)       # w dS, then ⊙ e^{g_L − g_τ}
+        b_dkG = tl.zeros([BS, BK], dtype=tl.float32)       # −c (dr S_0): gradient of x_G in r
+        b_D = tl.zeros([BT, BS], dtype=tl.float32)         # do wᵀ
+        b_dA = tl.zeros([BS, BS], dtype=tl.float32)        # −dr wᵀ
+        b_db = tl.zeros([BS], dtype=tl.float32)
+        b_dgl = tl.zeros([BK], dtype=tl.float32)           # Σ_v dS ⊙ S_0
+        h_base = (_chunk_row(i_c, i_t, boc, C) * H + i_h) * V * K
+        Ti = tl.zeros([BS, BS], dtype=tl.float32)          # (I + A)⁻¹ (ℓ2 only)
+        if IS_L2:
+            Ti = tl.load(ainv + srow[:, None] * BS + o_s[None, :], mask=m_s[:, None], other=0.0)
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v, m_sv, b_do, b_w, b_dw, b_v, S0, dS = _grad_block(i_v, do, w, dw, v, hs, dhs, rows, m_t, srow, m_s,
+                                                                  h_base, o_k, m_k, V, K, BV)
+            b_dq += tl.dot(b_do, S0, input_precision=PRECISION)
+            b_D += tl.dot(b_do, tl.trans(b_w), input_precision=PRECISION)
+            b_dks += tl.dot(b_w, dS, input_precision=PRECISION)
+            b_dgl += tl.sum(dS * S0, axis=0)
+            if IS_L2:
+                b_dr, b_kS = _grad_l2_block(Ti, b_dw, S0, b_xG, PRECISION)
+                b_db += tl.sum(b_dr * (b_v - b_kS), axis=1)
+                b_dkG -= b_c[:, None] * tl.dot(b_dr, S0, input_precision=PRECISION)
+                b_dA -= tl.dot(b_dr, tl.trans(b_w), input_precision=PRECISION)
+                b_dv = b_c[:, None] * b_dr
+            else:
+                b_db += tl.sum(b_dw * b_v, axis=1)
+                b_dv = b_c[:, None] * b_dw
+            tl.store(dv + srow[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_sv)
+        b_dq = b_dq * tl.exp(b_gq)
+        b_dks = b_dks * decay
+        if C == 1:
+            dq_p, dk_p = _decayed_mm(b_D, b_q, b_x, b_gq, b_g, o_i, BT, not READ_TOKEN)
+        else:
+            dq_p, dk_p = _slot_decayed_mm(b_D, b_q, b_gq, m_t, o_i, b_x, b_g, o_i, o_s, BT, C, not READ_TOKEN)
+        b_dq += dq_p
+        b_dgq = b_q * b_dq
+        ks = b_x * b_dks
+        if C == 1:   # dg of the tokens (the write rows are the tokens)
+            b_dgs = b_dgq - b_x * dk_p - ks
+            dgl = tl.exp(g_last) * b_dgl + tl.sum(ks, axis=0)
+            b_dgs += tl.where((o_i == last)[:, None], dgl[None, :], 0.0)
+        else:        # dg at the slots' tokens, key side
+            b_dgs = -b_x * dk_p - ks
+            dgl = tl.exp(g_last) * b_dgl + tl.sum(ks, axis=0)
+        b_dk = dk_p + b_dks
+        b_dGs = tl.zeros([BS, BK], dtype=tl.float32)
+        if IS_L2:
+            # A[r, r'] = c_r Σ_c x_rc x_r'c e^{G_τr,c − g_τr',c}: rows → dc, dx_r, dG; columns → dx_r', dg
+            if C == 1:
+                dA1, Z2 = _decayed_mm(b_dA, b_c[:, None] * b_x, b_x, b_G, b_g, o_i, BT, True)
+            else:
+                dA1, Z2 = _slot_decayed_mm(b_dA, b_c[:, None] * b_x, b_G, m_s, tau, b_x, b_g, o_i, o_s, BT, C, True)
+            b_db += tl.sum(b_x * dA1, axis=1)
+            dA1 = b_c[:, None] * dA1
+            b_dk += b_dkG * e_G + dA1 + Z2
+            b_dGs = b_dkG * b_xG + b_x * dA1
+            b_dgs -= b_x * Z2
+        tl.store(dq + rows[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
+        tl.store(dk + srow[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_sk)
+        tl.store(dbeta + srow, b_db.to(dbeta.dtype.element_ty), mask=m_s)
+        if C == 1:
+            b_dg = b_dgs
+            b_dG = b_dGs
+        else:
+            own = tl.where((tau[None, :] == o_i[:, None]) & m_s[None, :], 1.0, 0.0)     # [BT, BS]: slot → token
+            b_dG = tl.dot(own, b_dGs, input_precision="ieee")
+            b_dg = b_dgq + tl.dot(own, b_dgs, input_precision="ieee") \
+                + tl.where((o_i == last)[:, None], dgl[None, :], 0.0)
+        _store_dla(dla, b_dg, b_dG, b_dgq, rows, m_t, o_k, m_k, K, BEFORE, READ_TOKEN, True)
+
+    # ------------------------------------------------------------------ the C = 1 kernels (launched by name)
+
+    @triton.jit
     def _chunk_ut_kernel(k, v, beta, la, g_out, u_out, wk_out, ainv_out, cu_seqlens, chunk_indices, T, NT,
                          H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
                          V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BVV: tl.constexpr,
@@ -733,113 +1026,9 @@ if triton is not None:
         """Per chunk × head (all chunks in parallel, a loop over value blocks): dq, dk, dv, dβ, d log α from
         S_0 (chunk start), dS (chunk end), w, dw and (I + A)⁻¹ — the equations of
         :func:`.reference.delta_rule_chunk_backward` step 3; d log α is a reverse cumsum of dg within the chunk."""
-        i_c = tl.program_id(0)            # global chunk index: all chunks of all sequences in one launch
-        i_h = tl.program_id(1)
-        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
-        boc = i_c.to(tl.int64) - i_t      # global index of the sequence's first chunk (rows of hs / dhs)
-        o_i = tl.arange(0, BT)
-        o_k = tl.arange(0, BK)
-        m_k = o_k < K
-        o_t = i_t * BT + o_i
-        m_t = o_t < T
-        rows = (bos + o_t) * H + i_h
-        m_tk = m_t[:, None] & m_k[None, :]
-        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_beta = tl.load(beta + rows, mask=m_t, other=0.0).to(tl.float32)
-        b_g = tl.load(g + rows, mask=m_t, other=0.0)
-        if HAS_ALPHA:
-            b_la = tl.load(la + rows, mask=m_t, other=0.0).to(tl.float32)
-        else:
-            b_la = tl.zeros([BT], dtype=tl.float32)
-        last = tl.minimum(T - i_t * BT, BT) - 1
-        g_last = tl.load(g + (bos + i_t * BT + last) * H + i_h)
-        if READ_TOKEN:
-            b_gq = b_g
-            causal = (o_i[:, None] >= o_i[None, :]) & m_t[None, :]
-        else:
-            b_gq = b_g - b_la
-            causal = (o_i[:, None] > o_i[None, :]) & m_t[None, :]
-        if BEFORE:
-            b_G = b_g
-        else:
-            b_G = b_g - b_la
-        e_gq = tl.exp(b_gq)
-        e_G = tl.exp(b_G)
-        decay = tl.exp(tl.where(m_t, g_last - b_g, 0.0))
-        Eq = tl.where(causal, tl.exp(tl.where(causal, b_gq[:, None] - b_g[None, :], 0.0)), 0.0)
-        b_dq = tl.zeros([BT, BK], dtype=tl.float32)
-        b_dks = tl.zeros([BT, BK], dtype=tl.float32)       # (e^{g_L − g} ⊙ w) dS: the state path
-        b_dkl = tl.zeros([BT, BK], dtype=tl.float32)       # −β e^G ⊙ (dr S_0): the l2 residual path
-        b_dP = tl.zeros([BT, BT], dtype=tl.float32)        # do wᵀ
-        b_dA = tl.zeros([BT, BT], dtype=tl.float32)        # −dr wᵀ
-        b_db = tl.zeros([BT], dtype=tl.float32)
-        b_dG = tl.zeros([BT], dtype=tl.float32)
-        b_dgl = tl.zeros([BV, BK], dtype=tl.float32)       # ⟨dS, S_0⟩, summed at the end
-        h_base = ((boc + i_t) * H + i_h) * V * K
-        if IS_L2:
-            Ti = tl.load(ainv + rows[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
-        for i_v in range(0, tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            m_v = o_v < V
-            m_tv = m_t[:, None] & m_v[None, :]
-            m_h = m_v[:, None] & m_k[None, :]
-            b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-            b_w = tl.load(w + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-            b_dw = tl.load(dw + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-            b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-            S0 = tl.load(hs + h_base + o_v[:, None] * K + o_k[None, :], mask=m_h, other=0.0)
-            dS = tl.load(dhs + h_base + o_v[:, None] * K + o_k[None, :], mask=m_h, other=0.0)
-            b_dq += tl.dot(b_do * e_gq[:, None], S0, input_precision=PRECISION)
-            b_dP += tl.dot(b_do, tl.trans(b_w), input_precision=PRECISION)
-            b_dks += tl.dot(b_w * decay[:, None], dS, input_precision=PRECISION)
-            b_dgl += dS * S0
-            if IS_L2:
-                b_dr = tl.dot(tl.trans(Ti), b_dw, input_precision=PRECISION)
-                b_kS = tl.dot(b_k, tl.trans(S0), input_precision=PRECISION)
-                b_db += tl.sum(b_dr * (b_v - e_G[:, None] * b_kS), axis=1)
-                b_dG -= b_beta * e_G * tl.sum(b_dr * b_kS, axis=1)
-                b_dkl -= (b_beta * e_G)[:, None] * tl.dot(b_dr, S0, input_precision=PRECISION)
-                b_dA -= tl.dot(b_dr, tl.trans(b_w), input_precision=PRECISION)
-                b_dv = b_beta[:, None] * b_dr
-            else:
-                b_db += tl.sum(b_dw * b_v, axis=1)
-                b_dv = b_beta[:, None] * b_dw
-            tl.store(dv + rows[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_tv)
-        b_dP = b_dP * Eq
-        b_dq += tl.dot(b_dP, b_k, input_precision=PRECISION)
-        b_dkp = tl.dot(tl.trans(b_dP), b_q, input_precision=PRECISION)
-        b_dgq = tl.sum(b_q * b_dq, axis=1)
-        ks = tl.sum(b_k * b_dks, axis=1)
-        b_dg = b_dgq - tl.sum(b_k * b_dkp, axis=1) - ks
-        dgl = tl.exp(g_last) * tl.sum(tl.sum(b_dgl, axis=1), axis=0) + tl.sum(ks, axis=0)
-        b_dg += tl.where(o_i == last, dgl, 0.0)
-        b_dk = b_dkp + b_dks + b_dkl
-        if IS_L2:
-            strict = (o_i[:, None] > o_i[None, :]) & m_t[None, :]
-            E = tl.where(strict, tl.exp(tl.where(strict, b_G[:, None] - b_g[None, :], 0.0)), 0.0)
-            kk = tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)
-            b_dA = tl.where(strict, b_dA, 0.0)
-            Z = b_dA * b_beta[:, None] * E                  # ∂L/∂(k_t·k_s)
-            Ad = Z * kk                                     # dA ⊙ A
-            b_db += tl.sum(b_dA * E * kk, axis=1)
-            b_dG += tl.sum(Ad, axis=1)
-            b_dg -= tl.sum(Ad, axis=0)
-            b_dk += tl.dot(Z, b_k, input_precision=PRECISION) + tl.dot(tl.trans(Z), b_k, input_precision=PRECISION)
-        tl.store(dq + rows[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
-        tl.store(dk + rows[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
-        tl.store(dbeta + rows, b_db.to(dbeta.dtype.element_ty), mask=m_t)
-        if HAS_ALPHA:
-            b_dla = tl.cumsum(b_dg + b_dG, axis=0, reverse=True)     # g = chunk-local cumsum of log α
-            if not BEFORE:
-                b_dla -= b_dG                                        # G = g − log α
-            if not READ_TOKEN:
-                b_dla -= b_dgq                                       # gq = g − log α
-            tl.store(dla + rows, b_dla, mask=m_t)
-
-    # ------------------------------------------------------------------ channel-wise (GLA-style) decay
-    # la, g: [B, T, H, K]. Every intra-chunk decay is formed pairwise, e^{a_tc − b_sc} with a causal exponent
-    # ≤ 0, by a loop over the chunk's columns s (no e^{−g} factorisation, so no overflow at any decay).
+        _grad_per_head(q, k, v, beta, la, g, ainv, w, hs, dhs, do, dw, dq, dk, dv, dbeta, dla, cu_seqlens,
+                       chunk_indices, T, NT, H, IS_VARLEN, K, V, 1, BT, BT, BK, BV, HAS_ALPHA, IS_L2, BEFORE,
+                       READ_TOKEN, PRECISION)
 
     @triton.jit
     def _cw_bwd_grad_kernel(q, k, v, beta, la, g, ainv, w, hs, dhs, do, dw, dq, dk, dv, dbeta, dla, cu_seqlens,
@@ -849,100 +1038,9 @@ if triton is not None:
                             PRECISION: tl.constexpr):
         """Per chunk × head, channel-wise: the equations of :func:`.reference._channel_wise_backward` step 3;
         d log α ``[B, T, H, K]`` is a reverse cumsum over the chunk of dg per channel."""
-        i_c = tl.program_id(0)            # global chunk index: all chunks of all sequences in one launch
-        i_h = tl.program_id(1)
-        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
-        boc = i_c.to(tl.int64) - i_t      # global index of the sequence's first chunk (rows of hs / dhs)
-        o_i = tl.arange(0, BT)
-        o_k = tl.arange(0, BK)
-        m_k = o_k < K
-        o_t = i_t * BT + o_i
-        m_t = o_t < T
-        rows = (bos + o_t) * H + i_h
-        m_tk = m_t[:, None] & m_k[None, :]
-        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_beta = tl.load(beta + rows, mask=m_t, other=0.0).to(tl.float32)
-        b_g = tl.load(g + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_la = tl.load(la + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        last = tl.minimum(T - i_t * BT, BT) - 1
-        g_last = tl.load(g + (bos + i_t * BT + last) * H * K + i_h * K + o_k, mask=m_k, other=0.0)
-        if READ_TOKEN:
-            b_gq = b_g
-        else:
-            b_gq = b_g - b_la
-        if BEFORE:
-            b_G = b_g
-        else:
-            b_G = b_g - b_la
-        e_G = tl.exp(b_G)
-        b_kG = b_k * e_G
-        decay = tl.exp(tl.where(m_tk, g_last[None, :] - b_g, 0.0))
-        b_dq = tl.zeros([BT, BK], dtype=tl.float32)        # do S_0, then ⊙ e^{gq}
-        b_dks = tl.zeros([BT, BK], dtype=tl.float32)       # w dS, then ⊙ e^{g_L − g}
-        b_dkG = tl.zeros([BT, BK], dtype=tl.float32)       # −β (dr S_0): gradient of k ⊙ e^G in r
-        b_D = tl.zeros([BT, BT], dtype=tl.float32)         # do wᵀ
-        b_dA = tl.zeros([BT, BT], dtype=tl.float32)        # −dr wᵀ
-        b_db = tl.zeros([BT], dtype=tl.float32)
-        b_dgl = tl.zeros([BK], dtype=tl.float32)           # Σ_v dS ⊙ S_0
-        h_base = ((boc + i_t) * H + i_h) * V * K
-        if IS_L2:
-            Ti = tl.load(ainv + rows[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
-        for i_v in range(0, tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            m_v = o_v < V
-            m_tv = m_t[:, None] & m_v[None, :]
-            m_h = m_v[:, None] & m_k[None, :]
-            b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-            b_w = tl.load(w + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-            b_dw = tl.load(dw + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-            b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-            S0 = tl.load(hs + h_base + o_v[:, None] * K + o_k[None, :], mask=m_h, other=0.0)
-            dS = tl.load(dhs + h_base + o_v[:, None] * K + o_k[None, :], mask=m_h, other=0.0)
-            b_dq += tl.dot(b_do, S0, input_precision=PRECISION)
-            b_D += tl.dot(b_do, tl.trans(b_w), input_precision=PRECISION)
-            b_dks += tl.dot(b_w, dS, input_precision=PRECISION)
-            b_dgl += tl.sum(dS * S0, axis=0)
-            if IS_L2:
-                b_dr = tl.dot(tl.trans(Ti), b_dw, input_precision=PRECISION)
-                b_kS = tl.dot(b_kG, tl.trans(S0), input_precision=PRECISION)
-                b_db += tl.sum(b_dr * (b_v - b_kS), axis=1)
-                b_dkG -= b_beta[:, None] * tl.dot(b_dr, S0, input_precision=PRECISION)
-                b_dA -= tl.dot(b_dr, tl.trans(b_w), input_precision=PRECISION)
-                b_dv = b_beta[:, None] * b_dr
-            else:
-                b_db += tl.sum(b_dw * b_v, axis=1)
-                b_dv = b_beta[:, None] * b_dw
-            tl.store(dv + rows[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_tv)
-        b_dq = b_dq * tl.exp(b_gq)
-        b_dks = b_dks * decay
-        dq_p, dk_p = _decayed_mm(b_D, b_q, b_k, b_gq, b_g, o_i, BT, not READ_TOKEN)
-        b_dq += dq_p
-        b_dgq = b_q * b_dq
-        ks = b_k * b_dks
-        b_dg = b_dgq - b_k * dk_p - ks
-        dgl = tl.exp(g_last) * b_dgl + tl.sum(ks, axis=0)
-        b_dg += tl.where((o_i == last)[:, None], dgl[None, :], 0.0)
-        b_dk = dk_p + b_dks
-        b_dG = tl.zeros([BT, BK], dtype=tl.float32)
-        if IS_L2:
-            # A[t, s] = β_t Σ_c k_tc k_sc e^{G_tc − g_sc}:  dA (strict) → dβ, dk (both sides), dG, dg
-            # R[t] = Σ_s dA[t, s] k_s e^{G_t − g_s};  Z2[s] = Σ_t β_t dA[t, s] k_t e^{G_t − g_s}
-            dA1, Z2 = _decayed_mm(b_dA, b_beta[:, None] * b_k, b_k, b_G, b_g, o_i, BT, True)
-            b_db += tl.sum(b_k * dA1, axis=1)
-            dA1 = b_beta[:, None] * dA1
-            b_dk += b_dkG * e_G + dA1 + Z2
-            b_dG = b_dkG * b_kG + b_k * dA1
-            b_dg -= b_k * Z2
-        tl.store(dq + rows[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
-        tl.store(dk + rows[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
-        tl.store(dbeta + rows, b_db.to(dbeta.dtype.element_ty), mask=m_t)
-        b_dla = tl.cumsum(b_dg + b_dG, axis=0, reverse=True)
-        if not BEFORE:
-            b_dla -= b_dG
-        if not READ_TOKEN:
-            b_dla -= b_dgq
-        tl.store(dla + rows[:, None] * K + o_k[None, :], b_dla, mask=m_tk)
+        _grad_channel(q, k, v, beta, la, g, ainv, w, hs, dhs, do, dw, dq, dk, dv, dbeta, dla, cu_seqlens,
+                      chunk_indices, T, NT, H, IS_VARLEN, K, V, 1, BT, BT, BK, BV, IS_L2, BEFORE, READ_TOKEN,
+                      PRECISION)
 
 
 #: a value block holds at most this many state elements (BV × BK): compiled for sm_90 (bench/compile_sm90.py), the

@@ -42,7 +42,11 @@ the faster GPU choice, not done here). The backward (``_win_cw_bwd_dh_kernel``, 
 c = 1 channel-wise backward (:func:`.reference._channel_wise_backward`) on the slot rows, the slots' dg / dG rows
 summed into their tokens before the per-channel reverse cumsum; ``cu_seqlens`` as above.
 
-The c = 1 kernels, the shared block sizes and the backward switch ``chunk.BACKWARD`` live in :mod:`.chunk`.
+The c = 1 kernels, the stage bodies these kernels share with them (``_ut_solve``, ``_state_sweep``, ``_out_chunk``,
+``_dh_step``, ``_grad_per_head``, ``_grad_channel``: the window kernels are their C > 1 cases), the shared block sizes
+and the backward switch ``chunk.BACKWARD`` live in :mod:`.chunk`; here: the window UT body (``_win_ut``), the reverse
+sweep's per-chunk loads (``_win_dh_sweep``) and the per-head output kernel, whose loads form their masks in their own
+order.
 """
 from __future__ import annotations
 
@@ -64,8 +68,8 @@ except ImportError:  # pragma: no cover
 
 if triton is not None:
     # the shared stage bodies and pieces (C = 1 and window, per-head and channel-wise decay) live in .chunk
-    from .chunk import (_causal, _chunk_span, _dh_step, _gates, _last_gate, _out_chunk, _put_state, _read_gate,
-                        _read_scores, _slot_decayed_mm, _slot_rows, _slot_tokens, _state_sweep, _state_tile,
+    from .chunk import (_causal, _chunk_span, _dh_step, _gates, _grad_channel, _grad_per_head, _last_gate, _out_chunk,
+                        _put_state, _read_gate, _read_scores, _slot_rows, _slot_tokens, _state_sweep, _state_tile,
                         _sweep_program, _tile, _token_rows, _ut_solve, _vec)
 
     @triton.jit
@@ -227,127 +231,9 @@ if triton is not None:
         """Per chunk × head: dq (tokens), dx, dv, dcoef (slots) and d log α (tokens) — the c = 1 grad kernel's
         equations with the slot rows in place of the tokens; slot terms of dg / dG are summed into their tokens
         (a one-hot [BT, BS] reduction) before the reverse cumsum."""
-        i_c = tl.program_id(0)
-        i_h = tl.program_id(1)
-        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
-        o_i = tl.arange(0, BT)
-        o_s = tl.arange(0, BS)
-        o_k = tl.arange(0, BK)
-        m_k = o_k < K
-        o_t = i_t * BT + o_i
-        m_t = o_t < T
-        rows = (bos + o_t) * H + i_h
-        tau = o_s // C
-        tok = i_t * BT + tau
-        m_s = (o_s < BT * C) & (tok < T)
-        srow = ((bos + i_t * BT) * C + o_s) * H + i_h
-        trow = (bos + tok) * H + i_h
-        m_tk = m_t[:, None] & m_k[None, :]
-        m_sk = m_s[:, None] & m_k[None, :]
-        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_x = tl.load(xs + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0).to(tl.float32)
-        b_c = tl.load(coef + srow, mask=m_s, other=0.0).to(tl.float32)
-        b_g = tl.load(g + rows, mask=m_t, other=0.0)
-        b_gs = tl.load(g + trow, mask=m_s, other=0.0)
-        if HAS_ALPHA:
-            b_la = tl.load(la + rows, mask=m_t, other=0.0).to(tl.float32)
-            b_las = tl.load(la + trow, mask=m_s, other=0.0).to(tl.float32)
-        else:
-            b_la = tl.zeros([BT], dtype=tl.float32)
-            b_las = tl.zeros([BS], dtype=tl.float32)
-        last = tl.minimum(T - i_t * BT, BT) - 1
-        g_last = tl.load(g + (bos + i_t * BT + last) * H + i_h)
-        if READ_TOKEN:
-            b_gq = b_g
-            causal = (tau[None, :] <= o_i[:, None]) & m_s[None, :]
-        else:
-            b_gq = b_g - b_la
-            causal = (tau[None, :] < o_i[:, None]) & m_s[None, :]
-        if BEFORE:
-            b_G = b_gs
-        else:
-            b_G = b_gs - b_las
-        e_gq = tl.exp(b_gq)
-        e_G = tl.exp(b_G)
-        decay = tl.exp(tl.where(m_s, g_last - b_gs, 0.0))
-        Eq = tl.where(causal, tl.exp(tl.where(causal, b_gq[:, None] - b_gs[None, :], 0.0)), 0.0)
-        b_dq = tl.zeros([BT, BK], dtype=tl.float32)
-        b_dks = tl.zeros([BS, BK], dtype=tl.float32)
-        b_dkl = tl.zeros([BS, BK], dtype=tl.float32)
-        b_dP = tl.zeros([BT, BS], dtype=tl.float32)
-        b_dA = tl.zeros([BS, BS], dtype=tl.float32)
-        b_db = tl.zeros([BS], dtype=tl.float32)
-        b_dG = tl.zeros([BS], dtype=tl.float32)
-        b_dgl = tl.zeros([BK], dtype=tl.float32)
-        h_base = (i_c.to(tl.int64) * H + i_h) * V * K
-        if IS_L2:
-            Ti = tl.load(ainv + srow[:, None] * BS + o_s[None, :], mask=m_s[:, None], other=0.0)
-        for i_v in range(0, tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            m_v = o_v < V
-            m_sv = m_s[:, None] & m_v[None, :]
-            m_h = m_v[:, None] & m_k[None, :]
-            b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
-                           other=0.0).to(tl.float32)
-            b_w = tl.load(w + srow[:, None] * V + o_v[None, :], mask=m_sv, other=0.0)
-            b_dw = tl.load(dw + srow[:, None] * V + o_v[None, :], mask=m_sv, other=0.0)
-            b_v = tl.load(vs + srow[:, None] * V + o_v[None, :], mask=m_sv, other=0.0).to(tl.float32)
-            S0 = tl.load(hs + h_base + o_v[:, None] * K + o_k[None, :], mask=m_h, other=0.0)
-            dS = tl.load(dhs + h_base + o_v[:, None] * K + o_k[None, :], mask=m_h, other=0.0)
-            b_dq += tl.dot(b_do * e_gq[:, None], S0, input_precision=PRECISION)
-            b_dP += tl.dot(b_do, tl.trans(b_w), input_precision=PRECISION)
-            b_dks += tl.dot(b_w * decay[:, None], dS, input_precision=PRECISION)
-            b_dgl += tl.sum(dS * S0, axis=0)
-            if IS_L2:
-                b_dr = tl.dot(tl.trans(Ti), b_dw, input_precision=PRECISION)
-                b_kS = tl.dot(b_x, tl.trans(S0), input_precision=PRECISION)
-                b_db += tl.sum(b_dr * (b_v - e_G[:, None] * b_kS), axis=1)
-                b_dG -= b_c * e_G * tl.sum(b_dr * b_kS, axis=1)
-                b_dkl -= (b_c * e_G)[:, None] * tl.dot(b_dr, S0, input_precision=PRECISION)
-                b_dA -= tl.dot(b_dr, tl.trans(b_w), input_precision=PRECISION)
-                b_dv = b_c[:, None] * b_dr
-            else:
-                b_db += tl.sum(b_dw * b_v, axis=1)
-                b_dv = b_c[:, None] * b_dw
-            tl.store(dv + srow[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_sv)
-        b_dP = b_dP * Eq
-        b_dq += tl.dot(b_dP, b_x, input_precision=PRECISION)
-        b_dkp = tl.dot(tl.trans(b_dP), b_q, input_precision=PRECISION)
-        b_dgq = tl.sum(b_q * b_dq, axis=1)
-        ks = tl.sum(b_x * b_dks, axis=1)
-        b_dgs = -tl.sum(b_x * b_dkp, axis=1) - ks                 # g at the slot's token, key side
-        dgl = tl.exp(g_last) * tl.sum(b_dgl, axis=0) + tl.sum(ks, axis=0)
-        b_dk = b_dkp + b_dks + b_dkl
-        if IS_L2:
-            strict = (tau[:, None] > tau[None, :]) & m_s[None, :]
-            E = tl.where(strict, tl.exp(tl.where(strict, b_G[:, None] - b_gs[None, :], 0.0)), 0.0)
-            xx = tl.dot(b_x, tl.trans(b_x), input_precision=PRECISION)
-            b_dA = tl.where(strict, b_dA, 0.0)
-            Z = b_dA * b_c[:, None] * E
-            Ad = Z * xx
-            b_db += tl.sum(b_dA * E * xx, axis=1)
-            b_dG += tl.sum(Ad, axis=1)
-            b_dgs -= tl.sum(Ad, axis=0)
-            b_dk += tl.dot(Z, b_x, input_precision=PRECISION) + tl.dot(tl.trans(Z), b_x, input_precision=PRECISION)
-        tl.store(dq + rows[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
-        tl.store(dx + srow[:, None] * K + o_k[None, :], b_dk.to(dx.dtype.element_ty), mask=m_sk)
-        tl.store(dcoef + srow, b_db.to(dcoef.dtype.element_ty), mask=m_s)
-        if HAS_ALPHA:
-            own = (tau[None, :] == o_i[:, None]) & m_s[None, :]      # [BT, BS]: slot → its token
-            b_dG_t = tl.sum(tl.where(own, b_dG[None, :], 0.0), axis=1)
-            b_dg = b_dgq + tl.sum(tl.where(own, b_dgs[None, :], 0.0), axis=1) + tl.where(o_i == last, dgl, 0.0)
-            b_dla = tl.cumsum(b_dg + b_dG_t, axis=0, reverse=True)
-            if not BEFORE:
-                b_dla -= b_dG_t
-            if not READ_TOKEN:
-                b_dla -= b_dgq
-            tl.store(dla + rows, b_dla, mask=m_t)
-
-    # ------------------------------------------------------------------ channel-wise decay (α_t ∈ [0, 1]^{D_k})
-    # la, g: [B, T, H, K] (per key channel). A slot's decay is its token's: a write from slot r (token τ_r)
-    # reaches token t with its key decayed channel by channel, x_r ⊙ e^{g_t − g_τr}. Every pairwise decay is
-    # formed directly as e^{a − b} with a causal exponent ≤ 0 (no e^{−g} factorisation, no overflow), in a loop
-    # over the chunk's BT tokens (one exponential block per token, shared by its C slots).
+        _grad_per_head(q, xs, vs, coef, la, g, ainv, w, hs, dhs, do, dw, dq, dx, dv, dcoef, dla, cu_seqlens,
+                       chunk_indices, T, NT, H, IS_VARLEN, K, V, C, BT, BS, BK, BV, HAS_ALPHA, IS_L2, BEFORE,
+                       READ_TOKEN, PRECISION)
 
     @triton.jit
     def _win_cw_ut_kernel(xs, vs, coef, la, g, u_out, wk_out, ainv_out, cu_seqlens, chunk_indices, T, NT,
@@ -405,111 +291,9 @@ if triton is not None:
         per slot dg = −x ⊙ (dx_P + dx_S) − [l2] x ⊙ Z-column term, dG = −coef (dr S_0) ⊙ x_G + x ⊙ Z-row term;
         summed into their tokens (one-hot [BT, BS] products) with d gq = q ⊙ dq and, at the chunk's last token,
         e^{g_L} ⊙ Σ_v dS ⊙ S_0 + Σ_r x_r ⊙ dx_S,r; d log α = reverse-cumsum(dg + dG) − [after] dG − [chunk] d gq."""
-        i_c = tl.program_id(0)
-        i_h = tl.program_id(1)
-        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)
-        o_i = tl.arange(0, BT)
-        o_s = tl.arange(0, BS)
-        o_k = tl.arange(0, BK)
-        m_k = o_k < K
-        o_t = i_t * BT + o_i
-        m_t = o_t < T
-        rows = (bos + o_t) * H + i_h
-        tau = o_s // C
-        tok = i_t * BT + tau
-        m_s = (o_s < BT * C) & (tok < T)
-        srow = ((bos + i_t * BT) * C + o_s) * H + i_h
-        trow = (bos + tok) * H + i_h
-        m_tk = m_t[:, None] & m_k[None, :]
-        m_sk = m_s[:, None] & m_k[None, :]
-        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_x = tl.load(xs + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0).to(tl.float32)
-        b_c = tl.load(coef + srow, mask=m_s, other=0.0).to(tl.float32)
-        b_g = tl.load(g + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_gs = tl.load(g + trow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0)
-        b_la = tl.load(la + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_las = tl.load(la + trow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0).to(tl.float32)
-        last = tl.minimum(T - i_t * BT, BT) - 1
-        g_last = tl.load(g + ((bos + i_t * BT + last) * H + i_h) * K + o_k, mask=m_k, other=0.0)
-        if READ_TOKEN:
-            b_gq = b_g
-        else:
-            b_gq = b_g - b_la
-        if BEFORE:
-            b_G = b_gs
-        else:
-            b_G = b_gs - b_las
-        e_G = tl.exp(b_G)
-        b_xG = b_x * e_G
-        decay = tl.exp(tl.where(m_sk, g_last[None, :] - b_gs, 0.0))
-        b_dq = tl.zeros([BT, BK], dtype=tl.float32)        # do S_0, then ⊙ e^{gq}
-        b_dks = tl.zeros([BS, BK], dtype=tl.float32)       # w dS, then ⊙ e^{g_L − g_τ}
-        b_dkG = tl.zeros([BS, BK], dtype=tl.float32)       # −coef (dr S_0): gradient of x_G in r
-        b_D = tl.zeros([BT, BS], dtype=tl.float32)         # do wᵀ
-        b_dA = tl.zeros([BS, BS], dtype=tl.float32)        # −dr wᵀ
-        b_db = tl.zeros([BS], dtype=tl.float32)
-        b_dgl = tl.zeros([BK], dtype=tl.float32)           # Σ_v dS ⊙ S_0
-        h_base = (i_c.to(tl.int64) * H + i_h) * V * K
-        Ti = tl.zeros([BS, BS], dtype=tl.float32)          # (I + A)⁻¹ (ℓ2 only)
-        if IS_L2:
-            Ti = tl.load(ainv + srow[:, None] * BS + o_s[None, :], mask=m_s[:, None], other=0.0)
-        for i_v in range(0, tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            m_v = o_v < V
-            m_sv = m_s[:, None] & m_v[None, :]
-            m_h = m_v[:, None] & m_k[None, :]
-            b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
-                           other=0.0).to(tl.float32)
-            b_w = tl.load(w + srow[:, None] * V + o_v[None, :], mask=m_sv, other=0.0)
-            b_dw = tl.load(dw + srow[:, None] * V + o_v[None, :], mask=m_sv, other=0.0)
-            b_v = tl.load(vs + srow[:, None] * V + o_v[None, :], mask=m_sv, other=0.0).to(tl.float32)
-            S0 = tl.load(hs + h_base + o_v[:, None] * K + o_k[None, :], mask=m_h, other=0.0)
-            dS = tl.load(dhs + h_base + o_v[:, None] * K + o_k[None, :], mask=m_h, other=0.0)
-            b_dq += tl.dot(b_do, S0, input_precision=PRECISION)
-            b_D += tl.dot(b_do, tl.trans(b_w), input_precision=PRECISION)
-            b_dks += tl.dot(b_w, dS, input_precision=PRECISION)
-            b_dgl += tl.sum(dS * S0, axis=0)
-            if IS_L2:
-                b_dr = tl.dot(tl.trans(Ti), b_dw, input_precision=PRECISION)
-                b_kS = tl.dot(b_xG, tl.trans(S0), input_precision=PRECISION)
-                b_db += tl.sum(b_dr * (b_v - b_kS), axis=1)
-                b_dkG -= b_c[:, None] * tl.dot(b_dr, S0, input_precision=PRECISION)
-                b_dA -= tl.dot(b_dr, tl.trans(b_w), input_precision=PRECISION)
-                b_dv = b_c[:, None] * b_dr
-            else:
-                b_db += tl.sum(b_dw * b_v, axis=1)
-                b_dv = b_c[:, None] * b_dw
-            tl.store(dv + srow[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_sv)
-        b_dq = b_dq * tl.exp(b_gq)
-        b_dks = b_dks * decay
-        dq_p, dk_p = _slot_decayed_mm(b_D, b_q, b_gq, m_t, o_i, b_x, b_g, o_i, o_s, BT, C, not READ_TOKEN)
-        b_dq += dq_p
-        b_dgq = b_q * b_dq
-        ks = b_x * b_dks
-        b_dgs = -b_x * dk_p - ks                                  # dg at the slots' tokens, key side
-        dgl = tl.exp(g_last) * b_dgl + tl.sum(ks, axis=0)
-        b_dk = dk_p + b_dks
-        b_dGs = tl.zeros([BS, BK], dtype=tl.float32)
-        if IS_L2:
-            # A[r, r'] = coef_r Σ_c x_rc x_r'c e^{G_τr,c − g_τr',c}: rows → dcoef, dx_r, dG; columns → dx_r', dg
-            dA1, Z2 = _slot_decayed_mm(b_dA, b_c[:, None] * b_x, b_G, m_s, tau, b_x, b_g, o_i, o_s, BT, C, True)
-            b_db += tl.sum(b_x * dA1, axis=1)
-            dA1 = b_c[:, None] * dA1
-            b_dk += b_dkG * e_G + dA1 + Z2
-            b_dGs = b_dkG * b_xG + b_x * dA1
-            b_dgs -= b_x * Z2
-        tl.store(dq + rows[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
-        tl.store(dx + srow[:, None] * K + o_k[None, :], b_dk.to(dx.dtype.element_ty), mask=m_sk)
-        tl.store(dcoef + srow, b_db.to(dcoef.dtype.element_ty), mask=m_s)
-        own = tl.where((tau[None, :] == o_i[:, None]) & m_s[None, :], 1.0, 0.0)     # [BT, BS]: slot → its token
-        b_dG = tl.dot(own, b_dGs, input_precision="ieee")
-        b_dg = b_dgq + tl.dot(own, b_dgs, input_precision="ieee") + tl.where((o_i == last)[:, None], dgl[None, :], 0.0)
-        b_dla = tl.cumsum(b_dg + b_dG, axis=0, reverse=True)
-        if not BEFORE:
-            b_dla -= b_dG
-        if not READ_TOKEN:
-            b_dla -= b_dgq
-        tl.store(dla + rows[:, None] * K + o_k[None, :], b_dla, mask=m_tk)
+        _grad_channel(q, xs, vs, coef, la, g, ainv, w, hs, dhs, do, dw, dq, dx, dv, dcoef, dla, cu_seqlens,
+                      chunk_indices, T, NT, H, IS_VARLEN, K, V, C, BT, BS, BK, BV, IS_L2, BEFORE, READ_TOKEN,
+                      PRECISION)
 
 
 def _win_sizes(K: int, V: int, c: int, chunk_size: int):
