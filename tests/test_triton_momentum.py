@@ -217,8 +217,7 @@ def test_dispatch(monkeypatch):
     assert tk.select_kernel(parts, q.double(), 4) is None                    # fp64 stays on torch
     for b in (1, cm.MAX_CHUNK + 1):
         assert tk.select_kernel(parts, q, b, mode="chunk") is None and "chunk_size" in cm.spec_reason(parts, b)
-    for spec in (dict(MOM, retention={"name": "decay", "channel_wise": True}),
-                 dict(MOM, window={"size": 3}), dict(MOM, memory="mlp"),
+    for spec in (dict(MOM, window={"size": 3}), dict(MOM, memory="mlp"),
                  {"memory": "linear", "inner_optimizer": "muon"}):
         p = _parts(spec)
         assert tk.select_kernel(p, q, 4, mode="chunk") is None and cm.spec_reason(p, 4)

@@ -227,12 +227,14 @@ def test_dispatch(monkeypatch):
     assert kernel(before, long_, 4) == ("chunk_momentum" if cm.spec_reason(before, 4) is None
                                         else "fused_recurrent_momentum")
     for spec in (dict(MOM, retention=CW), dict(MOM, retention=CW_BEFORE, read="chunk")):   # channel-wise decay:
-        p = _parts(spec)                                                  # the token kernel at any T, b, position
-        assert frm.spec_reason(p, 4) is None and tk.spec_reason(p, 4) is None and "channel-wise" in cm.spec_reason(p, 4)
-        for x, b, kw in ((short, 4, {}), (long_, 4, {}), (long_, 4, dict(position=6)), (long_, 1, {}),
+        p = _parts(spec)                                       # the same rule as per-head decay (chunk kernel b ≤ 32)
+        assert frm.spec_reason(p, 4) is None and tk.spec_reason(p, 4) is None and cm.spec_reason(p, 4) is None
+        for x, b, kw in ((short, 4, {}), (long_, 1, {}), (mid, 4, dict(position=6)),
                          (short, 4, dict(mode="fused_recurrent"))):
             assert kernel(p, x, b, **kw) == "fused_recurrent_momentum"
-        assert kernel(p, long_, 4, mode="chunk") is None
+        assert kernel(p, long_, 4) == kernel(p, long_, 4, position=6) == kernel(p, long_, 4, mode="chunk") \
+            == "chunk_momentum"
+        assert kernel(p, long_, 64) == "fused_recurrent_momentum"             # channel-wise chunk kernel: b ≤ 32
     for spec in (dict(MOM, window={"size": 3}), dict(MOM, memory="mlp"),
                  {"memory": "linear", "inner_optimizer": "muon"}):
         p = _parts(spec)

@@ -32,11 +32,11 @@ Dispatch, in the spirit of fla's backend registry: a Triton kernel is used only 
    torch), ℓ2 or dot bias, GD, no retention, per-head scalar decay or channel-wise (per key channel, GLA-style)
    decay (either placement), Omega window c ≤ 8 (c > 1 with either decay too), semantic chunk b = 1,
    ``read`` token or chunk; head dims ≤ 256;
-   or, for the momentum kernels (linear memory, ℓ2 or dot bias, inner optimizer momentum, no retention or
-   per-head scalar decay, c = 1, read token or chunk): the token-by-token kernel
+   or, for the momentum kernels (linear memory, ℓ2 or dot bias, inner optimizer momentum, no retention,
+   per-head scalar or channel-wise decay, c = 1, read token or chunk): the token-by-token kernel
    (:func:`.fused_recurrent_momentum.spec_reason`: any b ≥ 1, either placement, channel-wise decay too;
-   ``fused_recurrent``) and the chunk kernel (:func:`.chunk_momentum.spec_reason`: 2 ≤ b ≤ 64, no channel-wise
-   decay; ``chunk``). ``auto`` takes the token kernel for
+   ``fused_recurrent``) and the chunk kernel (:func:`.chunk_momentum.spec_reason`: 2 ≤ b ≤ 64, channel-wise
+   decay at b ≤ 32; ``chunk``). ``auto`` takes the token kernel for
    T ≤ ``RECURRENT_MAX_T``, for a call that starts mid-chunk (``state.position`` mod b ≠ 0) with
    T ≤ ``MOMENTUM_MID_CHUNK_MAX_T`` (decoding), and whenever the chunk kernel does not take the spec; otherwise the
    chunk kernel (a long call starting mid-chunk finishes that chunk on the torch ``chunked`` engine, then runs it).
