@@ -279,7 +279,6 @@ def packed_step(parts, lengths, inputs, gates, do, layout: str, backward=True):
     order. ``layout``: ``packed`` (one ``[1, ΣT_i]`` call with ``cu_seqlens``, mode triton), ``padded`` (the docs
     right-padded to ``[N, max T_i]``, one triton call: what is done without varlen support), or ``loop`` (each doc
     alone through the torch ``chunked`` engine: the definition, the gate's reference)."""
-    case = CASES["gdn"]
     leaves = [x.detach().requires_grad_(backward) for x in inputs]
     gl = {n: x.detach().requires_grad_(backward) for n, x in gates.items()}
     offsets = [0]

@@ -85,3 +85,39 @@ def momentum_data(parts, T, H, D, seed=0, B=2):
     names = ("lr", "window", "momentum") + (("retention",) if parts.retention.uses_alpha else ())
     gates = random_gates(B, T, H, seed=seed + 1, names=names, low=0.5, high=0.95)
     return (q, k, v), gates
+
+
+def channel_alpha(shape, seed, fast, dtype=torch.float64):
+    """A channel-wise kept fraction α ``[..., D_k]`` in [0.5, 0.95], key channel 0 at ≈ ``fast`` (fast forgetting)."""
+    g = torch.Generator().manual_seed(seed)
+    alpha = 0.5 + 0.45 * torch.rand(*shape, generator=g, dtype=dtype)
+    alpha[..., 0] = fast * (1 + 0.2 * torch.rand(*shape[:-1], generator=g, dtype=dtype))
+    return alpha
+
+
+def momentum_state_loss(o, state):
+    """A fixed random functional of a momentum memory's output and whole final state (memory, momentum, anchor,
+    Π α), so one backward reaches every input through every part of the state."""
+    g = torch.Generator().manual_seed(7)
+    terms = [o, state.weights["W"], state.momentum["W"], state.anchor["W"], state.chunk_alpha]
+    return sum((x * torch.randn(x.shape, generator=g, dtype=torch.float64).to(x)).sum() for x in terms)
+
+
+def grad_leaves(parts, data, dtype, device):
+    """``data = ((q, k, v), gates)`` cast to ``dtype`` on ``device`` as leaves → ``((q, k, v), gates, leaves)``,
+    leaves = [q, k, v, *gates, *parts.parameters()]."""
+    (q, k, v), gates = data
+    q, k, v = (x.to(device, dtype).requires_grad_() for x in (q, k, v))
+    gates = {n: x.to(device, dtype).requires_grad_() for n, x in gates.items()}
+    return (q, k, v), gates, [q, k, v, *gates.values(), *parts.parameters()]
+
+
+def momentum_run(parts, data, dtype, mode, b, device):
+    """``memorize`` of a copy of ``parts`` in ``dtype`` → (o, state, grads of :func:`momentum_state_loss` w.r.t.
+    [q, k, v, *gates, *parameters])."""
+    import copy
+    from atlaslab.kernels import memorize
+    parts = copy.deepcopy(parts).to(dtype)
+    (q, k, v), gates, leaves = grad_leaves(parts, data, dtype, device)
+    o, state = memorize(q, k, v, parts, gates, mode=mode, chunk_size=b)
+    return o, state, torch.autograd.grad(momentum_state_loss(o, state), leaves)

@@ -115,7 +115,6 @@ def test_packed_prefill_then_batched_decoding():
     """Prefill three prompts of different lengths in one packed call, stack their states, decode the three as a
     batch one token at a time: equals each sequence's own prefill and decoding."""
     layer = _mixer(GDN)
-    prompts = [4, 1, 6]
     off = [0, 4, 5, 11]
     x = _x(11, seed=4)
     steps = torch.randn(3, 3, D, generator=torch.Generator().manual_seed(5), dtype=F64)   # [N, 3 tokens, d]

@@ -16,7 +16,8 @@ import copy
 
 import pytest
 import torch
-from helpers import count_launches, momentum_data, momentum_parts, require_triton, rms_ratio, triton_device
+from helpers import (channel_alpha, count_launches, grad_leaves, momentum_data, momentum_parts, momentum_run,
+                     momentum_state_loss, require_triton, rms_ratio, triton_device)
 
 tk = require_triton()
 
@@ -60,10 +61,7 @@ def _parts(spec):
 
 def _channel_alpha(shape, seed, fast=FAST, dtype=torch.float64):
     """A channel-wise kept fraction ``[B, T, H, D_k]`` in [0.5, 0.95], key channel 0 at ≈ ``fast``."""
-    g = torch.Generator().manual_seed(seed)
-    alpha = 0.5 + 0.45 * torch.rand(*shape, generator=g, dtype=dtype)
-    alpha[..., 0] = fast * (1 + 0.2 * torch.rand(*shape[:-1], generator=g, dtype=dtype))
-    return alpha
+    return channel_alpha(shape, seed, fast, dtype)
 
 
 def _data(parts, T, seed=0, B=2):
@@ -72,26 +70,16 @@ def _data(parts, T, seed=0, B=2):
     return (q, k, v), gates
 
 
-def _loss(o, state):
-    """A fixed random functional of the output and the whole final state (memory, momentum, anchor, Π α)."""
-    g = torch.Generator().manual_seed(7)
-    terms = [o, state.weights["W"], state.momentum["W"], state.anchor["W"], state.chunk_alpha]
-    return sum((x * torch.randn(x.shape, generator=g, dtype=torch.float64).to(x)).sum() for x in terms)
+_loss = momentum_state_loss
 
 
 def _leaves(parts, data, dtype):
-    (q, k, v), gates = data
-    q, k, v = (x.to(DEVICE, dtype).requires_grad_() for x in (q, k, v))
-    gates = {n: x.to(DEVICE, dtype).requires_grad_() for n, x in gates.items()}
-    return (q, k, v), gates, [q, k, v, *gates.values(), *parts.parameters()]
+    return grad_leaves(parts, data, dtype, DEVICE)
 
 
 def _run(parts, data, dtype, mode, b):
     """memorize in ``dtype``; → (o, state, grads of [q, k, v, *gates, *parameters])."""
-    parts = copy.deepcopy(parts).to(dtype)
-    (q, k, v), gates, leaves = _leaves(parts, data, dtype)
-    o, state = memorize(q, k, v, parts, gates, mode=mode, chunk_size=b)
-    return o, state, torch.autograd.grad(_loss(o, state), leaves)
+    return momentum_run(parts, data, dtype, mode, b, DEVICE)
 
 
 def _assert_state(s_t, s_r, T):

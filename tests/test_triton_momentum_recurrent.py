@@ -11,11 +11,11 @@ mid-chunk and several value blocks; decoding: a prompt of 6 tokens then 5 calls 
 α_t ∈ [0, 1]^{D_k}, M ← M Diag(α_t) + S, before_step at M_a Diag(P)) the same ways, with one fast-forgetting key
 channel (α ≈ 0.05). Kernel allocations are poisoned with NaN.
 """
-import copy
 
 import pytest
 import torch
-from helpers import momentum_data, momentum_parts, require_triton, rms_ratio, triton_device
+from helpers import (channel_alpha, grad_leaves, momentum_data, momentum_parts, momentum_run, momentum_state_loss,
+                     require_triton, rms_ratio, triton_device)
 
 tk = require_triton()
 
@@ -59,33 +59,20 @@ def _data(parts, T, seed=0, B=2):
     """momentum_data; a channel-wise spec's retention gate ``[B, T, H, D]`` in [0.5, 0.95], channel 0 at ≈ FAST."""
     (q, k, v), gates = momentum_data(parts, T, H, D, seed=seed, B=B)
     if parts.retention.channel_wise:
-        g = torch.Generator().manual_seed(seed + 2)
-        alpha = 0.5 + 0.45 * torch.rand(B, T, H, D, generator=g, dtype=torch.float64)
-        alpha[..., 0] = FAST * (1 + 0.2 * torch.rand(B, T, H, generator=g, dtype=torch.float64))
-        gates["retention"] = alpha
+        gates["retention"] = channel_alpha((B, T, H, D), seed + 2, FAST)
     return (q, k, v), gates
 
 
-def _loss(o, state):
-    """A fixed random functional of the output and the whole final state (memory, momentum, anchor, Π α)."""
-    g = torch.Generator().manual_seed(7)
-    terms = [o, state.weights["W"], state.momentum["W"], state.anchor["W"], state.chunk_alpha]
-    return sum((x * torch.randn(x.shape, generator=g, dtype=torch.float64).to(x)).sum() for x in terms)
+_loss = momentum_state_loss
 
 
 def _leaves(parts, data, dtype):
-    (q, k, v), gates = data
-    q, k, v = (x.to(DEVICE, dtype).requires_grad_() for x in (q, k, v))
-    gates = {n: x.to(DEVICE, dtype).requires_grad_() for n, x in gates.items()}
-    return (q, k, v), gates, [q, k, v, *gates.values(), *parts.parameters()]
+    return grad_leaves(parts, data, dtype, DEVICE)
 
 
 def _run(parts, data, dtype, mode, b):
     """memorize in ``dtype``; → (o, state, grads of [q, k, v, *gates, *parameters])."""
-    parts = copy.deepcopy(parts).to(dtype)
-    (q, k, v), gates, leaves = _leaves(parts, data, dtype)
-    o, state = memorize(q, k, v, parts, gates, mode=mode, chunk_size=b)
-    return o, state, torch.autograd.grad(_loss(o, state), leaves)
+    return momentum_run(parts, data, dtype, mode, b, DEVICE)
 
 
 def _count_kernel_calls(monkeypatch):

@@ -19,7 +19,7 @@ one batch-N state where that is exact (e.g. a packed prefill of N prompts, then 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Sequence, Tuple, Union
 
 import torch
 
