@@ -282,17 +282,6 @@ if triton is not None:
         return tl.exp(tl.where(mask, a[:, None] - b[None, :], 0.0))
 
     @triton.jit
-    def _unit_lower_inverse(A, o, N: tl.constexpr):
-        """(I + A)⁻¹ ``[N, N]`` of a strictly lower A (the UT/WY system) by forward substitution in registers:
-        row i = e_i − Σ_{j<i} A[i, j] · row j (o = arange(N))."""
-        Ti = tl.where(o[:, None] == o[None, :], 1.0, 0.0)
-        for i in range(1, N):
-            a_i = tl.sum(tl.where(o[:, None] == i, A, 0.0), axis=0)
-            new = tl.where(o == i, 1.0, 0.0) - tl.sum(a_i[:, None] * Ti, axis=0)
-            Ti = tl.where(o[:, None] == i, new[None, :], Ti)
-        return Ti
-
-    @triton.jit
     def _row(x, sel):
         """Row ``sel`` (a one-hot [BT] mask) of a [BT, N] block, as an [N] vector."""
         return tl.sum(tl.where(sel[:, None], x, 0.0), axis=0)
@@ -401,17 +390,28 @@ if triton is not None:
         g_τr',c} (channel-wise; b_G ``[BS, BK]``, b_g ``[BT, BK]`` at the tokens) for τr' < τr; then
         u = (I + A)⁻¹ (c v), w_k = (I + A)⁻¹ (c e^G ⊙ x) stored at srow and, with STORE_AINV, (I + A)⁻¹ itself
         (``[B, T(·C), H, BS]``) for the backward's dr = (I + A)⁻ᵀ dw."""
+        # (written out, no nested helpers but the decayed products: an inlined helper's debug scope puts labels in
+        # the PTX that shift ptxas' register allocation, and these builds equal the separate kernels' this replaced)
         if CHANNEL:
-            A = b_c[:, None] * _channel_scores(b_x, b_G, m_s, tau, b_x, b_g, o_i, o_s, BS, C, BT, BS, True)
+            if C == 1:
+                A = b_c[:, None] * _decayed_dot(b_x, b_x, b_G, b_g, o_i, BT, True)
+            else:
+                A = b_c[:, None] * _slot_decayed_dot(b_x, b_G, m_s, tau, b_x, b_g, o_i, o_s, BS, BT, BS, C, True)
         else:
             strict = tau[:, None] > tau[None, :]
             kk = tl.dot(b_x, tl.trans(b_x), input_precision=PRECISION)
             if C == 1:     # (the decay formed before the product, as the C = 1 kernel always had it)
-                ratio = _masked_decay(b_G, b_gs, strict)
+                ratio = tl.exp(tl.where(strict, b_G[:, None] - b_gs[None, :], 0.0))
                 A = tl.where(strict, b_c[:, None] * kk * ratio, 0.0)
             else:
-                A = tl.where(strict, b_c[:, None] * kk * _masked_decay(b_G, b_gs, strict), 0.0)
-        Ti = _unit_lower_inverse(A, o_s, BS)
+                A = tl.where(strict, b_c[:, None] * kk * tl.exp(tl.where(strict, b_G[:, None] - b_gs[None, :], 0.0)),
+                             0.0)
+        # (I + A)⁻¹ by forward substitution: row i = e_i − Σ_{j<i} A[i, j] · row j
+        Ti = tl.where(o_s[:, None] == o_s[None, :], 1.0, 0.0)
+        for i in range(1, BS):
+            a_i = tl.sum(tl.where(o_s[:, None] == i, A, 0.0), axis=0)
+            new = tl.where(o_s == i, 1.0, 0.0) - tl.sum(a_i[:, None] * Ti, axis=0)
+            Ti = tl.where(o_s[:, None] == i, new[None, :], Ti)
         b_u = tl.dot(Ti, b_c[:, None] * b_v, input_precision=PRECISION)
         if CHANNEL:
             b_wk = tl.dot(Ti, b_c[:, None] * b_x * tl.exp(b_G), input_precision=PRECISION)
@@ -446,33 +446,68 @@ if triton is not None:
         chunk's write rows, and steps S ← e^{g_L} S + Σ_r e^{g_L − g_τr} w_r k_rᵀ (per head) or
         S ← S Diag(e^{g_L}) + Σ_r w_r (k_r ⊙ e^{g_L − g_τr})ᵀ (channel-wise); the last S to ``ht [N, H, V, K]``.
         k, v, beta, u, wk, w_out: the write rows (tokens, or window slots for C > 1); g ``[B, T, H(, K)]``."""
-        i_bh, i_h, bos, T, NT, boc, o_i, o_s, tau, o_k, o_v, m_k, m_v, m_h, h_offs = _sweep_program(
-            cu_seqlens, chunk_offsets, T, NT, H, K, V, C, BT, BS, BK, BV, IS_VARLEN)
+        i_v = tl.program_id(0)
+        i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
+        i_n = i_bh // H
+        i_h = i_bh % H
+        bos, T, NT, boc = _sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
+        o_s = tl.arange(0, BS)
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k = o_k < K
+        m_v = o_v < V
+        m_h = m_v[:, None] & m_k[None, :]
+        h_offs = o_v[:, None] * K + o_k[None, :]
+        if C == 1:
+            tau = o_s
+        else:
+            tau = o_s // C
         h = tl.zeros([BV, BK], dtype=tl.float32)
         if HAS_H0:
-            h += _state_tile(h0, i_bh.to(tl.int64), h_offs, m_h, V, K)
+            h += tl.load(h0 + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
+        # (no helper calls inside the loop: their inlined debug scopes put labels in the PTX that shift ptxas'
+        # register allocation; written out, the builds equal the separate kernels' this body replaced)
         for i_t in range(0, NT):
-            _put_state(hs, (boc + i_t) * H + i_h, h_offs, m_h, V, K, h)    # chunk-start state, [NC, H, V, K]
-            m_s, srow, trow = _slot_rows(bos, i_t, i_h, o_s, tau, T, H, C, BT)
+            tl.store(hs + ((boc + i_t) * H + i_h) * V * K + h_offs, h, mask=m_h)   # chunk-start state [NC, H, V, K]
+            if C == 1:
+                tok = i_t * BT + o_s
+                m_s = tok < T
+                srow = (bos + tok) * H + i_h
+                trow = srow
+            else:
+                tok = i_t * BT + tau
+                m_s = (o_s < BT * C) & (tok < T)
+                srow = ((bos + i_t * BT) * C + o_s) * H + i_h
+                trow = (bos + tok) * H + i_h
             m_sk = m_s[:, None] & m_k[None, :]
             m_sv = m_s[:, None] & m_v[None, :]
-            b_x = _tile(k, srow, o_k, K, m_sk)
+            b_x = tl.load(k + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0).to(tl.float32)
             if IS_L2:
-                b_w = _tile(u, srow, o_v, V, m_sv) - tl.dot(_tile(wk, srow, o_k, K, m_sk), tl.trans(h),
-                                                             input_precision=PRECISION)
+                b_u = tl.load(u + srow[:, None] * V + o_v[None, :], mask=m_sv, other=0.0)
+                b_wk = tl.load(wk + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0)
+                b_w = b_u - tl.dot(b_wk, tl.trans(h), input_precision=PRECISION)
             else:
-                b_v = _tile(v, srow, o_v, V, m_sv)
-                b_w = _vec(beta, srow, m_s)[:, None] * b_v
+                b_v = tl.load(v + srow[:, None] * V + o_v[None, :], mask=m_sv, other=0.0).to(tl.float32)
+                b_w = tl.load(beta + srow, mask=m_s, other=0.0).to(tl.float32)[:, None] * b_v
             tl.store(w_out + srow[:, None] * V + o_v[None, :], b_w, mask=m_sv)
-            b_gs = _gates(g, trow, m_s, o_k, m_k, K, CHANNEL)
-            last, g_last = _last_gate(g, bos, i_t, i_h, T, H, K, C, BT, o_k, m_k, CHANNEL)
+            if CHANNEL:
+                b_gs = tl.load(g + trow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0)
+            else:
+                b_gs = tl.load(g + trow, mask=m_s, other=0.0)
+            last = tl.minimum(T - i_t * BT, BT) - 1
+            if not CHANNEL:
+                g_last = tl.load(g + (bos + i_t * BT + last) * H + i_h)
+            elif C == 1:
+                g_last = tl.load(g + (bos + i_t * BT + last) * H * K + i_h * K + o_k, mask=m_k, other=0.0)
+            else:
+                g_last = tl.load(g + ((bos + i_t * BT + last) * H + i_h) * K + o_k, mask=m_k, other=0.0)
             if CHANNEL:
                 b_xd = b_x * tl.exp(tl.where(m_sk, g_last[None, :] - b_gs, 0.0))
                 h = h * tl.exp(g_last)[None, :] + tl.dot(tl.trans(b_w), b_xd, input_precision=PRECISION)
             else:
                 decay = tl.exp(tl.where(m_s, g_last - b_gs, 0.0))
                 h = h * tl.exp(g_last) + tl.dot(tl.trans(b_w * decay[:, None]), b_x, input_precision=PRECISION)
-        _put_state(ht, i_bh.to(tl.int64), h_offs, m_h, V, K, h)
+        tl.store(ht + i_bh.to(tl.int64) * V * K + h_offs, h, mask=m_h)
 
     @triton.jit
     def _out_chunk(q, k, la, g, w, hs, o, cu_seqlens, chunk_indices, T, NT, H: tl.constexpr,
@@ -525,66 +560,132 @@ if triton is not None:
         return row
 
     @triton.jit
-    def _dh_step(dh, P, b_do, b_q, b_x, b_gq, b_gs, g_last, m_s, m_sk, srow, o_v, m_v, o_k, dw, wk,
-                 V: tl.constexpr, K: tl.constexpr, IS_L2: tl.constexpr, CHANNEL: tl.constexpr,
-                 PRECISION: tl.constexpr):
-        """One chunk of the backward reverse sweep, from dS = ∂L/∂S_L of its end ``[BV, BK]``: stores
-        dw = Pᵀ do + e^{g_L − g_τ} ⊙ (x dSᵀ) (per head) or Pᵀ do + (x ⊙ e^{g_L − g_τ}) dSᵀ (channel-wise) at the
-        write rows and returns the chunk-start dS = e^{g_L} dS + (e^{gq} ⊙ do)ᵀ q (per head) or
-        dS Diag(e^{g_L}) + doᵀ (q ⊙ e^{gq}) (channel-wise), − dwᵀ w_k for l2. P ``[BT, BS]``: the intra-chunk
-        read (:func:`_read_scores`); b_q, b_do, b_gq at the tokens; b_x, b_gs at the write rows (mask m_s, m_sk)."""
-        if CHANNEL:
-            b_xd = b_x * tl.exp(tl.where(m_sk, g_last[None, :] - b_gs, 0.0))
-            b_dw = tl.dot(tl.trans(P), b_do, input_precision=PRECISION) \
-                + tl.dot(b_xd, tl.trans(dh), input_precision=PRECISION)
+    def _dh_sweep(q, k, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT, H: tl.constexpr,
+                  IS_VARLEN: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr,
+                  BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_ALPHA: tl.constexpr,
+                  HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, IS_L2: tl.constexpr, READ_TOKEN: tl.constexpr,
+                  CHANNEL: tl.constexpr, PRECISION: tl.constexpr):
+        """Backward reverse sweep over chunks (value block × sequence × head), C = 1 and window, both decays.
+        dS = ∂L/∂S_L of each chunk's end (stored, ``dhs [NC, H, V, K]``; from ``dht``):
+        dw = Pᵀ do + e^{g_L − g_τ} ⊙ (x dSᵀ) (per head) or Pᵀ do + (x ⊙ e^{g_L − g_τ}) dSᵀ (channel-wise) on the
+        write rows (k: the tokens' keys, or the window slots for C > 1), P the intra-chunk read (causal
+        e^{gq_t − g_τr} q_t·x_r, or Σ_c q_tc x_rc e^{gq_tc − g_τr,c}); dS ← e^{g_L} dS + (e^{gq} ⊙ do)ᵀ q (per head)
+        or dS Diag(e^{g_L}) + doᵀ (q ⊙ e^{gq}) (channel-wise), − dwᵀ w_k for l2; the last dS is the initial state's
+        gradient (``dh0 [N, H, V, K]``). Written out without nested helpers (their inlined debug scopes put labels in
+        the PTX that shift ptxas' register allocation); the loads keep each variant's order of masks."""
+        i_v = tl.program_id(0)
+        i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
+        i_n = i_bh // H
+        i_h = i_bh % H
+        bos, T, NT, boc = _sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
+        o_i = tl.arange(0, BT)
+        o_s = tl.arange(0, BS)
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k = o_k < K
+        m_v = o_v < V
+        m_h = m_v[:, None] & m_k[None, :]
+        h_offs = o_v[:, None] * K + o_k[None, :]
+        if C == 1:
+            tau = o_s
         else:
-            decay = tl.exp(tl.where(m_s, g_last - b_gs, 0.0))
-            b_dw = tl.dot(tl.trans(P), b_do, input_precision=PRECISION) \
-                + decay[:, None] * tl.dot(b_x, tl.trans(dh), input_precision=PRECISION)
-        tl.store(dw + srow[:, None] * V + o_v[None, :], b_dw, mask=m_s[:, None] & m_v[None, :])
-        if CHANNEL:
-            dh = dh * tl.exp(g_last)[None, :] + tl.dot(tl.trans(b_do), b_q * tl.exp(b_gq), input_precision=PRECISION)
-        else:
-            dh = dh * tl.exp(g_last) + tl.dot(tl.trans(b_do * tl.exp(b_gq)[:, None]), b_q, input_precision=PRECISION)
-        if IS_L2:
-            b_wk = tl.load(wk + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0)
-            dh -= tl.dot(tl.trans(b_dw), b_wk, input_precision=PRECISION)
-        return dh
-
-    @triton.jit
-    def _dh_sweep(q, k, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT,
-                  H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                  BK: tl.constexpr, BV: tl.constexpr, HAS_ALPHA: tl.constexpr, HAS_DHT: tl.constexpr,
-                  HAS_H0: tl.constexpr, IS_L2: tl.constexpr, READ_TOKEN: tl.constexpr, CHANNEL: tl.constexpr,
-                  PRECISION: tl.constexpr):
-        """Backward reverse sweep over chunks of the C = 1 kernels (value block × sequence × head): dS = ∂L/∂S_L of
-        each chunk's end (stored, ``dhs [NC, H, V, K]``; from ``dht``), one :func:`_dh_step` per chunk; the last dS
-        is the initial state's gradient (``dh0 [N, H, V, K]``). The window kernels' sweep:
-        :func:`.chunk_window._win_dh_sweep`."""
-        i_bh, i_h, bos, T, NT, boc, o_i, o_s, tau, o_k, o_v, m_k, m_v, m_h, h_offs = _sweep_program(
-            cu_seqlens, chunk_offsets, T, NT, H, K, V, 1, BT, BT, BK, BV, IS_VARLEN)
+            tau = o_s // C
         dh = tl.zeros([BV, BK], dtype=tl.float32)
         if HAS_DHT:
-            dh += _state_tile(dht, i_bh.to(tl.int64), h_offs, m_h, V, K)
+            dh += tl.load(dht + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
         for j in range(0, NT):
             i_t = NT - 1 - j
-            _put_state(dhs, (boc + i_t) * H + i_h, h_offs, m_h, V, K, dh)   # ∂L/∂(end state of chunk i_t)
-            m_t, rows = _token_rows(o_i, bos, i_t, i_h, T, H, BT)
-            m_tk = m_t[:, None] & m_k[None, :]
-            m_tv = m_t[:, None] & m_v[None, :]
-            b_q = _tile(q, rows, o_k, K, m_tk)
-            b_k = _tile(k, rows, o_k, K, m_tk)
-            b_do = _tile(do, rows, o_v, V, m_tv)
-            b_g = _gates(g, rows, m_t, o_k, m_k, K, CHANNEL)
-            last, g_last = _last_gate(g, bos, i_t, i_h, T, H, K, 1, BT, o_k, m_k, CHANNEL)
-            b_gq = _read_gate(b_g, la, rows, m_t, o_k, m_k, K, HAS_ALPHA, READ_TOKEN, CHANNEL)
-            causal = _causal(o_i, o_i, m_t, 1, not READ_TOKEN)        # (per head only)
-            P = _read_scores(b_q, b_k, b_gq, b_g, b_g, causal, m_t, o_i, o_i, 1, BT, BT, READ_TOKEN, CHANNEL,
-                             PRECISION)
-            dh = _dh_step(dh, P, b_do, b_q, b_k, b_gq, b_g, g_last, m_t, m_tk, rows, o_v, m_v, o_k, dw, wk, V, K,
-                          IS_L2, CHANNEL, PRECISION)
+            # ∂L/∂(end state of chunk i_t), [NC, H, V, K]
+            tl.store(dhs + ((boc + i_t) * H + i_h) * V * K + h_offs, dh, mask=m_h)
+            o_t = i_t * BT + o_i
+            m_t = o_t < T
+            rows = (bos + o_t) * H + i_h
+            if C == 1:
+                m_s = m_t
+                srow = rows
+                trow = rows
+                m_sk = m_t[:, None] & m_k[None, :]
+                m_tv = m_t[:, None] & m_v[None, :]
+                b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_sk, other=0.0).to(tl.float32)
+                b_x = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_sk, other=0.0).to(tl.float32)
+                b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+            else:
+                tok = i_t * BT + tau
+                m_s = (o_s < BT * C) & (tok < T)
+                srow = ((bos + i_t * BT) * C + o_s) * H + i_h
+                trow = (bos + tok) * H + i_h
+                m_sk = m_s[:, None] & m_k[None, :]
+                if CHANNEL:
+                    m_tk = m_t[:, None] & m_k[None, :]
+                    b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+                else:
+                    b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
+                                  other=0.0).to(tl.float32)
+                b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                               other=0.0).to(tl.float32)
+                b_x = tl.load(k + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0).to(tl.float32)
+            if CHANNEL:
+                b_g = tl.load(g + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+                if C == 1:
+                    b_gs = b_g
+                else:
+                    b_gs = tl.load(g + trow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0)
+            else:
+                b_g = tl.load(g + rows, mask=m_t, other=0.0)
+                if C == 1:
+                    b_gs = b_g
+                else:
+                    b_gs = tl.load(g + trow, mask=m_s, other=0.0)
+            last = tl.minimum(T - i_t * BT, BT) - 1
+            if not CHANNEL:
+                g_last = tl.load(g + (bos + i_t * BT + last) * H + i_h)
+            elif C == 1:
+                g_last = tl.load(g + (bos + i_t * BT + last) * H * K + i_h * K + o_k, mask=m_k, other=0.0)
+            else:
+                g_last = tl.load(g + ((bos + i_t * BT + last) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+            if READ_TOKEN:
+                b_gq = b_g
+            elif CHANNEL:
+                b_gq = b_g - tl.load(la + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
+                                     other=0.0).to(tl.float32)
+            elif HAS_ALPHA:
+                b_gq = b_g - tl.load(la + rows, mask=m_t, other=0.0).to(tl.float32)
+            else:
+                b_gq = b_g
+            if CHANNEL:
+                if C == 1:
+                    P = _decayed_dot(b_q, b_x, b_gq, b_g, o_i, BT, not READ_TOKEN)
+                else:
+                    P = _slot_decayed_dot(b_q, b_gq, m_t, o_i, b_x, b_g, o_i, o_s, BT, BT, BS, C, not READ_TOKEN)
+                b_xd = b_x * tl.exp(tl.where(m_sk, g_last[None, :] - b_gs, 0.0))
+                b_dw = tl.dot(tl.trans(P), b_do, input_precision=PRECISION) \
+                    + tl.dot(b_xd, tl.trans(dh), input_precision=PRECISION)
+            else:
+                if C == 1:   # (the read mask's comparison written as each family always had it)
+                    if READ_TOKEN:
+                        causal = (o_i[:, None] >= o_i[None, :]) & m_t[None, :]
+                    else:
+                        causal = (o_i[:, None] > o_i[None, :]) & m_t[None, :]
+                else:
+                    if READ_TOKEN:
+                        causal = (tau[None, :] <= o_i[:, None]) & m_s[None, :]
+                    else:
+                        causal = (tau[None, :] < o_i[:, None]) & m_s[None, :]
+                qx = tl.dot(b_q, tl.trans(b_x), input_precision=PRECISION)
+                P = tl.where(causal, qx * tl.exp(tl.where(causal, b_gq[:, None] - b_gs[None, :], 0.0)), 0.0)
+                decay = tl.exp(tl.where(m_s, g_last - b_gs, 0.0))
+                b_dw = tl.dot(tl.trans(P), b_do, input_precision=PRECISION) \
+                    + decay[:, None] * tl.dot(b_x, tl.trans(dh), input_precision=PRECISION)
+            tl.store(dw + srow[:, None] * V + o_v[None, :], b_dw, mask=m_s[:, None] & m_v[None, :])
+            if CHANNEL:
+                dh = dh * tl.exp(g_last)[None, :] + tl.dot(tl.trans(b_do), b_q * tl.exp(b_gq), input_precision=PRECISION)
+            else:
+                dh = dh * tl.exp(g_last) + tl.dot(tl.trans(b_do * tl.exp(b_gq)[:, None]), b_q, input_precision=PRECISION)
+            if IS_L2:
+                b_wk = tl.load(wk + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0)
+                dh -= tl.dot(tl.trans(b_dw), b_wk, input_precision=PRECISION)
         if HAS_H0:
-            _put_state(dh0, i_bh.to(tl.int64), h_offs, m_h, V, K, dh)
+            tl.store(dh0 + i_bh.to(tl.int64) * V * K + h_offs, dh, mask=m_h)
 
     @triton.jit
     def _grad_program(q, k, beta, g, cu_seqlens, chunk_indices, T, NT, H: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -947,8 +1048,10 @@ if triton is not None:
         if HAS_H0:
             h += _state_tile(h0, i_bh.to(tl.int64), h_offs, m_h, V, K)
         for i_t in range(0, NT):
-            _put_state(hs, (boc + i_t) * H + i_h, h_offs, m_h, V, K, h)    # chunk-start state, [NC, H, V, K]
-            m_t, rows = _token_rows(o_i, bos, i_t, i_h, T, H, BT)
+            tl.store(hs + ((boc + i_t) * H + i_h) * V * K + h_offs, h, mask=m_h)   # chunk-start state [NC, H, V, K]
+            o_t = i_t * BT + o_i
+            m_t = o_t < T
+            rows = (bos + o_t) * H + i_h
             b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
                           other=0.0).to(tl.float32)
             if IS_L2:
@@ -958,10 +1061,11 @@ if triton is not None:
             else:
                 b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
                               other=0.0).to(tl.float32)
-                b_w = _vec(beta, rows, m_t)[:, None] * b_v
+                b_w = tl.load(beta + rows, mask=m_t, other=0.0).to(tl.float32)[:, None] * b_v
             tl.store(w_out + rows[:, None] * V + o_v[None, :], b_w, mask=m_t[:, None] & m_v[None, :])
-            b_g = _vec(g, rows, m_t)
-            last, g_last = _last_gate(g, bos, i_t, i_h, T, H, K, 1, BT, o_k, m_k, False)
+            b_g = tl.load(g + rows, mask=m_t, other=0.0)
+            last = tl.minimum(T - i_t * BT, BT) - 1
+            g_last = tl.load(g + (bos + i_t * BT + last) * H + i_h)
             decay = tl.exp(tl.where(m_t, g_last - b_g, 0.0))
             h = h * tl.exp(g_last) + tl.dot(tl.trans(b_w * decay[:, None]), b_k, input_precision=PRECISION)
         _put_state(ht, i_bh.to(tl.int64), h_offs, m_h, V, K, h)
@@ -1003,8 +1107,8 @@ if triton is not None:
                              IS_L2: tl.constexpr, READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
         """Reverse sweep over chunks (:func:`_dh_sweep`, per head). dS = ∂L/∂S_L of the chunk end:
         dw = Pᵀ do + e^{g_L − g} ⊙ (k dSᵀ);  dS ← e^{g_L} dS + (e^{gq} ⊙ do)ᵀ q − [l2] dwᵀ w_k."""
-        _dh_sweep(q, k, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K, V, BT,
-                  BK, BV, HAS_ALPHA, HAS_DHT, HAS_H0, IS_L2, READ_TOKEN, False, PRECISION)
+        _dh_sweep(q, k, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K, V, 1,
+                  BT, BT, BK, BV, HAS_ALPHA, HAS_DHT, HAS_H0, IS_L2, READ_TOKEN, False, PRECISION)
 
     @triton.jit
     def _cw_bwd_dh_kernel(q, k, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT,
@@ -1014,8 +1118,8 @@ if triton is not None:
                           READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
         """Reverse sweep, channel-wise (:func:`_dh_sweep`): dw = Pᵀ do + (k ⊙ e^{g_L − g}) dSᵀ;
         dS ← dS Diag(e^{g_L}) + doᵀ (q ⊙ e^{gq}) − [l2] dwᵀ w_k."""
-        _dh_sweep(q, k, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K, V, BT,
-                  BK, BV, True, HAS_DHT, HAS_H0, IS_L2, READ_TOKEN, True, PRECISION)
+        _dh_sweep(q, k, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K, V, 1,
+                  BT, BT, BK, BV, True, HAS_DHT, HAS_H0, IS_L2, READ_TOKEN, True, PRECISION)
 
     @triton.jit
     def _chunk_bwd_grad_kernel(q, k, v, beta, la, g, ainv, w, hs, dhs, do, dw, dq, dk, dv, dbeta, dla, cu_seqlens,

@@ -68,9 +68,8 @@ except ImportError:  # pragma: no cover
 
 if triton is not None:
     # the shared stage bodies and pieces (C = 1 and window, per-head and channel-wise decay) live in .chunk
-    from .chunk import (_causal, _chunk_span, _dh_step, _gates, _grad_channel, _grad_per_head, _last_gate, _out_chunk,
-                        _put_state, _read_gate, _read_scores, _slot_rows, _slot_tokens, _state_sweep, _state_tile,
-                        _sweep_program, _tile, _token_rows, _ut_solve, _vec)
+    from .chunk import (_causal, _chunk_span, _dh_sweep, _gates, _grad_channel, _grad_per_head, _out_chunk, _read_gate,
+                        _read_scores, _slot_rows, _slot_tokens, _state_sweep, _tile, _token_rows, _ut_solve, _vec)
 
     @triton.jit
     def _win_ut(xs, vs, coef, la, g, u_out, wk_out, ainv_out, cu_seqlens, chunk_indices, T, NT, H: tl.constexpr,
@@ -170,47 +169,6 @@ if triton is not None:
         tl.store(o + rows[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
     @triton.jit
-    def _win_dh_sweep(q, xs, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT, H: tl.constexpr,
-                      IS_VARLEN: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr,
-                      BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_ALPHA: tl.constexpr,
-                      HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, IS_L2: tl.constexpr, READ_TOKEN: tl.constexpr,
-                      CHANNEL: tl.constexpr, PRECISION: tl.constexpr):
-        """Backward reverse sweep of the window kernels (value block × sequence × head): dS = ∂L/∂S_L of each chunk's
-        end (stored, ``dhs [NC, H, V, K]``; from ``dht``), one :func:`.chunk._dh_step` per chunk on its BT·C slot
-        rows; the last dS is the initial state's gradient (``dh0 [N, H, V, K]``)."""
-        i_bh, i_h, bos, T, NT, boc, o_i, o_s, tau, o_k, o_v, m_k, m_v, m_h, h_offs = _sweep_program(
-            cu_seqlens, chunk_offsets, T, NT, H, K, V, C, BT, BS, BK, BV, IS_VARLEN)
-        dh = tl.zeros([BV, BK], dtype=tl.float32)
-        if HAS_DHT:
-            dh += _state_tile(dht, i_bh.to(tl.int64), h_offs, m_h, V, K)
-        for j in range(0, NT):
-            i_t = NT - 1 - j
-            _put_state(dhs, (boc + i_t) * H + i_h, h_offs, m_h, V, K, dh)   # ∂L/∂(end state of chunk i_t)
-            m_t, rows = _token_rows(o_i, bos, i_t, i_h, T, H, BT)
-            m_s, srow, trow = _slot_rows(bos, i_t, i_h, o_s, tau, T, H, C, BT)
-            m_sk = m_s[:, None] & m_k[None, :]
-            if CHANNEL:
-                m_tk = m_t[:, None] & m_k[None, :]
-                b_q = _tile(q, rows, o_k, K, m_tk)
-            else:    # (the per-head kernel forms this mask after the address)
-                b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
-                              other=0.0).to(tl.float32)
-            b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
-                           other=0.0).to(tl.float32)
-            b_x = _tile(xs, srow, o_k, K, m_sk)
-            b_g = _gates(g, rows, m_t, o_k, m_k, K, CHANNEL)
-            b_gs = _gates(g, trow, m_s, o_k, m_k, K, CHANNEL)
-            last, g_last = _last_gate(g, bos, i_t, i_h, T, H, K, C, BT, o_k, m_k, CHANNEL)
-            b_gq = _read_gate(b_g, la, rows, m_t, o_k, m_k, K, HAS_ALPHA, READ_TOKEN, CHANNEL)
-            causal = _causal(o_i, tau, m_s, C, not READ_TOKEN)        # (per head only)
-            P = _read_scores(b_q, b_x, b_gq, b_g, b_gs, causal, m_t, o_i, o_s, C, BT, BS, READ_TOKEN, CHANNEL,
-                             PRECISION)
-            dh = _dh_step(dh, P, b_do, b_q, b_x, b_gq, b_gs, g_last, m_s, m_sk, srow, o_v, m_v, o_k, dw, wk, V, K,
-                          IS_L2, CHANNEL, PRECISION)
-        if HAS_H0:
-            _put_state(dh0, i_bh.to(tl.int64), h_offs, m_h, V, K, dh)
-
-    @triton.jit
     def _win_bwd_dh_kernel(q, xs, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT,
                            H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
                            V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
@@ -218,8 +176,8 @@ if triton is not None:
                            IS_L2: tl.constexpr, READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
         """Reverse sweep over chunks (:func:`.chunk._dh_sweep`, value block × head): dw = Pᵀ do + e^{g_L − g_τ} ⊙
         (x dSᵀ) on the slots; dS ← e^{g_L} dS + (e^{gq} ⊙ do)ᵀ q − [l2] dwᵀ w_k."""
-        _win_dh_sweep(q, xs, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K, V,
-                      C, BT, BS, BK, BV, HAS_ALPHA, HAS_DHT, HAS_H0, IS_L2, READ_TOKEN, False, PRECISION)
+        _dh_sweep(q, xs, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K, V, C,
+                  BT, BS, BK, BV, HAS_ALPHA, HAS_DHT, HAS_H0, IS_L2, READ_TOKEN, False, PRECISION)
 
     @triton.jit
     def _win_bwd_grad_kernel(q, xs, vs, coef, la, g, ainv, w, hs, dhs, do, dw, dq, dx, dv, dcoef, dla,
@@ -273,8 +231,8 @@ if triton is not None:
                               READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
         """Reverse sweep, channel-wise (:func:`.chunk._dh_sweep`): dw = Pᵀ do + (x ⊙ e^{g_L − g_τ}) dSᵀ on the
         slots; dS ← dS Diag(e^{g_L}) + doᵀ (q ⊙ e^{gq}) − [l2] dwᵀ w_k; the last dS is the initial state's."""
-        _win_dh_sweep(q, xs, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K, V,
-                      C, BT, BS, BK, BV, True, HAS_DHT, HAS_H0, IS_L2, READ_TOKEN, True, PRECISION)
+        _dh_sweep(q, xs, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K, V, C,
+                  BT, BS, BK, BV, True, HAS_DHT, HAS_H0, IS_L2, READ_TOKEN, True, PRECISION)
 
     @triton.jit
     def _win_cw_bwd_grad_kernel(q, xs, vs, coef, la, g, ainv, w, hs, dhs, do, dw, dq, dx, dv, dcoef, dla,
