@@ -46,13 +46,15 @@ e^{−g} factorisation, so no overflow at any decay strength) by a loop over the
 with tensor-core products between sub-chunks, the faster choice on a GPU (not done here).
 
 Code layout: each stage is written once as a ``@triton.jit`` body that Triton inlines into the named kernels
-(``_ut_solve``, ``_state_sweep``, ``_out_chunk``, ``_dh_step`` / ``_dh_sweep``, ``_grad_per_head``,
-``_grad_channel``), shared by the C = 1 kernels here and the Omega-window kernels of :mod:`.chunk_window` (C > 1:
-the BT·C window slots are the chunk's write rows, :func:`_slot_rows`) and switched by ``tl.constexpr`` flags (C,
-CHANNEL). Each variant's body emits the same Triton IR, op for op, as the separate kernels it replaced (so the same
-sm_90 builds: register allocation depends on the order of the IR); where the variants had formed a mask, an address or
-a comparison in a different order the body keeps each one's order (``_causal``, ``_last_gate``, ``_chunk_row``, the
-C == 1 branches of the grad bodies), and ``_chunk_state_kernel`` and ``_win_out_kernel`` keep their own short bodies.
+(``_ut_solve``, ``_state_sweep``, ``_out_chunk``, ``_dh_sweep``, ``_grad_per_head``, ``_grad_channel``), shared by
+the C = 1 kernels here and the Omega-window kernels of :mod:`.chunk_window` (C > 1: the BT·C window slots are the
+chunk's write rows) and switched by ``tl.constexpr`` flags (C, CHANNEL). Each variant emits the same Triton IR, op for
+op, as the separate kernel it replaced: register allocation depends on the order of the IR, so where the variants had
+formed a mask, an address or a comparison in a different order the body keeps each one's order (``_causal``,
+``_last_gate``, ``_chunk_row``, the C == 1 branches), and ``_chunk_state_kernel`` and ``_win_out_kernel`` keep their
+own short bodies. The sweeps and the UT solve are written out without nested jit helpers: an inlined helper's debug
+scope adds labels to the PTX which, with Triton's default line info, moved ptxas' register allocation by a few
+registers in some builds although the IR was the same (``bench/compile_sm90.py``: every build as before).
 
 Variable-length batches (``cu_seqlens [N + 1]``, sequences packed as ``[1, total_T, H, D]``) run natively, as in
 fla: :func:`prepare_chunk_indices` builds on the host the table of (sequence, chunk within it) for every BT-token
@@ -678,9 +680,11 @@ if triton is not None:
                     + decay[:, None] * tl.dot(b_x, tl.trans(dh), input_precision=PRECISION)
             tl.store(dw + srow[:, None] * V + o_v[None, :], b_dw, mask=m_s[:, None] & m_v[None, :])
             if CHANNEL:
-                dh = dh * tl.exp(g_last)[None, :] + tl.dot(tl.trans(b_do), b_q * tl.exp(b_gq), input_precision=PRECISION)
+                dh = dh * tl.exp(g_last)[None, :] \
+                    + tl.dot(tl.trans(b_do), b_q * tl.exp(b_gq), input_precision=PRECISION)
             else:
-                dh = dh * tl.exp(g_last) + tl.dot(tl.trans(b_do * tl.exp(b_gq)[:, None]), b_q, input_precision=PRECISION)
+                dh = dh * tl.exp(g_last) \
+                    + tl.dot(tl.trans(b_do * tl.exp(b_gq)[:, None]), b_q, input_precision=PRECISION)
             if IS_L2:
                 b_wk = tl.load(wk + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0)
                 dh -= tl.dot(tl.trans(b_dw), b_wk, input_precision=PRECISION)

@@ -43,10 +43,9 @@ c = 1 channel-wise backward (:func:`.reference._channel_wise_backward`) on the s
 summed into their tokens before the per-channel reverse cumsum; ``cu_seqlens`` as above.
 
 The c = 1 kernels, the stage bodies these kernels share with them (``_ut_solve``, ``_state_sweep``, ``_out_chunk``,
-``_dh_step``, ``_grad_per_head``, ``_grad_channel``: the window kernels are their C > 1 cases), the shared block sizes
-and the backward switch ``chunk.BACKWARD`` live in :mod:`.chunk`; here: the window UT body (``_win_ut``), the reverse
-sweep's per-chunk loads (``_win_dh_sweep``) and the per-head output kernel, whose loads form their masks in their own
-order.
+``_dh_sweep``, ``_grad_per_head``, ``_grad_channel``: the window kernels are their C > 1 cases), the shared block
+sizes and the backward switch ``chunk.BACKWARD`` live in :mod:`.chunk`; here: the window UT body (``_win_ut``) and the
+per-head output kernel, whose loads form their masks in their own order.
 """
 from __future__ import annotations
 
