@@ -280,8 +280,13 @@ if triton is not None:
 
     @triton.jit
     def _masked_decay(a, b, mask):
-        """e^{a_t − b_s} ``[R, S]`` where mask holds, 1 elsewhere (a ``[R]``, b ``[S]``: per-head log-decays)."""
-        return tl.exp(tl.where(mask, a[:, None] - b[None, :], 0.0))
+        """e^{a_t − b_s} ``[R, S]`` where mask holds, 1 elsewhere (a ``[R]``, b ``[S]``: per-head log-decays).
+
+        The exponent is clamped at 0: on a mask's causal entries of real rows a_t − b_s ≤ 0 already (cumulative
+        log-decays only fall), but a padded row past a ragged chunk's end loads a = 0, and e^{−b_s} overflows to inf
+        once the chunk has decayed below e^−88 (a fast-forgetting head); inf times that row's zero is NaN in every
+        product over rows (the backward's Pᵀ do, the UT solve)."""
+        return tl.exp(tl.minimum(tl.where(mask, a[:, None] - b[None, :], 0.0), 0.0))
 
     @triton.jit
     def _row(x, sel):
@@ -403,10 +408,11 @@ if triton is not None:
             strict = tau[:, None] > tau[None, :]
             kk = tl.dot(b_x, tl.trans(b_x), input_precision=PRECISION)
             if C == 1:     # (the decay formed before the product, as the C = 1 kernel always had it)
-                ratio = tl.exp(tl.where(strict, b_G[:, None] - b_gs[None, :], 0.0))
+                ratio = tl.exp(tl.minimum(tl.where(strict, b_G[:, None] - b_gs[None, :], 0.0), 0.0))
                 A = tl.where(strict, b_c[:, None] * kk * ratio, 0.0)
             else:
-                A = tl.where(strict, b_c[:, None] * kk * tl.exp(tl.where(strict, b_G[:, None] - b_gs[None, :], 0.0)),
+                A = tl.where(strict, b_c[:, None] * kk * tl.exp(tl.minimum(tl.where(strict, b_G[:, None] - b_gs[None, :],
+                                                                                   0.0), 0.0)),
                              0.0)
         # (I + A)⁻¹ by forward substitution: row i = e_i − Σ_{j<i} A[i, j] · row j
         Ti = tl.where(o_s[:, None] == o_s[None, :], 1.0, 0.0)
@@ -674,7 +680,7 @@ if triton is not None:
                     else:
                         causal = (tau[None, :] < o_i[:, None]) & m_s[None, :]
                 qx = tl.dot(b_q, tl.trans(b_x), input_precision=PRECISION)
-                P = tl.where(causal, qx * tl.exp(tl.where(causal, b_gq[:, None] - b_gs[None, :], 0.0)), 0.0)
+                P = tl.where(causal, qx * _masked_decay(b_gq, b_gs, causal), 0.0)
                 decay = tl.exp(tl.where(m_s, g_last - b_gs, 0.0))
                 b_dw = tl.dot(tl.trans(P), b_do, input_precision=PRECISION) \
                     + decay[:, None] * tl.dot(b_x, tl.trans(dh), input_precision=PRECISION)
