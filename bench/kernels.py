@@ -296,7 +296,7 @@ def packed_step(parts, lengths, inputs, gates, do, layout: str, backward=True):
                 return torch.stack([torch.nn.functional.pad(x[0, a:b], [0, 0] * (x.dim() - 2) + [0, L - (b - a)],
                                                             value=value)
                                     for a, b in zip(offsets[:-1], offsets[1:])])
-            # padded α = 1 (no decay): α = 0 would put log 0 into the kernels' decay exponents
+            # padded α = 1 (no decay), lr 0 (no write): the padding leaves the final memories as the real tokens left them
             o_pad, _ = memorize(*(pad(x) for x in leaves), parts,
                                 {n: pad(x, 1.0 if n == "retention" else 0.0) for n, x in gl.items()},
                                 mode="triton", chunk_size=1)
