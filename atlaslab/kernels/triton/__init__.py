@@ -362,7 +362,8 @@ def _finish_sequences(parts, states, offsets, k, v, gates, weights, momentum=Non
     from ..state import split_time
     sizes = [offsets[i + 1] - offsets[i] for i in range(len(offsets) - 1)]
     finals = []
-    for i, ((_, ki, vi, gi), state) in enumerate(zip(split_time(sizes, k, k, v, gates), states)):
+    pieces = split_time(sizes, k, k, v, gates)        # (split_time cuts q, k, v: k stands in for the unused q)
+    for i, ((_, ki, vi, gi), state) in enumerate(zip(pieces, states)):
         state = dataclasses.replace(state)
         state.weights = {"W": weights[i:i + 1]}
         state.anchor = {"W": anchor[i:i + 1]} if anchor is not None else state.weights
