@@ -16,7 +16,7 @@ import copy
 
 import pytest
 import torch
-from helpers import momentum_data, momentum_parts, require_triton, rms_ratio, triton_device
+from helpers import grad_leaves, momentum_data, momentum_parts, require_triton, rms_ratio, triton_device
 
 tk = require_triton()
 
@@ -179,10 +179,7 @@ def test_chained_calls_equal_one_call(spec, b, pieces, monkeypatch):
     data = _data(parts, T, seed=5, B=1)
     o_r, s_r, g_r = _run(parts, data, torch.float64, "recurrent", b)
     f32 = copy.deepcopy(parts).float()
-    (q, k, v), gates = data
-    q, k, v = (x.to(DEVICE, torch.float32).requires_grad_() for x in (q, k, v))
-    gates = {n: x.to(DEVICE, torch.float32).requires_grad_() for n, x in gates.items()}
-    leaves = [q, k, v, *gates.values(), *f32.parameters()]
+    (q, k, v), gates, leaves = grad_leaves(f32, data, torch.float32, DEVICE)
     state, outs, s = None, [], 0
     for n in pieces:
         o, state = memorize(q[:, s:s + n], k[:, s:s + n], v[:, s:s + n], f32,

@@ -156,6 +156,7 @@ from typing import Optional, Tuple
 import torch
 
 from .chunk import _Layout, prepare_chunk_indices
+from .reference import packed_sequences
 from .fallback import with_torch_fallback
 from .precision import dot_precision
 
@@ -207,16 +208,7 @@ def check_args(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read, plac
             want = f"{list(q.shape[:3])}" + (f" or (channel-wise) {list(q.shape)}" if name == "alpha" else "")
             raise ValueError(f"{name}: expected {want}, got {list(g.shape)}")
     B, T, H, K = q.shape
-    N = B
-    if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"cu_seqlens needs packed sequences (B = 1), got B = {B}")
-        cu = cu_seqlens.tolist() if cu_seqlens.dim() == 1 else None
-        if (cu is None or len(cu) < 2 or cu[0] != 0 or cu[-1] != T
-                or any(b < a for a, b in zip(cu[:-1], cu[1:]))):
-            raise ValueError(f"cu_seqlens must be [N + 1] non-decreasing offsets from 0 to T = {T}, "
-                             f"got {cu_seqlens.tolist()}")
-        N = len(cu) - 1
+    N = packed_sequences(cu_seqlens, B, T)
     want = (N, H, v.shape[-1], K)
     for name, x in (("initial_state", m0), ("initial_momentum", s0)):
         if tuple(x.shape) != want:

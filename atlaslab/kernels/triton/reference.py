@@ -34,6 +34,20 @@ READS = ("token", "chunk")
 MAX_WINDOW = 8
 
 
+def packed_sequences(cu_seqlens: Optional[torch.Tensor], B: int, T: int) -> int:
+    """N, the number of sequences: B, or with ``cu_seqlens`` (packed, B = 1) its ``[N + 1]`` non-decreasing offsets
+    from 0 to T (an empty sequence is allowed: it passes its state through). ValueError on anything else."""
+    if cu_seqlens is None:
+        return B
+    if B != 1:
+        raise ValueError(f"cu_seqlens needs packed sequences (B = 1), got B = {B}")
+    cu = cu_seqlens.tolist() if cu_seqlens.dim() == 1 else None
+    if cu is None or len(cu) < 2 or cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu[:-1], cu[1:])):
+        raise ValueError(f"cu_seqlens must be [N + 1] non-decreasing offsets from 0 to T = {T}, "
+                         f"got {cu_seqlens.tolist()}")
+    return len(cu) - 1
+
+
 def check_args(q, k, v, beta, alpha, initial_state, bias, placement, read, cu_seqlens) -> int:
     """Validate shapes and options; returns N, the number of sequences."""
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
@@ -48,13 +62,7 @@ def check_args(q, k, v, beta, alpha, initial_state, bias, placement, read, cu_se
         if val not in valid:
             raise ValueError(f"{name}: '{val}' is not one of {', '.join(valid)}")
     B, T, H, K = q.shape
-    N = B
-    if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"cu_seqlens needs packed sequences (B = 1), got B = {B}")
-        if cu_seqlens.dim() != 1 or cu_seqlens[0].item() != 0 or cu_seqlens[-1].item() != T:
-            raise ValueError(f"cu_seqlens must be [N + 1] offsets from 0 to T = {T}, got {cu_seqlens.tolist()}")
-        N = cu_seqlens.numel() - 1
+    N = packed_sequences(cu_seqlens, B, T)
     if initial_state is not None and tuple(initial_state.shape) != (N, H, v.shape[-1], K):
         raise ValueError(f"initial_state: expected [N, H, D_v, D_k] = {[N, H, v.shape[-1], K]}, "
                          f"got {list(initial_state.shape)}")
