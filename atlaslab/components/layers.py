@@ -17,6 +17,11 @@ Gates (spec §15.8), built only for the gates the memory spec uses, from the lay
 - γ_i = sigmoid(w_γ·x_i + b_γ), b_γ = +4                        (``window``, only when the window c ≠ 1)
 - δ_t = softplus(w_δ·x_t + b_δ), softplus(b_δ) = ``attentional_bias.delta``   (``delta``, Huber only)
 
+``form: log_decay`` (retention only) is fla's / Mamba2's parameterisation instead of the sigmoid:
+α_t = exp(−A_h · softplus(w_α·x_t + b_h)), A_h ~ U(a_range) per head and b_h = softplus⁻¹(dt_h) with
+dt_h ~ logU(dt_range), so the heads start spread between fast and slow forgetting (α ∈ (0.2, 1) at the
+default ranges) where the sigmoid starts every head at α ≈ 0.98 with dα/dz ≈ 0.02.
+
 ``learned: false`` makes a gate constant: its ``value`` if given, else the memory config's constant
 (η = inner_optimizer.lr, θ = inner_optimizer.momentum, γ = 1, δ = attentional_bias.delta, α = 1 i.e. no decay).
 ``input_dependent: false`` (with ``learned: true``) gives one learnable scalar per head, σ(b_h)
@@ -26,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +41,8 @@ from ..registry import ConfigError, PartConfig, check_range, register
 from .memory_spec import MemoryParts, MemorySpec, resolve_memory_spec
 
 GATES = ("lr", "retention", "momentum", "window", "delta")
+GATE_FORMS = {"retention": ("sigmoid", "log_decay"), "other": ("sigmoid",)}
+OUTPUT_GATE_ACTS = ("sigmoid", "swish")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -131,6 +138,21 @@ class GateConfig:
     input_dependent: bool = True    # false → one learnable scalar per head, σ(b_h) (RetNet's α)
     bias: Optional[float] = None    # initial pre-activation bias b (default: per gate, see module doc)
     value: Optional[float] = None   # the constant when ``learned: false`` (η: multiplies inner_optimizer.lr)
+    form: str = "sigmoid"           # sigmoid | log_decay (retention only: fla / Mamba2 α, see module doc)
+    a_range: List[float] = field(default_factory=lambda: [0.0, 16.0])    # log_decay: A_h ~ U(a_range)
+    dt_range: List[float] = field(default_factory=lambda: [1e-3, 0.1])   # log_decay: dt_h ~ logU(dt_range)
+
+    def check(self, name: str) -> None:
+        """Validate against the gate it configures (``name`` ∈ GATES); errors name ``gates.<name>.<field>``."""
+        forms = GATE_FORMS["retention" if name == "retention" else "other"]
+        if self.form not in forms:
+            raise ConfigError(f"gates.{name}.form", f"unknown form {self.form!r} for the {name} gate.",
+                              value=self.form, choices=list(forms))
+        if self.form == "log_decay":
+            for f, lo in (("a_range", 0.0), ("dt_range", 1e-12)):
+                r = getattr(self, f)
+                if len(r) != 2 or not (lo <= r[0] <= r[1]):
+                    raise ConfigError(f"gates.{name}.{f}", f"must be [low, high] with {lo} ≤ low ≤ high.", value=r)
 
 
 @dataclass
@@ -155,7 +177,8 @@ class MemoryLayerConfig(PartConfig):
     silu: bool = True                  # SiLU on q, k, v (after the conv)
     qk_norm: bool = True               # ℓ2-normalise q and k per head
     output_norm: bool = True           # per-head RMSNorm of the memory read
-    output_gate: bool = True           # ⊙ sigmoid(W_G x)
+    output_gate: bool = True           # ⊙ act(W_G x)
+    output_gate_act: str = "sigmoid"   # sigmoid | swish (fla's Gated DeltaNet: RMSNorm(o) ⊙ swish(W_G x))
     gates: LayerGates = field(default_factory=LayerGates)
     mode: str = "chunked"              # memorize engine (kernels.MODES): chunked (fast) or recurrent (reference)
     checkpoint: bool = False           # chunked engine: recompute chunks in backward (long sequences)
@@ -167,6 +190,11 @@ class MemoryLayerConfig(PartConfig):
         if self.value_dim is not None:
             check_range("value_dim", self.value_dim, 1, None)
         check_range("conv_size", self.conv_size, 1, None)
+        if self.output_gate_act not in OUTPUT_GATE_ACTS:
+            raise ConfigError("output_gate_act", f"unknown activation {self.output_gate_act!r}.",
+                              value=self.output_gate_act, choices=list(OUTPUT_GATE_ACTS))
+        for name in GATES:
+            getattr(self.gates, name).check(name)
         from ..kernels import MODES
         if self.mode not in MODES:
             raise ConfigError("mode", f"unknown engine '{self.mode}'.", value=self.mode, choices=list(MODES))
@@ -216,6 +244,31 @@ class _Gate(nn.Module):
         return z.reshape(B, T, self.heads, self.channels) if self.channels else z
 
 
+class _LogDecayGate(nn.Module):
+    """fla / Mamba2 decay α = exp(−A · softplus(w·x + b)) per head (``[B, T, H]``) or channel (``[B, T, H, C]``).
+
+    A ~ U(a_range) (stored as log A), b = softplus⁻¹(dt) with dt ~ logU(dt_range), one per gate unit; with
+    ``input_dependent: false`` w is dropped (α constant in time, learnable)."""
+
+    def __init__(self, d_model: int, heads: int, channels: Optional[int], cfg: "GateConfig"):
+        super().__init__()
+        self.heads, self.channels = heads, channels
+        width = heads * (channels or 1)
+        a = torch.empty(width).uniform_(*cfg.a_range).clamp_min(1e-4)
+        lo, hi = (math.log(r) for r in cfg.dt_range)
+        dt = torch.exp(torch.empty(width).uniform_(lo, hi))
+        self.a_log = nn.Parameter(a.log())
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))     # softplus⁻¹(dt)
+        self.proj = nn.Linear(d_model, width, bias=False) if cfg.input_dependent else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T = x.shape[:2]
+        z = self.dt_bias.to(x.dtype)
+        z = self.proj(x) + z if self.proj is not None else z.expand(B, T, -1)
+        alpha = torch.exp(-self.a_log.exp().to(x.dtype) * F.softplus(z))
+        return alpha.reshape(B, T, self.heads, self.channels) if self.channels else alpha
+
+
 @register("mixer", "memory")
 class MemoryLayer(nn.Module):
     """Test-time-memory layer: q/k/v + short conv + SiLU + ℓ2 norm → memorize → norm, gate, proj (§15.9)."""
@@ -253,6 +306,9 @@ class MemoryLayer(nn.Module):
             gcfg: GateConfig = getattr(cfg.gates, name)
             if gcfg.learned:
                 channels = Dk if (name == "retention" and self.parts.retention.channel_wise) else None
+                if gcfg.form == "log_decay":
+                    self.gate_nets[name] = _LogDecayGate(d_model, H, channels, gcfg)
+                    continue
                 act = "softplus" if name == "delta" else "sigmoid"
                 bias = gcfg.bias if gcfg.bias is not None else self._default_bias(name)
                 self.gate_nets[name] = _Gate(d_model, H, channels, act, bias, gcfg.input_dependent)
@@ -318,7 +374,8 @@ class MemoryLayer(nn.Module):
             o = self.out_norm(o)
         o = o.reshape(*o.shape[:2], -1)
         if self.g_proj is not None:
-            o = o * torch.sigmoid(self.g_proj(x))
+            g = self.g_proj(x)
+            o = o * (F.silu(g) if self.cfg.output_gate_act == "swish" else torch.sigmoid(g))
         return self.o_proj(o)
 
     def initial_state(self, batch: int, dtype=None, device=None) -> MemoryLayerState:

@@ -1,6 +1,6 @@
 """The language model: a Llama-style stack whose token mixers come from the registry.
 
-    ids → embedding → L × [ x += mixer(RMSNorm(x)); x += SwiGLU(RMSNorm(x)) ] → RMSNorm → tied unembedding
+    ids → embedding → L × [ x += mixer(RMSNorm(x)); x += SwiGLU(RMSNorm(x)) ] → RMSNorm → output head
 
 Each layer's mixer is a registered ``mixer`` (``memory``, ``attention``, ``swa``, …) or ``block`` (``lmm``,
 ``mag``, ``mal``, ``mac``), chosen by a layer pattern that cycles over the layers, so a hybrid is e.g.
@@ -10,12 +10,21 @@ Each layer's mixer is a registered ``mixer`` (``memory``, ``attention``, ``swa``
       atlas: {name: memory, memory: {...}}
       swa:   {name: swa, window: 64}
 
+Embedding and head initialisation (``docs/concepts/language-model.md``): the token embedding starts at unit
+scale (``init_std: 1.0``, PyTorch's ``nn.Embedding`` default) and the head is untied, with ``nn.Linear``'s
+default init (std (3·d_model)^-1/2, so the first logits have std ≈ 0.6). A pre-norm residual stream carries the token's identity
+only in the embedding; the mixers' and MLPs' outputs start at ≈ 0.1–0.25 RMS, so an embedding at GPT-2's
+std 0.02 is buried under them and, tied to the head, also gives near-uniform logits (std ≈ 0.16): such a model
+stays at the "a value from the context" level on MQAR. ``tie_embeddings: true`` shares the unit-scale
+embedding and rescales the logits by ``logit_scale`` (default ``d_model^-1/2``, as T5 does when it ties).
+
 A model config is validated as a whole (:func:`resolve_lm_config`) before anything is built; every error is a
 :class:`ConfigError` naming the dotted path (``mixers.atlas.memory.inner_optimizer.name``).
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -47,8 +56,10 @@ class LMConfig:
     mlp: bool = True                 # SwiGLU MLP after each mixer
     mlp_hidden: Optional[int] = None # default: 8/3 · d_model rounded up to a multiple of 8 (Llama)
     norm_eps: float = 1e-6
-    tie_embeddings: bool = True
-    init_std: float = 0.02           # embedding (and untied head) init
+    tie_embeddings: bool = False     # share the embedding with the output head
+    init_std: float = 1.0            # embedding init (PyTorch's nn.Embedding default; see the module doc)
+    head_init_std: Optional[float] = None   # untied head init std; default nn.Linear's ((3·d_model)^-1/2)
+    logit_scale: Optional[float] = None     # logits multiplier; default d_model^-1/2 when tied, else 1
 
     def hidden(self) -> int:
         if self.mlp_hidden:
@@ -112,6 +123,10 @@ def resolve_lm_config(node: Any, path: str = "") -> ResolvedLM:
             check_range(f, getattr(cfg, f), low, None)
         except ConfigError as exc:
             raise exc.prefixed(path) from None
+    for f in ("init_std", "head_init_std", "logit_scale"):
+        value = getattr(cfg, f)
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ConfigError(join_path(path, f), "must be a positive number.", value=value)
     if cfg.mlp_hidden is not None and cfg.mlp_hidden < 1:
         raise ConfigError(join_path(path, "mlp_hidden"), "must be ≥ 1 (or null for the default).",
                           value=cfg.mlp_hidden)
@@ -199,7 +214,10 @@ class LanguageModel(nn.Module):
             self.head = None
         else:
             self.head = nn.Linear(c.d_model, c.vocab_size, bias=False)
-            nn.init.normal_(self.head.weight, std=c.init_std)
+            if c.head_init_std is not None:
+                nn.init.normal_(self.head.weight, std=c.head_init_std)
+        default_scale = c.d_model ** -0.5 if c.tie_embeddings else 1.0
+        self.logit_scale = c.logit_scale if c.logit_scale is not None else default_scale
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
         """``input_ids: [B, T]`` → logits ``[B, T, vocab]``.
@@ -216,7 +234,8 @@ class LanguageModel(nn.Module):
             x = layer(x, cu_seqlens)
         x = self.norm(x)
         w = self.embed.weight if self.head is None else self.head.weight
-        return x @ w.to(x.dtype).t()
+        logits = x @ w.to(x.dtype).t()
+        return logits if self.logit_scale == 1.0 else logits * self.logit_scale
 
     def _check_packed(self, input_ids: torch.Tensor, cu_seqlens) -> None:
         """Refuse packed inputs early, naming the mixer that cannot take them."""

@@ -1,0 +1,441 @@
+"""Learning parity on MQAR: atlaslab presets vs independent reference implementations, same loop, same data.
+
+    python bench/peers.py --install                       # the fla / titans-pytorch peers → bench/.peers
+    python bench/learning.py                              # calibration: presets + refs, seeds 0,1,2
+    python bench/learning.py --presets none --seeds 0     # the references alone
+    python bench/learning.py --setting hard               # MQAR 16 pairs at T = 256
+    python bench/learning.py --presets none --reuse       # re-run only references whose runs/options changed
+
+Every model, ours (``load_preset`` → ``LanguageModel``) or a reference (bench/learning_refs.py), is trained by
+atlaslab's own ``train`` with the same settings, so the batch of step s is the same for every model of a seed
+(a pure function of the seed and s) and every model is evaluated on the same validation set. Each
+(model, seed) run is a fresh interpreter with one torch thread; a run that fails, diverges or times out is
+recorded as such and the bench goes on. The results (``<out>.json`` and ``<out>.md``, default
+bench/results/learning_cpu for ``calibration`` and bench/results/learning_hard_cpu for ``hard``) are rewritten
+after every run.
+
+Per model: final validation accuracy (the last evaluation) and the steps to 90% validation accuracy (the
+first evaluation at ≥ 0.9, so a multiple of the eval interval), mean ± std over the seeds (sample std, 0 for
+one seed; steps-to-90 over the seeds that got there), and the recurrent state size after T tokens
+(``LanguageModel.state_size(T)`` for ours; the same count for the references, see learning_refs).
+
+Goal: each preset that has a reference reaches the reference's accuracy within 1.5× the reference's steps:
+with target = min(0.9, the reference's mean final accuracy), ours' mean steps to the target ≤ 1.5 × the
+reference's (the "ours / ref" column is that ratio; with a reference that reaches 90% it is steps-to-90 over
+steps-to-90).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+
+SETTINGS: Dict[str, Dict[str, Any]] = {
+    "calibration": {"vocab_size": 128, "seq_len": 64, "num_kv_pairs": 4, "d_model": 64, "num_layers": 2,
+                    "batch_size": 64, "lr": 3e-3, "warmup_steps": 20, "eval_interval": 25, "eval_examples": 256,
+                    "steps": 600, "early_stop": 0.99},
+    "hard": {"vocab_size": 128, "seq_len": 256, "num_kv_pairs": 16, "d_model": 64, "num_layers": 2,
+             "batch_size": 64, "lr": 3e-3, "warmup_steps": 20, "eval_interval": 25, "eval_examples": 256,
+             "steps": 1500, "early_stop": 0.99},
+}
+DEFAULT_PRESETS = ["transformer", "gated_deltanet", "deltanet", "linear_attention", "titans", "atlas", "omeganet"]
+THRESHOLD = 0.9
+GOAL_FACTOR = 1.5
+
+
+def _refs_module():
+    sys.path.insert(0, str(HERE))
+    try:
+        import learning_refs
+    finally:
+        sys.path.remove(str(HERE))
+    return learning_refs
+
+
+# --------------------------------------------------------------------------------------------------
+# one run (in its own interpreter)
+# --------------------------------------------------------------------------------------------------
+def task_node(setting: Dict[str, Any]) -> Dict[str, Any]:
+    return {"name": "mqar", "vocab_size": setting["vocab_size"], "seq_len": setting["seq_len"],
+            "num_kv_pairs": [setting["num_kv_pairs"]], "eval_examples": setting["eval_examples"]}
+
+
+def train_config(setting: Dict[str, Any], seed: int, steps: int) -> Dict[str, Any]:
+    return {"steps": steps, "batch_size": setting["batch_size"], "lr": setting["lr"], "schedule": "constant",
+            "warmup_steps": setting["warmup_steps"], "eval_interval": setting["eval_interval"],
+            "eval_examples": setting["eval_examples"], "early_stop_metric": "accuracy",
+            "early_stop_threshold": setting["early_stop"], "final_eval": False, "progress": "never",
+            "log_interval": setting["eval_interval"], "device": "cpu", "seed": seed}
+
+
+def build_model(job: Dict[str, Any]):
+    """(model, state size after T tokens) for a job ``{"kind": "preset" | "ref", "name", "setting", ...}``."""
+    import torch
+    s = job["setting"]
+    torch.manual_seed(job["seed"])          # the model's init depends on the seed too
+    if job["kind"] == "preset":
+        from atlaslab.components.lm import LanguageModel
+        from atlaslab.presets import load_preset
+        cfg = load_preset(job["name"], [f"vocab_size={s['vocab_size']}", f"d_model={s['d_model']}",
+                                        f"num_layers={s['num_layers']}", *job.get("overrides", [])])
+        model = LanguageModel(cfg)
+    else:
+        refs = _refs_module()
+        model = refs.build_ref(job["name"], s["vocab_size"], s["d_model"], s["num_layers"], max_len=s["seq_len"],
+                               **job.get("ref_kwargs", {}))
+    return model, int(model.state_size(s["seq_len"]))
+
+
+def worker(job: Dict[str, Any]) -> Dict[str, Any]:
+    """Train one (model, seed); prints ``PROGRESS …`` lines, returns the record."""
+    import torch
+    torch.set_num_threads(1)
+    from atlaslab.train.loop import train
+    label = f"{job['name']} seed {job['seed']}"
+    model, state = build_model(job)
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    deadline = time.time() + job.get("budget_s", 1e9)
+    t0 = time.time()
+
+    def cb(metrics, step):
+        if "val/accuracy" in metrics:
+            print(f"PROGRESS {label}: step {step} val/accuracy {metrics['val/accuracy']:.3f} "
+                  f"loss {metrics.get('train/loss', float('nan')):.3f} ({time.time() - t0:.0f}s)", flush=True)
+        return time.time() > deadline   # stop (status "stopped") past the run's budget
+
+    r = train(model, task_node(job["setting"]), train_config(job["setting"], job["seed"], job["steps"]), callback=cb)
+    return {"status": r.status, "message": r.message, "steps": r.steps, "wall_s": r.wall_time_s,
+            "num_parameters": params, "state_size": state,
+            "history": [{k: v for k, v in h.items() if k in ("step", "val/accuracy", "train/loss")}
+                        for h in r.history if "val/accuracy" in h]}
+
+
+def run_job(job: Dict[str, Any], timeout: float, log=print) -> Dict[str, Any]:
+    """``worker(job)`` in a fresh interpreter; a crash, divergence or timeout becomes a failed record."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(job)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(ROOT), env=env)
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    errs: List[str] = []
+    reader = threading.Thread(target=lambda: errs.extend(proc.stderr), daemon=True)
+    reader.start()
+    result = None
+    try:
+        for line in proc.stdout:
+            if line.startswith("PROGRESS "):
+                log("  " + line[len("PROGRESS "):].rstrip())
+            elif line.startswith("RESULT "):
+                result = json.loads(line[len("RESULT "):])
+        proc.wait()
+    finally:
+        timer.cancel()
+        reader.join(timeout=5)
+    base = {"kind": job["kind"], "name": job["name"], "seed": job["seed"]}
+    if result is None:
+        timed_out = time.time() - t0 >= timeout
+        tail = [e.rstrip() for e in errs if e.strip()]
+        why = f"timeout > {timeout:.0f}s" if timed_out else (tail[-1][:300] if tail else f"exit code {proc.returncode}")
+        return {**base, "status": "failed", "message": why, "history": []}
+    return {**base, **result}
+
+
+# --------------------------------------------------------------------------------------------------
+# summaries
+# --------------------------------------------------------------------------------------------------
+def curve(history: Sequence[Dict[str, float]]) -> List[List[float]]:
+    """[[step, val accuracy], …] from a train history (the evaluation entries)."""
+    return [[int(h["step"]), float(h["val/accuracy"])] for h in history if "val/accuracy" in h]
+
+
+def steps_to(history: Sequence[Dict[str, float]], threshold: float) -> Optional[int]:
+    """The first evaluation step with validation accuracy ≥ threshold (None: never)."""
+    for step, acc in curve(history):
+        if acc >= threshold:
+            return step
+    return None
+
+
+def mean_std(xs: Sequence[float]) -> Optional[List[float]]:
+    """[mean, sample std] (std 0 for one value); None for no values."""
+    xs = [float(x) for x in xs]
+    if not xs:
+        return None
+    m = sum(xs) / len(xs)
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+    return [m, sd]
+
+
+def summarise_run(run: Dict[str, Any], threshold: float = THRESHOLD) -> Dict[str, Any]:
+    c = curve(run.get("history", []))
+    ok = run.get("status") not in ("failed", "diverged") and bool(c)
+    return {"ok": ok, "final_accuracy": c[-1][1] if ok else None, "best_accuracy": max(a for _, a in c) if ok else None,
+            "steps_to_90": steps_to(run["history"], threshold) if ok else None}
+
+
+def summarise_model(runs: Sequence[Dict[str, Any]], threshold: float = THRESHOLD) -> Dict[str, Any]:
+    """Over the seeds of one model: final / best accuracy mean ± std (successful runs), steps-to-90 mean ± std
+    (the runs that got there) and how many did."""
+    per = [summarise_run(r, threshold) for r in runs]
+    good = [p for p in per if p["ok"]]
+    reached = [p["steps_to_90"] for p in good if p["steps_to_90"] is not None]
+    states = {r.get("state_size") for r in runs if r.get("state_size") is not None}
+    params = {r.get("num_parameters") for r in runs if r.get("num_parameters") is not None}
+    return {"seeds": len(per), "ok": len(good), "reached_90": len(reached),
+            "final_accuracy": mean_std([p["final_accuracy"] for p in good]),
+            "best_accuracy": mean_std([p["best_accuracy"] for p in good]),
+            "steps_to_90": mean_std(reached),
+            "state_size": states.pop() if len(states) == 1 else (sorted(states) or None),
+            "num_parameters": params.pop() if len(params) == 1 else (sorted(params) or None),
+            "failures": [f"seed {r['seed']}: {r['status']} {r.get('message', '')}".strip() for r in runs
+                         if r.get("status") in ("failed", "diverged")]}
+
+
+def compare(ours_runs: Sequence[Dict[str, Any]], ref_runs: Sequence[Dict[str, Any]],
+            factor: float = GOAL_FACTOR, threshold: float = THRESHOLD) -> Dict[str, Any]:
+    """Ours vs its reference. target = min(threshold, ref's mean final accuracy); steps to the target (mean
+    over the seeds that got there) for both; ratio = ours / ref; met = every seed of ours reached the target
+    and ratio ≤ factor. ``None`` fields when not measurable (with ``why``)."""
+    ref = summarise_model(ref_runs, threshold)
+    out: Dict[str, Any] = {"target": None, "ours_steps": None, "ref_steps": None, "ratio": None, "met": None,
+                           "why": ""}
+    if not ref["final_accuracy"]:
+        out["why"] = "reference has no successful run"
+        return out
+    target = min(threshold, ref["final_accuracy"][0])
+    out["target"] = target
+
+    def steps(runs):
+        ok = [r for r in runs if summarise_run(r, threshold)["ok"]]
+        got = [steps_to(r["history"], target) for r in ok]
+        return (mean_std([g for g in got if g is not None]), sum(g is not None for g in got), len(runs))
+
+    (o, o_n, o_all), (f, f_n, _) = steps(ours_runs), steps(ref_runs)
+    out.update(ours_steps=o, ref_steps=f, ours_reached=f"{o_n}/{o_all}")
+    if f is None:
+        out["why"] = "reference never reached the target"
+        return out
+    if o is None or o_n < o_all:
+        out.update(met=False, why=f"ours reached {target:.2f} in {o_n}/{o_all} seeds")
+        if o is not None:
+            out["ratio"] = o[0] / f[0]
+        return out
+    out["ratio"] = o[0] / f[0]
+    out["met"] = out["ratio"] <= factor
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------------------------------
+def _pm(ms, digits=3, fmt=None) -> str:
+    if not ms:
+        return "—"
+    f = fmt or (lambda x: f"{x:.{digits}f}")
+    return f"{f(ms[0])} ± {f(ms[1])}"
+
+
+def write_report(data: Dict[str, Any], out: Path) -> str:
+    """Write ``<out>.json`` and ``<out>.md`` from the bench's record; returns the markdown."""
+    refs_mod = _refs_module()
+    s = data["setting"]
+    runs = data["runs"]
+    models: Dict[tuple, List[Dict[str, Any]]] = {}
+    for r in runs:
+        models.setdefault((r["kind"], r["name"]), []).append(r)
+    summary = {f"{k}:{n}": summarise_model(rs) for (k, n), rs in models.items()}
+    lines = [f"# Learning parity on MQAR ({data['setting_name']}, CPU)", "",
+             f"Command: `{data['command']}`", "",
+             (f"torch {data['torch']}, {data['machine']}, one torch thread per run, each (model, seed) in its own "
+              f"process. Started {data['started']}."), "",
+             (f"Setting `{data['setting_name']}`: MQAR vocab {s['vocab_size']}, T = {s['seq_len']}, "
+              f"{s['num_kv_pairs']} key-value pairs; d_model {s['d_model']}, {s['num_layers']} layers; batch "
+              f"{s['batch_size']}, AdamW lr {s['lr']:g} (weight decay 0.1 on ≥2-D tensors, grad clip 1), "
+              f"linear warm-up {s['warmup_steps']} steps then constant; eval every {s['eval_interval']} steps on "
+              f"{s['eval_examples']} validation examples; up to {data['steps']} steps, early stop at val accuracy "
+              f"≥ {s['early_stop']}. Seeds {', '.join(map(str, data['seeds']))}. The same atlaslab `train` loop and "
+              f"data for every model (the batch of step s depends only on the seed and s)."), "",
+             ("Final = the last evaluation's accuracy; steps to 90% = the first evaluation at ≥ 0.9 (a multiple of "
+              "the eval interval); mean ± sample std over the seeds (steps-to-90 over the seeds that reached it, "
+              "count shown). State = recurrent-state scalars per sequence after T tokens, summed over layers "
+              "(ours: `LanguageModel.state_size(T)`; references: the same count: memory state + conv caches + "
+              "KV cache)."), "",
+             "| model | kind | params | state (T tokens) | final val acc | best val acc | steps to 90% | reached 90% | runs ok |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for (kind, name), rs in models.items():
+        m = summary[f"{kind}:{name}"]
+        lines.append(f"| {name} | {'ours' if kind == 'preset' else 'reference'} | {m['num_parameters'] or '—'} | "
+                     f"{m['state_size'] or '—'} | {_pm(m['final_accuracy'])} | {_pm(m['best_accuracy'])} | "
+                     f"{_pm(m['steps_to_90'], fmt=lambda x: f'{x:.0f}')} | {m['reached_90']}/{m['seeds']} | "
+                     f"{m['ok']}/{m['seeds']} |")
+    comparisons = {}
+    lines += ["", f"## Ours vs reference (goal: ours reaches the reference's accuracy within {GOAL_FACTOR}× its steps)", "",
+              ("target = min(0.9, the reference's mean final accuracy); steps = mean steps to the target (seeds that "
+               "reached it); ours / ref is that ratio (= ours steps-to-90 / reference steps-to-90 when the "
+               "reference reaches 90%); met: every seed of ours reached the target and ours / ref ≤ "
+               f"{GOAL_FACTOR}."), "",
+              "| preset | reference | target | ours steps | ref steps | ours / ref | goal |", "|---|---|---|---|---|---|---|"]
+    for (kind, name), rs in models.items():
+        ref = refs_mod.PRESET_REF.get(name)
+        if kind != "preset" or not ref:
+            continue
+        ref_runs = models.get(("ref", ref))
+        if not ref_runs:
+            lines.append(f"| {name} | {ref} | — | — | — | — | reference not run |")
+            continue
+        c = compare(rs, ref_runs)
+        comparisons[name] = {"reference": ref, **c}
+        goal = "—" if c["met"] is None else ("met" if c["met"] else "NOT met")
+        if c["why"]:
+            goal += f" ({c['why']})"
+        if c["target"] is not None and c["target"] < THRESHOLD:
+            goal += " (the reference stays below 90%: the target is its final accuracy)"
+        steps_fmt = lambda x: f"{x:.0f}"
+        target = "—" if c["target"] is None else f"{c['target']:.3f}"
+        ratio = "—" if c["ratio"] is None else f"{c['ratio']:.2f}×"
+        lines.append(f"| {name} | {ref} | {target} | {_pm(c['ours_steps'], fmt=steps_fmt)} | "
+                     f"{_pm(c['ref_steps'], fmt=steps_fmt)} | {ratio} | {goal} |")
+    if not comparisons:
+        lines.append("| — | — | — | — | — | — | no preset with a reference in this run |")
+    if data.get("skipped"):
+        lines += ["", "Skipped: " + "; ".join(f"{k} ({v})" for k, v in data["skipped"].items())]
+    fails = [f"{n}: {f}" for (k, n), rs in models.items() for f in summary[f"{k}:{n}"]["failures"]]
+    if fails:
+        lines += ["", "Failed runs: " + "; ".join(fails)]
+    lines += ["", "## References", ""]
+    lines += [f"- `{n}`: {d}" for n, d in refs_mod.ref_info().items()]
+    if data.get("ref_kwargs"):
+        lines += ["", "Reference options of this run: " + "; ".join(
+            f"{n}: {', '.join(f'{k}={v}' for k, v in kw.items())}" for n, kw in data["ref_kwargs"].items() if kw) + "."]
+    lines += ["", "## Curves (step: val accuracy)", ""]
+    for r in runs:
+        c = curve(r.get("history", []))
+        pts = " ".join(f"{st}:{a:.2f}" for st, a in c) or "—"
+        extra = f" — {r['status']}" + (f": {r['message']}" if r.get("message") else "")
+        if r.get("reused_from"):
+            extra += f" (reused: {r['reused_from']})"
+        wall = f", {r['wall_s']:.0f}s" if r.get("wall_s") is not None else ""
+        lines.append(f"- {r['name']} seed {r['seed']}{extra}{wall}: {pts}")
+    md = "\n".join(lines) + "\n"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    Path(str(out) + ".json").write_text(json.dumps({**data, "summary": summary, "comparison": comparisons}, indent=1))
+    Path(str(out) + ".md").write_text(md)
+    return md
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------------
+def _job_key(job: Dict[str, Any]) -> str:
+    return json.dumps({"kind": job["kind"], "name": job["name"], "seed": job["seed"], "steps": job["steps"],
+                       "setting": job["setting"], "ref_kwargs": job.get("ref_kwargs") or {}}, sort_keys=True)
+
+
+def _previous_ref_runs(path: Path) -> Dict[str, Dict[str, Any]]:
+    """The successful reference runs of an earlier results file, by job key (for ``--reuse``)."""
+    if not path.is_file():
+        return {}
+    old = json.loads(path.read_text())
+    out = {}
+    for r in old.get("runs", []):
+        if r.get("kind") != "ref" or r.get("status") == "failed":
+            continue
+        key = _job_key({**r, "steps": old["steps"], "setting": old["setting"],
+                        "ref_kwargs": old.get("ref_kwargs", {}).get(r["name"], {})})
+        out[key] = {**r, "reused_from": r.get("reused_from") or f"{path.name}, run started {old.get('started')}"}
+    return out
+
+
+def _names(arg: Optional[str], default: Sequence[str]) -> List[str]:
+    if arg is None:
+        return list(default)
+    if arg.strip().lower() in ("", "none"):
+        return []
+    return [a.strip() for a in arg.split(",") if a.strip()]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--setting", choices=sorted(SETTINGS), default="calibration")
+    ap.add_argument("--presets", help=f"comma list, or 'none' (default: {','.join(DEFAULT_PRESETS)})")
+    ap.add_argument("--refs", help="comma list, or 'none' (default: every available reference)")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--steps", type=int, help="max steps (default: the setting's)")
+    ap.add_argument("--out", help="results prefix (default: bench/results/learning_cpu | learning_hard_cpu)")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds per (model, seed) run before it is killed")
+    ap.add_argument("--titans-chunk", type=int, default=4, help="titans-pytorch NeuralMemory chunk_size")
+    ap.add_argument("--gdn-expand-v", type=float, default=2.0,
+                    help="fla GDN ref value head dim / key head dim (fla's default 2)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="take reference runs with the same name, seed, steps, setting and options from the "
+                         "existing <out>.json instead of training them again (marked 'reused' in the report)")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
+        return
+
+    import torch
+    refs_mod = _refs_module()
+    setting = dict(SETTINGS[args.setting])
+    steps = args.steps or setting["steps"]
+    seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    presets = _names(args.presets, DEFAULT_PRESETS)
+    refs = _names(args.refs, refs_mod.REFS)
+    out = Path(args.out) if args.out else RESULTS / ("learning_cpu" if args.setting == "calibration"
+                                                     else f"learning_{args.setting}_cpu")
+    ref_kwargs = {"titans_neural_memory": {"chunk_size": args.titans_chunk},
+                  "fla_gated_deltanet": {"expand_v": args.gdn_expand_v}}
+    previous = _previous_ref_runs(Path(str(out) + ".json")) if args.reuse else {}
+    skipped, jobs = {}, []
+    for name in refs:
+        ok, why = refs_mod.available(name)
+        if not ok:
+            skipped[name] = why
+            print(f"skip reference {name}: {why}", flush=True)
+            continue
+        jobs += [{"kind": "ref", "name": name, "seed": sd, "ref_kwargs": ref_kwargs.get(name, {})} for sd in seeds]
+    jobs += [{"kind": "preset", "name": name, "seed": sd} for name in presets for sd in seeds]
+    data = {"command": "python bench/learning.py" + (" " + shlex.join(argv) if argv else ""),
+            "setting_name": args.setting, "setting": setting, "steps": steps, "seeds": seeds,
+            "torch": torch.__version__, "python": platform.python_version(),
+            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "presets": presets, "refs": refs,
+            "ref_kwargs": ref_kwargs, "skipped": skipped, "runs": []}
+    for i, job in enumerate(jobs, 1):
+        job = {**job, "setting": setting, "steps": steps}
+        print(f"[{i}/{len(jobs)}] {job['kind']} {job['name']} seed {job['seed']}", flush=True)
+        rec = previous.get(_job_key(job)) if job["kind"] == "ref" else None
+        if rec is None:
+            rec = run_job(job, args.timeout)
+        else:
+            print("  reused from the previous results file", flush=True)
+        m = summarise_run(rec)
+        print(f"[{i}/{len(jobs)}] {job['name']} seed {job['seed']}: {rec['status']}"
+              + (f" ({rec.get('message')})" if rec.get("message") else "")
+              + (f", final acc {m['final_accuracy']:.3f}, steps to 90%: {m['steps_to_90']}" if m["ok"] else ""),
+              flush=True)
+        data["runs"].append(rec)
+        write_report(data, out)
+    md = write_report(data, out)
+    print(md)
+    print(f"wrote {out}.json and {out}.md")
+
+
+if __name__ == "__main__":
+    main()

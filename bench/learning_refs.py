@@ -1,0 +1,345 @@
+"""Independent reference models for bench/learning.py: each an ``nn.Module`` mapping ids ``[B, T]`` → logits ``[B, T, V]``.
+
+None of them uses atlaslab code. All share one plain LM shell (:class:`RefLM`):
+
+    ids → nn.Embedding (PyTorch default init, N(0, 1)) [+ learned positions] → L × [ x += mixer(LN(x));
+    x += GELU-MLP(LN(x)) (4×) ] → LayerNorm → untied nn.Linear head (default init)
+
+Mixers:
+
+- ``softmax_transformer`` (:class:`SoftmaxAttention`): causal multi-head softmax attention with
+  ``F.scaled_dot_product_attention``, learned positional embeddings (in the shell), biased q/k/v/out projections.
+- ``fla_gated_deltanet`` (:class:`FlaGatedDeltaNetMixer`): fla 0.6's ``GatedDeltaNet`` layer parameterisation
+  (q/k/v projections, depthwise causal conv 4 + SiLU on each, ℓ2-normalised q, k, β = σ(b_proj x),
+  g = −exp(A_log)·softplus(a_proj x + dt_bias) with A ~ U(0, 16), dt ~ logU[1e-3, 0.1], output
+  RMSNorm(o)·swish(g_proj x) (fla's FusedRMSNormGated), o_proj). The recurrence is fla's own plain-PyTorch
+  ``naive_chunk_gated_delta_rule`` (``fla/ops/gated_delta_rule/naive.py``, loaded by path by
+  ``bench/peers.py:load_fla_naive``).
+- ``fla_deltanet`` (:class:`FlaGatedDeltaNetMixer` with ``decay=False``): no decay. The recurrence is fla's
+  ``delta_rule_chunkwise`` from ``fla/ops/delta_rule/naive.py`` (same file-by-path loading). Output side as
+  fla's ``DeltaNet`` layer defaults: ``use_gate=False`` → plain per-head RMSNorm, no output gate.
+- ``titans_neural_memory`` (:class:`TitansMixer`): a depthwise causal conv (kernel 4) and then titans-pytorch's
+  ``NeuralMemory`` (its defaults; dim 64, heads 4, dim_head 16, chunk_size 4; ``retrieved, state = mem(x)``).
+  chunk_size 1 (its default, the smallest) costs ~12 s per training step at B = 64, T = 64 on one CPU core
+  (4096 · 4 per-sample gradients through torch.func.vmap), 4 costs ~1 s, 16 ~0.3 s.
+
+The fla / titans references need the peers installed in bench/.peers (``python bench/peers.py --install``);
+:func:`available` says whether a reference can be built (and why not). bench/.peers is appended to
+``sys.path`` (after the venv, so it never shadows our packages) only when such a reference is built.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+PEERS = HERE / ".peers"
+FLA_GDN_NAIVE = PEERS / "fla" / "ops" / "gated_delta_rule" / "naive.py"
+FLA_DELTA_NAIVE = PEERS / "fla" / "ops" / "delta_rule" / "naive.py"
+TITANS = PEERS / "titans_pytorch"
+
+REFS = ("softmax_transformer", "fla_gated_deltanet", "fla_deltanet", "titans_neural_memory")
+#: which reference each preset is compared with
+PRESET_REF = {"transformer": "softmax_transformer", "gated_deltanet": "fla_gated_deltanet",
+              "deltanet": "fla_deltanet", "titans": "titans_neural_memory"}
+
+
+# --------------------------------------------------------------------------------------------------
+# peers
+# --------------------------------------------------------------------------------------------------
+def _use_peers() -> None:
+    """Put bench/.peers on sys.path, after everything else (a peer never shadows a venv package)."""
+    if str(PEERS) not in sys.path:
+        sys.path.append(str(PEERS))
+
+
+def _bench_peers():
+    """bench/peers.py as a module (for its ``load_fla_naive``)."""
+    name = "bench_peers_for_learning"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, HERE / "peers.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+    return sys.modules[name]
+
+
+def fla_gdn_naive():
+    """fla's ``fla/ops/gated_delta_rule/naive.py`` (bench/peers.py's loader; it imports einops from the peers)."""
+    _use_peers()
+    return _bench_peers().load_fla_naive()
+
+
+def fla_delta_naive():
+    """fla's ``fla/ops/delta_rule/naive.py``, loaded by path as bench/peers.py loads the gated one."""
+    _use_peers()
+    spec = importlib.util.spec_from_file_location("fla_naive_delta_rule", FLA_DELTA_NAIVE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def available(name: str) -> Tuple[bool, str]:
+    """(can the reference be built here, why not)."""
+    if name not in REFS:
+        return False, f"unknown reference {name!r} (known: {', '.join(REFS)})"
+    need = {"fla_gated_deltanet": [FLA_GDN_NAIVE, PEERS / "einops"],
+            "fla_deltanet": [FLA_DELTA_NAIVE, PEERS / "einops"],
+            "titans_neural_memory": [TITANS, PEERS / "einops", PEERS / "tensordict", PEERS / "assoc_scan"]}
+    missing = [str(p.relative_to(HERE.parent)) for p in need.get(name, []) if not p.exists()]
+    if missing:
+        return False, f"not installed ({', '.join(missing)} missing): run python bench/peers.py --install"
+    return True, ""
+
+
+# --------------------------------------------------------------------------------------------------
+# the LM shell
+# --------------------------------------------------------------------------------------------------
+class MLP(nn.Module):
+    def __init__(self, d_model: int, expansion: int = 4):
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, expansion * d_model)
+        self.fc2 = nn.Linear(expansion * d_model, d_model)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm residual block: x += mixer(LN(x)); x += MLP(LN(x))."""
+
+    def __init__(self, mixer: nn.Module, d_model: int):
+        super().__init__()
+        self.ln1, self.mixer = nn.LayerNorm(d_model), mixer
+        self.ln2, self.mlp = nn.LayerNorm(d_model), MLP(d_model)
+
+    def forward(self, x):
+        x = x + self.mixer(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class RefLM(nn.Module):
+    """ids → embedding (+ learned positions) → blocks → LayerNorm → untied head; PyTorch default inits."""
+
+    def __init__(self, vocab_size: int, d_model: int, mixers, max_len: Optional[int] = None):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.pos = nn.Embedding(max_len, d_model) if max_len else None
+        self.blocks = nn.ModuleList(Block(m, d_model) for m in mixers)
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        if self.pos is not None:
+            x = x + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+    def state_size(self, context: int) -> int:
+        """Recurrent-state scalars per sequence after ``context`` tokens, summed over layers (as
+        ``LanguageModel.state_size``: memory state + conv caches + KV cache)."""
+        return sum(b.mixer.state_size(context) for b in self.blocks)
+
+
+# --------------------------------------------------------------------------------------------------
+# mixers
+# --------------------------------------------------------------------------------------------------
+class SoftmaxAttention(nn.Module):
+    """Causal multi-head softmax attention (``F.scaled_dot_product_attention``, ``is_causal=True``)."""
+
+    def __init__(self, d_model: int, num_heads: int = 4):
+        super().__init__()
+        self.h = num_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.out = nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.h, C // self.h).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(o.transpose(1, 2).reshape(B, T, C))
+
+    def state_size(self, context: int) -> int:
+        return 2 * self.qkv.in_features * context          # the KV cache: 2 · d_model per token
+
+
+class CausalConv(nn.Module):
+    """Depthwise causal conv over time (fla's ShortConvolution: nn.Conv1d, groups = channels, left padding
+    K − 1, no bias, default init), optionally followed by SiLU."""
+
+    def __init__(self, channels: int, kernel_size: int = 4, silu: bool = True):
+        super().__init__()
+        self.conv = nn.Conv1d(channels, channels, kernel_size, groups=channels, padding=kernel_size - 1, bias=False)
+        self.silu = silu
+
+    def forward(self, x):                                    # [B, T, C]
+        y = self.conv(x.transpose(1, 2))[..., :x.shape[1]].transpose(1, 2)
+        return F.silu(y) if self.silu else y
+
+    def state_size(self) -> int:
+        return self.conv.in_channels * (self.conv.kernel_size[0] - 1)
+
+
+def _l2norm(x, eps: float = 1e-6):
+    """fla's l2norm_fwd: x · rsqrt(Σx² + eps)."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+class FlaGatedDeltaNetMixer(nn.Module):
+    """fla 0.6 ``GatedDeltaNet`` layer (``decay=True``) or its no-decay DeltaNet sibling (``decay=False``)
+    at small size, the recurrence from fla's naive PyTorch chunk functions.
+
+    ``expand_v``: value head dim = ``expand_v · head_dim`` (2: fla's GatedDeltaNet default; fla's DeltaNet
+    layer's default, used by ``fla_deltanet``, is 1). At d_model 64, 4 heads of 16, T = 64, MQAR 4 pairs, seed 0:
+    expand_v 2 reaches 90% at step 475, expand_v 1 sits at 25% to step 600 (60% at 600 without the output gate). ``output_gate``: RMSNorm(o) ⊙ swish(g_proj x) (fla GatedDeltaNet
+    ``use_gate=True``) or plain RMSNorm(o) (fla DeltaNet ``use_gate=False``). fla's default scale D_k^-0.5
+    on q is kept (it cancels in the output RMSNorm up to eps). ``chunk_size``: the naive function's chunk
+    (16: the same result as fla's 64 up to float32 rounding, 2.5× faster on CPU at T = 64).
+    """
+
+    def __init__(self, d_model: int, num_heads: int = 4, head_dim: Optional[int] = None, expand_v: float = 2.0,
+                 conv_size: int = 4, decay: bool = True, output_gate: bool = True, chunk_size: int = 16,
+                 norm_eps: float = 1e-5):
+        super().__init__()
+        H = num_heads
+        dk = head_dim or d_model // H
+        dv = int(dk * expand_v)
+        self.H, self.dk, self.dv, self.decay, self.chunk_size, self.eps = H, dk, dv, decay, chunk_size, norm_eps
+        self.q_proj = nn.Linear(d_model, H * dk, bias=False)
+        self.k_proj = nn.Linear(d_model, H * dk, bias=False)
+        self.v_proj = nn.Linear(d_model, H * dv, bias=False)
+        self.b_proj = nn.Linear(d_model, H, bias=False)
+        if decay:
+            self.a_proj = nn.Linear(d_model, H, bias=False)
+            A = torch.empty(H).uniform_(0, 16)
+            self.A_log = nn.Parameter(torch.log(A))
+            dt = torch.exp(torch.rand(H) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
+            self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))     # softplus⁻¹(dt)
+            self.naive = fla_gdn_naive().naive_chunk_gated_delta_rule
+        else:
+            self.naive = fla_delta_naive().delta_rule_chunkwise
+        self.q_conv, self.k_conv, self.v_conv = (CausalConv(c, conv_size) for c in (H * dk, H * dk, H * dv))
+        self.g_proj = nn.Linear(d_model, H * dv, bias=False) if output_gate else None
+        self.o_norm_weight = nn.Parameter(torch.ones(dv))
+        self.o_proj = nn.Linear(H * dv, d_model, bias=False)
+
+    def gates(self, x):
+        """β [B, T, H] and the log-decay g [B, T, H] (zeros without decay)."""
+        beta = torch.sigmoid(self.b_proj(x))
+        if not self.decay:
+            return beta, torch.zeros_like(beta)
+        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
+        return beta, g
+
+    def recurrence(self, q, k, v, beta, g):
+        """fla's naive chunk form on [B, T, H, D] inputs → o [B, T, H, D_v]."""
+        if self.decay:
+            o, _ = self.naive(q, k, v, g, beta, chunk_size=self.chunk_size)
+            return o
+        # delta_rule_chunkwise: [B, H, T, D] layout, T a multiple of the chunk, fp32, scale D_k^-0.5 inside
+        T = q.shape[1]
+        c = min(self.chunk_size, T)
+        pad = (-T) % c
+        q, k, v = (F.pad(t.float(), (0, 0, 0, 0, 0, pad)).transpose(1, 2) for t in (q, k, v))
+        beta = F.pad(beta.float(), (0, 0, 0, pad)).transpose(1, 2)
+        o, _ = self.naive(q, k, v, beta, chunk_size=c)
+        return o.transpose(1, 2)[:, :T]
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q = _l2norm(self.q_conv(self.q_proj(x)).view(B, T, self.H, self.dk))
+        k = _l2norm(self.k_conv(self.k_proj(x)).view(B, T, self.H, self.dk))
+        v = self.v_conv(self.v_proj(x)).view(B, T, self.H, self.dv)
+        beta, g = self.gates(x)
+        o = self.recurrence(q, k, v, beta, g).to(x.dtype)
+        o = F.rms_norm(o, (self.dv,), eps=self.eps) * self.o_norm_weight
+        if self.g_proj is not None:
+            o = o * F.silu(self.g_proj(x).view(B, T, self.H, self.dv))
+        return self.o_proj(o.reshape(B, T, self.H * self.dv))
+
+    def state_size(self, context: int) -> int:
+        return self.H * self.dk * self.dv + sum(c.state_size() for c in (self.q_conv, self.k_conv, self.v_conv))
+
+
+class TitansMixer(nn.Module):
+    """Depthwise causal conv (kernel 4, no activation; NeuralMemory has none of its own, and MQAR needs the
+    key next to its value) → titans-pytorch ``NeuralMemory(dim, heads, dim_head, chunk_size)`` (all else
+    its defaults: MemoryMLP depth 2 × 4 inside LN + residual, momentum, per-token decay, batch_size None)."""
+
+    def __init__(self, d_model: int, num_heads: int = 4, chunk_size: int = 4, conv_size: int = 4,
+                 batch_size: Optional[int] = None):
+        super().__init__()
+        _use_peers()
+        from titans_pytorch import NeuralMemory
+        self.conv = CausalConv(d_model, conv_size, silu=False) if conv_size else None
+        self.mem = NeuralMemory(dim=d_model, heads=num_heads, dim_head=d_model // num_heads, chunk_size=chunk_size,
+                                batch_size=batch_size)
+        # titans-pytorch quirk: with per_head_learned_parameters (its default) each initial memory weight is a
+        # Parameter over repeat(p, '... -> h ...'), an expanded view (stride 0 over heads), which in-place
+        # optimiser updates (AdamW's decay) refuse. Materialise each as its own tensor (same values).
+        params = self.mem.memory_model_parameters
+        for i in range(len(params)):
+            params[i] = nn.Parameter(params[i].detach().clone())
+
+    def forward(self, x):
+        if self.conv is not None:
+            x = self.conv(x)
+        retrieved, _ = self.mem(x)
+        return retrieved
+
+    def state_size(self, context: int) -> int:
+        """The memory MLP's weights per head (its ``memory_model_parameters``, ``[heads, …]``) and one momentum
+        buffer of the same size per momentum order, + the conv cache."""
+        weights = sum(p.numel() for p in self.mem.memory_model_parameters)
+        n = weights * (1 + (self.mem.momentum_order if self.mem.to_momentum is not None else 0))
+        return n + (self.conv.state_size() if self.conv is not None else 0)
+
+
+# --------------------------------------------------------------------------------------------------
+# construction
+# --------------------------------------------------------------------------------------------------
+DESCRIPTIONS = {
+    "softmax_transformer": "pre-LN Transformer, causal softmax SDPA, 4 heads, learned positions, GELU MLP 4×, "
+                           "default inits, untied head",
+    "fla_gated_deltanet": "fla 0.6 GatedDeltaNet layer (4 heads, head_dim 16, expand_v 2 (fla's default), conv4+SiLU, "
+                          "ℓ2 q/k, β=σ, g=−exp(A_log)·softplus(a+dt_bias), "
+                          "RMSNorm⊙swish gate) in a pre-LN LM; recurrence fla naive_chunk_gated_delta_rule "
+                          "(chunk 16)",
+    "fla_deltanet": "fla DeltaNet layer (GDN layer without decay; 4 heads of 16, expand_v 1, RMSNorm, no output "
+                    "gate, as fla DeltaNet's defaults) in a pre-LN LM; recurrence fla delta_rule_chunkwise (chunk 16)",
+    "titans_neural_memory": "causal depthwise conv4 → titans-pytorch NeuralMemory(heads 4, dim_head 16, chunk_size 4, "
+                            "else defaults) in a pre-LN LM",
+}
+
+
+def build_ref(name: str, vocab_size: int, d_model: int = 64, num_layers: int = 2, max_len: int = 256,
+              **kw) -> RefLM:
+    """The reference LM ``name`` (see :data:`REFS`); ``kw`` go to its mixer. Raises RuntimeError when its
+    peer is not installed."""
+    ok, why = available(name)
+    if not ok:
+        raise RuntimeError(f"{name}: {why}")
+    if name == "softmax_transformer":
+        return RefLM(vocab_size, d_model, [SoftmaxAttention(d_model, **kw) for _ in range(num_layers)], max_len=max_len)
+    if name == "fla_gated_deltanet":
+        return RefLM(vocab_size, d_model, [FlaGatedDeltaNetMixer(d_model, **kw) for _ in range(num_layers)])
+    if name == "fla_deltanet":
+        kw = {"decay": False, "output_gate": False, "expand_v": 1.0, **kw}
+        return RefLM(vocab_size, d_model, [FlaGatedDeltaNetMixer(d_model, **kw) for _ in range(num_layers)])
+    return RefLM(vocab_size, d_model, [TitansMixer(d_model, **kw) for _ in range(num_layers)])
+
+
+def ref_info() -> Dict[str, str]:
+    return dict(DESCRIPTIONS)
+
+
+__all__ = ["PRESET_REF", "REFS", "RefLM", "available", "build_ref", "fla_delta_naive", "fla_gdn_naive", "ref_info"]

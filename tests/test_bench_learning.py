@@ -1,0 +1,172 @@
+"""bench/learning.py and its references (bench/learning_refs.py), on tiny shapes.
+
+- every reference that is available builds, maps [2, 16] ids to finite [2, 16, V] logits, is causal, and
+  trains 2 steps through atlaslab's ``train`` (the fla / titans references are skipped when bench/.peers
+  lacks them; the softmax Transformer always runs);
+- fla's two naive functions agree where they should (the delta rule = gated delta rule with g = 0; the
+  chunk size does not change the result);
+- the summaries (steps-to-90, mean ± std, the ours / ref ratio and the goal) on hand-made histories;
+- the markdown report for a fake result; a run that fails in its subprocess is recorded, not raised.
+"""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def _load(name, file):
+    spec = importlib.util.spec_from_file_location(name, BENCH / file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module   # before exec (bench/learning.py imports learning_refs by this name)
+    spec.loader.exec_module(module)
+    return module
+
+
+refs = _load("learning_refs", "learning_refs.py")
+bl = _load("bench_learning", "learning.py")
+
+V, T = 32, 16
+
+
+def _require(name):
+    ok, why = refs.available(name)
+    if not ok:
+        assert name != "softmax_transformer"
+        pytest.skip(why)
+
+
+@pytest.mark.parametrize("name", refs.REFS)
+def test_reference_builds_is_causal_and_trains(name, one_thread):
+    _require(name)
+    from atlaslab.train.loop import train
+    torch.manual_seed(0)
+    kw = {"chunk_size": 4} if name == "titans_neural_memory" else {}
+    model = refs.build_ref(name, V, d_model=16, num_layers=2, max_len=T, **kw)
+    ids = torch.randint(0, V, (2, T))
+    logits = model(ids)
+    assert logits.shape == (2, T, V) and torch.isfinite(logits).all()
+    other = ids.clone()
+    other[:, 10] = (other[:, 10] + 1) % V
+    diff = (model(other) - logits).abs().amax(dim=(0, 2))
+    assert diff[:10].max() == 0 and diff[10:].max() > 0          # causal, and it reads the token
+    assert model.state_size(T) > 0
+
+    task = {"name": "mqar", "vocab_size": V, "seq_len": T, "num_kv_pairs": [2], "eval_examples": 8}
+    r = train(model, task, {"steps": 2, "batch_size": 4, "eval_interval": 1, "eval_examples": 8, "final_eval": False,
+                            "progress": "never", "device": "cpu", "log_interval": 1})
+    assert r.status == "completed" and r.steps == 2
+    assert all(torch.isfinite(torch.tensor(h["train/loss"])) for h in r.history if "train/loss" in h)
+    assert len(bl.curve(r.history)) == 2
+
+
+def test_fla_naive_functions_agree(one_thread):
+    _require("fla_deltanet")
+    _require("fla_gated_deltanet")
+    gdn, delta = refs.fla_gdn_naive(), refs.fla_delta_naive()
+    g = torch.Generator().manual_seed(0)
+    B, L, H, D = 2, 32, 2, 8
+    q, k, v = (torch.randn(B, L, H, D, generator=g) for _ in range(3))
+    k = torch.nn.functional.normalize(k, dim=-1)
+    beta = torch.rand(B, L, H, generator=g)
+    zero = torch.zeros(B, L, H)
+    o_gdn, _ = gdn.naive_chunk_gated_delta_rule(q, k, v, zero, beta, chunk_size=16)
+    o_delta, _ = delta.delta_rule_chunkwise(*(x.transpose(1, 2) for x in (q, k, v, beta)), chunk_size=16)
+    torch.testing.assert_close(o_gdn, o_delta.transpose(1, 2), atol=1e-5, rtol=1e-5)
+    decay = -torch.rand(B, L, H, generator=g)
+    o16, _ = gdn.naive_chunk_gated_delta_rule(q, k, v, decay, beta, chunk_size=16)
+    o64, _ = gdn.naive_chunk_gated_delta_rule(q, k, v, decay, beta, chunk_size=64)
+    torch.testing.assert_close(o16, o64, atol=1e-5, rtol=1e-5)
+    # the mixer's no-decay path (padding T to the chunk, layout) equals the gated function with g = 0
+    torch.manual_seed(0)
+    mixer = refs.FlaGatedDeltaNetMixer(16, decay=False, output_gate=False, chunk_size=16)
+    qq, kk, vv = q[:, :20], k[:, :20], v[:, :20]
+    torch.testing.assert_close(mixer.recurrence(qq, kk, vv, beta[:, :20], None),
+                               gdn.naive_chunk_gated_delta_rule(qq, kk, vv, zero[:, :20], beta[:, :20],
+                                                                chunk_size=16)[0], atol=1e-5, rtol=1e-5)
+
+
+def _hist(*points):
+    return [{"step": s, "val/accuracy": a, "train/loss": 1.0} for s, a in points]
+
+
+def test_summaries():
+    h = _hist((25, 0.30), (50, 0.89), (75, 0.90), (100, 0.97))
+    assert bl.steps_to(h, 0.9) == 75 and bl.steps_to(h, 0.98) is None
+    s = bl.summarise_run({"status": "early_stopped", "history": h})
+    assert s == {"ok": True, "final_accuracy": 0.97, "best_accuracy": 0.97, "steps_to_90": 75}
+    m, sd = bl.mean_std([100, 200])
+    assert m == 150 and sd == pytest.approx(70.7107, abs=1e-4)
+    assert bl.mean_std([3.0]) == [3.0, 0.0] and bl.mean_std([]) is None
+
+    ours = [{"seed": 0, "status": "completed", "history": _hist((25, 0.5), (75, 0.95))},
+            {"seed": 1, "status": "completed", "history": _hist((25, 0.5), (50, 0.6), (125, 0.92))},
+            {"seed": 2, "status": "failed", "message": "boom", "history": []}]
+    m = bl.summarise_model(ours)
+    assert (m["seeds"], m["ok"], m["reached_90"]) == (3, 2, 2)
+    assert m["steps_to_90"][0] == 100 and m["final_accuracy"][0] == pytest.approx(0.935)
+    assert m["failures"] == ["seed 2: failed boom"]
+
+    ref = [{"seed": 0, "status": "early_stopped", "history": _hist((25, 0.6), (50, 0.99))},
+           {"seed": 1, "status": "early_stopped", "history": _hist((25, 0.7), (75, 0.99))}]
+    c = bl.compare(ours[:2], ref)                   # ours 100 vs ref 62.5 steps to 0.9
+    assert c["target"] == 0.9 and c["ratio"] == pytest.approx(1.6) and c["met"] is False
+    assert bl.compare(ours[:1], ref)["met"] is True  # 75 / 62.5 = 1.2
+    c = bl.compare(ours, ref)                        # a failed seed never reaches the target
+    assert c["met"] is False and "2/3" in c["why"]
+    weak_ref = [{"seed": 0, "status": "completed", "history": _hist((25, 0.3), (100, 0.6), (200, 0.61))}]
+    c = bl.compare(ours[:2], weak_ref)              # target = the ref's final accuracy 0.61, reached at 200
+    assert c["target"] == pytest.approx(0.61) and c["ref_steps"][0] == 200
+    assert c["ours_steps"][0] == pytest.approx(100) and c["met"] is True
+
+
+def test_report(tmp_path):
+    data = {"command": "python bench/learning.py --seeds 0", "setting_name": "calibration",
+            "setting": bl.SETTINGS["calibration"], "steps": 600, "seeds": [0], "torch": "9.9.9", "python": "3",
+            "machine": "cpu", "started": "now", "skipped": {"titans_neural_memory": "not installed"},
+            "runs": [{"kind": "ref", "name": "softmax_transformer", "seed": 0, "status": "early_stopped",
+                      "state_size": 16384, "num_parameters": 120704, "wall_s": 3.0,
+                      "history": _hist((25, 0.5), (100, 0.92), (150, 0.99))},
+                     {"kind": "preset", "name": "transformer", "seed": 0, "status": "completed",
+                      "state_size": 16384, "num_parameters": 117056, "wall_s": 4.0,
+                      "history": _hist((25, 0.5), (150, 0.95), (200, 0.97))},
+                     {"kind": "preset", "name": "atlas", "seed": 0, "status": "failed", "message": "boom",
+                      "history": []}]}
+    md = bl.write_report(data, tmp_path / "r")
+    assert "Command: `python bench/learning.py --seeds 0`" in md and "torch 9.9.9" in md
+    assert "| softmax_transformer | reference | 120704 | 16384 | 0.990 ± 0.000 | 0.990 ± 0.000 | 100 ± 0 | 1/1 | 1/1 |" in md
+    assert "| transformer | ours | 117056 | 16384 | 0.970 ± 0.000 |" in md
+    assert "| transformer | softmax_transformer | 0.900 | 150 ± 0 | 100 ± 0 | 1.50× | met |" in md
+    assert "| atlas | ours | — | — | — | — | — | 0/1 | 0/1 |" in md and "atlas: seed 0: failed boom" in md
+    assert "titans_neural_memory (not installed)" in md
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["comparison"]["transformer"]["ratio"] == pytest.approx(1.5)
+    assert (tmp_path / "r.md").read_text() == md
+
+
+def test_failed_run_is_recorded():
+    job = {"kind": "preset", "name": "no_such_preset", "seed": 0, "setting": bl.SETTINGS["calibration"], "steps": 1}
+    rec = bl.run_job(job, timeout=120, log=lambda *_: None)
+    assert rec["status"] == "failed" and "no_such_preset" in rec["message"] and rec["history"] == []
+
+
+def test_reuse_takes_only_matching_reference_runs(tmp_path):
+    s = bl.SETTINGS["calibration"]
+    old = {"steps": 600, "setting": s, "started": "then", "ref_kwargs": {"fla_gated_deltanet": {"expand_v": 1.0}},
+           "runs": [{"kind": "ref", "name": "fla_gated_deltanet", "seed": 0, "status": "completed", "history": []},
+                    {"kind": "ref", "name": "softmax_transformer", "seed": 0, "status": "completed", "history": []},
+                    {"kind": "ref", "name": "softmax_transformer", "seed": 1, "status": "failed", "history": []},
+                    {"kind": "preset", "name": "transformer", "seed": 0, "status": "completed", "history": []}]}
+    (tmp_path / "r.json").write_text(json.dumps(old))
+    prev = bl._previous_ref_runs(tmp_path / "r.json")
+    job = lambda name, seed=0, **kw: {"kind": "ref", "name": name, "seed": seed, "steps": 600, "setting": s, **kw}
+    assert bl._job_key(job("softmax_transformer")) in prev                       # same everything
+    assert bl._job_key(job("softmax_transformer", 1)) not in prev                # failed runs are run again
+    assert bl._job_key(job("fla_gated_deltanet", ref_kwargs={"expand_v": 2.0})) not in prev   # other options
+    assert bl._job_key(job("fla_gated_deltanet", ref_kwargs={"expand_v": 1.0})) in prev
+    assert bl._job_key({**job("softmax_transformer"), "steps": 100}) not in prev
+    assert len(prev) == 2 and all(r["reused_from"] == "r.json, run started then" for r in prev.values())
