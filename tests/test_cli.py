@@ -63,7 +63,8 @@ def _fast_weights_per_head(arch, feat, dv):
         return dv * feat
     if name == "diagonal":
         return feat
-    hidden = max(1, int(round(arch["expansion"] * feat)))
+    base = dv if arch.get("hidden_from") == "output" else feat
+    hidden = max(1, int(round(arch["expansion"] * base)))
     if name == "gated_mlp":
         return 2 * hidden * feat + dv * hidden
     dims = [feat] + [hidden] * (arch["depth"] - 1) + [dv]

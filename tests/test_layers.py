@@ -8,7 +8,7 @@ from atlaslab.components.attention import Attention
 from atlaslab.components.blocks import LMMBlock, MACBlock, MAGBlock, MALBlock
 from atlaslab.components.lm import LanguageModel
 from atlaslab.presets import build_model, load_preset, tiny_overrides
-from atlaslab.registry import resolve_part
+from atlaslab.registry import ConfigError, resolve_part
 
 D, H, B, T = 16, 2, 2, 10
 DH = D // H
@@ -233,7 +233,7 @@ def test_state_sizes():
 
 
 def test_language_model_accounting():
-    cfg = load_preset("titans", tiny_overrides("titans") + ["mlp_hidden=24"])
+    cfg = load_preset("titans", tiny_overrides("titans") + ["mlp_hidden=24", "tie_embeddings=true"])
     model = build_model(cfg)
     assert isinstance(model, LanguageModel) and len(model.layers) == 2
     n = sum(p.numel() for p in model.parameters())                   # tied: the embedding appears once
@@ -241,7 +241,7 @@ def test_language_model_accounting():
     assert model.num_parameters(exclude_embeddings=True) == n - 32 * 16
     assert model.layers[0].mlp.w1.out_features == 24
     assert model.state_size() == sum(m.state_size() for m in model.mixers())
-    untied = build_model(load_preset("titans", tiny_overrides("titans") + ["tie_embeddings=false", "mlp=false"]))
+    untied = build_model(load_preset("titans", tiny_overrides("titans") + ["mlp=false"]))   # untied: the default
     assert untied.head is not None and untied.layers[0].mlp is None
     logits = untied(torch.randint(0, 32, (B, 5)))
     assert logits.shape == (B, 5, 32)
@@ -259,3 +259,73 @@ def test_blocks_shapes_and_persistent_gradients(cls):
     y.square().mean().backward()
     assert block.persistent.grad is not None and block.persistent.grad.abs().sum() > 0
     assert math.isfinite(block.state_size()) and block.state_size() > 0
+
+
+def test_embedding_and_head_defaults_give_unit_scale_tokens_and_moderate_logits():
+    """The defaults that let a pre-norm LM learn recall (lm module doc): unit-scale embeddings, untied head."""
+    torch.manual_seed(0)
+    model = build_model(load_preset("transformer", ["vocab_size=128"]))
+    assert model.head is not None and model.logit_scale == 1.0
+    assert 0.9 < model.embed.weight.std().item() < 1.1
+    logits = model(torch.randint(0, 128, (4, 32)))
+    assert 0.3 < logits.std().item() < 1.0
+    tied = build_model(load_preset("transformer", ["vocab_size=128", "tie_embeddings=true"]))
+    assert tied.head is None and tied.logit_scale == pytest.approx(64 ** -0.5)
+    assert 0.5 < tied(torch.randint(0, 128, (4, 32))).std().item() < 2.0    # rescaled, not std 8
+    with pytest.raises(ConfigError, match="init_std"):
+        build_model(load_preset("transformer", ["init_std=0"]))
+
+
+def test_log_decay_gate_spreads_the_heads_forgetting_rates():
+    """form: log_decay is fla's / Mamba2's α = exp(−A·softplus(w·x + b)), A ~ U(0, 16), dt ~ logU[1e-3, 0.1]."""
+    torch.manual_seed(0)
+    heads = 8
+    layer = resolve_part("mixer", {"name": "memory", "num_heads": heads, "memory": {**LINEAR_L2, "retention": "decay"},
+                                   "gates": {"retention": {"form": "log_decay"}}})
+    from atlaslab.components.layers import MemoryLayer
+    net = MemoryLayer(layer, 32).gate_nets["retention"]
+    a, dt = net.a_log.exp(), torch.nn.functional.softplus(net.dt_bias)
+    assert ((a > 0) & (a <= 16)).all() and ((dt >= 1e-3 * 0.999) & (dt <= 0.1 * 1.001)).all()
+    alpha = net(torch.zeros(1, 3, 32))                              # x = 0: α = exp(−A·dt) per head
+    assert alpha.shape == (1, 3, heads)
+    torch.testing.assert_close(alpha[0, 0], torch.exp(-a * dt))
+    assert alpha.max() - alpha.min() > 0.3                          # spread, where the sigmoid starts all at 0.98
+    g = make("mixer", "memory", num_heads=H, memory={**LINEAR_L2, "retention": {"name": "decay", "channel_wise": True}},
+             gates={"retention": {"form": "log_decay"}}).gates(x_batch())["retention"]
+    assert g.shape == (B, T, H, DH) and ((g > 0) & (g < 1)).all()
+
+
+@pytest.mark.parametrize("node, path", [
+    ({"gates": {"retention": {"form": "tanh"}}}, "gates.retention.form"),
+    ({"gates": {"lr": {"form": "log_decay"}}}, "gates.lr.form"),
+    ({"gates": {"retention": {"form": "log_decay", "dt_range": [0.1, 0.01]}}}, "gates.retention.dt_range"),
+    ({"output_gate_act": "relu"}, "output_gate_act"),
+])
+def test_gate_options_are_validated_with_their_path(node, path):
+    with pytest.raises(ConfigError, match=path.replace(".", r"\.")) as err:
+        resolve_part("mixer", {"name": "memory", "memory": {**LINEAR_L2, "retention": "decay"}, **node}, "mixers.m")
+    assert "mixers.m" in str(err.value)
+
+
+def test_swish_output_gate():
+    x = x_batch()
+    layer = make("mixer", "memory", num_heads=H, memory=LINEAR_L2, output_gate_act="swish")
+    ref = make("mixer", "memory", num_heads=H, memory=LINEAR_L2)             # same seed → same weights
+    o = torch.randn(B, T, H, DH, dtype=F64)
+    g = layer.g_proj(x)
+    expected = layer.o_proj((layer.out_norm(o).reshape(B, T, -1)) * torch.nn.functional.silu(g))
+    torch.testing.assert_close(layer._output(o, x), expected)
+    assert not torch.allclose(layer._output(o, x), ref._output(o, x))
+
+
+def test_mlp_hidden_width_from_the_output_keeps_atlas_eq42_size():
+    """φ_2 widens a 16-dim key to 153 features; ATLAS's hidden layer stays 4 × the head dim."""
+    from atlaslab.components.memory_spec import MemoryParts, resolve_memory_spec
+    spec = {"memory": {"name": "mlp", "residual": False}, "feature_map": {"name": "polynomial", "degree": 2}}
+    wide = MemoryParts(resolve_memory_spec(spec), 1, 16, 16)
+    spec["memory"]["hidden_from"] = "output"
+    eq42 = MemoryParts(resolve_memory_spec(spec), 1, 16, 16)
+    assert wide.memory.shapes()["W1"] == (612, 153) and eq42.memory.shapes()["W1"] == (64, 153)
+    assert eq42.memory.shapes()["W2"] == (16, 64)
+    with pytest.raises(ConfigError, match="hidden_from"):
+        resolve_memory_spec({"memory": {"name": "mlp", "hidden_from": "middle"}})

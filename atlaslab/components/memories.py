@@ -142,7 +142,8 @@ class DiagonalMemory(Memory):
 @dataclass
 class MLPConfig(PartConfig):
     depth: int = 2             # number of fast-weight matrices in the chain (L_M in Titans)
-    expansion: float = 4.0     # hidden width = expansion × d_in
+    expansion: float = 4.0     # hidden width = expansion × (d_in or d_out, see hidden_from)
+    hidden_from: str = "input"  # input | output: the width the expansion multiplies (ATLAS Eq.42: the head's)
     activation: str = "gelu"   # gelu | silu | relu | tanh
     residual: bool = True      # M(x) = x + f(x); needs d_in == d_out
     layer_norm: bool = False   # M(x) = x + LN(f(x)) (Miras / TTT form)
@@ -153,6 +154,7 @@ class MLPConfig(PartConfig):
         check_range("expansion", self.expansion, 1e-6, None, "must be positive, in")
         check_choice("activation", self.activation, tuple(ACTIVATIONS))
         check_choice("init", self.init, INITS)
+        check_choice("hidden_from", self.hidden_from, ("input", "output"))
 
 
 class _MLPBase(Memory):
@@ -168,7 +170,10 @@ class _MLPBase(Memory):
                 f"a residual memory needs key dim == value dim, but the feature map gives {in_dim} and the "
                 f"values have {out_dim}; set memory.residual: false (or use a dimension-preserving feature map).",
                 value=True)
-        self.hidden = max(1, int(round(cfg.expansion * in_dim)))
+        # ``hidden_from: output`` keeps ATLAS Eq.42's 4 × d hidden layer when a feature map widens the input
+        # (φ_2 of a 16-dim head gives 153 features; 4 × 153 would make the memory 10× the paper's size)
+        base = out_dim if cfg.hidden_from == "output" else in_dim
+        self.hidden = max(1, int(round(cfg.expansion * base)))
         self.act = ACTIVATIONS[cfg.activation]
         if cfg.layer_norm:
             self.ln_weight = nn.Parameter(torch.ones(num_heads, out_dim))
