@@ -319,3 +319,14 @@ def test_trial_config_as_mlflow_params():
     assert f["model.preset"] == "atlas" and f["train.lr"] == "0.1" and f["train.test_lengths"] == "[16, 32]"
     assert f["model.overrides.d_model"] == "32"                       # the effective (last) value
     assert f["model.overrides.mixers.atlas.memory.window.size"] == "1"
+
+
+def test_state_plot_draws_a_variant_seen_at_several_state_sizes(tmp_path):
+    from atlaslab.search.report import plot_state
+    rows = [{"variant": v, "label": f"{v} d={d}", "setting": "mqar", "state_size": s, "val/accuracy": a,
+             "val/accuracy std": 0.01} for v, d, s, a in
+            [("gdn", 16, 1000, 0.5), ("gdn", 32, 4000, 0.8), ("attention", 16, 8000, 1.0)]]
+    assert plot_state(rows, "val/accuracy", tmp_path / "state.png") == tmp_path / "state.png"
+    assert (tmp_path / "state.png").stat().st_size > 1000
+    one_size = [dict(r, state_size=64) for r in rows]          # no variant at two sizes: nothing to draw
+    assert plot_state(one_size, "val/accuracy", tmp_path / "none.png") is None

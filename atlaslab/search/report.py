@@ -234,6 +234,38 @@ def plot_axis(records: Sequence[Mapping[str, Any]], key: str, metric: str, path:
     return path
 
 
+def plot_state(rows: Sequence[Mapping[str, Any]], metric: str, path: Path) -> Optional[Path]:
+    """``metric`` against recurrent-state size (log scale), one line per variant (zoology's recall-vs-state plot).
+
+    Drawn when some variant appears at two or more state sizes (a grid axis that changes the width)."""
+    series: "OrderedDict[str, List[Tuple[float, float, float]]]" = OrderedDict()
+    for r in rows:
+        if r.get(metric) is None or not r.get("state_size"):
+            continue
+        name = r["variant"] if r.get("variant") is not None else r["label"]
+        if r.get("setting") is not None and len({x.get("setting") for x in rows}) > 1:
+            name = f"{name} [{r['setting']}]"
+        series.setdefault(str(name), []).append((float(r["state_size"]), r[metric], r.get(metric + " std") or 0.0))
+    if not any(len({x for x, _, _ in pts}) > 1 for pts in series.values()):
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.0, 3.8))
+    for i, (name, pts) in enumerate(series.items()):
+        pts.sort()
+        ax.errorbar([x for x, _, _ in pts], [y for _, y, _ in pts], yerr=[e for _, _, e in pts], marker="o",
+                    ms=4, capsize=3, label=name, color=f"C{i % 10}")
+    ax.set_xscale("log")
+    ax.set_xlabel("recurrent state (scalars per sequence)")
+    ax.set_ylabel(metric)
+    ax.set_title(f"{metric} vs state size", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_curves(rows: Sequence[Mapping[str, Any]], records: Sequence[Mapping[str, Any]], metric: str,
                 path: Path) -> Optional[Path]:
     by_key = {r["key"]: r for r in records}
@@ -463,6 +495,9 @@ def write_report(run_dir: Path, exp: ExperimentConfig, records: Sequence[Mapping
                     p = plot_axis(records, key, main, plots / f"axis_{_slug(short_key(key))}.png")
                     if p:
                         figs.append(p)
+            p = plot_state(rows, main, plots / "state.png")
+            if p:
+                figs.append(p)
             p = plot_curves(rows, records, exp.report.curve_metric or exp.metric, plots / "curves.png")
             if p:
                 figs.append(p)
