@@ -330,3 +330,18 @@ def test_state_plot_draws_a_variant_seen_at_several_state_sizes(tmp_path):
     assert (tmp_path / "state.png").stat().st_size > 1000
     one_size = [dict(r, state_size=64) for r in rows]          # no variant at two sizes: nothing to draw
     assert plot_state(one_size, "val/accuracy", tmp_path / "none.png") is None
+
+
+def test_report_steps_to_threshold_column(tmp_path):
+    from atlaslab.search.report import aggregate, steps_to, write_report
+    exp = load_experiment(node=_exp(grid={"variants": {"A": {}, "B": {}}}, seeds=[0, 1],
+                                    report={"steps_to": 0.6}))
+    recs = [_rec("t000", "A", 0, 0.7), _rec("t001", "A", 1, 0.5), _rec("t002", "B", 0, 1.4), _rec("t003", "B", 1, 1.4)]
+    assert steps_to(recs[0], "val/accuracy", 0.6, "max") == 20            # history: 0.35 at 10, 0.7 at 20
+    assert steps_to(recs[1], "val/accuracy", 0.6, "max") is None
+    assert steps_to(recs[2], "val/accuracy", 0.6, "max") == 10            # 0.7 already at step 10
+    assert steps_to(recs[0], "val/accuracy", 0.4, "min") == 10
+    rows = {r["row"]: r for r in aggregate(exp, recs)}
+    assert rows["A"]["steps_to"] == 20 and rows["A"]["steps_to n"] == 1 and rows["B"]["steps_to"] == 10
+    text = write_report(tmp_path, exp, recs).read_text()
+    assert "steps to 0.6" in text and "| 20 (1/2) |" in text and "| 10 ± 0 |" in text

@@ -61,6 +61,15 @@ def report_metrics(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]) 
     return out
 
 
+def steps_to(record: Mapping[str, Any], metric: str, threshold: float, mode: str) -> Optional[float]:
+    """The first evaluation step at which ``metric`` reached ``threshold`` (None if it never did)."""
+    for h in record.get("history") or []:
+        v = _num(h.get(metric))
+        if v is not None and (v >= threshold if mode == "max" else v <= threshold):
+            return _num(h.get("step"))
+    return None
+
+
 def aggregate(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]) -> List[Dict[str, Any]]:
     """Report rows (grid): one per (setting, variant, axis values); seeds averaged, protocol maximised."""
     metrics = report_metrics(exp, records)
@@ -94,6 +103,10 @@ def aggregate(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]) -> Li
             mean, std = _mean_std([_num(r["metrics"].get(m)) for r in ok])
             out[m] = mean
             out[m + " std"] = std
+        if exp.report.steps_to is not None:
+            hit = [steps_to(r, exp.metric, exp.report.steps_to, exp.mode) for r in ok]
+            out["steps_to"], out["steps_to std"] = _mean_std([h for h in hit if h is not None])
+            out["steps_to n"] = sum(h is not None for h in hit)
         steps = [_num(r["metrics"].get("step")) for r in ok]
         out["steps"] = max([s for s in steps if s is not None], default=None)
         lengths = _length_metrics(ok, exp.report.length_metric)
@@ -455,12 +468,19 @@ def write_report(run_dir: Path, exp: ExperimentConfig, records: Sequence[Mapping
         head = (["setting"] if multi else []) + ["variant"]
         for m in metrics:
             head += [m, "Δ"]
+        reach = exp.report.steps_to
+        if reach is not None:
+            head.append(f"steps to {fmt_value(reach)}")
         head += ["params", "state"] + (["best lr / wd"] if proto else []) + ["seeds ok"]
         table = []
         for r in rows:
             line = ([r["setting"]] if multi else []) + [r["label"] + (" (baseline)" if r["baseline"] else "")]
             for m in metrics:
                 line += [_fmt(r.get(m), r.get(m + " std")), "" if r["baseline"] else _delta(r.get(m + " delta"))]
+            if reach is not None:
+                n_hit = r.get("steps_to n", 0)
+                line.append("—" if not n_hit else _fmt(r["steps_to"], r["steps_to std"], digits=0)
+                            + ("" if n_hit == r["n_ok"] else f" ({n_hit}/{r['n_ok']})"))
             line += [_human(r["num_parameters"]), _human(r["state_size"])]
             if proto:
                 line.append(", ".join(fmt_value(v) for v in r["protocol"].values()) or "—")
@@ -468,7 +488,9 @@ def write_report(run_dir: Path, exp: ExperimentConfig, records: Sequence[Mapping
             table.append(line)
         lines.append("## Results")
         lines.append("")
-        lines.append("mean ± std over seeds" + ("; each row at its best (lr, weight decay) of the protocol by "
+        lines.append("mean ± std over seeds" + (f"; steps to {fmt_value(reach)} = the first evaluation with "
+                                                f"`{exp.metric}` at {fmt_value(reach)} or better (seeds that got "
+                                                "there)" if reach is not None else "") + ("; each row at its best (lr, weight decay) of the protocol by "
                                                 f"`{exp.metric}`" if proto else "")
                      + "; Δ vs the baseline row; state = recurrent-state scalars per sequence at the training "
                        "length (KV cache for attention).")

@@ -212,6 +212,7 @@ class ReportNode:
     length_metric: str = "accuracy"    # accuracy vs eval length: test/len_<L>/<length_metric>
     plots: bool = True
     mad_score: bool = False            # with several settings: best per setting, mean per task, then over tasks
+    steps_to: Optional[float] = None   # add a column: first evaluation step with `metric` ≥ this (≤ when min)
 
 
 @dataclass
