@@ -1,0 +1,92 @@
+"""Where an ATLAS training step spends its time on CPU, beside the presets it is compared with.
+
+    python bench/atlas_cost.py              # → bench/results/atlas_cost_cpu.{json,md}
+    python bench/atlas_cost.py --batch 4    # smaller measured batch (times scale linearly in the batch)
+
+One LM training step (forward + backward of ``LanguageModel.loss``) at the learning bench's calibration size
+(d_model 64, 2 layers, 4 heads of dimension 16, vocabulary 128, T = 64), one torch thread, best of 2 after a
+warm-up, measured side by side in one process. For ATLAS the torch profiler splits the step by operator, and
+the labelled chunk-level variant (``ns_granularity: chunk`` with ``read: chunk``) shows what the per-token
+Newton–Schulz costs. Seconds are process CPU seconds; "per 64-sequence step" scales the measured batch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BASE = ["vocab_size=128", "d_model=64", "num_layers=2"]
+ROWS = {   # label: (preset, overrides)
+    "atlas (per-token NS, the preset)": ("atlas", []),
+    "atlas, ns_granularity chunk + read chunk (variant)": (
+        "atlas", ["mixers.atlas.memory.inner_optimizer.ns_granularity=chunk", "mixers.atlas.memory.read=chunk"]),
+    "atlas w/o Muon (GD)": ("atlas", ["mixers.atlas.memory.inner_optimizer={name: gd, lr: 0.1}"]),
+    "omeganet": ("omeganet", []),
+    "titans": ("titans", []),
+    "gated_deltanet": ("gated_deltanet", []),
+    "transformer": ("transformer", []),
+}
+
+
+def step_seconds(model, ids, repeats: int = 2) -> float:
+    def once():
+        model.zero_grad(set_to_none=True)
+        t = time.process_time()
+        model.loss(ids).backward()
+        return time.process_time() - t
+    once()
+    return min(once() for _ in range(repeats))
+
+
+def operator_split(model, ids, top: int = 6):
+    with torch.profiler.profile() as prof:
+        model.loss(ids).backward()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    return [{"op": e.key, "share": e.self_cpu_time_total / total, "calls": e.count} for e in events[:top]]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--out", default=str(RESULTS / "atlas_cost_cpu"))
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    from atlaslab.presets import build_model, load_preset
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (args.batch, 65))
+    rows, split = [], None
+    for label, (preset, overrides) in ROWS.items():
+        model = build_model(load_preset(preset, BASE + overrides))
+        s = step_seconds(model, ids)
+        rows.append({"model": label, "seconds": s, "per_64": s * 64 / args.batch,
+                     "state": model.state_size(64), "params": model.num_parameters()})
+        if split is None:
+            split = operator_split(model, ids)
+        print(f"{label}: {s:.2f} s per step at batch {args.batch}", flush=True)
+    base = next(r for r in rows if r["model"] == "transformer")["seconds"]
+    out = {"batch": args.batch, "torch": torch.__version__, "machine": platform.machine(), "rows": rows,
+           "atlas_operator_split": split, "command": f"python bench/atlas_cost.py --batch {args.batch}"}
+    Path(args.out + ".json").write_text(json.dumps(out, indent=2))
+    lines = ["# ATLAS step cost on CPU", "", f"Command: `{out['command']}` (torch {torch.__version__}, one thread, "
+             "process CPU seconds, best of 2 after a warm-up).", "",
+             "One training step (forward + backward) at d_model 64, 2 layers, 4 heads of 16, T = 64, vocabulary 128.",
+             "", "| model | s / step (batch %d) | s / 64-sequence step | × transformer | 600 steps at batch 64 |"
+             " state (T = 64) |" % args.batch, "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['seconds']:.2f} | {r['per_64']:.1f} | {r['seconds'] / base:.0f} | "
+                     f"{r['per_64'] * 600 / 3600:.1f} h | {r['state']:,} |")
+    lines += ["", "ATLAS (the preset) by operator, share of the step's self CPU time:", "",
+              "| operator | share | calls |", "|---|---|---|"]
+    lines += [f"| {e['op']} | {e['share']:.0%} | {e['calls']} |" for e in split]
+    Path(args.out + ".md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.out}.md")
+
+
+if __name__ == "__main__":
+    main()
