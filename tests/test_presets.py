@@ -115,7 +115,7 @@ def test_taxonomy_decisions():
             gdn.inner_optimizer.name, gdn.chunk_size) == ("linear", "l2", "decay", "before_step", "gd", 1)
     _, tit = _spec("titans")
     assert (tit.memory.name, tit.attentional_bias.name, tit.retention.placement, tit.inner_optimizer.name,
-            tit.chunk_size) == ("mlp", "l2", "after_step", "momentum", 16)
+            tit.chunk_size) == ("mlp_ln", "l2", "after_step", "momentum", 16)
     _, atl = _spec("atlas")
     assert (atl.memory.name, atl.memory.residual, atl.feature_map.name, atl.feature_map.degree,
             atl.inner_optimizer.name, atl.retention.name) == ("mlp", False, "polynomial", 2, "muon", "decay")

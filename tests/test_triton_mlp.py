@@ -488,11 +488,11 @@ def test_memorize_triton_atlas_family_matches_recurrent(name, monkeypatch):
         assert torch.isfinite(a).all() and rms_ratio(a.double(), r) <= TOL, label
 
 
-PRESETS_ON_STEP = ("omeganet", "dla", "swdt", "deeptransformer", "dot", "titans")
+PRESETS_ON_STEP = ("omeganet", "dla", "swdt", "deeptransformer", "dot")   # titans: mlp_ln (LayerNorm), not on it
 
 
 def test_presets_select_the_fused_step():
-    """The ATLAS-family presets (and Titans) now get the fused step: their memory parts, built as the layer does,
+    """The ATLAS-family presets now get the fused step: their memory parts, built as the layer does,
     pass :func:`spec_reason`, and ``select_mlp_step`` returns the step for fp32 inputs."""
     from atlaslab.presets import load_preset
     for preset in PRESETS_ON_STEP:

@@ -52,10 +52,11 @@ Pieces:
   computes, and ``atlaslab.kernels.triton.select_mlp_step`` returns it when a kernel can run; ``chunked``'s
   ``_dual_aligned`` calls it once per chunk in place of ``_dual_step``.
 
-Presets on it (``experiments/presets/``): titans (residual, ℓ2, momentum), omeganet (ℓ2, c = 4), dla (dot, c = 1),
+Presets on it (``experiments/presets/``): omeganet (ℓ2, c = 4), dla (dot, c = 1),
 swdt (dot, c = 4), deeptransformer (dot, no retention), dot (ℓ2, c = 4, no retention): all ``residual: false`` with the
 polynomial / Taylor-φ* map, D_in = C(d + 2, 2) = 153 ≠ D_out = 16 at d = 16, hidden = 4 · 153 = 612. Not on it: atlas
-(Muon; not the dual form), atlas_pp (``gated_mlp``), the ``mlp_ln`` presets (LayerNorm).
+(Muon; not the dual form), atlas_pp (``gated_mlp``), the ``mlp_ln`` presets (LayerNorm; titans and its hybrids
+among them, whose plain residual ``mlp`` form — on it — diverges in training).
 
 Limits: D_in, D_out ≤ 256, W ≤ 128 window tokens per chunk, any hidden width (looped in blocks of ≤ 64; ≤ 32 when
 a D block is 256). Status: tested only under ``TRITON_INTERPRET=1`` on CPU (``tests/test_triton_mlp.py``); nothing
