@@ -2,6 +2,7 @@
 
     atlaslab list [KIND] [--pattern GLOB]     registered parts by kind (one-line descriptions) and presets
     atlaslab show PRESET [key=value ...]      resolved config, parameter count and recurrent-state size
+    atlaslab ui RUN_DIR [--port N]            the MLflow UI of a run folder's store, on 127.0.0.1
 
 Subcommands are registered in :data:`COMMANDS`: a new one (``run``, ``resume``, ``report``, ``train``, ``demo``)
 adds a function ``add_<name>(subparsers)`` that creates its parser and sets ``func`` via
@@ -124,9 +125,15 @@ def add_report(sub) -> None:
     _add(sub)
 
 
+def add_ui(sub) -> None:
+    from .search.ui import add_ui as _add
+
+    _add(sub)
+
+
 #: name → function adding the subcommand's parser; other modules append to this (run, resume, report, ...).
 COMMANDS: Dict[str, Callable] = {"list": add_list, "show": add_show, "demo": add_demo, "train": add_train,
-                                 "run": add_run, "resume": add_resume, "report": add_report}
+                                 "run": add_run, "resume": add_resume, "report": add_report, "ui": add_ui}
 
 
 def build_parser() -> argparse.ArgumentParser:
