@@ -1,6 +1,8 @@
 """atlaslab: search and ablate test-time-memory sequence models (ATLAS, Titans, OmegaNet, Miras, ...).
 
-The spec of every model is ``shared/spec/ATLAS_FAMILY.md``; section numbers in docstrings refer to it.
+The documentation site in ``docs/`` explains every part and model (``docs/concepts/memory.md``,
+``docs/models.md``); docstrings cite the papers' own equations ("ATLAS Eq.32", "Titans Eq.13", "Miras §5.3")
+and point into those pages.
 """
 from . import components  # noqa: F401  (registers the built-in parts)
 from .components import MemoryParts, MemorySpec, build_memory, resolve_memory_spec

@@ -32,21 +32,26 @@ PART_LABELS = {"memory": "memory", "attentional_bias": "attentional bias", "rete
 # --------------------------------------------------------------------------------------------------
 # the preset file's header comment, in the project's words
 # --------------------------------------------------------------------------------------------------
+#: A pointer into the site, ``docs/concepts/memory.md#retention-placement``, as the header writes it.
+DOC_REF = re.compile(r"docs/((?:[\w-]+/)*[\w-]+\.md)(?:#([\w-]+))?")
+
+
+def doc_link(m: "re.Match") -> str:
+    """``docs/PAGE.md#anchor`` as a link relative to ``docs/models.md``, labelled by the anchor."""
+    page, anchor = m.group(1), m.group(2)
+    if anchor:
+        return f"[{anchor.replace('-', ' ')}]({page}#{anchor})"
+    return f"[{page[:-3].rsplit('/', 1)[-1]}]({page})"
+
+
 def header_notes(name: str) -> str:
-    """The preset file's leading comment block as prose, without its pointers into internal references."""
+    """The preset file's leading comment block as prose; its pointers into ``docs/`` become links."""
     lines = []
     for line in preset_path(name).read_text().splitlines():
         if not line.startswith("#"):
             break
         lines.append(line[1:].strip())
-    text = " ".join(lines)
-    text = re.sub(r"\s*\((?:spec |§)[^()]*\)", "", text)                  # "(spec §15.10)", "(§15.2)"
-    sentences = re.split(r"(?<=[.])\s+(?=[A-Z(])", text)
-    keep = [s for s in sentences if "ATLAS_FAMILY" not in s and not s.startswith("Spec ")]
-    text = " ".join(keep)
-    text = re.sub(r"[;,]?\s*spec §[\d.\-–]+", "", text)                   # "…, spec §13.8"
-    text = re.sub(r"[;,]?\s*§1[0-5]\.\d+(?:[-–]\d+(?:\.\d+)?)?", "", text)   # "(b = 1, §15.2)": decisions
-    return md_escape(text.strip())
+    return DOC_REF.sub(doc_link, md_escape(" ".join(lines).strip()))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -147,7 +152,7 @@ def summary_row(d: Dict[str, Any]) -> str:
 
 def section(d: Dict[str, Any]) -> List[str]:
     c = d["config"]
-    desc = md_escape(re.sub(r"\s*\[spec [^\]]*\]", "", c.description))
+    desc = md_escape(c.description)
     out = [f"## {d['name']} {{#{d['name']}}}", "", f"**{desc}**", ""]
     if d["notes"]:
         out += [d["notes"], ""]

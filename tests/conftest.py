@@ -1,4 +1,4 @@
-"""Test-wide settings. TRITON_INTERPRET must be set before any Triton kernel is decorated (DESIGN.md §5)."""
+"""Test-wide settings. TRITON_INTERPRET must be set before any Triton kernel is decorated, so it is set at import time."""
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -153,7 +153,7 @@ def test_token_read_sees_its_own_write_and_chunk_read_does_not():
     tok = build_memory({"memory": {"name": "linear", "init": "zeros"}}, H, D, D).double()
     q, k, v = random_qkv(1, 1, H, D)
     o, _ = memorize(q, k, v, tok)
-    assert o.abs().sum() > 0                          # y_1 = M_1 q_1 includes (k_1, v_1)  (§15.1)
+    assert o.abs().sum() > 0                          # y_1 = M_1 q_1 includes (k_1, v_1)  (read after write)
     o, _ = memorize(q, k, v, tok, chunk_size=1)
     chunk = build_memory({"memory": {"name": "linear", "init": "zeros"}, "read": "chunk"}, H, D, D).double()
     o, _ = memorize(q, k, v, chunk)

@@ -39,7 +39,7 @@ def copy_attention(dst: Attention, src: Attention):
 # reductions (float64)
 # ---------------------------------------------------------------------------------------------------
 def test_deeptransformer_with_linear_memory_and_normaliser_is_the_transformer():
-    """DeepTransformer(linear memory, φ* kernel trick, normalize) = softmax attention (spec §5, §15.7)."""
+    """DeepTransformer(linear memory, φ* kernel trick, normalize) = softmax attention (ATLAS Eq.26)."""
     tiny = ["d_model=16", "vocab_size=32", "num_layers=2"]
     tr = build_model(load_preset("transformer", tiny + ["mixers.transformer.num_heads=2",
                                                         "mixers.transformer.rope=false"])).to(F64)

@@ -19,7 +19,7 @@ EXACT_BIASES = [
 
 @pytest.mark.parametrize("node", EXACT_BIASES, ids=lambda n: "-".join(str(v) for v in n.values()))
 def test_output_grad_is_the_gradient_of_the_loss(node):
-    """∂ℓ/∂pred by autograd equals the bias's error signal (spec §15.10 scaling)."""
+    """∂ℓ/∂pred by autograd equals the bias's error signal (the loss scaling of docs/concepts/memory.md#loss-scaling)."""
     bias = build_part("attentional_bias", node)
     g = torch.Generator().manual_seed(0)
     pred = torch.randn(5, 3, 6, generator=g, dtype=torch.float64, requires_grad=True)

@@ -6,6 +6,7 @@ parameter of every memory (k/v projections and convs, gate networks, the learned
 elements never mix.
 """
 import math
+import re
 
 import pytest
 import torch
@@ -57,7 +58,8 @@ def test_every_model_of_the_issue_has_a_preset():
 def test_preset_file_is_documented(name):
     text = preset_path(name).read_text()
     header = [line for line in text.splitlines() if line.startswith("#")]
-    assert header and any("§" in line for line in header), "the header must cite the spec section"
+    assert header and any(re.search(r"docs/\S+\.md|Eq\.\s?\d|§\s?\d", line) for line in header), \
+        "the header must point into docs/ or cite the paper (an equation or section)"
     cfg = OmegaConf.load(preset_path(name))
     assert cfg.name == name and cfg.description
 
@@ -101,7 +103,7 @@ def test_preset_trains(name):
 
 
 # ---------------------------------------------------------------------------------------------------
-# the taxonomy decisions of spec §9 / §15 are what the files say
+# the taxonomy decisions (docs/concepts/memory.md#reductions) are what the files say
 # ---------------------------------------------------------------------------------------------------
 def _spec(name):
     cfg = load_preset(name)

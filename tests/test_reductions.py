@@ -1,4 +1,4 @@
-"""The reductions of spec §9, in float64: each named model is a combination of parts, computed exactly.
+"""The reductions of docs/concepts/memory.md#reductions, in float64: each named model is a combination of parts, computed exactly.
 
 Every expected value here is computed independently of the engine (closed forms or hand-written
 recurrences of the papers' equations), so a mistake in the engine's composition shows up.
@@ -156,7 +156,7 @@ def test_atlas_with_identity_newton_schulz_is_omeganet_with_momentum():
 
 
 def test_omega_window_matches_closed_form_for_linear_memory():
-    """OmegaNet linear closed form with chunks (ATLAS Eq.11/16, spec §3, §15.3 spill):
+    """OmegaNet linear closed form with chunks (ATLAS Eq.11/16, window spill as in docs/concepts/memory.md#window-spill):
     M_t = α_t M_{t−1} − η_t Σ_{i=t−c+1}^{t} γ_i (M_{t'} k_i − v_i) k_iᵀ."""
     c, b = 3, 4
     q, k, v = random_qkv(B, T, H, D)
@@ -310,7 +310,7 @@ def test_other_mirror_retentions_b1(name, psi):
 def test_ttt_linear_batch_gd_half_step_zero_init_is_linear_attention_within_a_chunk():
     """TTT Thm.1: linear f, batch GD (all gradients at W_0 = 0), η = ½ … gives linear attention.
 
-    With ℓ2 = ½‖Wk − v‖² (§15.10) the write of a step is η v kᵀ at W = 0; here every token of the single chunk
+    With ℓ2 = ½‖Wk − v‖² (docs/concepts/memory.md#loss-scaling) the write of a step is η v kᵀ at W = 0; here every token of the single chunk
     is written at W_0 = 0, so with η = 1 the reads are exactly causal linear attention.
     """
     q, k, v = random_qkv(1, 6, H, D)

@@ -63,7 +63,7 @@ SMALL_TRAIN = dict(steps=24, batch_size=8, lr=1e-2, warmup_steps=3, eval_interva
 # learning
 # --------------------------------------------------------------------------------------------------
 def test_tiny_attention_learns_mqar_well_above_chance():
-    """DESIGN §5's measurement scaled down: 2-layer width-64 softmax attention on MQAR (V = 32, T = 16,
+    """The calibration measurement, scaled down: 2-layer width-64 softmax attention on MQAR (V = 32, T = 16,
     4 pairs, batch 64, AdamW 3e-3) passes 90% answer accuracy (chance: 1/16 values; 1/4 for a model that
     only knows which values are in context); the early stop ends it as soon as it does (100-200 steps for
     model seeds 0-7, 100 for seed 0; the cap of 400 leaves room for other CPUs' arithmetic)."""

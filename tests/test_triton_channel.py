@@ -1,6 +1,6 @@
 """Channel-wise (per key channel, GLA-style) decay in the Triton kernels, under TRITON_INTERPRET=1.
 
-S_t = S_{t−1} Diag(α_t) (+ the ℓ2 / dot write, spec §15.4 placements); α: ``[B, T, H, D_k]``.
+S_t = S_{t−1} Diag(α_t) (+ the ℓ2 / dot write, both placements); α: ``[B, T, H, D_k]``.
 
 - torch: the chunk form (:func:`reference.delta_rule_chunk`) equals the token loop in float64, and its hand-derived
   backward (:func:`reference.delta_rule_chunk_backward`) equals autograd; with all channels equal it reduces to the

@@ -1,6 +1,6 @@
 """The deep-memory chunk step (atlaslab/kernels/triton/mlp_chunk.py) against its torch reference and ``chunked``.
 
-2-layer residual MLP memory, ℓ2 bias, GD or momentum (spec §15.2, §15.5, §15.10): the Triton kernels (under
+2-layer residual MLP memory, ℓ2 bias, GD or momentum: the Triton kernels (under
 TRITON_INTERPRET=1) vs :func:`mlp_chunk_reference` in float64 for gelu / silu / relu, several hidden blocks and a
 ragged window (fla's RMS-error ratio ≤ 1e-3 in fp32; fp16 inputs ≤ 1e-2); the autograd Function's gradients
 (torch-recompute backward) vs the float64 reference for x, v, W1, W2, S1, S2 and every coefficient row, and

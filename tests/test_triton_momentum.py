@@ -1,11 +1,11 @@
 """The momentum chunk kernel (atlaslab/kernels/triton/chunk_momentum.py) against the float64 token loop.
 
-Linear memory + momentum GD at semantic chunk size b ∈ {4, 8} (Titans with a matrix memory; spec §15.2, §15.5):
+Linear memory + momentum GD at semantic chunk size b ∈ {4, 8} (Titans with a matrix memory):
 ``memorize(mode="triton")`` on the chunk kernel (Triton forward and backward under TRITON_INTERPRET=1) vs
 ``memorize(mode="recurrent")`` in float64 — outputs, final memory and momentum, anchor, and the gradients of q, k,
 v, the lr / momentum / decay / window gates and the learned initial memory, fla's RMS-error ratio ≤ 1e-3 in fp32 —
 with T not a multiple of b, ℓ2 and dot bias, read token and chunk, with and without decay, decay placed after or
-before the step (§15.4: before_step takes every gradient at the decayed anchor P_s M_a); the kernel's torch
+before the step (before_step takes every gradient at the decayed anchor P_s M_a); the kernel's torch
 reference equals ``mode="chunked"``; the op against that reference (several value blocks, T < b, initial
 momentum, both placements); the torch-recompute fallback backward; chained calls (calls ending and starting
 mid-chunk, the engine finishing an open chunk on torch) equal one call, outputs, states and gradients; the dispatch.

@@ -1,7 +1,6 @@
 """Channel-wise decay on the momentum chunk kernel (atlaslab/kernels/triton/chunk_momentum.py), TRITON_INTERPRET=1.
 
-Linear memory + momentum GD at semantic chunk size b ∈ {4, 8} with per-key-channel decay (spec §15.2, §15.4, §15.5,
-§15.8: α_t ∈ [0, 1]^{D_k}, M ← M Diag(α_t) + S, before_step takes the gradient at M_a Diag(P_s)):
+Linear memory + momentum GD at semantic chunk size b ∈ {4, 8} with per-key-channel decay (α_t ∈ [0, 1]^{D_k}, M ← M Diag(α_t) + S, before_step takes the gradient at M_a Diag(P_s)):
 ``memorize(mode="triton")`` pinned to the chunk kernel vs ``memorize(mode="recurrent")`` in float64 — outputs, final
 memory, momentum, anchor and Π α, and the gradients of q, k, v, the lr / momentum / decay / window gates and the
 learned initial memory, fla's RMS-error ratio ≤ 1e-3 in fp32 — both placements, ℓ2 and dot, read token and chunk,

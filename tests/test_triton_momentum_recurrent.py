@@ -1,14 +1,14 @@
 """The token-by-token momentum kernel (atlaslab/kernels/triton/fused_recurrent_momentum.py) against the float64 loop.
 
-Linear memory + momentum GD at semantic chunk size b ∈ {1, 4} (Titans with a matrix memory; spec §15.2, §15.4,
-§15.5): ``memorize(mode="triton")`` (the token kernel under TRITON_INTERPRET=1, backward by autograd through its
+Linear memory + momentum GD at semantic chunk size b ∈ {1, 4} (Titans with a matrix memory):
+``memorize(mode="triton")`` (the token kernel under TRITON_INTERPRET=1, backward by autograd through its
 reverse-sweep kernel) vs ``memorize(mode="recurrent")`` in float64 — outputs, final memory, momentum, anchor and Π α,
 and the gradients of q, k, v, the lr / momentum / decay / window gates and the learned initial memory, fla's
 RMS-error ratio ≤ 1e-3 in fp32 — ℓ2 with both placements, dot bias, read token and chunk, T < b and T not a
 multiple of b; the op against its torch reference with a nonzero cached state (momentum, anchor, Π α) entering
 mid-chunk and several value blocks; decoding: a prompt of 6 tokens then 5 calls of one token equal one call of 11
-(outputs, state, gradients through the chained states); the dispatch. Channel-wise decay (spec §15.4, §15.8:
-α_t ∈ [0, 1]^{D_k}, M ← M Diag(α_t) + S, before_step at M_a Diag(P)) the same ways, with one fast-forgetting key
+(outputs, state, gradients through the chained states); the dispatch. Channel-wise decay
+(α_t ∈ [0, 1]^{D_k}, M ← M Diag(α_t) + S, before_step at M_a Diag(P)) the same ways, with one fast-forgetting key
 channel (α ≈ 0.05). Kernel allocations are poisoned with NaN.
 """
 

@@ -1,4 +1,4 @@
-"""The registered parts of a memory (spec §2) and, later, layers, blocks and models built from them.
+"""The registered parts of a memory (docs/concepts/memory.md) and, later, layers, blocks and models built from them.
 
 Importing this package registers every built-in part.
 """

@@ -1,6 +1,6 @@
 """Softmax attention mixers: causal attention ("attention") and sliding-window attention ("swa").
 
-Attention is the non-parametric memory of the family (spec §5, §8, §9): the Transformer keeps every
+Attention is the non-parametric memory of the family (docs/concepts/memory.md#blocks): the Transformer keeps every
 (k, v) and solves a Nadaraya–Watson regression at read time; SWA keeps the last ``window`` tokens.
 Both use ``torch.nn.functional.scaled_dot_product_attention`` with rotary position embeddings (RoPE).
 
@@ -76,7 +76,7 @@ class AttentionConfig(PartConfig):
 
 @register("mixer", "attention")
 class Attention(nn.Module):
-    """Causal multi-head softmax attention with RoPE (Transformer++; spec §9 "Transformer", A Eq.17)."""
+    """Causal multi-head softmax attention with RoPE (Transformer++; ATLAS Eq.17)."""
 
     Config = AttentionConfig
     window: Optional[int] = None
@@ -153,7 +153,7 @@ class SWAConfig(AttentionConfig):
 
 @register("mixer", "swa")
 class SlidingWindowAttention(Attention):
-    """Sliding-window causal attention with RoPE (SWA; spec §9, A Eq.18): a KV cache of the last c tokens."""
+    """Sliding-window causal attention with RoPE (SWA; ATLAS Eq.18): a KV cache of the last c tokens."""
 
     Config = SWAConfig
 

@@ -1,13 +1,15 @@
-"""Attentional biases: the inner loss ℓ(M; k, v) the memory minimises while it reads (spec §2.3, §15.10).
+"""Attentional biases: the inner loss ℓ(M; k, v) the memory minimises while it reads.
+
+See docs/concepts/memory.md#attentional-bias.
 
 Each bias gives the per-token loss at a prediction ``pred = M(φ(k))`` and its gradient with respect to
 the prediction, ``output_grad`` (the "error signal" e). The engine turns e into the fast-weight gradient
 ∇_θ ℓ = J_θ(M)ᵀ e by a vector–Jacobian product through the memory, so a new bias only needs these two.
 
-Scaling (spec §15.10): ℓ2 = ½‖M(k) − v‖², dot = −⟨M(k), v⟩, ℓp = (1/p)‖M(k) − v‖_p^p, so GD with step η is
-exactly the delta rule (β = η) on ℓ2 and exactly linear attention on the dot product.
+Scaling (docs/concepts/memory.md#loss-scaling): ℓ2 = ½‖M(k) − v‖², dot = −⟨M(k), v⟩, ℓp = (1/p)‖M(k) − v‖_p^p,
+so GD with step η is exactly the delta rule (β = η) on ℓ2 and exactly linear attention on the dot product.
 
-Smooth surrogates (Miras Remark 5, spec §2.3): Sign(x) ≈ tanh(αx), |x| ≈ √(x² + ε), used by ``output_grad``
+Smooth surrogates (Miras Remark 5): Sign(x) ≈ tanh(αx), |x| ≈ √(x² + ε), used by ``output_grad``
 when ``smooth: true`` (default for the non-smooth losses); ``loss`` is always the exact loss.
 
 Shapes: ``pred, target: [..., d_v]``; ``delta`` (Huber δ_t): ``[...]``; ``loss`` → ``[...]``.
@@ -95,7 +97,7 @@ class DotProduct(AttentionalBias):
 
 @register("attentional_bias", "l2")
 class L2(AttentionalBias):
-    """ℓ2 regression ℓ = ½‖M(k) − v‖² (delta rule; Titans Eq.12, ATLAS Eq.47, spec §15.10)."""
+    """ℓ2 regression ℓ = ½‖M(k) − v‖² (delta rule; Titans Eq.12, ATLAS Eq.47)."""
 
     @dataclass
     class Config(PartConfig):

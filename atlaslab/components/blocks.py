@@ -1,4 +1,4 @@
-"""Memory blocks of Titans §4 (spec §6 "Hybrid variants"): LMM, MAG, MAL and MAC.
+"""Memory blocks of Titans §4 (docs/concepts/memory.md#blocks): LMM, MAG, MAL and MAC.
 
 A block takes the place of a mixer in a language-model layer (``x + block(norm(x))``) and maps
 ``[B, T, d_model] → [B, T, d_model]``. Its config *extends* the memory layer's (same ``memory``, backbone and
@@ -14,7 +14,7 @@ Blocks (x̃ = P ‖ x):
 - ``lmm`` (Titans LMM): o = M(x̃).
 - ``mag`` (Eq.26-28): y = SWA*(x̃) (the prefix P always visible), m = M(x̃);
   o = RMSNorm_y(y) ⊙ σ(RMSNorm_m(m)) — both normalised with learnable vector weights, then the sigmoid
-  non-linearity (Titans §4.2's description; the exact σ is unstated, spec §13.8). ``gate: none`` drops the
+  non-linearity (Titans §4.2's description; the exact σ is unstated in the paper). ``gate: none`` drops the
   memory branch (o = y, exactly the SWA mixer) for ablations.
 - ``mal`` (Eq.29-31): o = SWA*(RMSNorm(M(x̃))). For Samba-style stacking with a residual and an MLP around each
   of the two, use a layer pattern such as ``[memory, swa]`` instead.

@@ -1,4 +1,4 @@
-"""Feature maps φ applied to keys and queries before the memory (spec §2.2, §15.6, §15.7).
+"""Feature maps φ applied to keys and queries before the memory (docs/concepts/memory.md#feature-map).
 
 The same map is applied to k (write side) and q (read side). Shapes: ``x: [..., d]`` → ``[..., out_dim(d)]``.
 Learnable pieces (the polynomial coefficients a_i) are outer-loop parameters of the module.
@@ -34,7 +34,7 @@ class FeatureMap(nn.Module):
 
 @register("feature_map", "identity")
 class Identity(FeatureMap):
-    """φ(x) = x (all baselines; q and k are ℓ2-normalised by the layer, spec §2.2)."""
+    """φ(x) = x (all baselines; q and k are ℓ2-normalised by the layer)."""
 
     @dataclass
     class Config(PartConfig):
@@ -72,7 +72,10 @@ def polynomial_dim(dim: int, degree: int) -> int:
 
 
 class _PolynomialFeatures(FeatureMap):
-    """φ(x)_β = √(a_{|β|} · |β|!/β!) · x^β for all |β| ≤ p, so φ(q)ᵀφ(k) = Σ_i a_i (qᵀk)^i (spec §15.6)."""
+    """φ(x)_β = √(a_{|β|} · |β|!/β!) · x^β for all |β| ≤ p, so φ(q)ᵀφ(k) = Σ_i a_i (qᵀk)^i.
+
+    See docs/concepts/memory.md#polynomial-feature-map.
+    """
 
     def __init__(self, cfg, in_dim: int, degree: int):
         super().__init__(cfg, in_dim)
@@ -102,7 +105,7 @@ class _PolynomialFeatures(FeatureMap):
 
 @register("feature_map", "polynomial")
 class Polynomial(_PolynomialFeatures):
-    """ATLAS polynomial map of degree p with learnable coefficients a_i (ATLAS Eq.5, §3.1; spec §15.6).
+    """ATLAS polynomial map of degree p with learnable coefficients a_i (ATLAS Eq.5, §3.1).
 
     φ(q)ᵀφ(k) = a_0 + a_1 qᵀk + … + a_p (qᵀk)^p. Output dim C(d + p, p). a_i is initialised to 1/i!
     (the Taylor series of exp) and kept positive as a_i = softplus(ρ_i); ``learnable: false`` freezes it.
@@ -130,12 +133,14 @@ class Polynomial(_PolynomialFeatures):
 
 @register("feature_map", "exp")
 class Exponential(_PolynomialFeatures):
-    """Exponential map φ*(x) = (1, x, x^{⊗2}/√2!, …) with φ*(q)ᵀφ*(k) = exp(qᵀk) (ATLAS Eq.22-23; §15.7).
+    """Exponential map φ*(x) = (1, x, x^{⊗2}/√2!, …) with φ*(q)ᵀφ*(k) = exp(qᵀk) (ATLAS Eq.22-23).
+
+    See docs/concepts/memory.md#exponential-feature-map.
 
     On a linear memory it is computed exactly by the kernel trick (``mode: auto`` or ``kernel``): the
     memory becomes a bank of (key, coefficient) slots read as Σ_j u_j exp(k_jᵀq), i.e. unnormalised causal
     softmax attention; ``normalize: true`` divides by the same read of the token masses, giving softmax
-    attention (the Transformer as a special case, spec §5). On a deep memory (``mode: auto`` or
+    attention (the Transformer as a special case, docs/concepts/memory.md#blocks). On a deep memory (``mode: auto`` or
     ``taylor``) it is the Taylor truncation of degree ``degree`` (the polynomial map with a_i = 1/i! fixed).
     """
 

@@ -1,4 +1,4 @@
-"""Inner optimizers: how the memory steps on its attentional bias (spec §2.5, §15.5, §8).
+"""Inner optimizers: how the memory steps on its attentional bias (docs/concepts/memory.md#inner-optimizer).
 
 Every optimizer returns the update U_t that the engine adds after retention, M_t = α_t M_{t−1} + U_t,
 given a :class:`WindowProblem` (the window's keys/values/γ and a ``grad(W)`` for its weighted gradient
@@ -60,7 +60,7 @@ class GDConfig(PartConfig):
 
 @register("inner_optimizer", "gd")
 class GD(InnerOptimizer):
-    """Gradient descent U_t = −η_t g(W_a) (spec §2.5; LA … GDN, TTT, Miras, OmegaNet, DLA)."""
+    """Gradient descent U_t = −η_t g(W_a) (LA … GDN, TTT, Miras, OmegaNet, DLA)."""
 
     Config = GDConfig
 
@@ -79,7 +79,7 @@ class MomentumConfig(GDConfig):
 
 @register("inner_optimizer", "momentum")
 class MomentumGD(InnerOptimizer):
-    """GD with momentum: S_t = θ_t S_{t−1} − η_t g; M_t = α_t M_{t−1} + S_t (Titans Eq.13-14, spec §15.5)."""
+    """GD with momentum: S_t = θ_t S_{t−1} − η_t g; M_t = α_t M_{t−1} + S_t (Titans Eq.13-14)."""
 
     Config = MomentumConfig
     has_momentum = True
@@ -92,10 +92,13 @@ class MomentumGD(InnerOptimizer):
 
 @register("inner_optimizer", "muon")
 class Muon(InnerOptimizer):
-    """Muon: S_t = θ_t S_{t−1} + g; M_t = α_t M_{t−1} − η_t · NS_k(S_t) (ATLAS Eq.32-33, spec §15.5).
+    """Muon: S_t = θ_t S_{t−1} + g; M_t = α_t M_{t−1} − η_t · NS_k(S_t) (ATLAS Eq.32-33).
 
-    NS is applied per fast-weight matrix; the step η_t stays outside NS (NS is scale-invariant, §4).
-    ``ns_granularity: chunk`` (spec §15.11) takes one step per training chunk instead,
+    See docs/concepts/memory.md#muon.
+
+    NS is applied per fast-weight matrix; the step η_t stays outside NS (NS is scale-invariant;
+    docs/concepts/memory.md#newton-schulz).
+    ``ns_granularity: chunk`` (docs/concepts/memory.md#ns-granularity) takes one step per training chunk instead,
     M_{next chunk} = (Π α) M_{t'} − η̄ NS_k(S_end); it is causal only with ``read: chunk``.
     """
 
@@ -107,7 +110,7 @@ class Muon(InnerOptimizer):
         ns_steps: int = 5
         ns_eps: float = 1e-7
         shape_factor: bool = False        # multiply by √max(1, rows/cols) (Muon's; off in ATLAS)
-        ns_granularity: str = "token"     # token | chunk (spec §15.11)
+        ns_granularity: str = "token"     # token | chunk
 
         def check(self) -> None:
             super().check()
@@ -152,7 +155,7 @@ class MultiStepGD(InnerOptimizer):
 
 @register("inner_optimizer", "implicit_gd")
 class ImplicitGD(InnerOptimizer):
-    """Implicit (proximal) GD, Longhorn's closed form (Longhorn Eq.5-7; spec §8).
+    """Implicit (proximal) GD, Longhorn's closed form (Longhorn Eq.5-7).
 
     W* = argmin_W ½‖W − W_a‖²/η + Σ_i γ_i ½‖W x_i − v_i‖² = (W_a + η Σ γ v xᵀ)(I + η Σ γ x xᵀ)⁻¹.
     For one token this is the delta rule with step ε = η/(1 + η xᵀx). Linear memory and ℓ2 bias only.

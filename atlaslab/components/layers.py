@@ -1,15 +1,15 @@
-"""The memory layer: the backbone of spec §15.9 wrapped around ``memorize``.
+"""The memory layer: the backbone of docs/concepts/memory.md#layer-backbone wrapped around ``memorize``.
 
     x ─┬─ W_Q ─ conv4 ─ SiLU ─ ℓ2 ─┐
        ├─ W_K ─ conv4 ─ SiLU ─ ℓ2 ─┤
        ├─ W_V ─ conv4 ─ SiLU ──────┼─ memorize(q, k, v, gates) ─ RMSNorm/head ─ ⊙ σ(W_G x) ─ W_O ─ y
-       └─ gate networks (η, α, θ, γ, δ; spec §15.8) ─┘
+       └─ gate networks (η, α, θ, γ, δ) ─┘
 
 Every piece is a config switch (``conv``, ``silu``, ``qk_norm``, ``output_norm``, ``output_gate``, and per gate
 ``learned`` / ``input_dependent``) so each can be ablated. The feature map φ is applied inside ``memorize``.
 Shapes: ``forward(x: [B, T, d_model]) -> [B, T, d_model]``.
 
-Gates (spec §15.8), built only for the gates the memory spec uses, from the layer input x_t:
+Gates (docs/concepts/memory.md#gates), built only for the gates the memory spec uses, from the layer input x_t:
 
 - η_t = ``inner_optimizer.lr`` · sigmoid(w_η·x_t + b_η)       (``lr``; η_max is the inner optimizer's ``lr``)
 - α_t = sigmoid(w_α·x_t + b_α), b_α = +4 so α ≈ 0.98 at init     (``retention``; [B,T,H,D_k] when channel-wise)
@@ -132,7 +132,7 @@ def _softplus_inv(y: float) -> float:
 # --------------------------------------------------------------------------------------------------
 @dataclass
 class GateConfig:
-    """One gate of spec §15.8."""
+    """One gate (docs/concepts/memory.md#gates)."""
 
     learned: bool = True            # false → constant (``value``, else the memory config's constant)
     input_dependent: bool = True    # false → one learnable scalar per head, σ(b_h) (RetNet's α)
@@ -271,7 +271,10 @@ class _LogDecayGate(nn.Module):
 
 @register("mixer", "memory")
 class MemoryLayer(nn.Module):
-    """Test-time-memory layer: q/k/v + short conv + SiLU + ℓ2 norm → memorize → norm, gate, proj (§15.9)."""
+    """Test-time-memory layer: q/k/v + short conv + SiLU + ℓ2 norm → memorize → norm, gate, proj.
+
+    See docs/concepts/memory.md#layer-backbone.
+    """
 
     Config = MemoryLayerConfig
 
@@ -317,7 +320,7 @@ class MemoryLayer(nn.Module):
 
     # -- gates --------------------------------------------------------------------------------------
     def used_gates(self) -> Tuple[str, ...]:
-        """The gates this memory spec reads (spec §15.8): η always; α, θ, γ, δ only when used."""
+        """The gates this memory spec reads: η always; α, θ, γ, δ only when used."""
         p = self.parts
         used = ["lr"]
         if p.retention.uses_alpha:

@@ -1,6 +1,7 @@
 """Memory architectures M(x; θ_M): what the fast weights are and how the memory is read.
 
-Spec: ATLAS_FAMILY.md §2.1 (architectures), §1 (learned initial state), §15.8 (initial weights are learned).
+See docs/concepts/memory.md#memory-architecture (architectures) and docs/concepts/memory.md#initial-state
+(the initial weights are learned).
 
 A memory is *functional*: its fast weights are a dict of tensors, one entry per weight matrix, each
 with leading dims ``[B, H]`` (one memory per sequence and head; batch elements never mix). The module
@@ -82,7 +83,7 @@ def _normal_init(num_heads: int, rows: int, cols: int, gain: float = 1.0) -> tor
 
 @register("memory", "linear")
 class LinearMemory(Memory):
-    """Matrix memory M(x) = W x, W: [B, H, d_v, d_k] (spec §2.1 "linear"; LA, DeltaNet, GDN, TTT-Linear).
+    """Matrix memory M(x) = W x, W: [B, H, d_v, d_k] (LA, DeltaNet, GDN, TTT-Linear).
 
     The state layout is ``weights["W"]: [B, H, D_v, D_k]`` (column convention, spec "Notation").
     Initial W: zeros (learnable when ``init: learned``), the standard start of linear-attention models.
@@ -111,7 +112,7 @@ class LinearMemory(Memory):
 
 @register("memory", "diagonal")
 class DiagonalMemory(Memory):
-    """Vector-valued memory M(x) = w ⊙ x, w: [B, H, d] (spec §2.1 "vector", Miras Tab.1 RetNet row).
+    """Vector-valued memory M(x) = w ⊙ x, w: [B, H, d] (Miras Tab.1 RetNet row).
 
     Needs d_in == d_out. Its fast weights are vectors, so Muon (matrix orthogonalisation) does not apply.
     """
@@ -188,7 +189,7 @@ class _MLPBase(Memory):
 
 @register("memory", "mlp")
 class MLPMemory(_MLPBase):
-    """Deep memory M(x) = x + W_L σ(… σ(W_1 x)) (ATLAS Eq.42 residual MLP; Titans L_M-layer MLP; §2.1).
+    """Deep memory M(x) = x + W_L σ(… σ(W_1 x)) (ATLAS Eq.42 residual MLP; Titans L_M-layer MLP).
 
     With ``layer_norm: true`` it is the Miras / TTT form M(x) = x + LN(f(x)) (Miras §5.3, TTT §2.7).
     ``depth: 1`` is a single matrix (TTT-Linear's f_res). No biases (ATLAS Eq.42). Weights are named

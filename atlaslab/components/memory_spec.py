@@ -1,4 +1,4 @@
-"""A memory = six registered parts + the training chunk size b + the read granularity (DESIGN.md §1).
+"""A memory = six registered parts + the training chunk size b + the read granularity (docs/concepts/memory.md).
 
 ``resolve_memory_spec(node)`` validates a YAML/dict node into a :class:`MemorySpec` of typed part configs
 and checks the combination (e.g. Muon on a vector-valued memory is rejected) before anything is built.
@@ -16,7 +16,7 @@ from torch import nn
 from ..registry import ConfigError, PartConfig, check_choice, get_registry, resolve_part, to_container
 from ..registry.errors import join_path
 
-#: The six component axes of a memory, in the order the spec lists them (spec §2).
+#: The six component axes of a memory, in the order docs/concepts/memory.md lists them.
 PART_KINDS = ("memory", "attentional_bias", "retention", "feature_map", "inner_optimizer", "window")
 READS = ("token", "chunk")
 
@@ -26,8 +26,9 @@ class MemorySpec:
     """Typed, validated description of a memory (what ``memorize`` computes).
 
     ``chunk_size`` is the semantic training chunk b: gradients of every token of a chunk are taken at the
-    chunk-start state (spec §15.2). ``read``: ``token`` reads M_t after token t's update (§15.1);
-    ``chunk`` reads the chunk-start state (§15.11).
+    chunk-start state (docs/concepts/memory.md#training-chunk). ``read``: ``token`` reads M_t after token t's
+    update (docs/concepts/memory.md#read-after-write); ``chunk`` reads the chunk-start state
+    (docs/concepts/memory.md#read-granularity).
     """
 
     memory: PartConfig
@@ -58,7 +59,7 @@ SPEC_FIELDS = PART_KINDS + ("chunk_size", "read")
 
 
 def uses_kernel_trick(spec: MemorySpec) -> bool:
-    """φ* on a linear memory is computed by the kernel trick (spec §15.7)."""
+    """φ* on a linear memory is computed by the kernel trick (docs/concepts/memory.md#exponential-feature-map)."""
     fm = spec.feature_map
     return fm.name == "exp" and (fm.mode == "kernel" or (fm.mode == "auto" and spec.memory.name == "linear"))
 
@@ -76,7 +77,7 @@ def _check_combination(spec: MemorySpec, path: str) -> None:
     if getattr(opt, "ns_granularity", "token") == "chunk" and spec.read != "chunk":
         raise ConfigError(p("inner_optimizer", "ns_granularity"),
                           "ns_granularity: chunk steps the memory once per chunk with a direction built from the "
-                          "whole chunk, so it is causal only with read: chunk (spec §15.11); set read: chunk.",
+                          "whole chunk, so it is causal only with read: chunk; set read: chunk.",
                           value="chunk", choices=["token"])
     if opt.name == "implicit_gd":
         if spec.memory.name != "linear" or bias.name != "l2":
@@ -110,7 +111,7 @@ def _check_combination(spec: MemorySpec, path: str) -> None:
         if fm.normalize and (not uses_kernel_trick(spec) or bias.name != "dot"):
             raise ConfigError(p("feature_map", "normalize"),
                               "the softmax normaliser is defined for the exp kernel trick with the dot-product bias "
-                              "(DeepTransformer → Transformer, spec §5).", value=True, choices=["false"])
+                              "(DeepTransformer → Transformer).", value=True, choices=["false"])
 
 
 def resolve_memory_spec(node: Any = None, path: str = "memory") -> MemorySpec:

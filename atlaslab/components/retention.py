@@ -1,11 +1,11 @@
-"""Retention: what the memory keeps of its past (spec §2.4, §15.4; Miras §3.3, §5.2).
+"""Retention: what the memory keeps of its past (docs/concepts/memory.md#retention; Miras §3.3, §5.2).
 
 Two families:
 
 - **Decay** (ℓ2 local + global retention): M_t = α_t M_{t−1} + U_t, with α_t ∈ [0, 1] the kept fraction,
   per head (``[B, T, H]``) or per key channel (``[B, T, H, d_k]``, GLA's M Diag(α_t); linear memory only).
-  ``placement`` (spec §15.4): ``after_step`` (Titans, Miras, ATLAS) takes the gradient at M_{t−1};
-  ``before_step`` (Gated DeltaNet, Mamba2) takes it at the decayed state α_t M_{t−1}.
+  ``placement`` (docs/concepts/memory.md#retention-placement): ``after_step`` (Titans, Miras, ATLAS) takes the
+  gradient at M_{t−1}; ``before_step`` (Gated DeltaNet, Mamba2) takes it at the decayed state α_t M_{t−1}.
 
 - **Mirror maps** (non-linear retention): the state keeps a dual accumulator A updated linearly,
   A_t = α_t A_{t−1} + U_t, and the memory is W = Ψ(A):
@@ -87,14 +87,16 @@ class NoRetention(Retention):
 
 @register("retention", "decay")
 class Decay(Retention):
-    """Multiplicative decay M_t = α_t M_{t−1} + U_t (Titans forget gate, GDN, Mamba2, GLA; spec §2.4, §15.4).
+    """Multiplicative decay M_t = α_t M_{t−1} + U_t (Titans forget gate, GDN, Mamba2, GLA).
+
+    See docs/concepts/memory.md#decay.
 
     ``channel_wise: true`` takes α: ``[B, T, H, d_k]`` and decays key channels (GLA: M Diag(α_t)).
     """
 
     @dataclass
     class Config(PartConfig):
-        placement: str = "after_step"   # after_step | before_step (spec §15.4)
+        placement: str = "after_step"   # after_step | before_step
         channel_wise: bool = False
 
         def check(self) -> None:

@@ -1,10 +1,13 @@
-"""The Omega rule's window: which past tokens enter each step's inner loss (ATLAS §3.2, Eq.8-9; spec §3).
+"""The Omega rule's window: which past tokens enter each step's inner loss (ATLAS §3.2, Eq.8-9).
+
+See docs/concepts/memory.md#window.
 
 At token t the memory minimises Σ_{i=t−c+1}^{t} γ_i ℓ(M; φ(k_i), v_i). c = 1 is online learning (Delta rule,
 Titans), c > 1 a sliding window (OmegaNet, ATLAS), c = ∞ the global objective (Mesa-layer style).
-γ_i ∈ [0, 1] is the input-dependent ``window`` gate of token i (spec §15.8: a function of the remembered
-token); absent, γ = 1. Windows that reach back past the chunk start use those tokens' gradients at the
-current chunk-start state (spec §15.3), and across chained calls the last c − 1 tokens travel in the state.
+γ_i ∈ [0, 1] is the input-dependent ``window`` gate of token i (a function of the remembered token,
+docs/concepts/memory.md#gates); absent, γ = 1. Windows that reach back past the chunk start use those tokens'
+gradients at the current chunk-start state (docs/concepts/memory.md#window-spill), and across chained calls the
+last c − 1 tokens travel in the state.
 """
 from __future__ import annotations
 

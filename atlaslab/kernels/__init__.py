@@ -39,8 +39,9 @@ def memorize(
     """Run a memory over a sequence: write every (k_t, v_t), read every q_t.
 
     Args:
-        q, k: ``[B, T, H, D_k]`` queries and keys, already projected (and normalised if wanted); the
-            spec's feature map φ is applied inside.
+        q: ``[B, T, H, D_k]`` queries, already projected (and normalised if wanted); the spec's feature
+            map φ is applied inside.
+        k: ``[B, T, H, D_k]`` keys, projected and normalised like ``q``; φ is applied inside.
         v: ``[B, T, H, D_v]`` values.
         spec: a memory config (dict / DictConfig / :class:`MemorySpec`) or its built parts
             (:class:`MemoryParts`, which carry learnable pieces: polynomial coefficients, initial memory).

@@ -1,12 +1,13 @@
 """Chunk-parallel torch engine, general over every registered part (Titans §3.2, ATLAS §3.3 and §5.1, TTT §2.4).
 
-Inside a training chunk every gradient is taken at the chunk-start state (spec §15.2), so the whole chunk is
-computed at once (compute block = b):
+Inside a training chunk every gradient is taken at the chunk-start state (docs/concepts/memory.md#training-chunk),
+so the whole chunk is computed at once (compute block = b):
 
 1. per-token gradients u_i = ∇ℓ(W_a; φ(k_i), v_i) of every token the chunk's windows touch, in one batched
    ``vmap`` of a vector–Jacobian product (create-graph semantics: the outer loss differentiates through it);
 2. the Omega window as a banded coefficient matrix C[s, i] = γ_i · 1[s − c < i ≤ s] (ATLAS §3.3's mask M_s),
-   g_s = Σ_i C[s, i] u_i: window spill into the previous chunk uses those tokens' gradients at W_a (§15.3);
+   g_s = Σ_i C[s, i] u_i: window spill into the previous chunk uses those tokens' gradients at W_a
+   (docs/concepts/memory.md#window-spill);
 3. momentum and decay as parallel linear scans (``scan.py``); Muon's Newton–Schulz batched over positions;
 4. per-token reads y_s = M_s(φ(q_s)) batched over the chunk's positions (or the chunk-start state for
    ``read: chunk``); mirror-map retentions apply Ψ at the chunk end, exactly as the reference.
@@ -141,7 +142,7 @@ def _updates(parts, state, W_a, C, x, v, d, lr, theta, alpha, chunk_alpha, L):
     opt, ret = parts.inner_optimizer, parts.retention
     name = opt.cfg.name
     before = ret.placement == "before_step" and alpha is not None
-    # the point each position's gradient is taken at: W_a, or (Π_{τ=t'}^{s} α_τ) W_a for before_step (§15.4)
+    # the point each position's gradient is taken at: W_a, or (Π_{τ=t'}^{s} α_τ) W_a for before_step
     at = _scale_per_position(W_a, chunk_alpha, ret.channel_wise) if before else _expand(W_a, L)
     if name == "implicit_gd":
         eye = torch.eye(x.shape[-1], dtype=x.dtype, device=x.device)

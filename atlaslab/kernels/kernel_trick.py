@@ -1,4 +1,6 @@
-"""Chunk-parallel φ* kernel trick on a linear memory (spec §15.7; ATLAS Eq.22-23, §5 DeepTransformers).
+"""Chunk-parallel φ* kernel trick on a linear memory (ATLAS Eq.22-23, §5 DeepTransformers).
+
+See docs/concepts/memory.md#exponential-feature-map.
 
 With φ*(x)ᵀφ*(y) = exp(xᵀy) the memory is a bank of slots, M = Σ_j u_j φ*(k_j)ᵀ (one slot per token, key k_j),
 read as M φ*(q) = Σ_j u_j exp(k_jᵀq). A gradient step of the window loss at the chunk-start anchor writes

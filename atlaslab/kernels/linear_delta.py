@@ -1,7 +1,7 @@
 """Exact chunk-parallel form of the online (b = 1) linear-memory rules: the (gated, windowed) delta rule.
 
 Linear memory, ℓ2 or dot-product bias, plain GD, decay α (per head or per key channel, either placement),
-Omega window c with γ gates. The online recurrence (spec §3, §15.4)
+Omega window c with γ gates. The online recurrence (docs/concepts/memory.md#window)
 
     M_t = M_{t−1} Diag(a_t) + Σ_{j ∈ win(t)} w_{t,j} x_jᵀ,
     w_{t,j} = −η_t γ_j (M_{t−1} Diag(B_t) x_j − v_j)      (ℓ2; B_t = a_t before_step, 1 after_step)

@@ -1,4 +1,6 @@
-"""Newton–Schulz orthogonalisation of batches of matrices (Muon; ATLAS Eq.32-33, spec §4 and §15.5).
+"""Newton–Schulz orthogonalisation of batches of matrices (Muon; ATLAS Eq.32-33).
+
+See docs/concepts/memory.md#newton-schulz.
 
 X_0 = S / (‖S‖_F + ε), transposed when rows > cols; k times: A = X Xᵀ, X ← aX + (bA + cA²)X with Muon's
 quintic coefficients (a, b, c) = (3.4445, −4.7750, 2.0315); transposed back. As k grows the result tends

@@ -2,7 +2,7 @@
 
 fla's convention (``cu_seqlens``): the sequences are concatenated along time and ``cu_seqlens = [0, T_0, T_0 + T_1,
 …, ΣT_i]`` marks where each starts. Every sequence is its own memory: it starts from its own initial state (the
-learned initial memory, or the state a previous call left for it), its training chunks (spec §15.2) are counted
+learned initial memory, or the state a previous call left for it), its training chunks are counted
 from its own first token, its Omega window never reaches into the sequence before it, and it ends in its own final
 state. So a packed call equals N separate calls, one per sequence — that is the definition, and the reference
 implementation (:func:`memorize_packed` loops over the sequences with the chosen engine).

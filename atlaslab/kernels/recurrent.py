@@ -1,17 +1,25 @@
-"""The reference engine: a memory's recurrence computed token by token, literally from the spec.
+"""The reference engine: a memory's recurrence computed token by token, literally.
 
-For each token t (global position, chunk start t' = t − t mod b; spec §15.1-15.5):
+See docs/concepts/memory.md#recurrence.
 
-1. window: the last c tokens (k_i, v_i, γ_i), i ∈ (t − c, t]  (ATLAS Eq.9; §15.3 spill past t' allowed);
-2. anchor: W_a = M_{t'} (``after_step``) or (Π_{τ=t'}^{t} α_τ) M_{t'} (``before_step``, §15.4);
+For each token t (global position, chunk start t' = t − t mod b):
+
+1. window: the last c tokens (k_i, v_i, γ_i), i ∈ (t − c, t]  (ATLAS Eq.9; spill past t' allowed,
+   docs/concepts/memory.md#window-spill);
+2. anchor: W_a = M_{t'} (``after_step``) or (Π_{τ=t'}^{t} α_τ) M_{t'} (``before_step``,
+   docs/concepts/memory.md#retention-placement);
 3. gradient: g = Σ_i γ_i ∇_θ ℓ(W_a; φ(k_i), v_i) by a vector–Jacobian product through the memory;
-4. update: U_t from the inner optimizer (§15.5); M_t = α_t M_{t−1} + U_t; for mirror-map retentions the
-   dual A_t = α_t A_{t−1} + U_t and M_t ← Ψ(A_t) after each chunk's last token (§2.4, Miras §5.4);
-   chunk-granular Muon instead steps once at the chunk end, (Π α) M_{t'} − η̄ NS_k(S_end) (§15.11);
-5. read: y_t = M_t(φ(q_t)) (``read: token``, §15.1) or M_{t'}(φ(q_t)) (``read: chunk``, §15.11).
+4. update: U_t from the inner optimizer (docs/concepts/memory.md#inner-optimizer); M_t = α_t M_{t−1} + U_t; for
+   mirror-map retentions the dual A_t = α_t A_{t−1} + U_t and M_t ← Ψ(A_t) after each chunk's last token
+   (docs/concepts/memory.md#mirror-maps, Miras §5.4);
+   chunk-granular Muon instead steps once at the chunk end, (Π α) M_{t'} − η̄ NS_k(S_end)
+   (docs/concepts/memory.md#ns-granularity);
+5. read: y_t = M_t(φ(q_t)) (``read: token``, docs/concepts/memory.md#read-after-write) or M_{t'}(φ(q_t))
+   (``read: chunk``, docs/concepts/memory.md#read-granularity).
 
-φ* on a linear memory (the kernel trick, §15.7) keeps the memory as slots, M = Σ_j u_j φ*(k_j)ᵀ, so that
-M φ*(x) = Σ_j u_j exp(k_jᵀx): a gradient step writes coefficients into the window's slots.
+φ* on a linear memory (the kernel trick, docs/concepts/memory.md#exponential-feature-map) keeps the memory as
+slots, M = Σ_j u_j φ*(k_j)ᵀ, so that M φ*(x) = Σ_j u_j exp(k_jᵀx): a gradient step writes coefficients into
+the window's slots.
 
 This is the definition every fast path is tested against: plain, slow, and general.
 """

@@ -1,4 +1,4 @@
-"""Component registries, structured configs and validation (DESIGN.md §3 "Registry")."""
+"""Component registries, structured configs and validation."""
 from .config import build_part, check_choice, check_range, resolve_part, to_container, validate_structured
 from .errors import ConfigError
 from .registry import KINDS, REGISTRIES, Entry, PartConfig, Registry, get_registry, list_parts, register

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Type
 
 from .errors import ConfigError
 
-#: Every component kind atlaslab knows (DESIGN.md §3 "Registry").
+#: Every component kind atlaslab knows.
 KINDS = (
     "memory",
     "attentional_bias",

@@ -9,7 +9,7 @@ every condition holds on the values sampled before it (so ``ns_steps`` exists on
         {type: int, low: 1, high: 5, when: {model.mixers.atlas.memory.inner_optimizer.name: muon}}
 
 :func:`define_by_run` returns the function ``OptunaSearch(space=fn)`` calls with an Optuna trial (nested
-``tune.choice`` does not survive OptunaSearch, ANCHORS §8). Categorical choices that are not plain
+``tune.choice`` does not survive OptunaSearch). Categorical choices that are not plain
 scalars (e.g. component nodes ``{name: gd, lr: 0.1}``) are suggested by label and mapped back.
 :func:`corner_points` lists the configs validation builds before Ray starts: a covering set in which every
 categorical choice appears, with numbers at their low and then their high ends (conditions respected).

@@ -1,11 +1,11 @@
 """MLflow: one parent run per experiment, one child run per trial, each trial exactly one run.
 
 * Tracking URI: ``tracking.uri`` / ``--tracking-uri``, else ``$MLFLOW_TRACKING_URI``, else
-  ``sqlite:///<run dir>/mlruns.db`` with artifacts in ``<run dir>/mlartifacts`` (DESIGN §3).
+  ``sqlite:///<run dir>/mlruns.db`` with artifacts in ``<run dir>/mlartifacts``.
 * The driver creates the parent run (tag ``atlaslab.run_dir``) before any trial starts; each trial,
   inside its Ray worker, finds its child run by the tags ``mlflow.parentRunId`` + ``atlaslab.trial_key``
-  or creates it, so a retried or restored trial continues the same run (ANCHORS §8: one run per trial
-  created inside the trainable, explicit parent tag). Metrics already logged at a step are not logged
+  or creates it, so a retried or restored trial continues the same run (one run per trial,
+  created inside the trainable with an explicit parent tag). Metrics already logged at a step are not logged
   again after a restore (the trial replays from its last checkpoint).
 * Params are the flattened trial config, logged in batches (``log_batch``; ≈ 15 ms per single param);
   tags are the component choices and the trial's key, variant, seed and status.

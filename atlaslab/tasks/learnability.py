@@ -1,4 +1,4 @@
-"""Learnability probe (ATLAS §6.4, Fig. 6; spec §12): how well a memory fits a target map *online*.
+"""Learnability probe (ATLAS §6.4, Fig. 6): how well a memory fits a target map *online*.
 
 A memory is shown a stream of pairs ``(i_j, o_j) ∈ R^d × R^d`` one (or ``batch``) at a time: it first
 predicts ``ô_j`` from ``i_j``, then updates itself on the pair. Its online fit is the relative error

@@ -1,4 +1,4 @@
-"""Triton kernels for the hot paths of ``memorize``, and the dispatch that chooses them (DESIGN.md §3 "Kernels").
+"""Triton kernels for the hot paths of ``memorize``, and the dispatch that chooses them (docs/engines.md#triton).
 
 Kernels (each beside its plain-torch reference in :mod:`.reference` / :mod:`atlaslab.kernels.newton_schulz`):
 

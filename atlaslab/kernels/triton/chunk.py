@@ -1,6 +1,6 @@
 """Chunked Triton forward AND backward of the linear-memory (gated) delta / Hebbian rule, fla-style stages.
 
-Rules (spec ../shared/spec/ATLAS_FAMILY.md §15.4 for the two decay placements), one head's state S ``[D_v, D_k]``:
+Rules (docs/concepts/memory.md#retention-placement for the two decay placements), one head's state S ``[D_v, D_k]``:
 
     l2,  before_step:  S_t = α_t S_{t−1} − β_t (α_t S_{t−1} k_t − v_t) k_tᵀ      (Gated DeltaNet)
     l2,  after_step:   S_t = α_t S_{t−1} − β_t (S_{t−1} k_t − v_t) k_tᵀ          (Titans / ATLAS)
@@ -242,7 +242,7 @@ if triton is not None:
     @triton.jit
     def _read_gate(b_g, la, rows, m_t, o_k, m_k, K: tl.constexpr, HAS_ALPHA: tl.constexpr,
                    READ_TOKEN: tl.constexpr, CHANNEL: tl.constexpr):
-        """gq, the log-decay a read sees (§15.4): g for read token (o_t = S_t q_t), g − log α for read chunk
+        """gq, the log-decay a read sees: g for read token (o_t = S_t q_t), g − log α for read chunk
         (o_t = S_{t−1} q_t); shape of b_g."""
         if READ_TOKEN:
             b_gq = b_g
@@ -254,7 +254,7 @@ if triton is not None:
 
     @triton.jit
     def _write_gate(b_g, b_la, BEFORE: tl.constexpr):
-        """G, the log-decay a write's key carries (§15.4): g for before_step (S_t = α_t S_{t−1} − ...), g − log α
+        """G, the log-decay a write's key carries: g for before_step (S_t = α_t S_{t−1} − ...), g − log α
         for after_step (the decay applied after the step)."""
         if BEFORE:
             b_G = b_g

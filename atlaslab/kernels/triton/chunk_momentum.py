@@ -1,17 +1,17 @@
 """Chunked Triton forward and backward of a LINEAR memory trained by momentum GD at semantic chunk size b > 1 (Titans
 with a matrix memory), its plain torch reference, and the ``memorize`` engine that uses them.
 
-Spec (../shared/spec/ATLAS_FAMILY.md §15.2 chunk semantics, §15.4 placement, §15.5 momentum; Titans §3.2 Eq.16-18):
+Semantics (docs/concepts/memory.md: training chunk, retention placement, inner optimizer; Titans §3.2 Eq.16-18):
 memory linear, ℓ2 or dot-product bias, inner optimizer ``momentum``, retention none, per-head scalar decay or
 channel-wise decay (per key channel; below) with either placement, Omega window c = 1, read ``token`` or ``chunk``. One head's memory M and momentum S are
 ``[D_v, D_k]``; per token s of a chunk that starts from the anchor M_a = M_{t'} (and momentum S_a), with step
 β_s = η_s γ_s (learning rate × the c = 1 window gate), momentum gate θ_s, kept fraction α_s (1 without retention)
 and the chunk-local cumulative product P_s = Π_{τ=t'}^{s} α_τ:
 
-    e_s = M_a k_s − v_s       (ℓ2, after_step: the gradient at M_a, §15.2)
-    e_s = P_s M_a k_s − v_s   (ℓ2, before_step: the gradient at the decayed anchor W_a = P_s M_a, §15.4)
+    e_s = M_a k_s − v_s       (ℓ2, after_step: the gradient at M_a)
+    e_s = P_s M_a k_s − v_s   (ℓ2, before_step: the gradient at the decayed anchor W_a = P_s M_a)
     e_s = −v_s                (dot, either placement: the gradient does not depend on M)
-    S_s = θ_s S_{s−1} − β_s e_s k_sᵀ,      M_s = α_s M_{s−1} + S_s                               (§15.5)
+    S_s = θ_s S_{s−1} − β_s e_s k_sᵀ,      M_s = α_s M_{s−1} + S_s
 
 Unrolled over the chunk (the TTT / Titans dual form; ``_dual_segment`` in ``kernels/chunked.py``), with
 Θ_s = Π_{τ≤s} θ_τ and the decay matrices D_α[s, r] = Π_{τ=r+1}^{s} α_τ, D_θ[r, i] = Π_{τ=i+1}^{r} θ_τ
@@ -23,13 +23,13 @@ Unrolled over the chunk (the TTT / Titans dual form; ``_dual_segment`` in ``kern
 (the placement changes only e), so a read needs no per-position matrix:
 
     read token:  y_s = P_s (M_a q_s) + Q_s (S_a q_s) + Σ_{i≤s} A[s, i] (k_i·q_s) e_i
-    read chunk:  y_s = M_a q_s                                                                   (§15.11)
+    read chunk:  y_s = M_a q_s
 
 and the next chunk starts from M_L, S_L (L = the chunk's last real token; the last chunk may be partial).
 Decay products are formed in log space as exp(g_s − g_r) on the causal part only (α, θ clamped at the smallest
 positive normal, as :func:`.reference.log_decay`, so a gate of exactly 0 gets no gradient), so no ratio overflows.
 
-Channel-wise decay (``retention: {name: decay, channel_wise: true}``, §15.4, §15.8; α_t ∈ [0, 1]^{D_k}, gates
+Channel-wise decay (``retention: {name: decay, channel_wise: true}``; α_t ∈ [0, 1]^{D_k}, gates
 ``[B, T, H, D_k]``). The definition (``recurrent.py``, as ``fused_recurrent_momentum.py``): P_s = Π_{τ=t'}^{s} α_τ is
 a [D_k] vector, e_s = M_a k_s − v_s (after_step) or (M_a Diag(P_s)) k_s − v_s = M_a (P_s ⊙ k_s) − v_s (before_step),
 S_s = θ_s S_{s−1} − β_s e_s k_sᵀ (θ stays a per-head scalar) and M_s = M_{s−1} Diag(α_s) + S_s. Unrolling M with
@@ -500,7 +500,7 @@ if triton is not None:
             else:
                 if IS_L2:
                     b_e = tl.dot(b_k, tl.trans(b_M), input_precision=PRECISION)
-                    if BEFORE:      # the gradient at the decayed anchor P_s M_a (§15.4)
+                    if BEFORE:      # the gradient at the decayed anchor P_s M_a
                         b_pe = tl.load(p + rows, mask=m_t, other=0.0)
                         b_e = b_pe[:, None] * b_e
                     b_e = b_e - b_v
@@ -907,7 +907,7 @@ def _channel(alpha) -> bool:
 
 
 def _before(placement: str, alpha, bias: str) -> bool:
-    """Whether e carries the before_step factor P (ℓ2 with decay placed before the step, §15.4)."""
+    """Whether e carries the before_step factor P (ℓ2 with decay placed before the step)."""
     return placement == "before_step" and alpha is not None and bias == "l2"
 
 
@@ -1208,7 +1208,7 @@ def chunk_momentum(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
             number of packed sequences); every sequence starts at a chunk boundary.
         chunk_size: the semantic chunk b (2 ≤ b ≤ 64 on the kernels; it changes the result).
         bias: ``l2`` or ``dot``; read: ``token`` or ``chunk``.
-        placement: ``after_step`` (gradients at M_a) or ``before_step`` (at P_s M_a, §15.4; the same for ``dot``).
+        placement: ``after_step`` (gradients at M_a) or ``before_step`` (at P_s M_a; the same for ``dot``).
         cu_seqlens: ``[N + 1]`` offsets of N sequences packed as B = 1, or None. Run natively (one launch per
             stage over all chunks of all sequences); each sequence is its own call (states and semantic chunks
             restart at its first token; an empty sequence returns its initial states).
@@ -1228,7 +1228,7 @@ def linear_momentum_reason(parts, channel_wise_ok: bool = False) -> Optional[str
     """None when ``parts`` is a spec the momentum kernels (this chunk kernel and the token-by-token one in
     ``fused_recurrent_momentum.py``) compute exactly, semantic chunk aside, else the first reason they do not:
     linear memory, ℓ2 or dot bias, momentum GD, no retention, per-head scalar decay or (``channel_wise_ok``, which
-    both kernels now pass) channel-wise decay, either placement (§15.4), Omega window c = 1, read token or chunk,
+    both kernels now pass) channel-wise decay, either placement, Omega window c = 1, read token or chunk,
     head dims ≤ MAX_D."""
     s, ret = parts.spec, parts.retention
     bias = s.attentional_bias.name

@@ -21,9 +21,9 @@ slots across a sequence start themselves: the caller's slot gather does (:func:`
 Tested under the interpreter only (``tests/test_triton_window_varlen.py``); never run on a GPU.
 
 Channel-wise decay (α_t ∈ [0, 1]^{D_k}, S_t = S_{t−1} Diag(α_t) + the window's writes: OmegaNet's linear closed
-form M_{t−1}(diag(α_t) − Σ_i γ_i φ(k_i)φ(k_i)ᵀ) + Σ_i γ_i v_i φ(k_i)ᵀ, spec §3; placements §15.4; equations in
-:func:`.reference.window_rule_chunk`): the ``_win_cw_*`` kernels, forward and backward, with g the
-chunk-local cumsum of log α per key channel ``[B, T, H, D_k]`` and every slot's decay that of its token τ_r. A write
+form M_{t−1}(diag(α_t) − Σ_i γ_i φ(k_i)φ(k_i)ᵀ) + Σ_i γ_i v_i φ(k_i)ᵀ, docs/concepts/memory.md#window; both
+placements; equations in :func:`.reference.window_rule_chunk`): the ``_win_cw_*`` kernels, forward and backward,
+with g the chunk-local cumsum of log α per key channel ``[B, T, H, D_k]`` and every slot's decay that of its token τ_r. A write
 from slot r reaches token t with its key decayed channel by channel, x_r ⊙ e^{g_t − g_τr}, so the UT system over the
 chunk's L·c slot rows is
 
@@ -35,7 +35,7 @@ the read o_t = (q_t ⊙ e^{gq_t}) S_0ᵀ + Σ_r P[t, r] w_r with P[t, r] = Σ_c 
 formed directly, e^{a − b} with an exponent ≤ 0 on the causal part (masked rows and columns use exponent 0), in a
 loop over the chunk's BT tokens — one ``[rows, D_k]`` exponential per token, shared by its c slots
 (``_slot_decayed_dot``, and ``_slot_decayed_mm`` for its two gradients): no ratio of products (the spec's
-(α_t…α_t')/(α_n…α_t') of §3's chunk form), so nothing overflows
+(α_t…α_t')/(α_n…α_t') of the chunk form), so nothing overflows
 however fast a channel forgets (tested with α ≈ 0.05 over a 32-token chunk, e^{g} ≈ e^{−90}). O(BT · BS · D_k) per
 chunk on CUDA cores, like the c = 1 channel-wise kernels of :mod:`.chunk` (fla's GLA sub-chunk tensor-core split is
 the faster GPU choice, not done here). The backward (``_win_cw_bwd_dh_kernel``, ``_win_cw_bwd_grad_kernel``) is the

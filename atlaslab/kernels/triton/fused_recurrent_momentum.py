@@ -2,21 +2,21 @@
 with a matrix memory), for inference / decoding with a cached state; its plain torch reference; the ``memorize``
 engine that uses it.
 
-Spec (../shared/spec/ATLAS_FAMILY.md §15.2 chunk semantics, §15.4 retention placement, §15.5 momentum, §15.10 loss
-scaling; Titans §3.2 Eq.13-14): memory linear, ℓ2 or dot-product bias, inner optimizer ``momentum``, retention none,
-per-head scalar decay or channel-wise decay (§15.8, per key channel), placed ``before_step`` or ``after_step``,
+Semantics (docs/concepts/memory.md: training chunk, retention placement, inner optimizer, loss scaling; Titans §3.2
+Eq.13-14): memory linear, ℓ2 or dot-product bias, inner optimizer ``momentum``, retention none,
+per-head scalar decay or channel-wise decay (per key channel), placed ``before_step`` or ``after_step``,
 Omega window c = 1, read ``token`` or ``chunk``. This is exactly ``recurrent.py::memorize_recurrent`` for that spec.
 One head's memory M, momentum S and chunk-start anchor M_a are ``[D_v, D_k]``; P is the running decay product of
 the current chunk (a scalar per head; a ``[D_k]`` vector with channel-wise decay, see below). Per token t
 at global position p, with step β_t = η_t γ_t (learning rate × the c = 1 window gate), momentum gate θ_t and kept
 fraction α_t (1 without retention):
 
-    if p mod b = 0:  M_a ← M,  P ← 1                         a chunk starts (§15.2)
+    if p mod b = 0:  M_a ← M,  P ← 1                         a chunk starts
     P ← P α_t
-    W_a = M_a (after_step)  or  P M_a (before_step)           the gradient's point (§15.4)
-    e_t = W_a k_t − v_t (ℓ2: ∇ ½‖W k − v‖² = e kᵀ)  or  −v_t (dot: ∇ −⟨W k, v⟩ = −v kᵀ)   (§15.10)
-    S ← θ_t S − β_t e_t k_tᵀ,     M ← α_t M + S                                              (§15.5)
-    y_t = M q_t (read token)  or  M_a q_t (read chunk, §15.11)
+    W_a = M_a (after_step)  or  P M_a (before_step)           the gradient's point
+    e_t = W_a k_t − v_t (ℓ2: ∇ ½‖W k − v‖² = e kᵀ)  or  −v_t (dot: ∇ −⟨W k, v⟩ = −v kᵀ)
+    S ← θ_t S − β_t e_t k_tᵀ,     M ← α_t M + S
+    y_t = M q_t (read token)  or  M_a q_t (read chunk)
 
 Channel-wise decay (``retention: {name: decay, channel_wise: true}``, α_t ∈ [0, 1]^{D_k}, gates ``[B, T, H, D_k]``;
 ``retention.py::scale_weights`` scales the last = key axis): P ← P ⊙ α_t is a ``[D_k]`` vector per head and
@@ -133,7 +133,7 @@ def momentum_recurrent_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """The module docstring's token equations in plain torch (differentiable).
 
     Args: as :func:`fused_recurrent_momentum`. Returns ``(o [B, T, H, D_v], M_T, S_T, M_a [B, H, D_v, D_k],
-    P [B, H] or, channel-wise, [B, H, D_k])``. Channel-wise α (``[B, T, H, D_k]``, spec §15.4, §15.8) acts on the
+    P [B, H] or, channel-wise, [B, H, D_k])``. Channel-wise α (``[B, T, H, D_k]``) acts on the
     key axis: M ← M Diag(α_t) + S, and ``before_step`` takes the gradient at M_a Diag(P).
     """
     check_args(q, k, v, beta, theta, alpha, m0, s0, a0, p0, position, chunk_size, bias, placement, read)
@@ -527,7 +527,7 @@ def fused_recurrent_momentum(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         beta: ``[B, T, H]`` step β_t = η_t γ_t.
         theta: ``[B, T, H]`` momentum gate θ_t.
         alpha: ``[B, T, H]`` per-head kept fraction α_t, or ``[B, T, H, D_k]`` channel-wise (per key channel,
-            M ← M Diag(α_t) + S; spec §15.4, §15.8), or None (no retention).
+            M ← M Diag(α_t) + S), or None (no retention).
         initial_state, initial_momentum, initial_anchor: M, S and the current chunk's start memory M_a before the
             first token, ``[B, H, D_v, D_k]`` (the anchor is used only until the next chunk start).
         initial_chunk_alpha: ``[B, H]`` P, the product of α over the current chunk's tokens so far (1 at a chunk

@@ -3,8 +3,8 @@ dot-product bias, fused in Triton (issue 6): the gradient factors at the chunk-s
 and momenta, with its plain torch reference beside it and the ``_dual_step``-compatible function that the torch
 ``chunked`` engine calls (``memorize(mode="triton")`` passes it as ``dual_step``).
 
-Spec (../shared/spec/ATLAS_FAMILY.md §15.2 chunk semantics, §15.4 after-step placement, §15.5 GD / momentum, §15.10
-loss scaling ℓ2 = ½‖M(x) − v‖², dot = −⟨M(x), v⟩; memory ``mlp`` with depth 2, no LayerNorm, ATLAS Eq.42:
+Semantics (docs/concepts/memory.md: training chunk, after-step retention placement, GD / momentum, loss scaling
+ℓ2 = ½‖M(x) − v‖², dot = −⟨M(x), v⟩; memory ``mlp`` with depth 2, no LayerNorm, ATLAS Eq.42:
 M(x) = x + W2 σ(W1 x) with ``residual: true`` (needs D_in = D_out), M(x) = W2 σ(W1 x) with ``residual: false``).
 One (batch, head) holds ``W1 [hidden, D_in]``, ``W2 [D_out, hidden]`` (and momenta ``S1, S2`` of the same shapes).
 For the W window tokens i of one chunk (``x_i = φ(k_i) [D_in]``, ``v_i [D_out]``, the c − 1 window tokens before the
@@ -412,7 +412,7 @@ def mlp_chunk_step(x: torch.Tensor, v: torch.Tensor, W1: torch.Tensor, W2: torch
             row e of the dual-form coefficients (``chunked._dual_aligned``).
         activation: ``gelu`` (exact), ``silu`` or ``relu``.
         residual: M(x) = x + W2 σ(W1 x) (needs D_in = D_out) or, False, M(x) = W2 σ(W1 x).
-        bias: ``l2`` (e = M(x) − v) or ``dot`` (e = −v; spec §15.10).
+        bias: ``l2`` (e = M(x) − v) or ``dot`` (e = −v).
         allow_tf32: True / False: fp32 dots in TF32 / IEEE; None: :func:`.precision.dot_precision` chooses
             (TF32 for fp16 / bf16 inputs, else torch's float32 matmul precision; fp64 always IEEE).
         block_hidden: hidden units per program of the update kernel (power of two ≥ 16; default

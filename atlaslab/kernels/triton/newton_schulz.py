@@ -1,4 +1,4 @@
-"""Fused Newton–Schulz for batches of small matrices (Muon; ATLAS Eq.32-33, spec §4 and §15.5).
+"""Fused Newton–Schulz for batches of small matrices (Muon; ATLAS Eq.32-33; docs/concepts/memory.md#newton-schulz).
 
 One Triton program per matrix: the whole (transposed-if-tall) matrix X ``[R, C]`` (R ≤ C) lives in
 registers / shared memory for all ``steps`` iterations, so the batch costs one launch and one read + one

@@ -3,7 +3,7 @@
 One head's state S ``[D_v, D_k]`` (the layout of ``MemoryState.weights["W"]``), per token t with step β_t (= η_t γ_t,
 the learning rate times the c = 1 window gate) and kept fraction α_t (1 without retention):
 
-    l2,  before_step:  S_t = α_t S_{t−1} − β_t (α_t S_{t−1} k_t − v_t) k_tᵀ      (Gated DeltaNet, spec §15.4)
+    l2,  before_step:  S_t = α_t S_{t−1} − β_t (α_t S_{t−1} k_t − v_t) k_tᵀ      (Gated DeltaNet)
     l2,  after_step:   S_t = α_t S_{t−1} − β_t (S_{t−1} k_t − v_t) k_tᵀ          (Titans/ATLAS placement)
     dot (either):      S_t = α_t S_{t−1} + β_t v_t k_tᵀ                          (gated linear attention)
     read token:        o_t = S_t q_t          read chunk (b = 1):  o_t = S_{t−1} q_t
@@ -474,7 +474,7 @@ def _channel_wise_backward(qh, kh, vh, bh, doh, lah, S, dht, *, bias, placement,
 
 # ---------------------------------------------------------------------------------------- Omega windows (c > 1)
 #
-# The Omega rule (spec §3, ATLAS Eq.9 with γ gates, online b = 1): at token t the step uses the last c tokens
+# The Omega rule (ATLAS Eq.9 with γ gates, online b = 1): at token t the step uses the last c tokens
 # (x_j, v_j, γ_j), j ∈ (t − c, t], all evaluated at the pre-step memory, each with coefficient η_t γ_j:
 #
 #     S_t = S_{t−1} Diag(a_t) + Σ_{j ∈ win(t)} w_{t,j} x_jᵀ,
