@@ -122,7 +122,10 @@ def _logit(p: float) -> float:
     return math.log(p / (1 - p))
 
 
-def _softplus_inv(y: float) -> float:
+def _softplus_inv(y):
+    """softplus⁻¹(y) = y + log(1 − e^{−y}), of a float (clamped at 1e-6) or elementwise of a tensor."""
+    if isinstance(y, torch.Tensor):
+        return y + torch.log(-torch.expm1(-y))
     y = max(y, 1e-6)
     return y + math.log(-math.expm1(-y))
 
@@ -258,7 +261,7 @@ class _LogDecayGate(nn.Module):
         lo, hi = (math.log(r) for r in cfg.dt_range)
         dt = torch.exp(torch.empty(width).uniform_(lo, hi))
         self.a_log = nn.Parameter(a.log())
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))     # softplus⁻¹(dt)
+        self.dt_bias = nn.Parameter(_softplus_inv(dt))
         self.proj = nn.Linear(d_model, width, bias=False) if cfg.input_dependent else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -252,11 +252,12 @@ def plot_state(rows: Sequence[Mapping[str, Any]], metric: str, path: Path) -> Op
 
     Drawn when some variant appears at two or more state sizes (a grid axis that changes the width)."""
     series: "OrderedDict[str, List[Tuple[float, float, float]]]" = OrderedDict()
+    several_settings = len({r.get("setting") for r in rows}) > 1
     for r in rows:
         if r.get(metric) is None or not r.get("state_size"):
             continue
         name = r["variant"] if r.get("variant") is not None else r["label"]
-        if r.get("setting") is not None and len({x.get("setting") for x in rows}) > 1:
+        if r.get("setting") is not None and several_settings:
             name = f"{name} [{r['setting']}]"
         series.setdefault(str(name), []).append((float(r["state_size"]), r[metric], r.get(metric + " std") or 0.0))
     if not any(len({x for x, _, _ in pts}) > 1 for pts in series.values()):
