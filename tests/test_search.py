@@ -345,3 +345,20 @@ def test_report_steps_to_threshold_column(tmp_path):
     assert rows["A"]["steps_to"] == 20 and rows["A"]["steps_to n"] == 1 and rows["B"]["steps_to"] == 10
     text = write_report(tmp_path, exp, recs).read_text()
     assert "steps to 0.6" in text and "| 20 (1/2) |" in text and "| 10 ± 0 |" in text
+
+
+def test_grid_exclude_drops_named_points_and_rejects_typos():
+    axes = {"model.d_model": [16, 32], "train.batch_size": [4, 8]}
+    node = _exp(grid={"variants": {"A": {}, "B": {}}, "axes": axes,
+                      "exclude": [{"variant": "B", "model.d_model": 32}, {"train.batch_size": 8, "model.d_model": 16}]})
+    trials = expand_grid(load_experiment(node=node))
+    points = {(t["variant"], t["axes"]["model.d_model"], t["axes"]["train.batch_size"]) for t in trials}
+    assert points == {("A", 16, 4), ("A", 32, 4), ("A", 32, 8), ("B", 16, 4)}
+    for bad, path, choices in [({"variant": "C"}, "grid.exclude.0.variant", "A, B"),
+                               ({"model.d_modl": 16}, "grid.exclude.0.model.d_modl", "variant, model.d_model"),
+                               ({"model.d_model": 64}, "grid.exclude.0.model.d_model", "16, 32"),
+                               ({}, "grid.exclude.0", None)]:
+        node["grid"]["exclude"] = [bad]
+        with pytest.raises(ConfigError) as e:
+            load_experiment(node=node)
+        assert path in str(e.value) and (choices is None or choices in str(e.value))

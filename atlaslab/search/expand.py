@@ -343,14 +343,23 @@ def row_label(variant: str, axes: Mapping[str, Any]) -> str:
     return " · ".join(parts) or "base"
 
 
+def _excluded(exp: ExperimentConfig, variant: str, axes: Mapping[str, Any]) -> bool:
+    """Whether a ``grid.exclude`` entry matches this variant × axis point (all of the entry's keys equal)."""
+    point = dict(axes, variant=variant)
+    return any(all(point.get(k) == v for k, v in entry.items()) for entry in exp.grid.exclude)
+
+
 def expand_grid(exp: ExperimentConfig) -> List[Dict[str, Any]]:
-    """Every trial of a grid experiment: settings × variants × axes × protocol × seeds (in that order)."""
+    """Every trial of a grid experiment: settings × variants × axes × protocol × seeds (in that order), less the
+    points ``grid.exclude`` names."""
     assert exp.grid is not None
     variants = exp.grid.variants or {"base": {}}
     trials = []
     for setting in exp.settings():
         for vname, vnode in variants.items():
             for axes in _axis_points(exp):
+                if _excluded(exp, vname, axes):
+                    continue
                 for proto in _protocol_points(exp):
                     for seed in exp.seeds:
                         assignments = [(k, v, f"grid.variants.{vname}.{k}") for k, v in (vnode or {}).items()]

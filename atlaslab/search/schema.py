@@ -15,6 +15,8 @@
         "w/o Muon": {model.mixers.atlas.memory.inner_optimizer: {name: gd, lr: 0.1}}
         Titans: {model.preset: titans}
       axes: {model.mixers.atlas.memory.window.size: [1, 4]}
+      exclude:                               # points of variants × axes not to run (every key must match)
+        - {variant: Titans, model.mixers.atlas.memory.window.size: 1}
       baseline: ATLAS
     protocol: {lr: [1e-4, 1e-3], weight_decay: [0.0, 0.1]}   # MAD: best over the mini-grid per row
     search:                                  # … or a search (never both)
@@ -101,6 +103,7 @@ class GridNode:
     mode: str = "cross"                                  # cross | zip (of the axes)
     axes: Dict[str, Any] = field(default_factory=dict)   # dotted key → list of values
     variants: Dict[str, Any] = field(default_factory=dict)   # name → {dotted key: value}
+    exclude: List[Dict[str, Any]] = field(default_factory=list)  # [{variant: name, <axis key>: value}, ...]
     baseline: Optional[str] = None                       # the row deltas are measured against
 
     def check(self) -> None:
@@ -406,10 +409,34 @@ def validate_experiment(cfg: Any, source: str = "") -> ExperimentConfig:
             g.variants[vname] = dict(vnode)
             for key in vnode:
                 _check_key(key, f"grid.variants.{vname}.{key}", settings)
+        _check_exclude(g)
         if g.baseline is not None and g.baseline not in g.variants:
             raise ConfigError("grid.baseline", f"no variant named '{g.baseline}'.", value=g.baseline,
                               choices=list(g.variants))
     return exp
+
+
+def _check_exclude(g: GridNode) -> None:
+    """Each ``grid.exclude`` entry names a variant and/or axis values that exist, so a typo cannot silently
+    exclude nothing."""
+    if not isinstance(g.exclude, list):
+        raise ConfigError("grid.exclude", "a list of mappings ({variant: name, <axis key>: value}).", value=g.exclude)
+    for i, entry in enumerate(g.exclude):
+        path = f"grid.exclude.{i}"
+        if not isinstance(entry, Mapping) or not entry:
+            raise ConfigError(path, "an exclusion is a non-empty mapping ({variant: name, <axis key>: value}).",
+                              value=entry)
+        for key, value in entry.items():
+            if key == "variant":
+                if value not in g.variants:
+                    raise ConfigError(f"{path}.variant", f"no variant named {value!r}.", value=value,
+                                      choices=list(g.variants))
+            elif key not in g.axes:
+                raise ConfigError(f"{path}.{key}", "an exclusion matches 'variant' or a grid axis.", value=key,
+                                  choices=["variant"] + list(g.axes))
+            elif value not in g.axes[key]:
+                raise ConfigError(f"{path}.{key}", f"{value!r} is not a value of this axis.", value=value,
+                                  choices=list(g.axes[key]))
 
 
 def _preset_names() -> List[str]:
