@@ -17,11 +17,11 @@ from typing import Callable, Dict, List, Optional
 
 from omegaconf import OmegaConf
 
-from .registry import KINDS, ConfigError, get_registry
+from atlaslab.registry import KINDS, ConfigError, get_registry
 
 
 def _registered_kinds() -> List[str]:
-    from .components import lm  # noqa: F401  (registers mixers and blocks)
+    import atlaslab.models  # noqa: F401  (registers mixers and blocks)
     return list(KINDS) + ["preset"]
 
 
@@ -29,7 +29,7 @@ def _registered_kinds() -> List[str]:
 # list
 # --------------------------------------------------------------------------------------------------
 def cmd_list(args: argparse.Namespace) -> int:
-    from .presets import list_presets, preset_description
+    from atlaslab.models.presets import list_presets, preset_description
 
     kinds = _registered_kinds()
     if args.kind and args.kind not in kinds:
@@ -64,7 +64,7 @@ def add_list(sub) -> None:
 # show
 # --------------------------------------------------------------------------------------------------
 def cmd_show(args: argparse.Namespace) -> int:
-    from .presets import build_model, load_preset
+    from atlaslab.models.presets import build_model, load_preset
 
     cfg = load_preset(args.preset, args.overrides)
     model = build_model(cfg)
@@ -102,31 +102,31 @@ def add_demo(sub) -> None:
 
 
 def add_train(sub) -> None:
-    from .train.cli import add_train_parser
+    from atlaslab.train.cli import add_train_parser
 
     add_train_parser(sub)
 
 
 def add_run(sub) -> None:
-    from .search.cli import add_run as _add
+    from atlaslab.search.cli import add_run as _add
 
     _add(sub)
 
 
 def add_resume(sub) -> None:
-    from .search.cli import add_resume as _add
+    from atlaslab.search.cli import add_resume as _add
 
     _add(sub)
 
 
 def add_report(sub) -> None:
-    from .search.cli import add_report as _add
+    from atlaslab.search.cli import add_report as _add
 
     _add(sub)
 
 
 def add_ui(sub) -> None:
-    from .search.ui import add_ui as _add
+    from atlaslab.search.ui import add_ui as _add
 
     _add(sub)
 

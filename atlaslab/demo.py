@@ -17,8 +17,8 @@ from typing import Dict, List
 
 import torch
 
-from .components import build_memory
-from .kernels import memorize, read_memory
+from atlaslab.memory import build_memory
+from atlaslab.engines import memorize, read_memory
 
 #: name → (memory spec, constant inner learning rate), each a combination of registered parts.
 DEMO_MEMORIES: Dict[str, dict] = {

@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS / "atlas_cost_cpu"))
     args = ap.parse_args()
     torch.set_num_threads(1)
-    from atlaslab.presets import build_model, load_preset
+    from atlaslab.models.presets import build_model, load_preset
     torch.manual_seed(0)
     ids = torch.randint(0, 128, (args.batch, 65))
     rows, split = [], None

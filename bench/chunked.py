@@ -65,7 +65,7 @@ def measure(case: dict) -> dict:
         return q, k, v, qn, kn
 
     if case["kind"] == "ns":   # Newton–Schulz (5 steps) vs one batched matmul of the same shapes: GFLOP/s
-        from atlaslab.kernels import newton_schulz
+        from atlaslab.kernels.newton_schulz import newton_schulz
         n, r, c = case["N"], case["rows"], case["cols"]
         x = torch.randn(n, r, c)
         small, big = min(r, c), max(r, c)

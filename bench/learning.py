@@ -87,8 +87,8 @@ def build_model(job: Dict[str, Any]):
     s = job["setting"]
     torch.manual_seed(job["seed"])          # the model's init depends on the seed too
     if job["kind"] == "preset":
-        from atlaslab.components.lm import LanguageModel
-        from atlaslab.presets import load_preset
+        from atlaslab.models.lm import LanguageModel
+        from atlaslab.models.presets import load_preset
         cfg = load_preset(job["name"], [f"vocab_size={s['vocab_size']}", f"d_model={s['d_model']}",
                                         f"num_layers={s['num_layers']}", *job.get("overrides", [])])
         model = LanguageModel(cfg)

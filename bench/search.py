@@ -59,7 +59,7 @@ def run_plain(node: dict) -> dict:
     """The same trials in this process, sequentially, with the training loop only."""
     import torch
 
-    from atlaslab.presets import build_model
+    from atlaslab.models.presets import build_model
     from atlaslab.search.driver import prepare
     from atlaslab.search.expand import model_config
     from atlaslab.tasks.base import build_task

@@ -21,9 +21,9 @@ OUT = ROOT / "docs" / "models.md"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from atlaslab.components.layers import GateConfig, MemoryLayerConfig  # noqa: E402
-from atlaslab.components.memory_spec import PART_KINDS, MemoryParts  # noqa: E402
-from atlaslab.presets import build_model, list_presets, preset_path  # noqa: E402
+from atlaslab.models.layers import GateConfig, MemoryLayerConfig  # noqa: E402
+from atlaslab.memory.spec import PART_KINDS, MemoryParts  # noqa: E402
+from atlaslab.models.presets import build_model, list_presets, preset_path  # noqa: E402
 
 PART_LABELS = {"memory": "memory", "attentional_bias": "attentional bias", "retention": "retention",
                "feature_map": "feature map φ", "inner_optimizer": "inner optimizer", "window": "window"}

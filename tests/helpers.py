@@ -70,7 +70,7 @@ def count_launches(monkeypatch, module, keep) -> collections.Counter:
 def momentum_parts(spec, H, D, device):
     """A momentum-trained memory built from ``spec`` (heads ``H``, dims ``D``) with every learnable piece drawn at
     std 0.3 (a non-zero initial memory), seeded, on ``device``."""
-    from atlaslab.components import build_memory
+    from atlaslab.memory import build_memory
     torch.manual_seed(0)
     parts = build_memory(spec, H, D, D)
     for p in parts.parameters():
@@ -116,7 +116,7 @@ def momentum_run(parts, data, dtype, mode, b, device):
     """``memorize`` of a copy of ``parts`` in ``dtype`` → (o, state, grads of :func:`momentum_state_loss` w.r.t.
     [q, k, v, *gates, *parameters])."""
     import copy
-    from atlaslab.kernels import memorize
+    from atlaslab.engines import memorize
     parts = copy.deepcopy(parts).to(dtype)
     (q, k, v), gates, leaves = grad_leaves(parts, data, dtype, device)
     o, state = memorize(q, k, v, parts, gates, mode=mode, chunk_size=b)

@@ -6,7 +6,7 @@ from helpers import random_qkv, rms_ratio
 from test_engine import SPECS, gates_for
 
 from atlaslab import memorize
-from atlaslab.components import build_memory
+from atlaslab.memory import build_memory
 
 B, H, D = 2, 2, 4
 TOL = 1e-6
@@ -126,7 +126,7 @@ LINEAR_ONLINE = {
 def test_online_linear_rules_are_exact_for_any_compute_block(name, block):
     """b = 1 (exact online learning) with compute blocks of any size: the WY/UT path (linear_delta.py)."""
     parts = build(LINEAR_ONLINE[name])
-    from atlaslab.kernels import linear_delta
+    from atlaslab.engines import linear_delta
     assert linear_delta.supports(parts, 1)
     q, k, v = random_qkv(B, 11, H, D, requires_grad=True)
     gates = {n: x.clone().requires_grad_(True) for n, x in gates_for(parts, T=11).items()}

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from atlaslab.cli import COMMANDS, main
-from atlaslab.presets import list_presets
+from atlaslab.models.presets import list_presets
 
 PRESETS = list_presets()
 

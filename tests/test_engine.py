@@ -7,8 +7,8 @@ import torch
 from helpers import random_gates, random_qkv, rms_ratio
 
 from atlaslab import memorize
-from atlaslab.components import build_memory
-from atlaslab.components.memory_spec import DEFAULT_PARTS, PART_KINDS
+from atlaslab.memory import build_memory
+from atlaslab.memory.spec import DEFAULT_PARTS, PART_KINDS
 from atlaslab.registry import get_registry
 
 B, T, H, D = 2, 6, 2, 4

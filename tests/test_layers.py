@@ -4,10 +4,10 @@ import math
 import pytest
 import torch
 
-from atlaslab.components.attention import Attention
-from atlaslab.components.blocks import LMMBlock, MACBlock, MAGBlock, MALBlock
-from atlaslab.components.lm import LanguageModel
-from atlaslab.presets import build_model, load_preset, tiny_overrides
+from atlaslab.models.attention import Attention
+from atlaslab.models.blocks import LMMBlock, MACBlock, MAGBlock, MALBlock
+from atlaslab.models.lm import LanguageModel
+from atlaslab.models.presets import build_model, load_preset, tiny_overrides
 from atlaslab.registry import ConfigError, resolve_part
 
 D, H, B, T = 16, 2, 2, 10
@@ -86,7 +86,7 @@ def test_mag_with_the_memory_branch_off_is_swa(n_p):
     # the persistent prefix stays visible beyond the window
     if n_p:
         mask = torch.ones(T + n_p, dtype=torch.bool)
-        from atlaslab.components.attention import attention_mask
+        from atlaslab.models.attention import attention_mask
         m = attention_mask(T + n_p, 3, n_p)
         assert m[-1, :n_p].all() and not m[-1, n_p].item() and mask.any()
 
@@ -282,7 +282,7 @@ def test_log_decay_gate_spreads_the_heads_forgetting_rates():
     heads = 8
     layer = resolve_part("mixer", {"name": "memory", "num_heads": heads, "memory": {**LINEAR_L2, "retention": "decay"},
                                    "gates": {"retention": {"form": "log_decay"}}})
-    from atlaslab.components.layers import MemoryLayer
+    from atlaslab.models.layers import MemoryLayer
     net = MemoryLayer(layer, 32).gate_nets["retention"]
     a, dt = net.a_log.exp(), torch.nn.functional.softplus(net.dt_bias)
     assert ((a > 0) & (a <= 16)).all() and ((dt >= 1e-3 * 0.999) & (dt <= 0.1 * 1.001)).all()
@@ -320,7 +320,7 @@ def test_swish_output_gate():
 
 def test_mlp_hidden_width_from_the_output_keeps_atlas_eq42_size():
     """φ_2 widens a 16-dim key to 153 features; ATLAS's hidden layer stays 4 × the head dim."""
-    from atlaslab.components.memory_spec import MemoryParts, resolve_memory_spec
+    from atlaslab.memory.spec import MemoryParts, resolve_memory_spec
     spec = {"memory": {"name": "mlp", "residual": False}, "feature_map": {"name": "polynomial", "degree": 2}}
     wide = MemoryParts(resolve_memory_spec(spec), 1, 16, 16)
     spec["memory"]["hidden_from"] = "output"

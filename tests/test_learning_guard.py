@@ -10,7 +10,7 @@ above what the old tied std-0.02 embeddings gave (transformer 0.53 and gated_del
 import pytest
 import torch
 
-from atlaslab.presets import build_model, load_preset
+from atlaslab.models.presets import build_model, load_preset
 from atlaslab.train.loop import train
 
 TASK = {"name": "mqar", "vocab_size": 32, "seq_len": 16, "num_kv_pairs": [2], "eval_examples": 128}

@@ -1,4 +1,4 @@
-"""Packed variable-length batches through ``memorize(..., cu_seqlens=...)`` (atlaslab/kernels/packed.py).
+"""Packed variable-length batches through ``memorize(..., cu_seqlens=...)`` (atlaslab/engines/packed.py).
 
 The definition: a packed call equals every sequence run alone (its own initial state, chunks counted from its own
 first token, a window that never reaches into the sequence before it). Checked for the torch engines on specs that
@@ -12,8 +12,8 @@ import pytest
 import torch
 from helpers import random_gates, random_qkv, rms_ratio
 
-from atlaslab.components import build_memory
-from atlaslab.kernels import initial_state, memorize
+from atlaslab.memory import build_memory
+from atlaslab.engines import initial_state, memorize
 
 LENS = [5, 1, 9]                # a length-1 sequence; with b = 4: partial last chunks
 H, D = 2, 4
@@ -117,7 +117,7 @@ def test_a_batched_initial_state_is_split_per_sequence():
     start = initial_state(parts, len(LENS), torch.float64, "cpu")
     start.weights = {"W": torch.randn_like(start.weights["W"])}
     o, _ = memorize(*qkv, parts, gates, mode="chunked", cu_seqlens=_offsets(LENS), initial_state=start)
-    from atlaslab.kernels import split_state
+    from atlaslab.engines import split_state
     o_ref, _ = _alone(parts, qkv, gates, _offsets(LENS), "recurrent", states=split_state(start))
     assert rms_ratio(o, o_ref) < 1e-12
 

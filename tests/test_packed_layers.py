@@ -7,8 +7,8 @@ packed row equal each document's logits alone (float64): outputs, per-document s
 import pytest
 import torch
 
-from atlaslab.components.layers import ShortConv
-from atlaslab.presets import build_model
+from atlaslab.models.layers import ShortConv
+from atlaslab.models.presets import build_model
 from atlaslab.registry import get_registry, resolve_part
 
 D, F64 = 16, torch.float64

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from atlaslab.components import build_memory
+from atlaslab.memory import build_memory
 from atlaslab.registry import build_part
 
 EXACT_BIASES = [

@@ -12,10 +12,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from atlaslab.components.blocks import _Block
-from atlaslab.components.layers import MemoryLayer
-from atlaslab.presets import (apply_overrides, build_model, list_presets, load_preset, preset_path,
-                              tiny_overrides)
+from atlaslab.models.blocks import _Block
+from atlaslab.models.layers import MemoryLayer
+from atlaslab.models.presets import (apply_overrides, build_model, list_presets, load_preset, preset_path,
+                                     tiny_overrides)
 from atlaslab.registry import ConfigError
 
 EXPECTED = {

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from helpers import random_gates, random_qkv, rms_ratio
 
 from atlaslab import memorize
-from atlaslab.components import build_memory
-from atlaslab.components.feature_maps import polynomial_dim
-from atlaslab.kernels import newton_schulz
+from atlaslab.memory import build_memory
+from atlaslab.memory.feature_maps import polynomial_dim
+from atlaslab.kernels.newton_schulz import newton_schulz
 
 B, T, H, D = 2, 9, 2, 4
 TOL = 1e-10

@@ -7,7 +7,7 @@ import pytest
 from omegaconf import OmegaConf
 
 import atlaslab  # noqa: F401  (registers the parts)
-from atlaslab.components import build_memory, resolve_memory_spec
+from atlaslab.memory import build_memory, resolve_memory_spec
 from atlaslab.registry import KINDS, ConfigError, get_registry, list_parts, resolve_part
 
 
@@ -114,7 +114,7 @@ def test_user_part_from_own_module_needs_no_edit_to_atlaslab(tmp_path, monkeypat
     module.write_text(textwrap.dedent('''
         from dataclasses import dataclass
         from atlaslab.registry import PartConfig, register
-        from atlaslab.components.attentional_biases import AttentionalBias
+        from atlaslab.memory.attentional_biases import AttentionalBias
 
         @register("attentional_bias", "cauchy")
         class Cauchy(AttentionalBias):

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from atlaslab import memorize
-from atlaslab.components import build_memory
-from atlaslab.components.lm import LanguageModel
-from atlaslab.presets import load_preset
+from atlaslab.memory import build_memory
+from atlaslab.models.lm import LanguageModel
+from atlaslab.models.presets import load_preset
 
 PRESETS = ("titans", "titans_mac", "titans_mag", "titans_mal")
 

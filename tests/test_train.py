@@ -276,7 +276,7 @@ def test_train_command_prints_saves_and_resumes(tmp_path, capsys, monkeypatch):
 
 
 def test_run_config_builds_an_atlaslab_language_model():
-    presets = pytest.importorskip("atlaslab.presets")
+    presets = pytest.importorskip("atlaslab.models.presets")
     assert hasattr(presets, "build_model")
     node = {"model": {"d_model": 16, "num_layers": 1, "layers": ["a"],
                       "mixers": {"a": {"name": "attention", "num_heads": 2}}},
@@ -289,7 +289,7 @@ def test_linear_attention_recall_grows_with_state_size(one_thread):
     """The recall/state trade-off (zoology): the same linear-attention model, trained on the same MQAR budget,
     recalls far better with a 32-dim head (state 2,624 scalars) than with a 4-dim head (state 104).
     Measured: 20% vs 78% test accuracy after 150 steps (chance ≈ 6%, values-in-context ≈ 25%)."""
-    from atlaslab.presets import build_model
+    from atlaslab.models.presets import build_model
 
     task = build_task({"name": "mqar", "vocab_size": 32, "seq_len": 16, "num_kv_pairs": [4], "eval_examples": 128})
     acc = {}

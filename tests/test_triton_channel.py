@@ -18,7 +18,7 @@ from helpers import random_gates, random_qkv, require_triton, rms_ratio, triton_
 tk = require_triton()
 
 from atlaslab import memorize  # noqa: E402
-from atlaslab.components import build_memory  # noqa: E402
+from atlaslab.memory import build_memory  # noqa: E402
 from atlaslab.kernels.triton.reference import (delta_rule_chunk, delta_rule_chunk_backward,  # noqa: E402
                                                delta_rule_recurrent)
 from atlaslab.kernels.triton.chunk import chunk_delta_rule  # noqa: E402

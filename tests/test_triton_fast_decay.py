@@ -16,8 +16,8 @@ from helpers import random_gates, random_qkv, require_triton, rms_ratio, triton_
 
 tk = require_triton()
 
-from atlaslab.components import build_memory  # noqa: E402
-from atlaslab.kernels import memorize  # noqa: E402
+from atlaslab.memory import build_memory  # noqa: E402
+from atlaslab.engines import memorize  # noqa: E402
 
 DEVICE = triton_device(tk)
 H, D = 2, 8

@@ -24,8 +24,8 @@ from helpers import random_gates, random_qkv, require_triton, rms_ratio, triton_
 tk = require_triton()
 
 from atlaslab import memorize  # noqa: E402
-from atlaslab.components import build_memory  # noqa: E402
-from atlaslab.kernels import chunked  # noqa: E402
+from atlaslab.memory import build_memory  # noqa: E402
+from atlaslab.engines import chunked  # noqa: E402
 from atlaslab.kernels.triton import mlp_chunk as mc  # noqa: E402
 
 TOL = 1e-3
@@ -494,7 +494,7 @@ PRESETS_ON_STEP = ("omeganet", "dla", "swdt", "deeptransformer", "dot")   # tita
 def test_presets_select_the_fused_step():
     """The ATLAS-family presets now get the fused step: their memory parts, built as the layer does,
     pass :func:`spec_reason`, and ``select_mlp_step`` returns the step for fp32 inputs."""
-    from atlaslab.presets import load_preset
+    from atlaslab.models.presets import load_preset
     for preset in PRESETS_ON_STEP:
         cfg = load_preset(preset)
         (m,) = cfg.mixers.values()

@@ -21,8 +21,8 @@ from helpers import count_launches, require_triton, rms_ratio, triton_device
 tk = require_triton()
 
 from atlaslab import memorize  # noqa: E402
-from atlaslab.components import build_memory  # noqa: E402
-from atlaslab.kernels import initial_state  # noqa: E402
+from atlaslab.memory import build_memory  # noqa: E402
+from atlaslab.engines import initial_state  # noqa: E402
 from atlaslab.kernels.triton import chunk_momentum as cm  # noqa: E402
 
 TOL = 1e-3

@@ -23,8 +23,8 @@ from helpers import random_gates, random_qkv, require_triton, rms_ratio, triton_
 tk = require_triton()
 
 from atlaslab import memorize  # noqa: E402
-from atlaslab.components import build_memory  # noqa: E402
-from atlaslab.kernels.recurrent import initial_state  # noqa: E402
+from atlaslab.memory import build_memory  # noqa: E402
+from atlaslab.engines.recurrent import initial_state  # noqa: E402
 from atlaslab.kernels.triton.reference import (MAX_WINDOW, window_rule_chunk, window_rule_recurrent,  # noqa: E402
                                                window_slots)
 from atlaslab.kernels.triton import chunk as chunk_mod  # noqa: E402

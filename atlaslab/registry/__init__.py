@@ -1,7 +1,7 @@
 """Component registries, structured configs and validation."""
-from .config import build_part, check_choice, check_range, resolve_part, to_container, validate_structured
-from .errors import ConfigError
-from .registry import KINDS, REGISTRIES, Entry, PartConfig, Registry, get_registry, list_parts, register
+from atlaslab.registry.config import build_part, check_choice, check_range, resolve_part, to_container, validate_structured
+from atlaslab.registry.errors import ConfigError
+from atlaslab.registry.registry import KINDS, REGISTRIES, Entry, PartConfig, Registry, get_registry, list_parts, register
 
 __all__ = [
     "ConfigError", "Entry", "KINDS", "PartConfig", "REGISTRIES", "Registry", "build_part", "check_choice",

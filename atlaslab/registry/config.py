@@ -12,8 +12,8 @@ from typing import Any, Mapping, Tuple
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from .errors import ConfigError, join_path
-from .registry import Entry, PartConfig, get_registry
+from atlaslab.registry.errors import ConfigError, join_path
+from atlaslab.registry.registry import Entry, PartConfig, get_registry
 
 
 def to_container(node: Any) -> Any:

@@ -24,7 +24,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Type
 
-from .errors import ConfigError
+from atlaslab.registry.errors import ConfigError
 
 #: Every component kind atlaslab knows.
 KINDS = (

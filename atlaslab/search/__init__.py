@@ -19,7 +19,7 @@ import os as _os
 _os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 _os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-from .expand import TrialConfigError, expand_grid, validate_trials
-from .schema import ExperimentConfig, load_experiment
+from atlaslab.search.expand import TrialConfigError, expand_grid, validate_trials
+from atlaslab.search.schema import ExperimentConfig, load_experiment
 
 __all__ = ["ExperimentConfig", "TrialConfigError", "expand_grid", "load_experiment", "validate_trials"]

@@ -42,19 +42,19 @@ os.environ.setdefault("DO_NOT_TRACK", "true")
 
 from omegaconf import OmegaConf
 
-from ..registry import ConfigError
-from .expand import (
-    Validator,
-    expand_grid,
-    fmt_value,
-    trial_from_params,
-)
-from .schema import (
-    ExperimentConfig,
-    load_experiment,
-    load_experiment_node,
-    validate_experiment,
-)
+from atlaslab.registry import ConfigError
+from atlaslab.search.expand import (
+                                    Validator,
+                                    expand_grid,
+                                    fmt_value,
+                                    trial_from_params,
+                                    )
+from atlaslab.search.schema import (
+                                    ExperimentConfig,
+                                    load_experiment,
+                                    load_experiment_node,
+                                    validate_experiment,
+                                    )
 
 TUNE_NAME = "tune"
 
@@ -88,7 +88,7 @@ def prepare(path: Optional[str] = None, overrides: Sequence[str] = (), node: Any
         for t in trials:
             v.validate(t)
     else:
-        from .space import corner_points
+        from atlaslab.search.space import corner_points
         trials = []
         for i, params in enumerate(corner_points(exp.space)):
             t = trial_from_params(exp, params, key=f"corner{i:02d}", index=i)
@@ -134,7 +134,7 @@ def trial_table(p: Prepared) -> str:
 
 
 def _proto(exp: ExperimentConfig) -> List[Any]:
-    from .expand import _protocol_points
+    from atlaslab.search.expand import _protocol_points
     return _protocol_points(exp) if exp.protocol.active else []
 
 
@@ -231,7 +231,7 @@ def _trial_dirname(trial) -> str:
 def _trainable(exp: ExperimentConfig):
     from ray import tune
 
-    from .trainable import run_trial
+    from atlaslab.search.trainable import run_trial
     res = {"cpu": float(exp.resources.cpus_per_trial)}
     if exp.resources.gpus_per_trial:
         res["gpu"] = float(exp.resources.gpus_per_trial)
@@ -268,7 +268,7 @@ def build_tuner(p: Prepared, run_dir: Path, meta: Dict[str, Any], num_cpus: Opti
     else:
         from ray.tune.search.optuna import OptunaSearch
 
-        from .space import define_by_run, make_sampler
+        from atlaslab.search.space import define_by_run, make_sampler
         search_alg = OptunaSearch(space=define_by_run(exp.space), metric=exp.metric, mode=exp.mode,
                                   sampler=make_sampler(exp))
         space = {"experiment": meta}
@@ -327,7 +327,7 @@ def collect(p: Prepared, result_grid, run_dir: Path, partial: bool = False,
     ``partial`` (an experiment that has not finished): a trial without its final result is ``unfinished``
     rather than stopped by the scheduler."""
 
-    from .space import decode_params
+    from atlaslab.search.space import decode_params
     exp = p.exp
     records = []
     for r in result_grid:
@@ -397,7 +397,7 @@ def collect(p: Prepared, result_grid, run_dir: Path, partial: bool = False,
 # run / resume
 # --------------------------------------------------------------------------------------------------
 def _parent_run(exp: ExperimentConfig, run_dir: Path, uri: str, node: Mapping[str, Any], n_trials: int):
-    from . import tracking as T
+    from atlaslab.search import tracking as T
     art = None
     if T.is_local_uri(uri):
         art = (run_dir / "mlartifacts").resolve().as_uri()
@@ -428,7 +428,7 @@ def run(p: Prepared, run_dir: Optional[os.PathLike] = None, ray_address: Optiona
 
     ``stop``: a Tune stopper (``RunConfig(stop=…)``); one that ends the whole experiment early leaves it
     resumable, like an interruption."""
-    from .tracking import default_tracking_uri, is_local_uri
+    from atlaslab.search.tracking import default_tracking_uri, is_local_uri
     exp = p.exp
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(exp.name)
     if (run_dir / "state.json").exists():
@@ -471,7 +471,7 @@ def resume(run_dir: os.PathLike, ray_address: Optional[str] = None, num_cpus: Op
     p = Prepared(node, exp, trials, state.get("source", ""))
     tr = state.get("tracking") or {}
     if tr.get("parent_run_id"):
-        from . import tracking as T
+        from atlaslab.search import tracking as T
         c = T.client(tr["uri"])
         T.retry(c.update_run, tr["parent_run_id"], status="RUNNING", what="reopen parent run")
         T.set_tags(c, tr["parent_run_id"], {"atlaslab.resumed": "true"})
@@ -503,7 +503,7 @@ def _execute(p: Prepared, run_dir: Path, state: Dict[str, Any], resume: bool, ra
             lap("ray_init_s")
             from ray import tune
 
-            from .progress import Progress
+            from atlaslab.search.progress import Progress
             if pending_tracking is not None:
                 state["tracking"] = pending_tracking.result()
             lap("mlflow_setup_wait_s")
@@ -542,7 +542,7 @@ def _execute(p: Prepared, run_dir: Path, state: Dict[str, Any], resume: bool, ra
         _write_json(run_dir / "state.json", state)
     tracking = state.get("tracking") or {}
     _write_json(run_dir / "results.json", records)
-    from .report import write_report
+    from atlaslab.search.report import write_report
     rep = write_report(run_dir, p.exp, records, state)
     lap("report_s")
     summary = {"run_dir": str(run_dir), "trials": len(records),
@@ -552,7 +552,7 @@ def _execute(p: Prepared, run_dir: Path, state: Dict[str, Any], resume: bool, ra
                "report": str(rep), "status": status,
                "unfinished": sum(r["status"] in ("unfinished", "pending") for r in records)}
     if tracking.get("parent_run_id"):
-        from . import tracking as T
+        from atlaslab.search import tracking as T
         c = T.client(tracking["uri"])
         T.log_metrics(c, tracking["parent_run_id"], {"n_trials": summary["trials"], "n_failed": summary["failed"],
                                                      "n_completed": summary["completed"],

@@ -30,8 +30,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..registry import ConfigError, to_container
-from .schema import ExperimentConfig
+from atlaslab.registry import ConfigError, to_container
+from atlaslab.search.schema import ExperimentConfig
 
 Override = Tuple[str, Any, str]   # (key inside the model config, value, source path in the experiment)
 
@@ -65,7 +65,7 @@ def flatten_overrides(node: Any, prefix: str = "", source: str = "model.override
     """Model overrides (nested / dotted mapping, or list of ``key=value``) as ``(key, value, source)``.
 
     Mappings are descended except when they carry ``name`` (a component node replaces the node)."""
-    from .schema import parse_override
+    from atlaslab.search.schema import parse_override
     node = to_container(node)
     if node is None:
         return []
@@ -201,7 +201,7 @@ def _exists(node: Any, key: str) -> bool:
 
 @functools.lru_cache(maxsize=64)
 def _preset_resolved(path: str) -> Optional[Dict[str, Any]]:
-    from ..components.lm import resolve_lm_config
+    from atlaslab.models.lm import resolve_lm_config
     try:
         return resolve_lm_config(OmegaConf.load(path)).to_dict()
     except ConfigError:
@@ -213,8 +213,8 @@ def resolve_model_node(model_node: Mapping[str, Any], vocab_size: Optional[int] 
 
     ``vocab_size`` (the task's) is applied first unless an override sets it. Raises ConfigError with the
     path inside the model config; ``err.source`` names the experiment key of the override at fault."""
-    from ..components.lm import resolve_lm_config
-    from ..presets import apply_overrides, preset_path
+    from atlaslab.models.lm import resolve_lm_config
+    from atlaslab.models.presets import apply_overrides, preset_path
 
     preset = str(model_node.get("preset"))
     overrides = [tuple(o) for o in model_node.get("overrides", [])]
@@ -421,7 +421,7 @@ class Validator:
         self._tasks: Dict[str, Any] = {}
 
     def task(self, trial: Mapping[str, Any]):
-        from ..tasks.base import build_task
+        from atlaslab.tasks.base import build_task
         node = trial["config"]["task"]
         k = json.dumps(node, sort_keys=True, default=str)
         if k not in self._tasks:
@@ -432,7 +432,7 @@ class Validator:
     def model_info(self, model_node: Mapping[str, Any], task) -> Dict[str, Any]:
         import torch
 
-        from ..components.lm import LanguageModel
+        from atlaslab.models.lm import LanguageModel
         k = json.dumps([model_node, task.vocab_size, task.seq_len], sort_keys=True, default=str)
         if k in self._models:
             return self._models[k]
@@ -459,7 +459,7 @@ class Validator:
         return info
 
     def validate(self, trial: Dict[str, Any]) -> Dict[str, Any]:
-        from ..train.config import resolve_train_config
+        from atlaslab.train.config import resolve_train_config
         tid = f"{trial['key']} ({trial['label']}" + (f", seed {trial['seed']}" if len(self.exp.seeds) > 1 else "") + ")"
         cfg = trial["config"]
         try:

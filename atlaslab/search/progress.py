@@ -7,7 +7,7 @@ import time
 
 from ray.tune import Callback
 
-from .expand import fmt_value, short_key
+from atlaslab.search.expand import fmt_value, short_key
 
 
 class Progress(Callback):
@@ -115,7 +115,7 @@ class Progress(Callback):
         t = trial.config.get("trial")
         key = t["key"] if t else trial.trial_id
         try:
-            from .tracking import finalize_child
+            from atlaslab.search.tracking import finalize_child
             finalize_child(tr["uri"], tr["experiment_id"], tr["parent_run_id"], key, status, tags)
         except Exception as exc:
             self._out(f"warning: could not end the MLflow run of {key}: {exc}")

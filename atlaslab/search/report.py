@@ -19,8 +19,8 @@ from collections import OrderedDict, defaultdict
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .expand import fmt_value, short_key
-from .schema import ExperimentConfig
+from atlaslab.search.expand import fmt_value, short_key
+from atlaslab.search.schema import ExperimentConfig
 
 OK = ("completed", "early_stopped")
 
@@ -594,7 +594,7 @@ def report_from_dir(run_dir: Path, refresh: bool = False) -> Path:
     final result are then reported as ``unfinished``."""
     from omegaconf import OmegaConf
 
-    from .schema import load_experiment
+    from atlaslab.search.schema import load_experiment
     run_dir = Path(run_dir)
     state = json.loads((run_dir / "state.json").read_text()) if (run_dir / "state.json").is_file() else {}
     node = OmegaConf.to_container(OmegaConf.load(run_dir / "experiment.yaml"))
@@ -603,17 +603,17 @@ def report_from_dir(run_dir: Path, refresh: bool = False) -> Path:
     if rp.is_file() and not refresh:
         records = json.loads(rp.read_text())
     else:
-        from ..registry import ConfigError
+        from atlaslab.registry import ConfigError
         tune_path = Path(state.get("tune_path") or run_dir / "ray" / "tune")
         if not tune_path.is_dir() or not any(tune_path.glob("experiment_state-*.json")):
             raise ConfigError("run_dir", f"{run_dir} has no results yet (no Tune experiment state in {tune_path}).",
                               value=str(run_dir))
         from ray.tune import ExperimentAnalysis, ResultGrid
 
-        from .driver import Prepared, collect
+        from atlaslab.search.driver import Prepared, collect
         trials = json.loads((run_dir / "trials.json").read_text()) if (run_dir / "trials.json").is_file() else []
         p = Prepared(node, exp, trials)
-        from .driver import saved_statuses
+        from atlaslab.search.driver import saved_statuses
         records = collect(p, ResultGrid(ExperimentAnalysis(str(tune_path))), run_dir,
                           partial=state.get("status") != "finished", statuses=saved_statuses(tune_path))
     return write_report(run_dir, exp, records, state)

@@ -53,13 +53,13 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ..registry import (
-    ConfigError,
-    check_choice,
-    check_range,
-    to_container,
-    validate_structured,
-)
+from atlaslab.registry import (
+                               ConfigError,
+                               check_choice,
+                               check_range,
+                               to_container,
+                               validate_structured,
+                               )
 
 #: roots a dotted key may start with
 KEY_ROOTS = ("model", "task", "tasks", "train", "eval")
@@ -440,13 +440,13 @@ def _check_exclude(g: GridNode) -> None:
 
 
 def _preset_names() -> List[str]:
-    from ..presets import list_presets
+    from atlaslab.models.presets import list_presets
     return list_presets()
 
 
 def _task_names() -> List[str]:
-    from .. import tasks  # noqa: F401
-    from ..registry import get_registry
+    from atlaslab import tasks  # noqa: F401
+    from atlaslab.registry import get_registry
     return get_registry("task").names()
 
 

@@ -34,9 +34,9 @@ def _trial_spec(config: Mapping[str, Any]) -> Dict[str, Any]:
         return dict(config["trial"])
     from ray import tune
 
-    from .expand import Validator, trial_from_params
-    from .schema import load_experiment
-    from .space import decode_params
+    from atlaslab.search.expand import Validator, trial_from_params
+    from atlaslab.search.schema import load_experiment
+    from atlaslab.search.space import decode_params
     exp = load_experiment(node=config["experiment"]["node"])
     params = decode_params(exp.space, config)
     tid = tune.get_context().get_trial_id()
@@ -58,12 +58,12 @@ def run_trial(config: Dict[str, Any]) -> None:
     threads = max(1, int(meta.get("cpus_per_trial", 1)))
     torch.set_num_threads(threads)
 
-    from ..presets import build_model
-    from ..tasks.base import build_task
-    from ..train.config import resolve_train_config
-    from ..train.loop import CHECKPOINT_NAME, train
-    from .expand import model_config
-    from .tracking import TrialRun
+    from atlaslab.models.presets import build_model
+    from atlaslab.tasks.base import build_task
+    from atlaslab.train.config import resolve_train_config
+    from atlaslab.train.loop import CHECKPOINT_NAME, train
+    from atlaslab.search.expand import model_config
+    from atlaslab.search.tracking import TrialRun
 
     trial = _trial_spec(config)
     ctx = tune.get_context()

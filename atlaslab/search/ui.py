@@ -25,7 +25,7 @@ import urllib.request
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from ..registry import ConfigError
+from atlaslab.registry import ConfigError
 
 DB_NAME = "mlruns.db"
 ARTIFACTS_NAME = "mlartifacts"

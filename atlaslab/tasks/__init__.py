@@ -17,22 +17,22 @@ memory learner instead of a token model.
     batch = task.batch("train", step=0, batch_size=64, seed=0)
     metrics = task.evaluate(model, split="test", lengths=[64, 128])
 """
-from .base import (IGNORE_INDEX, SPLITS, Batch, Example, Task, TaskConfig, build_task, cross_entropy, make_rng,
-                   resolve_task)
-from .babilong import BABILong
-from .byte_lm import ByteLM, decode_bytes, encode_text
-from .corpus import corpus_splits, load_corpus
-from .learnability import LearnabilityProbe, MLPMemoryLearner, make_mlp_learner
-from .mad import (MAD_PROTOCOL, MAD_SWEEP, MAD_TRAIN, Compression, CompressionHead, FuzzyInContextRecall,
-                  InContextRecall, Memorization, NoisyInContextRecall, SelectiveCopying, mad_grid, mad_score,
-                  mad_train_steps)
-from .mqar import MQAR
-from .niah import SNIAH
+from atlaslab.tasks.base import (IGNORE_INDEX, SPLITS, Batch, Example, Task, TaskConfig, build_task, cross_entropy, make_rng,
+                                 resolve_task)
+from atlaslab.tasks.babilong import BABILong
+from atlaslab.tasks.byte_lm import ByteLM, decode_bytes, encode_text
+from atlaslab.tasks.corpus import corpus_splits, load_corpus
+from atlaslab.tasks.learnability import LearnabilityProbe, MLPMemoryLearner, make_mlp_learner
+from atlaslab.tasks.mad import (MAD_PROTOCOL, MAD_SWEEP, MAD_TRAIN, Compression, CompressionHead, FuzzyInContextRecall,
+                                InContextRecall, Memorization, NoisyInContextRecall, SelectiveCopying, mad_grid, mad_score,
+                                mad_train_steps)
+from atlaslab.tasks.mqar import MQAR
+from atlaslab.tasks.niah import SNIAH
 
 
 def list_tasks(pattern: str = "*") -> list:
     """Registered task names matching a wildcard."""
-    from ..registry import get_registry
+    from atlaslab.registry import get_registry
     return get_registry("task").list(pattern)
 
 

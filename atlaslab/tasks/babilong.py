@@ -23,10 +23,10 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..registry import ConfigError, check_range, register
-from .byte_lm import TextConfig
-from .corpus import corpus_sentences
-from .niah import _TextQA
+from atlaslab.registry import ConfigError, check_range, register
+from atlaslab.tasks.byte_lm import TextConfig
+from atlaslab.tasks.corpus import corpus_sentences
+from atlaslab.tasks.niah import _TextQA
 
 ACTORS = ("Mary", "John", "Daniel", "Sandra")
 LOCATIONS = ("bathroom", "hallway", "kitchen", "garden", "office", "bedroom")

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..registry import ConfigError, PartConfig, build_part, check_range, resolve_part
+from atlaslab.registry import ConfigError, PartConfig, build_part, check_range, resolve_part
 
 IGNORE_INDEX = -100
 SPLITS = ("train", "val", "test")
@@ -386,7 +386,7 @@ class CachedWrapperMixin:
 
 def build_task(node: Any, path: str = "task") -> Task:
     """Validate a task node (``{name: mqar, ...}``, a name, or a task Config) and build the task."""
-    from .. import tasks as _tasks  # noqa: F401  (make sure every built-in task is registered)
+    from atlaslab import tasks as _tasks  # noqa: F401  (make sure every built-in task is registered)
     if isinstance(node, Task):
         return node
     return build_part("task", node, path)
@@ -394,7 +394,7 @@ def build_task(node: Any, path: str = "task") -> Task:
 
 def resolve_task(node: Any, path: str = "task") -> PartConfig:
     """Validate a task node without building it (a ConfigError names the dotted path)."""
-    from .. import tasks as _tasks  # noqa: F401
+    from atlaslab import tasks as _tasks  # noqa: F401
     return resolve_part("task", node, path)
 
 

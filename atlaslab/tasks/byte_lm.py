@@ -17,9 +17,9 @@ from typing import Any, Dict
 
 import numpy as np
 
-from ..registry import check_range, register
-from .base import Example, Task, TaskConfig
-from .corpus import corpus_bytes, load_corpus
+from atlaslab.registry import check_range, register
+from atlaslab.tasks.base import Example, Task, TaskConfig
+from atlaslab.tasks.corpus import corpus_bytes, load_corpus
 
 
 @dataclass

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-from ..registry import ConfigError
+from atlaslab.registry import ConfigError
 
 PIECE_BYTES = 4096
 BUILTIN = ("pydoc", "gensim_lee")

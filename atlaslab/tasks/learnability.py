@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..registry import ConfigError, PartConfig, check_choice, check_range, register
+from atlaslab.registry import ConfigError, PartConfig, check_choice, check_range, register
 
 TARGETS = ("low_rank", "mlp", "attn_mlp", "attn_input_mlp", "swa_mlp")
 Learner = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -42,8 +42,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..registry import ConfigError, check_range, register
-from .base import IGNORE_INDEX, CachedWrapperMixin, Example, Task, TaskConfig
+from atlaslab.registry import ConfigError, check_range, register
+from atlaslab.tasks.base import IGNORE_INDEX, CachedWrapperMixin, Example, Task, TaskConfig
 
 
 # --------------------------------------------------------------------------------------------------

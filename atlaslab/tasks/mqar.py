@@ -23,8 +23,8 @@ from typing import List
 
 import numpy as np
 
-from ..registry import ConfigError, check_range, register
-from .base import IGNORE_INDEX, Example, Task, TaskConfig
+from atlaslab.registry import ConfigError, check_range, register
+from atlaslab.tasks.base import IGNORE_INDEX, Example, Task, TaskConfig
 
 
 def power_law_probs(space: int, power_a: float) -> np.ndarray:

@@ -23,10 +23,10 @@ from typing import Tuple
 
 import numpy as np
 
-from ..registry import check_choice, check_range, register
-from .base import IGNORE_INDEX, Example, Task
-from .byte_lm import TextConfig
-from .corpus import corpus_bytes, corpus_words, load_corpus
+from atlaslab.registry import check_choice, check_range, register
+from atlaslab.tasks.base import IGNORE_INDEX, Example, Task
+from atlaslab.tasks.byte_lm import TextConfig
+from atlaslab.tasks.corpus import corpus_bytes, corpus_words, load_corpus
 
 VARIANTS = ("passkey", "number", "word")
 NOISE = b"The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "

@@ -41,10 +41,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 
-from ..registry import ConfigError, to_container
-from ..tasks.base import Task, build_task
-from .config import resolve_train_config
-from .loop import CHECKPOINT_NAME, Callback, TrainResult, train
+from atlaslab.registry import ConfigError, to_container
+from atlaslab.tasks.base import Task, build_task
+from atlaslab.train.config import resolve_train_config
+from atlaslab.train.loop import CHECKPOINT_NAME, Callback, TrainResult, train
 
 RUN_KEYS = ("name", "description", "model", "task", "train")
 
@@ -137,7 +137,7 @@ def _build_model(node: Any, task: Task, path: str) -> nn.Module:
                               "nn.Module.")
         return model
     try:
-        from ..presets import apply_overrides, build_model, load_preset
+        from atlaslab.models.presets import apply_overrides, build_model, load_preset
     except ImportError as exc:  # pragma: no cover - the presets loader is part of atlaslab
         raise ConfigError(path, f"the presets loader is unavailable ({exc}); use model.factory.") from None
     if "preset" in node:

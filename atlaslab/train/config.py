@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional
 
 
-from ..registry import ConfigError, check_choice, check_range, to_container, validate_structured
+from atlaslab.registry import ConfigError, check_choice, check_range, to_container, validate_structured
 
 
 @dataclass

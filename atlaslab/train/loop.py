@@ -44,9 +44,9 @@ from typing import Any, Callable, Dict, List, Optional, Union
 import torch
 from torch import nn
 
-from ..registry import ConfigError
-from ..tasks.base import Task, build_task
-from .config import TrainConfig, config_diff, lr_at, resolve_train_config
+from atlaslab.registry import ConfigError
+from atlaslab.tasks.base import Task, build_task
+from atlaslab.train.config import TrainConfig, config_diff, lr_at, resolve_train_config
 
 Callback = Callable[[Dict[str, float], int], Optional[bool]]
 CHECKPOINT_NAME = "checkpoint.pt"

@@ -45,7 +45,7 @@ Dispatch, in the spirit of fla's backend registry: a Triton kernel is used only 
 (:func:`memorize_triton`) uses it and falls back to the torch ``chunked`` engine. Nothing else changes: the
 default ``memorize`` mode and every torch engine stay as they are.
 
-Packed calls (``memorize(..., mode="triton", cu_seqlens=...)``, :mod:`atlaslab.kernels.packed`):
+Packed calls (``memorize(..., mode="triton", cu_seqlens=...)``, :mod:`atlaslab.engines.packed`):
 :func:`memorize_triton_packed` runs all sequences in one kernel call with ``cu_seqlens`` where
 :func:`_packed_kernel_kind` finds a kernel — the c = 1 chunk / token kernels always, the Omega-window kernels while
 no sequence carries window history yet, the momentum chunk kernel when every sequence starts on a chunk boundary
@@ -126,9 +126,9 @@ from typing import Callable, Optional
 
 import torch
 
-from ..chunked import memorize_chunked
-from ..state import keep_history, with_history
-from .fallback import with_torch_fallback
+from atlaslab.engines.chunked import memorize_chunked
+from atlaslab.memory.state import keep_history, with_history
+from atlaslab.kernels.triton.fallback import with_torch_fallback
 
 FORCE_TORCH_ENV = "ATLASLAB_FORCE_TORCH"
 #: T at or below which ``auto`` picks the token-by-token kernel (fla switches to fused_recurrent at ≤ 64).
@@ -184,7 +184,7 @@ def spec_reason(parts, chunk_size: int) -> Optional[str]:
     """None when the linear delta kernels compute ``parts`` exactly, else the first reason they do not."""
     s = parts.spec
     if s.inner_optimizer.name == "momentum":      # the momentum kernels; the token-by-token one takes the most specs
-        from .fused_recurrent_momentum import spec_reason as momentum_reason
+        from atlaslab.kernels.triton.fused_recurrent_momentum import spec_reason as momentum_reason
         return momentum_reason(parts, chunk_size)
     checks = [
         (s.memory.name == "linear", f"memory '{s.memory.name}' (kernels: linear)"),
@@ -221,12 +221,12 @@ def _engine(kind: str) -> Callable:
     def run(q, k, v, parts, gates, chunk_size, state, block_size: int = 64, **engine_options):
         # engine_options (e.g. ``checkpoint``) concern the torch engines; the kernels recompute in backward anyway
         if kind == "chunk":
-            from .chunk import chunk_delta_rule as kernel
-            from .chunk_window import chunk_window_rule as window_kernel
+            from atlaslab.kernels.triton.chunk import chunk_delta_rule as kernel
+            from atlaslab.kernels.triton.chunk_window import chunk_window_rule as window_kernel
             extra = dict(chunk_size=min(64, max(16, int(block_size))))
         else:
-            from .fused_recurrent import (fused_recurrent_delta_rule as kernel,
-                                          fused_recurrent_window_rule as window_kernel)
+            from atlaslab.kernels.triton.fused_recurrent import (fused_recurrent_delta_rule as kernel,
+                                                                 fused_recurrent_window_rule as window_kernel)
             extra = {}
         state = dataclasses.replace(state)
         ret = parts.retention
@@ -239,7 +239,7 @@ def _engine(kind: str) -> Callable:
             beta = gates.lr * gates.window            # c = 1: the window gate scales the step
             o, W = kernel(fm(q), fm(k), v, beta, alpha, state.weights["W"], **opts)
         else:   # Omega window: every token's c slots; the window's first tokens come from the state's history
-            from .reference import window_slots
+            from atlaslab.kernels.triton.reference import window_slots
             h = state.hist_k.shape[1]
             x_ext = fm(torch.cat([state.hist_k, k], 1))
             xs, vs, gs = window_slots(x_ext[:, h:], v, gates.window, c, x_ext[:, :h], state.hist_v, state.hist_gamma)
@@ -259,14 +259,14 @@ def _engine(kind: str) -> Callable:
 
 def _momentum_engine(*args, **kwargs):
     """The momentum chunk kernel's engine (:func:`.chunk_momentum.memorize_chunk_momentum`), imported lazily."""
-    from .chunk_momentum import memorize_chunk_momentum
+    from atlaslab.kernels.triton.chunk_momentum import memorize_chunk_momentum
     return memorize_chunk_momentum(*args, **kwargs)
 
 
 def _momentum_recurrent_engine(*args, **kwargs):
     """The token-by-token momentum kernel's engine
     (:func:`.fused_recurrent_momentum.memorize_fused_recurrent_momentum`), imported lazily."""
-    from .fused_recurrent_momentum import memorize_fused_recurrent_momentum
+    from atlaslab.kernels.triton.fused_recurrent_momentum import memorize_fused_recurrent_momentum
     return memorize_fused_recurrent_momentum(*args, **kwargs)
 
 
@@ -304,7 +304,7 @@ def select_kernel(parts, q: torch.Tensor, chunk_size: int, mode: str = "auto",
         return None
     kind = _MODE_ALIASES[mode]
     if parts.spec.inner_optimizer.name == "momentum":
-        from .chunk_momentum import spec_reason as chunk_reason
+        from atlaslab.kernels.triton.chunk_momentum import spec_reason as chunk_reason
         chunk_ok = chunk_reason(parts, chunk_size) is None
         T = q.shape[1]
         if kind == "chunk":
@@ -346,7 +346,7 @@ def _packed_kernel_kind(parts, q, chunk_size: int, states) -> Optional[str]:
         return None
     T = q.shape[1]
     if parts.spec.inner_optimizer.name == "momentum":
-        from .chunk_momentum import spec_reason as chunk_reason
+        from atlaslab.kernels.triton.chunk_momentum import spec_reason as chunk_reason
         on_boundary = all(s.position % chunk_size == 0 for s in states)
         return "chunk_momentum" if (chunk_reason(parts, chunk_size) is None and on_boundary
                                     and T > RECURRENT_MAX_T) else None
@@ -359,7 +359,7 @@ def _finish_sequences(parts, states, offsets, k, v, gates, weights, momentum=Non
                       chunk_alpha=None):
     """The N per-sequence final states of a native packed call: ``weights`` (and ``momentum`` / ``anchor``)
     ``[N, H, D_v, D_k]`` from the kernel, each sequence's window history and Π α, its position advanced."""
-    from ..state import split_time
+    from atlaslab.memory.state import split_time
     sizes = [offsets[i + 1] - offsets[i] for i in range(len(offsets) - 1)]
     finals = []
     pieces = split_time(sizes, k, k, v, gates)        # (split_time cuts q, k, v: k stands in for the unused q)
@@ -382,7 +382,7 @@ def _finish_sequences(parts, states, offsets, k, v, gates, weights, momentum=Non
 
 def _run_packed(kind: str, q, k, v, parts, gates, chunk_size: int, states, offsets, block_size: int):
     """Run one packed call on the ``kind`` kernel with ``cu_seqlens`` → ``(o, N final states)``."""
-    from .. import packed
+    from atlaslab.engines import packed
     cu = torch.tensor(offsets, device=q.device, dtype=torch.long)
     fm, ret = parts.feature_map, parts.retention
     alpha = gates.retention if (ret.uses_alpha and gates.retention is not None) else None
@@ -390,7 +390,7 @@ def _run_packed(kind: str, q, k, v, parts, gates, chunk_size: int, states, offse
     bias = parts.spec.attentional_bias.name
     W0 = packed.stack_weights(states, "weights")
     if kind == "chunk_momentum":
-        from .chunk_momentum import chunk_momentum
+        from atlaslab.kernels.triton.chunk_momentum import chunk_momentum
         b = int(chunk_size)
         o, M, S, anchor = chunk_momentum(fm(q), fm(k), v, gates.lr * gates.window, gates.momentum, alpha, W0,
                                          packed.stack_weights(states, "momentum"), chunk_size=b, bias=bias,
@@ -403,19 +403,19 @@ def _run_packed(kind: str, q, k, v, parts, gates, chunk_size: int, states, offse
             chunk_alpha = torch.cat([torch.ones_like(s.chunk_alpha) for s in states], 0)
         return o, _finish_sequences(parts, states, offsets, k, v, gates, M, S, anchor, chunk_alpha)
     if kind == "chunk":
-        from .chunk import chunk_delta_rule as kernel
-        from .chunk_window import chunk_window_rule as window_kernel
+        from atlaslab.kernels.triton.chunk import chunk_delta_rule as kernel
+        from atlaslab.kernels.triton.chunk_window import chunk_window_rule as window_kernel
         extra = dict(chunk_size=min(64, max(16, int(block_size))))
     else:
-        from .fused_recurrent import (fused_recurrent_delta_rule as kernel,
-                                      fused_recurrent_window_rule as window_kernel)
+        from atlaslab.kernels.triton.fused_recurrent import (fused_recurrent_delta_rule as kernel,
+                                                             fused_recurrent_window_rule as window_kernel)
         extra = {}
     opts = dict(bias=bias, placement=placement, read=parts.read, cu_seqlens=cu, **extra)
     c = parts.window.size
     if c == 1:
         o, W = kernel(fm(q), fm(k), v, gates.lr * gates.window, alpha, W0, **opts)
     else:
-        from .reference import window_slots
+        from atlaslab.kernels.triton.reference import window_slots
         xs, vs, gs = window_slots(fm(k), v, gates.window, c, cu_seqlens=cu)
         o, W = window_kernel(fm(q), xs, vs, gates.lr.unsqueeze(2) * gs, alpha, W0, **opts)
     return o, _finish_sequences(parts, states, offsets, k, v, gates, W)
@@ -423,7 +423,7 @@ def _run_packed(kind: str, q, k, v, parts, gates, chunk_size: int, states, offse
 
 def memorize_triton_packed(q, k, v, parts, gates, chunk_size, states, offsets, block_size: int = 64,
                            **engine_options):
-    """``memorize(mode="triton", cu_seqlens=...)`` in one go (:mod:`atlaslab.kernels.packed`): the packed sequences
+    """``memorize(mode="triton", cu_seqlens=...)`` in one go (:mod:`atlaslab.engines.packed`): the packed sequences
     on one kernel with ``cu_seqlens`` (one launch per stage over all their chunks), or None when
     :func:`_packed_kernel_kind` finds no kernel that takes the call natively (then each sequence runs alone).
 
@@ -436,7 +436,7 @@ def memorize_triton_packed(q, k, v, parts, gates, chunk_size, states, offsets, b
         return None
 
     def per_sequence():
-        from ..packed import memorize_packed
+        from atlaslab.engines.packed import memorize_packed
         return memorize_packed(q, k, v, parts, gates, chunk_size, states, offsets, memorize_chunked,
                                block_size=block_size, **engine_options)
     return with_torch_fallback(
@@ -451,14 +451,14 @@ def select_newton_schulz(s: torch.Tensor) -> Optional[Callable]:
     """The fused Newton–Schulz kernel (``newton_schulz``-compatible) for ``s: [..., rows, cols]``, or None."""
     if forced_torch() or not available() or device_ok(s) is not None:
         return None
-    from .newton_schulz import newton_schulz as kernel, supports
+    from atlaslab.kernels.triton.newton_schulz import newton_schulz as kernel, supports
     return kernel if supports(s) else None
 
 
 def orthogonalise(s: torch.Tensor, steps: int = 5, eps: float = 1e-7, coefficients=None,
                   shape_factor: bool = False) -> torch.Tensor:
     """Newton–Schulz on the fused kernel when :func:`select_newton_schulz` finds it, else the torch reference."""
-    from ..newton_schulz import MUON_COEFFICIENTS, newton_schulz as torch_ns
+    from atlaslab.kernels.newton_schulz import MUON_COEFFICIENTS, newton_schulz as torch_ns
     coefficients = MUON_COEFFICIENTS if coefficients is None else coefficients
     fn = select_newton_schulz(s) or torch_ns
     return fn(s, steps, eps, coefficients, shape_factor)
@@ -477,7 +477,7 @@ def select_mlp_step(parts, x: torch.Tensor) -> Optional[Callable]:
     """
     if forced_torch() or not available() or device_ok(x) is not None:
         return None
-    from .mlp_chunk import mlp_dual_step, spec_reason as mlp_reason
+    from atlaslab.kernels.triton.mlp_chunk import mlp_dual_step, spec_reason as mlp_reason
     return mlp_dual_step if mlp_reason(parts) is None else None
 
 

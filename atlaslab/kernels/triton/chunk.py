@@ -81,9 +81,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from .fallback import with_torch_fallback
-from .precision import dot_precision
-from .reference import _upcast, check_args, delta_rule_chunk, log_decay
+from atlaslab.kernels.triton.fallback import with_torch_fallback
+from atlaslab.kernels.triton.precision import dot_precision
+from atlaslab.kernels.triton.reference import _upcast, check_args, delta_rule_chunk, log_decay
 
 try:
     import triton

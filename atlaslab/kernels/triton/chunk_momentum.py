@@ -13,7 +13,7 @@ and the chunk-local cumulative product P_s = Π_{τ=t'}^{s} α_τ:
     e_s = −v_s                (dot, either placement: the gradient does not depend on M)
     S_s = θ_s S_{s−1} − β_s e_s k_sᵀ,      M_s = α_s M_{s−1} + S_s
 
-Unrolled over the chunk (the TTT / Titans dual form; ``_dual_segment`` in ``kernels/chunked.py``), with
+Unrolled over the chunk (the TTT / Titans dual form; ``_dual_segment`` in ``engines/chunked.py``), with
 Θ_s = Π_{τ≤s} θ_τ and the decay matrices D_α[s, r] = Π_{τ=r+1}^{s} α_τ, D_θ[r, i] = Π_{τ=i+1}^{r} θ_τ
 (r ≥ i, else 0):
 
@@ -155,10 +155,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from .chunk import _Layout, prepare_chunk_indices
-from .reference import packed_sequences
-from .fallback import with_torch_fallback
-from .precision import dot_precision
+from atlaslab.kernels.triton.chunk import _Layout, prepare_chunk_indices
+from atlaslab.kernels.triton.reference import packed_sequences
+from atlaslab.kernels.triton.fallback import with_torch_fallback
+from atlaslab.kernels.triton.precision import dot_precision
 
 try:
     import triton
@@ -167,7 +167,7 @@ except ImportError:  # pragma: no cover
     triton = None
 
 if triton is not None:
-    from .chunk import _chunk_span, _sequence_span
+    from atlaslab.kernels.triton.chunk import _chunk_span, _sequence_span
 
 MAX_D = 256
 #: largest semantic chunk b the kernels take (the coefficient kernel holds [b, b] blocks in registers)
@@ -1269,9 +1269,9 @@ def memorize_chunk_momentum(q, k, v, parts, gates, chunk_size, state, block_size
     piece (up to the next chunk boundary) on the torch ``chunked`` engine (``engine_options`` go there), then the
     kernels. ``block_size`` is unused (the kernels' block is the semantic chunk b).
     """
-    from ..chunked import memorize_chunked
-    from ..state import keep_history, with_history
-    from ..state import split_time
+    from atlaslab.engines.chunked import memorize_chunked
+    from atlaslab.memory.state import keep_history, with_history
+    from atlaslab.memory.state import split_time
 
     b, T = int(chunk_size), q.shape[1]
     if T == 0:

@@ -53,11 +53,11 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import chunk as _chunk
-from .chunk import MAX_D, _pow2
-from .fallback import with_torch_fallback
-from .precision import dot_precision
-from .reference import MAX_WINDOW, _upcast, log_decay
+from atlaslab.kernels.triton import chunk as _chunk
+from atlaslab.kernels.triton.chunk import MAX_D, _pow2
+from atlaslab.kernels.triton.fallback import with_torch_fallback
+from atlaslab.kernels.triton.precision import dot_precision
+from atlaslab.kernels.triton.reference import MAX_WINDOW, _upcast, log_decay
 
 try:
     import triton
@@ -67,8 +67,8 @@ except ImportError:  # pragma: no cover
 
 if triton is not None:
     # the shared stage bodies and pieces (C = 1 and window, per-head and channel-wise decay) live in .chunk
-    from .chunk import (_causal, _chunk_span, _dh_sweep, _gates, _grad_channel, _grad_per_head, _out_chunk, _read_gate,
-                        _read_scores, _slot_rows, _slot_tokens, _state_sweep, _tile, _token_rows, _ut_solve, _vec)
+    from atlaslab.kernels.triton.chunk import (_causal, _chunk_span, _dh_sweep, _gates, _grad_channel, _grad_per_head, _out_chunk, _read_gate,
+                                               _read_scores, _slot_rows, _slot_tokens, _state_sweep, _tile, _token_rows, _ut_solve, _vec)
 
     @triton.jit
     def _win_ut(xs, vs, coef, la, g, u_out, wk_out, ainv_out, cu_seqlens, chunk_indices, T, NT, H: tl.constexpr,
@@ -341,7 +341,7 @@ def window_forward(q, xs, vs, coef, alpha=None, initial_state=None, *, bias="l2"
                    read="token", cu_seqlens=None, chunk_size: int = 64, allow_tf32: Optional[bool] = None):
     """The window forward kernels, no autograd; arguments as :func:`chunk_window_rule`. One launch per stage,
     with or without ``cu_seqlens``."""
-    from .reference import check_window_args
+    from atlaslab.kernels.triton.reference import check_window_args
     c = check_window_args(q, xs, vs, coef, alpha, initial_state, bias, placement, read, cu_seqlens)
     B, T, H, K = q.shape
     V = vs.shape[-1]
@@ -375,7 +375,7 @@ def window_chunk_backward(q, xs, vs, coef, alpha, initial_state, do, dht, *, bia
     parallel (``_win_bwd_grad_kernel``); channel-wise decay on the ``_win_cw_bwd_*`` kernels (``dalpha``
     ``[B, T, H, D_k]``). With ``cu_seqlens`` each stage is still one launch (the sweeps one program per value
     block × sequence × head, the rest over the chunk-index table)."""
-    from .reference import check_window_args
+    from atlaslab.kernels.triton.reference import check_window_args
     c = check_window_args(q, xs, vs, coef, alpha, initial_state, bias, placement, read, cu_seqlens)
     channel = alpha is not None and alpha.dim() == 4
     B, T, H, K = q.shape
@@ -425,7 +425,7 @@ def window_chunk_backward(q, xs, vs, coef, alpha, initial_state, do, dht, *, bia
 
 def window_torch_backward(saved, need, do, dht, opts, chunk_size):
     """Backward of a window kernel by autograd of :func:`.reference.window_rule_chunk`, recomputed (≥ fp32)."""
-    from .reference import window_rule_chunk
+    from atlaslab.kernels.triton.reference import window_rule_chunk
     with torch.enable_grad():
         inputs = [_upcast(x).detach().requires_grad_(True) if x is not None else None for x in saved]
         o, ht = window_rule_chunk(*inputs, chunk_size=chunk_size, **opts)

@@ -23,7 +23,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .reference import _upcast, check_args, delta_rule_chunk
+from atlaslab.kernels.triton.reference import _upcast, check_args, delta_rule_chunk
 
 try:
     import triton
@@ -140,7 +140,7 @@ class FusedRecurrentFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         saved = ctx.saved_tensors
-        from . import chunk
+        from atlaslab.kernels.triton import chunk
         if chunk.BACKWARD != "torch":   # the chunk backward kernels compute the same rule's gradients
             T = saved[0].shape[1]
             grads = chunk.chunk_backward(*saved, do, dht, chunk_size=min(64, max(16, T)), **ctx.opts)
@@ -252,7 +252,7 @@ if triton is not None:
 def fused_window_forward(q, xs, vs, coef, alpha=None, initial_state=None, *, bias="l2", placement="before_step",
                          read="token", cu_seqlens=None, output_final_state=True):
     """The token-by-token window kernel alone (no autograd); arguments as :func:`fused_recurrent_window_rule`."""
-    from .reference import check_window_args
+    from atlaslab.kernels.triton.reference import check_window_args
     c = check_window_args(q, xs, vs, coef, alpha, initial_state, bias, placement, read, cu_seqlens)
     B, T, H, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -294,7 +294,7 @@ class FusedWindowFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        from .chunk_window import window_backward
+        from atlaslab.kernels.triton.chunk_window import window_backward
         grads = window_backward(ctx.saved_tensors, ctx.needs_input_grad[:6], do, dht, ctx.opts, 64)
         return (*grads, None, None, None, None)
 

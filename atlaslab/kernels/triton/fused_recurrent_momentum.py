@@ -83,9 +83,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from .chunk_momentum import MAX_D, check_args as _check_momentum_args, linear_momentum_reason
-from .fused_recurrent import _pow2
-from .reference import _upcast
+from atlaslab.kernels.triton.chunk_momentum import MAX_D, check_args as _check_momentum_args, linear_momentum_reason
+from atlaslab.kernels.triton.fused_recurrent import _pow2
+from atlaslab.kernels.triton.reference import _upcast
 
 try:
     import triton
@@ -565,11 +565,11 @@ def memorize_fused_recurrent_momentum(q, k, v, parts, gates, chunk_size, state, 
     c = 1) window history and ``position`` exactly as ``memorize_recurrent``. ``block_size`` and ``engine_options``
     concern the torch engines (a T = 0 call goes to ``chunked`` with them).
     """
-    from ..state import keep_history, with_history
+    from atlaslab.memory.state import keep_history, with_history
 
     b, T = int(chunk_size), q.shape[1]
     if T == 0:
-        from ..chunked import memorize_chunked
+        from atlaslab.engines.chunked import memorize_chunked
         return memorize_chunked(q, k, v, parts, gates, b, state, block_size=block_size, **engine_options)
     state = dataclasses.replace(state)
     fm, ret = parts.feature_map, parts.retention

@@ -71,8 +71,8 @@ from typing import Optional, Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from .fallback import with_torch_fallback
-from .precision import dot_precision
+from atlaslab.kernels.triton.fallback import with_torch_fallback
+from atlaslab.kernels.triton.precision import dot_precision
 
 try:
     import triton
@@ -469,7 +469,7 @@ def mlp_dual_step(parts, weights, momentum, x, v, d, P_e, Q_e, A_e, Th_e, S_e):
     rank-1 factors of every per-token gradient at the anchor, ``gradient_factors``' layout and order). Shapes the
     kernels do not take (:func:`supports_shapes`) run ``chunked._dual_step`` instead.
     """
-    from ..chunked import _dual_step
+    from atlaslab.engines.chunked import _dual_step
 
     def torch_path():
         return _dual_step(parts, weights, momentum, x, v, d, P_e, Q_e, A_e, Th_e, S_e)

@@ -70,10 +70,10 @@ from typing import Optional
 
 import torch
 
-from ..newton_schulz import MUON_COEFFICIENTS
-from ..newton_schulz import newton_schulz as newton_schulz_torch
-from .fallback import with_torch_fallback
-from .precision import dot_precision
+from atlaslab.kernels.newton_schulz import MUON_COEFFICIENTS
+from atlaslab.kernels.newton_schulz import newton_schulz as newton_schulz_torch
+from atlaslab.kernels.triton.fallback import with_torch_fallback
+from atlaslab.kernels.triton.precision import dot_precision
 
 try:
     import triton

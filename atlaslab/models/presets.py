@@ -3,7 +3,7 @@
     cfg = load_preset("atlas", ["d_model=32", "mixers.atlas.memory.chunk_size=4"])
     model = build_model(cfg)
 
-A preset file is a model config (:class:`atlaslab.components.lm.LMConfig`): ``vocab_size``, ``d_model``,
+A preset file is a model config (:class:`atlaslab.models.lm.LMConfig`): ``vocab_size``, ``d_model``,
 ``num_layers``, the layer pattern ``layers`` and the named ``mixers``. Overrides are OmegaConf dotlist strings
 (``key.path=value``, values parsed as YAML: ``mixers.x.memory.memory={name: linear, init: zeros}``) or a
 nested dict, applied in order. Changing a part's ``name`` drops the fields the new part does not have
@@ -24,9 +24,9 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .components.lm import LanguageModel, ResolvedLM, mixer_kind, resolve_lm_config
-from .components.memory_spec import PART_KINDS
-from .registry import ConfigError, get_registry, to_container
+from atlaslab.models.lm import LanguageModel, ResolvedLM, mixer_kind, resolve_lm_config
+from atlaslab.memory.spec import PART_KINDS
+from atlaslab.registry import ConfigError, get_registry, to_container
 
 Overrides = Union[Sequence[str], Mapping[str, Any]]
 
@@ -35,7 +35,7 @@ def preset_dir() -> Path:
     env = os.environ.get("ATLASLAB_PRESETS")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parent.parent / "experiments" / "presets"
+    return Path(__file__).resolve().parents[2] / "experiments" / "presets"
 
 
 def list_presets() -> List[str]:

@@ -33,11 +33,11 @@ import torch.nn.functional as F
 
 from torch import nn
 
-from ..registry import (ConfigError, PartConfig, check_range, get_registry, resolve_part, to_container,
-                        validate_structured)
-from ..registry.errors import join_path
-from . import attention, blocks, layers  # noqa: F401  (register the mixers and blocks)
-from .layers import RMSNorm
+from atlaslab.registry import (ConfigError, PartConfig, check_range, get_registry, resolve_part, to_container,
+                               validate_structured)
+from atlaslab.registry.errors import join_path
+from atlaslab.models import attention, blocks, layers  # noqa: F401  (register the mixers and blocks)
+from atlaslab.models.layers import RMSNorm
 
 MIXER_KINDS = ("mixer", "block")
 
@@ -239,7 +239,7 @@ class LanguageModel(nn.Module):
 
     def _check_packed(self, input_ids: torch.Tensor, cu_seqlens) -> None:
         """Refuse packed inputs early, naming the mixer that cannot take them."""
-        from ..kernels.packed import check_cu_seqlens
+        from atlaslab.engines.packed import check_cu_seqlens
         if input_ids.dim() != 2:
             raise ValueError(f"LanguageModel: input_ids must be [B, T], got {list(input_ids.shape)}")
         check_cu_seqlens(cu_seqlens, *input_ids.shape)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..registry import PartConfig, check_choice, check_range, register
+from atlaslab.registry import PartConfig, check_choice, check_range, register
 
 
 class FeatureMap(nn.Module):

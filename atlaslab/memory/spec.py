@@ -13,8 +13,8 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from ..registry import ConfigError, PartConfig, check_choice, get_registry, resolve_part, to_container
-from ..registry.errors import join_path
+from atlaslab.registry import ConfigError, PartConfig, check_choice, get_registry, resolve_part, to_container
+from atlaslab.registry.errors import join_path
 
 #: The six component axes of a memory, in the order docs/concepts/memory.md lists them.
 PART_KINDS = ("memory", "attentional_bias", "retention", "feature_map", "inner_optimizer", "window")
@@ -58,7 +58,7 @@ DEFAULT_PARTS = {
 SPEC_FIELDS = PART_KINDS + ("chunk_size", "read")
 
 
-def uses_kernel_trick(spec: MemorySpec) -> bool:
+def uses_slot_memory(spec: MemorySpec) -> bool:
     """φ* on a linear memory is computed by the kernel trick (docs/concepts/memory.md#exponential-feature-map)."""
     fm = spec.feature_map
     return fm.name == "exp" and (fm.mode == "kernel" or (fm.mode == "auto" and spec.memory.name == "linear"))
@@ -93,7 +93,7 @@ def _check_combination(spec: MemorySpec, path: str) -> None:
         if fm.mode == "kernel" and spec.memory.name != "linear":
             raise ConfigError(p("feature_map", "mode"), "the exp kernel trick needs memory: linear.",
                               value="kernel", choices=["auto", "taylor"])
-        if uses_kernel_trick(spec):
+        if uses_slot_memory(spec):
             allowed = ("gd", "momentum")
             if opt.name not in allowed:
                 raise ConfigError(p("inner_optimizer", "name"),
@@ -108,7 +108,7 @@ def _check_combination(spec: MemorySpec, path: str) -> None:
                                   "the exp kernel trick represents the memory by its written slots, so the initial "
                                   "memory must be zero; set memory.init: zeros.", value=spec.memory.init,
                                   choices=["zeros"])
-        if fm.normalize and (not uses_kernel_trick(spec) or bias.name != "dot"):
+        if fm.normalize and (not uses_slot_memory(spec) or bias.name != "dot"):
             raise ConfigError(p("feature_map", "normalize"),
                               "the softmax normaliser is defined for the exp kernel trick with the dot-product bias "
                               "(DeepTransformer → Transformer).", value=True, choices=["false"])
@@ -156,7 +156,7 @@ class MemoryParts(nn.Module):
         super().__init__()
         self.spec = spec
         self.num_heads, self.key_dim, self.value_dim = num_heads, key_dim, value_dim
-        self.kernel_trick = uses_kernel_trick(spec)
+        self.kernel_trick = uses_slot_memory(spec)
 
         def cls(kind):
             return get_registry(kind).get(getattr(spec, kind).name).cls

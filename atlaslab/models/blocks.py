@@ -33,9 +33,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..registry import check_choice, check_range, register
-from .attention import Attention, AttentionConfig, SlidingWindowAttention, SWAConfig, attention_mask
-from .layers import MemoryLayer, MemoryLayerConfig, RMSNorm
+from atlaslab.registry import check_choice, check_range, register
+from atlaslab.models.attention import Attention, AttentionConfig, SlidingWindowAttention, SWAConfig, attention_mask
+from atlaslab.models.layers import MemoryLayer, MemoryLayerConfig, RMSNorm
 
 BLOCK_GATES = ("sigmoid", "none")
 

@@ -1,4 +1,4 @@
-"""Chunk-parallel φ* kernel trick on a linear memory (ATLAS Eq.22-23, §5 DeepTransformers).
+"""The φ* slot memory, chunk-parallel: a linear memory under the exp feature map φ* kept as slots (ATLAS Eq.22-23, §5 DeepTransformers).
 
 See docs/concepts/memory.md#exponential-feature-map.
 
@@ -25,15 +25,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .recurrent import _bh, _kernel_read, _normalised_kernel
-from .scan import cumulative, dual_coefficients
-from .state import Gates, MemoryState, keep_history, split_time, with_history
+from atlaslab.engines.recurrent import _bh, _kernel_read, _normalised_kernel
+from atlaslab.engines.scan import cumulative, dual_coefficients
+from atlaslab.memory.state import Gates, MemoryState, keep_history, split_time, with_history
 
 if TYPE_CHECKING:
-    from ..components.memory_spec import MemoryParts
+    from atlaslab.memory.spec import MemoryParts
 
 
-def memorize_kernel_trick(q, k, v, parts: "MemoryParts", gates: Gates, chunk_size: int, state: MemoryState,
+def memorize_slot_memory(q, k, v, parts: "MemoryParts", gates: Gates, chunk_size: int, state: MemoryState,
                           block_size: int = 64):
     """``q, k: [B, T, H, D]``, ``v: [B, T, H, D_v]`` → (``[B, T, H, D_v]``, state).
 
@@ -71,7 +71,7 @@ def _place(old: torch.Tensor, writes: torch.Tensor, h: int) -> torch.Tensor:
 
 def _piece(parts: "MemoryParts", state: MemoryState, b: int, q, k, v, gates: Gates) -> torch.Tensor:
     """One piece inside one training chunk (``q: [B, L, H, D]``). Mutates ``state``; returns ``[B, L, H, D_v]``."""
-    from .chunked import window_matrix
+    from atlaslab.engines.chunked import window_matrix
 
     bias, ret = parts.attentional_bias, parts.retention
     normalise = _normalised_kernel(parts)

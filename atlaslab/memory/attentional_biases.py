@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..registry import PartConfig, check_choice, check_range, register
+from atlaslab.registry import PartConfig, check_choice, check_range, register
 
 
 class AttentionalBias(nn.Module):

@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Dict, Optional
 
 import torch
 
-from .state import Gates, MemoryState, WindowProblem, keep_last, split_time
+from atlaslab.memory.state import Gates, MemoryState, WindowProblem, keep_last, split_time
 
 if TYPE_CHECKING:
-    from ..components.memory_spec import MemoryParts
+    from atlaslab.memory.spec import MemoryParts
 
 Weights = Dict[str, torch.Tensor]
 

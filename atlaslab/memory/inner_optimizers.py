@@ -20,9 +20,9 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from ..kernels.newton_schulz import newton_schulz
-from ..kernels.state import WindowProblem
-from ..registry import PartConfig, check_choice, check_range, register
+from atlaslab.kernels.newton_schulz import newton_schulz
+from atlaslab.memory.state import WindowProblem
+from atlaslab.registry import PartConfig, check_choice, check_range, register
 
 Weights = Dict[str, torch.Tensor]
 
@@ -125,7 +125,7 @@ class Muon(InnerOptimizer):
         """NS_k per matrix: the fused Triton kernel on CUDA when it applies, else the torch reference."""
         fn = newton_schulz
         if s.is_cuda:   # (on CPU the kernel would only run in Triton's interpreter: far slower than torch)
-            from ..kernels.triton import select_newton_schulz
+            from atlaslab.kernels.triton import select_newton_schulz
             fn = select_newton_schulz(s) or newton_schulz
         return fn(s, self.cfg.ns_steps, self.cfg.ns_eps, shape_factor=self.cfg.shape_factor)
 

@@ -16,7 +16,7 @@ from typing import Optional
 
 from torch import nn
 
-from ..registry import PartConfig, check_range, register
+from atlaslab.registry import PartConfig, check_range, register
 
 
 class Window(nn.Module):

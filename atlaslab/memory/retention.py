@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..registry import PartConfig, check_choice, check_range, register
+from atlaslab.registry import PartConfig, check_choice, check_range, register
 
 Weights = Dict[str, torch.Tensor]
 PLACEMENTS = ("after_step", "before_step")

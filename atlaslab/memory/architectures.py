@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.fast_weights import apply_linear
-from ..registry import ConfigError, PartConfig, check_choice, check_range, register
+from atlaslab.memory.fast_weights import apply_linear
+from atlaslab.registry import ConfigError, PartConfig, check_choice, check_range, register
 
 Weights = Dict[str, torch.Tensor]
 

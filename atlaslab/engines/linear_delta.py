@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .recurrent import _bh
-from .state import Gates, MemoryState, keep_history, with_history
+from atlaslab.engines.recurrent import _bh
+from atlaslab.memory.state import Gates, MemoryState, keep_history, with_history
 
 if TYPE_CHECKING:
-    from ..components.memory_spec import MemoryParts
+    from atlaslab.memory.spec import MemoryParts
 
 
 #: longest block for channel-wise decay: 1 / Π α over 16 steps stays inside float32 range for α ≥ 0.005

@@ -18,7 +18,7 @@ Only one chunk's per-position weights ``[B, H, b, size(M)]`` exist at a time. Re
 Paths, in the order :func:`memorize_chunked` tries them:
 
 - online (b = 1) linear rules: ``linear_delta.py`` (exact WY/UT blocks, any compute block);
-- the φ* kernel trick: ``kernel_trick.py`` (slot bank in dual form, attention-like cost);
+- the φ* slot memory: ``slot_memory.py`` (slot bank in dual form, attention-like cost);
 - GD / momentum on tape-capable memories with scalar after-step decay (Titans, TTT, OmegaNet-GD, …): the
   dual form, with every coefficient that does not depend on the memory (window, decay and momentum matrices)
   formed for all chunks at once (:func:`_dual_aligned`); per chunk only the gradient factors at the anchor,
@@ -36,15 +36,15 @@ import torch
 import torch.utils.checkpoint
 from torch.func import vjp, vmap
 
-from . import linear_delta
-from .kernel_trick import memorize_kernel_trick
-from .recurrent import _bh
-from .fast_weights import DualForm, PerPosition, Tape
-from .scan import cumulative, decay_matrix, dual_coefficients, scan_weights
-from .state import Gates, MemoryState, keep_history, split_time, with_history
+from atlaslab.engines import linear_delta
+from atlaslab.engines.slot_memory import memorize_slot_memory
+from atlaslab.engines.recurrent import _bh
+from atlaslab.memory.fast_weights import DualForm, PerPosition, Tape
+from atlaslab.engines.scan import cumulative, decay_matrix, dual_coefficients, scan_weights
+from atlaslab.memory.state import Gates, MemoryState, keep_history, split_time, with_history
 
 if TYPE_CHECKING:
-    from ..components.memory_spec import MemoryParts
+    from atlaslab.memory.spec import MemoryParts
 
 Weights = Dict[str, torch.Tensor]
 
@@ -443,7 +443,7 @@ def memorize_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parts: "
     if linear_delta.supports(parts, chunk_size):
         return linear_delta.memorize_linear_delta(q, k, v, parts, gates, state, block_size)
     if parts.kernel_trick:   # the φ* slot memory: attention-like, one dual-form piece per chunk
-        return memorize_kernel_trick(q, k, v, parts, gates, chunk_size, state, block_size)
+        return memorize_slot_memory(q, k, v, parts, gates, chunk_size, state, block_size)
     state = dataclasses.replace(state)
     b, T = chunk_size, q.shape[1]
     sizes, pos = [], state.position
