@@ -23,6 +23,7 @@ from typing import Callable, List, Sequence, Tuple, Union
 
 import torch
 
+from atlaslab.engines.recurrent import initial_state as fresh
 from atlaslab.memory.state import Gates, MemoryState, split_time
 
 CuSeqlens = Union[torch.Tensor, Sequence[int]]
@@ -128,7 +129,6 @@ def sequence_states(initial_state, parts, n: int, like: torch.Tensor) -> List[Me
     ``initial_state``: None (the learned initial memory for every sequence), a batch-N :class:`MemoryState`, or a
     sequence of N batch-1 states (what a previous packed call returned).
     """
-    from atlaslab.engines.recurrent import initial_state as fresh
     if initial_state is None:
         return split_state(fresh(parts, n, like.dtype, like.device))
     if isinstance(initial_state, MemoryState):

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atlaslab.engines.packed import check_cu_seqlens, sequence_positions
 from atlaslab.registry import ConfigError, PartConfig, check_range, register
 
 
@@ -111,7 +112,6 @@ class Attention(nn.Module):
         if cu_seqlens is not None:
             if mask is not None or positions is not None or prefix:
                 raise ValueError("attention: cu_seqlens sets the mask and positions; do not pass them as well")
-            from atlaslab.engines.packed import check_cu_seqlens, sequence_positions
             sequence, positions = sequence_positions(check_cu_seqlens(cu_seqlens, B, T), x.device)
             mask = attention_mask(T, self.window, 0, x.device, sequence=sequence)
         H, D = self.num_heads, self.head_dim

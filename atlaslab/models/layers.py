@@ -37,8 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atlaslab.registry import ConfigError, PartConfig, check_range, register
+from atlaslab.engines import MODES, memorize, read_memory
+from atlaslab.engines import initial_state as fresh_memory_state
+from atlaslab.engines.packed import check_cu_seqlens, sequence_positions, stack_states
 from atlaslab.memory.spec import MemoryParts, MemorySpec, resolve_memory_spec
+from atlaslab.registry import ConfigError, PartConfig, check_range, register
 
 GATES = ("lr", "retention", "momentum", "window", "delta")
 GATE_FORMS = {"retention": ("sigmoid", "log_decay"), "other": ("sigmoid",)}
@@ -96,7 +99,6 @@ class ShortConv(nn.Module):
         """Packed sequences ``x: [1, ΣT_i, C]`` → ``(y: [1, ΣT_i, C], caches: [N, K-1, C])``, equal to running each
         sequence alone from its own cache (``cache[i]``, zeros when None): a token s steps into its sequence takes
         the ``K − 1 − s`` oldest taps from that cache, never from the sequence before it."""
-        from atlaslab.engines.packed import check_cu_seqlens, sequence_positions
         B, T, C = x.shape
         offsets = check_cu_seqlens(cu_seqlens, B, T)
         N, K = len(offsets) - 1, self.kernel_size
@@ -198,7 +200,6 @@ class MemoryLayerConfig(PartConfig):
                               value=self.output_gate_act, choices=list(OUTPUT_GATE_ACTS))
         for name in GATES:
             getattr(self.gates, name).check(name)
-        from atlaslab.engines import MODES
         if self.mode not in MODES:
             raise ConfigError("mode", f"unknown engine '{self.mode}'.", value=self.mode, choices=list(MODES))
         self.memory_spec()   # validates; errors carry the path "memory.…"
@@ -385,9 +386,8 @@ class MemoryLayer(nn.Module):
         return self.o_proj(o)
 
     def initial_state(self, batch: int, dtype=None, device=None) -> MemoryLayerState:
-        from atlaslab.engines import initial_state
         p = next(self.parameters())
-        return MemoryLayerState(initial_state(self.parts, batch, dtype or p.dtype, device or p.device), {})
+        return MemoryLayerState(fresh_memory_state(self.parts, batch, dtype or p.dtype, device or p.device), {})
 
     #: takes packed variable-length batches (``cu_seqlens``)
     takes_packed = True
@@ -402,7 +402,6 @@ class MemoryLayer(nn.Module):
         """
         if cu_seqlens is not None:
             return self.forward_packed(x, cu_seqlens, state, return_state)
-        from atlaslab.engines import memorize
 
         conv = state.conv if state is not None else {}
         q, cq = self._branch(x, "q", conv.get("q"))
@@ -422,8 +421,6 @@ class MemoryLayer(nn.Module):
         alone: the convs restart at every sequence and ``memorize(..., cu_seqlens=...)`` gives each its own memory
         (``mode="triton"`` runs them natively on the kernels). ``states``: None or the N batch-1
         :class:`MemoryLayerState` a previous call returned; with ``return_state``, returns those of this call."""
-        from atlaslab.engines import memorize
-        from atlaslab.engines.packed import check_cu_seqlens
         offsets = check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1])
         N = len(offsets) - 1
         if states is not None and (isinstance(states, MemoryLayerState) or len(states) != N):
@@ -450,7 +447,6 @@ class MemoryLayer(nn.Module):
         """The per-sequence states of a packed call → one batch-N :class:`MemoryLayerState` (then decode the N
         sequences as a batch); exact where :func:`atlaslab.engines.packed.stack_states` allows it (positions equal
         modulo the training chunk b, equal window histories), else a ValueError saying what differs."""
-        from atlaslab.engines.packed import stack_states
         states = list(states)
         conv = {n: torch.cat([s.conv[n] for s in states], 0) for n in states[0].conv}
         return MemoryLayerState(stack_states([s.memory for s in states], self.parts.chunk_size), conv)
@@ -465,7 +461,6 @@ class MemoryLayer(nn.Module):
         """
         q, new_cache = self._branch(x, "q", q_cache)
         mem_state = state.memory if state is not None else self.initial_state(x.shape[0], x.dtype, x.device).memory
-        from atlaslab.engines import read_memory
         o = read_memory(self.parts, mem_state, q)
         return self._output(o, x), new_cache
 

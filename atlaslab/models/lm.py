@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from torch import nn
 
+from atlaslab.engines.packed import check_cu_seqlens
 from atlaslab.registry import (ConfigError, PartConfig, check_range, get_registry, resolve_part, to_container,
                                validate_structured)
 from atlaslab.registry.errors import join_path
@@ -239,7 +240,6 @@ class LanguageModel(nn.Module):
 
     def _check_packed(self, input_ids: torch.Tensor, cu_seqlens) -> None:
         """Refuse packed inputs early, naming the mixer that cannot take them."""
-        from atlaslab.engines.packed import check_cu_seqlens
         if input_ids.dim() != 2:
             raise ValueError(f"LanguageModel: input_ids must be [B, T], got {list(input_ids.shape)}")
         check_cu_seqlens(cu_seqlens, *input_ids.shape)
