@@ -40,7 +40,7 @@ from atlaslab.engines import linear_delta
 from atlaslab.engines.slot_memory import memorize_slot_memory
 from atlaslab.engines.recurrent import _bh
 from atlaslab.memory.fast_weights import DualForm, PerPosition, Tape
-from atlaslab.engines.scan import cumulative, decay_matrix, dual_coefficients, scan_weights
+from atlaslab.engines.scan import cumulative, decay_matrix, dual_coefficients, scan_weights, window_matrix
 from atlaslab.memory.state import Gates, MemoryState, keep_history, split_time, with_history
 
 if TYPE_CHECKING:
@@ -54,20 +54,6 @@ def _bcast(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _band(h: int, L: int, window: Optional[int], device: torch.device) -> torch.Tensor:
-    s = torch.arange(L, device=device).unsqueeze(1) + h
-    e = torch.arange(h + L, device=device).unsqueeze(0)
-    band = e <= s
-    if window is not None:
-        band = band & (e > s - window)
-    return band
-
-
-def window_matrix(h: int, L: int, window: Optional[int], gamma_ext: torch.Tensor) -> torch.Tensor:
-    """C ``[B, H, L, h + L]``: C[s, e] = γ_e if ext token e is in the window of chunk token s (ext index h + s)."""
-    return gamma_ext.unsqueeze(-2).masked_fill(~_band(h, L, window, gamma_ext.device), 0.0)
-
-
 def gradient_factors(parts: "MemoryParts", weights: Weights, x, v, d) -> Dict[str, tuple]:
     """Per-token gradients of a tape-capable memory as rank-1 factors, from one backward pass.
 

@@ -1,4 +1,5 @@
-"""Parallel first-order linear recurrences over a block: X_s = a_s X_{s−1} + U_s (decay and momentum scans).
+"""Parallel first-order linear recurrences over a block: X_s = a_s X_{s−1} + U_s (decay and momentum scans), and
+the Omega window's band of a block.
 
 Titans §3.2 and ATLAS Eq.39 unroll these recurrences inside a chunk; here they are computed with the
 decay matrix D[s, r] = Π_{τ=r+1}^{s} a_τ, built in log space from cumulative sums of log a.
@@ -71,3 +72,18 @@ def scan_weights(x0: Dict[str, torch.Tensor], a: Optional[torch.Tensor], u: Dict
                  channel_wise: bool = False) -> Dict[str, torch.Tensor]:
     """:func:`linear_scan` for every fast-weight tensor of a dict."""
     return {n: linear_scan(x0[n], a, u[n], channel_wise) for n in u}
+
+
+def window_band(h: int, L: int, window: Optional[int], device: torch.device) -> torch.Tensor:
+    """``[L, h + L]`` bool: chunk token s (ext index h + s) sees ext token e ≤ h + s, within ``window`` if given."""
+    s = torch.arange(L, device=device).unsqueeze(1) + h
+    e = torch.arange(h + L, device=device).unsqueeze(0)
+    band = e <= s
+    if window is not None:
+        band = band & (e > s - window)
+    return band
+
+
+def window_matrix(h: int, L: int, window: Optional[int], gamma_ext: torch.Tensor) -> torch.Tensor:
+    """C ``[B, H, L, h + L]``: C[s, e] = γ_e if ext token e is in the window of chunk token s (ext index h + s)."""
+    return gamma_ext.unsqueeze(-2).masked_fill(~window_band(h, L, window, gamma_ext.device), 0.0)

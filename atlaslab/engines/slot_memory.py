@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from atlaslab.engines.recurrent import _bh, _kernel_read, _normalised_kernel
-from atlaslab.engines.scan import cumulative, dual_coefficients
+from atlaslab.engines.scan import cumulative, dual_coefficients, window_matrix
 from atlaslab.memory.state import Gates, MemoryState, keep_history, split_time, with_history
 
 if TYPE_CHECKING:
@@ -71,7 +71,6 @@ def _place(old: torch.Tensor, writes: torch.Tensor, h: int) -> torch.Tensor:
 
 def _piece(parts: "MemoryParts", state: MemoryState, b: int, q, k, v, gates: Gates) -> torch.Tensor:
     """One piece inside one training chunk (``q: [B, L, H, D]``). Mutates ``state``; returns ``[B, L, H, D_v]``."""
-    from atlaslab.engines.chunked import window_matrix
 
     bias, ret = parts.attentional_bias, parts.retention
     normalise = _normalised_kernel(parts)
