@@ -29,7 +29,6 @@ Paths, in the order :func:`memorize_chunked` tries them:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import TYPE_CHECKING, Dict, Optional
 
 import torch
@@ -53,7 +52,6 @@ def _bcast(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape + (1,) * (like.dim() - x.dim()))
 
 
-@functools.lru_cache(maxsize=64)
 def gradient_factors(parts: "MemoryParts", weights: Weights, x, v, d) -> Dict[str, tuple]:
     """Per-token gradients of a tape-capable memory as rank-1 factors, from one backward pass.
 

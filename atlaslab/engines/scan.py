@@ -6,6 +6,7 @@ decay matrix D[s, r] = Π_{τ=r+1}^{s} a_τ, built in log space from cumulative 
 """
 from __future__ import annotations
 
+import functools
 from typing import Dict, Optional
 
 import torch
@@ -74,6 +75,7 @@ def scan_weights(x0: Dict[str, torch.Tensor], a: Optional[torch.Tensor], u: Dict
     return {n: linear_scan(x0[n], a, u[n], channel_wise) for n in u}
 
 
+@functools.lru_cache(maxsize=64)
 def window_band(h: int, L: int, window: Optional[int], device: torch.device) -> torch.Tensor:
     """``[L, h + L]`` bool: chunk token s (ext index h + s) sees ext token e ≤ h + s, within ``window`` if given."""
     s = torch.arange(L, device=device).unsqueeze(1) + h
