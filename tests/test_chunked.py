@@ -155,7 +155,7 @@ def test_activation_checkpointing_gives_the_same_gradients(name):
         assert rms_ratio(b_, a) < 1e-12
 
 
-KERNEL_TRICK = {   # φ* on a linear memory: the slot bank in chunk-parallel dual form (kernels/kernel_trick.py)
+KERNEL_TRICK = {   # φ* on a linear memory: the slot bank in chunk-parallel dual form (atlaslab/engines/slot_memory.py)
     "l2_before_step": {"memory": {"name": "linear", "init": "zeros"}, "feature_map": "exp", "window": {"size": 3},
                        "retention": {"name": "decay", "placement": "before_step"}},
     "dot_global_decay": {"memory": {"name": "linear", "init": "zeros"}, "feature_map": "exp",

@@ -1,4 +1,4 @@
-"""The φ* slot memory, chunk-parallel: a linear memory under the exp feature map φ* kept as slots (ATLAS Eq.22-23, §5 DeepTransformers).
+"""The φ* slot memory, chunk-parallel: a linear memory under φ* kept as slots (ATLAS Eq.22-23, §4 DeepTransformers).
 
 See docs/concepts/memory.md#exponential-feature-map.
 

@@ -85,7 +85,7 @@ def _normal_init(num_heads: int, rows: int, cols: int, gain: float = 1.0) -> tor
 class LinearMemory(Memory):
     """Matrix memory M(x) = W x, W: [B, H, d_v, d_k] (LA, DeltaNet, GDN, TTT-Linear).
 
-    The state layout is ``weights["W"]: [B, H, D_v, D_k]`` (column convention, spec "Notation").
+    The state layout is ``weights["W"]: [B, H, D_v, D_k]`` (column convention, docs/concepts/memory.md#notation).
     Initial W: zeros (learnable when ``init: learned``), the standard start of linear-attention models.
     """
 

@@ -9,8 +9,8 @@ Two families:
 
 - **Mirror maps** (non-linear retention): the state keeps a dual accumulator A updated linearly,
   A_t = α_t A_{t−1} + U_t, and the memory is W = Ψ(A):
-  ℓq (Moneta, Miras Eq.24-25): Ψ(A) = A / ‖A‖_q^{q−2};  KL (Memora, Eq.21/27): Ψ(A) = c·Softmax(A) per row;
-  elastic net (FTRL form, Eq.22-23): Ψ(A) = S_γ(A) soft-threshold;  sigmoid/Bregman (§5.2 V5): Ψ(A) = σ(A).
+  ℓq (Moneta, Miras Eq.24-25): Ψ(A) = A / ‖A‖_q^{q−2};  KL (Memora, Miras Eq.21/27): Ψ(A) = c·Softmax(A) per row;
+  elastic net (FTRL form, Miras Eq.22-23): Ψ(A) = S_γ(A) soft-threshold;  sigmoid/Bregman (Miras §5.2 V5): Ψ(A) = σ(A).
   With training chunk size b, Ψ is applied at chunk ends (Miras §5.4): inside a chunk W moves by the same
   linear update as A, and after each chunk's last token W is reset to Ψ(A). b = 1 is the exact rule.
 

@@ -53,7 +53,8 @@ class OmegaWindow(Window):
 
 @register("window", "global")
 class GlobalWindow(Window):
-    """c = ∞: every past token stays in the inner objective (ATLAS Eq.7; Mesa-layer objective)."""
+    """c = ∞: every past token stays in the inner objective (ATLAS Eq.7, the global objective; the Mesa layer,
+    ATLAS Eq.14, solves it exactly)."""
 
     @dataclass
     class Config(PartConfig):
