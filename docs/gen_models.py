@@ -4,7 +4,7 @@
     python docs/gen_models.py --check    # exit 1 if docs/models.md is stale
 
 Every number on the page is computed here from the built model (parameters, recurrent-state size), and every
-part from the resolved config, so the page cannot drift from the presets: ``tests/test_docs.py`` compares the
+part from the resolved config, so the page cannot drift from the presets: ``tests/docs/test_docs.py`` compares the
 committed file with :func:`render`.
 """
 from __future__ import annotations

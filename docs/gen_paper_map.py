@@ -5,7 +5,7 @@
 
 The YAML lists every numbered equation of ATLAS, Titans and Miras that atlaslab implements, with the code, the
 engine paths, the tests and the docs section for each. The page cannot drift from it or from the code:
-``tests/test_docs.py`` compares the committed page with :func:`render` and runs :func:`path_problems`,
+``tests/docs/test_docs.py`` compares the committed page with :func:`render` and runs :func:`path_problems`,
 :func:`node_id_problems` and :func:`anchor_problems` (dotted paths resolve by import + getattr, test ids name a
 test function of their file, anchors exist on their page).
 """

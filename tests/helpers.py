@@ -33,10 +33,11 @@ def random_gates(B=2, T=7, H=2, seed=1, dtype=torch.float64, names=("lr",), low=
 
 
 def require_triton():
-    """``atlaslab.kernels.triton`` for a Triton test module; skips the module when its kernels cannot run here."""
+    """``atlaslab.engines.triton`` (the Triton engine: dispatch, spec checks, where kernels run) for a Triton test
+    module; skips the module when its kernels cannot run here."""
     import pytest
     pytest.importorskip("triton", reason="triton is not installed: the Triton kernels are not tested")
-    from atlaslab.kernels import triton as tk
+    from atlaslab.engines import triton as tk
     if not tk.available():
         pytest.skip("Triton kernels cannot run here (no CUDA device and TRITON_INTERPRET is not 1)",
                     allow_module_level=True)

@@ -160,11 +160,11 @@ TRITON_SPECS = {
     "titans_channel_b4": {**SPECS["titans_momentum_b4"], "retention": {"name": "decay", "channel_wise": True}},
 }
 #: which kernel module / function a native packed call reaches, per spec and kind
-KERNEL_CALLS = {"chunk": ("chunk", "chunk_delta_rule"), "fused_recurrent": ("fused_recurrent",
-                                                                               "fused_recurrent_delta_rule"),
-                "chunk_window": ("chunk_window", "chunk_window_rule"),
-                "fused_recurrent_window": ("fused_recurrent", "fused_recurrent_window_rule"),
-                "chunk_momentum": ("chunk_momentum", "chunk_momentum")}
+KERNEL_CALLS = {"chunk": ("delta_rule.chunk", "chunk_delta_rule"),
+                "fused_recurrent": ("delta_rule.fused_recurrent", "fused_recurrent_delta_rule"),
+                "chunk_window": ("window_rule.chunk", "chunk_window_rule"),
+                "fused_recurrent_window": ("window_rule.fused_recurrent", "fused_recurrent_window_rule"),
+                "chunk_momentum": ("momentum.chunk", "chunk_momentum")}
 
 
 def _triton():
@@ -184,7 +184,7 @@ def test_triton_runs_packed_sequences_natively(name, kind, monkeypatch, poison_e
     monkeypatch.setattr(tk, "RECURRENT_MAX_T", 64 if kind == "fused_recurrent" else 4)
     key = "chunk_momentum" if momentum else kind + ("_window" if window else "")
     module_name, fn_name = KERNEL_CALLS[key]
-    module = importlib.import_module(f"atlaslab.kernels.triton.{module_name}")
+    module = importlib.import_module(f"atlaslab.kernels.{module_name}")
     calls = []
     real = getattr(module, fn_name)
 

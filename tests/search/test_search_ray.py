@@ -21,7 +21,7 @@ from ray.tune import Stopper
 
 from atlaslab.search.driver import prepare, run
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 TINY_YAML = """
 name: {name}
@@ -174,9 +174,15 @@ class InterruptAfterFirstTrial(Stopper):
 
 
 def test_interrupted_experiment_resumes_every_trial_once(local_ray, tmp_path):
+    import shutil
+
+    from atlaslab.models.presets import preset_path
     from atlaslab.search.driver import resume
+    preset = tmp_path / "gdn.yaml"
+    shutil.copy(preset_path("gated_deltanet"), preset)
     node = tiny("intr", steps=100, grid={"variants": {"A": {}, "B": {"train.steps": 250}, "C": {}}},
                 max_concurrent=2)
+    node["model"]["preset"] = str(preset)
     node["eval"]["interval"] = 50
     run_dir = tmp_path / "run"
     s1 = run(prepare(node=node), run_dir=run_dir, num_cpus=2, quiet=True,
@@ -186,6 +192,8 @@ def test_interrupted_experiment_resumes_every_trial_once(local_ray, tmp_path):
     done_before = {k for k, r in first.items() if r["status"] == "completed"}
     assert done_before and first["t001"]["status"] in ("unfinished", "pending")
     assert "## Unfinished trials" in (run_dir / "report.md").read_text()
+    # the preset file changes before the resume: the trials build the models the driver validated and recorded
+    preset.write_text("mixers: {gated_deltanet: {name: no_such_mixer}}\n")
     t_resume = time.time()
 
     s2 = resume(run_dir, quiet=True)

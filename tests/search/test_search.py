@@ -17,7 +17,7 @@ from atlaslab.search.driver import prepare, trial_table
 from atlaslab.search.expand import TrialConfigError, expand_grid, model_config
 from atlaslab.search.schema import load_experiment
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENTS = sorted(p for p in (ROOT / "experiments").glob("*.yaml"))
 
 TINY = {
@@ -232,6 +232,24 @@ def test_conditional_search_space_produces_only_valid_configs():
         seen.add((params[opt], params["model.mixers.atlas.memory.memory"]["name"]))
         study.tell(trial, 0.0)
     assert len(seen) == 6
+
+
+def test_a_trial_builds_the_model_the_driver_validated(tmp_path):
+    """A validated trial carries its model config: a worker builds the model whose size the driver recorded,
+    even after the preset file changed (as before a resume); the trial stays JSON (trials.json, Tune)."""
+    import shutil
+
+    from atlaslab.models.presets import preset_path
+    from atlaslab.search.trainable import _build
+    preset = tmp_path / "gdn.yaml"
+    shutil.copy(preset_path("gated_deltanet"), preset)
+    p = prepare(node=_exp(model={"preset": str(preset), "overrides": {"d_model": 16, "mixers.*.num_heads": 2}}))
+    trial = json.loads(json.dumps(p.trials[0]))
+    preset.write_text("mixers: {gated_deltanet: {name: no_such_mixer}}\n")
+    task, tcfg, model = _build(trial)
+    assert model.num_parameters() == trial["info"]["num_parameters"]
+    assert model.state_size(task.seq_len) == trial["info"]["state_size"]
+    assert trial["model_config"]["d_model"] == 16 and tcfg.steps == 20
 
 
 def test_search_dry_run_validates_corner_configs():
