@@ -41,6 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 
+from atlaslab.models.presets import apply_overrides, build_model, load_preset
 from atlaslab.registry import ConfigError, to_container
 from atlaslab.tasks.base import Task, build_task
 from atlaslab.train.config import resolve_train_config
@@ -136,10 +137,6 @@ def _build_model(node: Any, task: Task, path: str) -> nn.Module:
             raise ConfigError(f"{path}.factory", f"{node['factory']!r} returned {type(model).__name__}, not an "
                               "nn.Module.")
         return model
-    try:
-        from atlaslab.models.presets import apply_overrides, build_model, load_preset
-    except ImportError as exc:  # pragma: no cover - the presets loader is part of atlaslab
-        raise ConfigError(path, f"the presets loader is unavailable ({exc}); use model.factory.") from None
     if "preset" in node:
         extra = set(node) - {"preset", "overrides"}
         if extra:

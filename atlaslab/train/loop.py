@@ -39,7 +39,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 
 import torch
 from torch import nn
@@ -173,186 +173,271 @@ def train(model: nn.Module, task: Any, cfg: Any = None, callback: Optional[Callb
     """Train ``model`` on ``task`` with ``cfg`` (a TrainConfig, a mapping, or None for defaults; keyword
     ``overrides`` apply on top). See the module docstring for data, metrics, early stopping and resume."""
     cfg = resolve_train_config(cfg, **overrides)
+    task = _token_task(task)
+    run = _Run.start(model, task, cfg, Path(checkpoint_dir) if checkpoint_dir is not None else None)
+    if run.state["status"] != "running":          # a finished run: its stored result
+        return run.result()
+    run.t_start = time.time() - run.state["elapsed"]
+    _loop(run, callback)
+    _finish(run, callback)
+    return run.result()
+
+
+def _token_task(task: Any) -> Task:
+    """``task`` itself, or the task a node builds; a task that is not a token task cannot be trained here."""
     if not isinstance(task, Task):
         task = build_task(task)
     if not isinstance(task, Task):
         raise TypeError(f"task {getattr(task, 'name', task)!r} is not a token task; it has its own evaluate() "
                         "(e.g. the learnability probe takes a memory learner) and is not trained by train().")
-    device = resolve_device(cfg.device)
-    ckpt_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-    ckpt = load_checkpoint(ckpt_dir, map_location="cpu") if ckpt_dir is not None else None
-    task_info = task.info()
+    return task
 
-    if ckpt is not None:
-        if ckpt.get("version") != CHECKPOINT_VERSION:
-            raise ConfigError("checkpoint", f"{ckpt_dir / CHECKPOINT_NAME} has format version "
-                              f"{ckpt.get('version')}, expected {CHECKPOINT_VERSION}.")
-        diff = config_diff(ckpt["config"], cfg.to_dict())
-        if diff:
-            changes = "; ".join(f"{k}: {a!r} → {b!r}" for k, (a, b) in diff.items())
-            raise ConfigError("train", f"the checkpoint in {ckpt_dir} was written with other settings ({changes}); "
-                              "use a new checkpoint directory or the original settings.")
-        tdiff = config_diff(ckpt["task"], task_info, ignore=())
-        if tdiff:
-            changes = "; ".join(f"{k}: {a!r} → {b!r}" for k, (a, b) in tdiff.items())
-            raise ConfigError("task", f"the checkpoint in {ckpt_dir} is of another task ({changes}).")
-    else:
-        torch.manual_seed(cfg.seed)
 
-    module = task.wrap(model)
-    module.to(device)
-    module.train()
-    optimizer = make_optimizer(module, cfg)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    model_info = {"num_parameters": num_parameters(module)}
-    metric_name = cfg.early_stop_metric or task.primary_metric
-    metric_name = metric_name[len(cfg.eval_split) + 1:] if metric_name.startswith(cfg.eval_split + "/") else metric_name
-    mode = _direction(cfg, task, metric_name)
+def _check_checkpoint(ckpt: Mapping[str, Any], ckpt_dir: Path, cfg: TrainConfig, task_info: Mapping[str, Any]) -> None:
+    """A checkpoint resumes only with its format version, its settings (but ``RESUMABLE_CHANGES``) and its task."""
+    if ckpt.get("version") != CHECKPOINT_VERSION:
+        raise ConfigError("checkpoint", f"{ckpt_dir / CHECKPOINT_NAME} has format version "
+                          f"{ckpt.get('version')}, expected {CHECKPOINT_VERSION}.")
+    diff = config_diff(ckpt["config"], cfg.to_dict())
+    if diff:
+        changes = "; ".join(f"{k}: {a!r} → {b!r}" for k, (a, b) in diff.items())
+        raise ConfigError("train", f"the checkpoint in {ckpt_dir} was written with other settings ({changes}); "
+                          "use a new checkpoint directory or the original settings.")
+    tdiff = config_diff(ckpt["task"], task_info, ignore=())
+    if tdiff:
+        changes = "; ".join(f"{k}: {a!r} → {b!r}" for k, (a, b) in tdiff.items())
+        raise ConfigError("task", f"the checkpoint in {ckpt_dir} is of another task ({changes}).")
 
-    state: Dict[str, Any] = {
+
+def _fresh_state() -> Dict[str, Any]:
+    """The loop state of a run that has not started (what a checkpoint stores and restores)."""
+    return {
         "step": 0, "status": "running", "message": "", "diverged_at": None, "history": [], "best": {},
         "last_train": {}, "last_eval": {}, "final": {}, "acc": {"loss": 0.0, "grad_norm": 0.0, "n": 0},
         "elapsed": 0.0,
     }
-    resumed_from = None
-    if ckpt is not None:
-        module.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        state = ckpt["state"]
-        _set_rng_state(ckpt["rng"])
-        resumed_from = state["step"]
 
-    def result() -> TrainResult:
+
+class _Run:
+    """One training run: the trained module, its optimiser, the settings and the loop state that the steps of
+    :func:`train` share, checkpoint and turn into the :class:`TrainResult`."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, task: Task, cfg: TrainConfig,
+                 device: torch.device, ckpt_dir: Optional[Path], task_info: Dict[str, Any]):
+        self.module, self.optimizer, self.task, self.cfg = module, optimizer, task, cfg
+        self.device, self.ckpt_dir, self.task_info = device, ckpt_dir, task_info
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.model_info = {"num_parameters": num_parameters(module)}
+        metric = cfg.early_stop_metric or task.primary_metric
+        prefix = cfg.eval_split + "/"
+        self.metric_name = metric[len(prefix):] if metric.startswith(prefix) else metric   # without the split
+        self.mode = _direction(cfg, task, self.metric_name)
+        self.state: Dict[str, Any] = _fresh_state()
+        self.resumed_from: Optional[int] = None
+        self.t_start = time.time()
+        self.checked_shapes = False
+        self.eval_bs = cfg.eval_batch_size or cfg.batch_size
+        self.autocast_dtype = torch.bfloat16 if (cfg.precision == "bf16" and device.type == "cuda") else None
+
+    @classmethod
+    def start(cls, model: nn.Module, task: Task, cfg: TrainConfig, ckpt_dir: Optional[Path]) -> "_Run":
+        """Set a run up: the device; the checkpoint in ``ckpt_dir`` checked and restored, or else torch's RNG
+        seeded with ``cfg.seed`` (before the task wraps the model, so a task head is seeded too); the wrapped
+        module on the device and its optimiser."""
+        device = resolve_device(cfg.device)
+        ckpt = load_checkpoint(ckpt_dir, map_location="cpu") if ckpt_dir is not None else None
+        task_info = task.info()
+        if ckpt is not None:
+            _check_checkpoint(ckpt, ckpt_dir, cfg, task_info)
+        else:
+            torch.manual_seed(cfg.seed)
+        module = task.wrap(model)
+        module.to(device)
+        module.train()
+        run = cls(module, make_optimizer(module, cfg), task, cfg, device, ckpt_dir, task_info)
+        if ckpt is not None:
+            module.load_state_dict(ckpt["model"])
+            run.optimizer.load_state_dict(ckpt["optimizer"])
+            run.state = ckpt["state"]
+            _set_rng_state(ckpt["rng"])
+            run.resumed_from = run.state["step"]
+        return run
+
+    def result(self) -> TrainResult:
+        """The run's result so far (a run still going reads ``completed``)."""
+        state = self.state
         metrics = {**state["last_train"], **state["last_eval"], **state["final"]}
         return TrainResult(status=state["status"] if state["status"] != "running" else "completed",
                            steps=state["step"], metrics=metrics, best=dict(state["best"]),
                            history=list(state["history"]), message=state["message"],
-                           diverged_at=state["diverged_at"], resumed_from=resumed_from,
-                           wall_time_s=state["elapsed"], config=cfg.to_dict(), task=task_info,
-                           model_info=model_info, model=module)
+                           diverged_at=state["diverged_at"], resumed_from=self.resumed_from,
+                           wall_time_s=state["elapsed"], config=self.cfg.to_dict(), task=self.task_info,
+                           model_info=self.model_info, model=self.module)
 
-    if state["status"] != "running":          # a finished run: its stored result
-        return result()
-
-    t_start = time.time() - state["elapsed"]
-
-    def save() -> None:
-        if ckpt_dir is None:
+    def save(self) -> None:
+        """Write the checkpoint atomically (nothing without a checkpoint directory)."""
+        if self.ckpt_dir is None:
             return
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        state["elapsed"] = time.time() - t_start
-        _save_atomic({"version": CHECKPOINT_VERSION, "config": cfg.to_dict(), "task": task_info,
-                      "model": module.state_dict(), "optimizer": optimizer.state_dict(), "rng": _rng_state(),
-                      "state": state}, ckpt_dir / CHECKPOINT_NAME)
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        self.state["elapsed"] = time.time() - self.t_start
+        _save_atomic({"version": CHECKPOINT_VERSION, "config": self.cfg.to_dict(), "task": self.task_info,
+                      "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                      "rng": _rng_state(), "state": self.state}, self.ckpt_dir / CHECKPOINT_NAME)
 
-    eval_bs = cfg.eval_batch_size or cfg.batch_size
-    autocast_dtype = torch.bfloat16 if (cfg.precision == "bf16" and device.type == "cuda") else None
-
-    def evaluate(split: str, lengths=None) -> Dict[str, float]:
+    def evaluate(self, split: str, lengths=None) -> Dict[str, float]:
+        """The task's metrics on ``split`` (under a forked RNG, so evaluating never shifts training)."""
+        device = self.device
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device.type == "cuda" else []):
-            return task.evaluate(module, split=split, n_examples=cfg.eval_examples or None, batch_size=eval_bs,
-                                 lengths=lengths, device=device, autocast_dtype=autocast_dtype)
+            return self.task.evaluate(self.module, split=split, n_examples=self.cfg.eval_examples or None,
+                                      batch_size=self.eval_bs, lengths=lengths, device=device,
+                                      autocast_dtype=self.autocast_dtype)
 
-    show = cfg.progress == "always" or (cfg.progress == "auto" and sys.stdout.isatty())
-    bar = None
-    if show:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=cfg.steps, initial=state["step"], desc=task.name, dynamic_ncols=True, file=sys.stdout)
 
-    checked_vocab = False
+def _loop(run: _Run, callback: Optional[Callback]) -> None:
+    """Step until ``cfg.steps``, divergence, an early stop or the callback's stop: each step trains, logs the
+    train metrics every ``log_interval``, evaluates every ``eval_interval``, reports and checkpoints."""
+    cfg, state = run.cfg, run.state
+    bar = _progress_bar(run)
     try:
         while state["step"] < cfg.steps:
+            lr = _train_step(run)
+            if lr is None:
+                break
             step = state["step"]
-            batch = task.batch("train", step, cfg.batch_size, seed=cfg.seed).to(device, non_blocking=True)
-            lr = lr_at(cfg, step)
-            for g in optimizer.param_groups:
-                g["lr"] = lr
-            with _autocast(cfg, device):
-                logits = module(batch.inputs)
-            if not checked_vocab:
-                if logits.shape[:2] != batch.inputs.shape or logits.shape[-1] < task.vocab_size:
-                    raise ValueError(f"the model maps tokens {tuple(batch.inputs.shape)} to {tuple(logits.shape)}; "
-                                     f"task {task.name} needs logits [B, T, ≥{task.vocab_size}]")
-                checked_vocab = True
-            loss = task.loss(logits, batch)
-            loss_v = float(loss.item())
-            if not math.isfinite(loss_v):
-                state.update(status="diverged", diverged_at=step + 1,
-                             message=f"diverged at step {step + 1} (loss = {loss_v})")
-                break
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-            gn = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-            if not math.isfinite(gn):
-                state.update(status="diverged", diverged_at=step + 1,
-                             message=f"diverged at step {step + 1} (gradient norm = {gn})")
-                break
-            optimizer.step()
-            state["step"] = step = step + 1
-            acc = state["acc"]
-            acc["loss"] += loss_v
-            acc["grad_norm"] += gn
-            acc["n"] += 1
-
-            record: Dict[str, float] = {}
-            if step % cfg.log_interval == 0 or step == cfg.steps:
-                state["last_train"] = {"train/loss": acc["loss"] / acc["n"],
-                                       "train/grad_norm": acc["grad_norm"] / acc["n"], "train/lr": lr,
-                                       "train/tokens": float(step * cfg.batch_size * task.seq_len)}
-                record.update(state["last_train"])
-                state["acc"] = {"loss": 0.0, "grad_norm": 0.0, "n": 0}
-            evaluated = False
-            if (cfg.eval_interval and step % cfg.eval_interval == 0) or step == cfg.steps:
-                ev = evaluate(cfg.eval_split)
-                evaluated = True
-                state["last_eval"] = {f"{cfg.eval_split}/{k}": v for k, v in ev.items()}
-                record.update(state["last_eval"])
-                if metric_name not in ev:
-                    raise ConfigError("train.early_stop_metric", f"task {task.name} reports no metric "
-                                      f"'{metric_name}'.", value=metric_name, choices=sorted(ev))
-                value = ev[metric_name]
-                if _better(value, state["best"].get("value"), mode):
-                    state["best"] = {"metric": f"{cfg.eval_split}/{metric_name}", "value": value, "step": step}
-                if cfg.early_stop_threshold is not None and (
-                        value >= cfg.early_stop_threshold if mode == "max" else value <= cfg.early_stop_threshold):
-                    state["status"] = "early_stopped"
-                    state["message"] = (f"{cfg.eval_split}/{metric_name} = {value:.4g} reached "
-                                        f"{cfg.early_stop_threshold} at step {step}")
+            record = _train_metrics(run, step, lr)
+            evaluated = (cfg.eval_interval and step % cfg.eval_interval == 0) or step == cfg.steps
+            if evaluated:
+                record.update(_evaluate(run, step))
             if record:
-                state["history"].append({"step": step, **record})
-                if callback is not None and callback(dict(record), step) is True and state["status"] == "running":
-                    state["status"] = "stopped"
-                    state["message"] = f"stopped by the callback at step {step}"
+                _emit(run, record, step, callback)
             if bar is not None:
-                bar.update(1)
-                if record:
-                    post = {"loss": f"{state['last_train'].get('train/loss', float('nan')):.4f}"}
-                    if evaluated:
-                        post[metric_name] = f"{state['last_eval'][f'{cfg.eval_split}/{metric_name}']:.4f}"
-                    bar.set_postfix(post)
+                _update_bar(bar, run, record, evaluated)
             if state["status"] != "running":
                 break
-            if ckpt_dir is not None and ((cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0)
-                                         or (not cfg.checkpoint_interval and evaluated)):
-                save()
+            if run.ckpt_dir is not None and ((cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0)
+                                             or (not cfg.checkpoint_interval and evaluated)):
+                run.save()
     finally:
         if bar is not None:
             bar.close()
 
+
+def _train_step(run: _Run) -> Optional[float]:
+    """One optimiser step on the batch of the current step (learning rate from the schedule, clipped gradients);
+    the loss and gradient norm go into the interval's accumulators. Returns the learning rate, or None when the
+    loss or the gradient norm is not finite: the run is then ``diverged`` and the parameters are not updated."""
+    cfg, task, state = run.cfg, run.task, run.state
+    step = state["step"]
+    batch = task.batch("train", step, cfg.batch_size, seed=cfg.seed).to(run.device, non_blocking=True)
+    lr = lr_at(cfg, step)
+    for g in run.optimizer.param_groups:
+        g["lr"] = lr
+    with _autocast(cfg, run.device):
+        logits = run.module(batch.inputs)
+    if not run.checked_shapes:
+        if logits.shape[:2] != batch.inputs.shape or logits.shape[-1] < task.vocab_size:
+            raise ValueError(f"the model maps tokens {tuple(batch.inputs.shape)} to {tuple(logits.shape)}; "
+                             f"task {task.name} needs logits [B, T, ≥{task.vocab_size}]")
+        run.checked_shapes = True
+    loss = task.loss(logits, batch)
+    loss_v = float(loss.item())
+    if not math.isfinite(loss_v):
+        state.update(status="diverged", diverged_at=step + 1, message=f"diverged at step {step + 1} (loss = {loss_v})")
+        return None
+    run.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+    gn = float(torch.nn.utils.clip_grad_norm_(run.params, max_norm))
+    if not math.isfinite(gn):
+        state.update(status="diverged", diverged_at=step + 1,
+                     message=f"diverged at step {step + 1} (gradient norm = {gn})")
+        return None
+    run.optimizer.step()
+    state["step"] = step + 1
+    acc = state["acc"]
+    acc["loss"] += loss_v
+    acc["grad_norm"] += gn
+    acc["n"] += 1
+    return lr
+
+
+def _train_metrics(run: _Run, step: int, lr: float) -> Dict[str, float]:
+    """The train metrics (means over the interval) when ``step`` closes a log interval, else ``{}``."""
+    cfg, state = run.cfg, run.state
+    if not (step % cfg.log_interval == 0 or step == cfg.steps):
+        return {}
+    acc = state["acc"]
+    state["last_train"] = {"train/loss": acc["loss"] / acc["n"], "train/grad_norm": acc["grad_norm"] / acc["n"],
+                           "train/lr": lr, "train/tokens": float(step * cfg.batch_size * run.task.seq_len)}
+    state["acc"] = {"loss": 0.0, "grad_norm": 0.0, "n": 0}
+    return dict(state["last_train"])
+
+
+def _evaluate(run: _Run, step: int) -> Dict[str, float]:
+    """Evaluate on the evaluation split: the metrics (``val/…``); tracks the best value and stops the run
+    early once the metric reaches ``early_stop_threshold``."""
+    cfg, state, name, mode = run.cfg, run.state, run.metric_name, run.mode
+    ev = run.evaluate(cfg.eval_split)
+    state["last_eval"] = {f"{cfg.eval_split}/{k}": v for k, v in ev.items()}
+    if name not in ev:
+        raise ConfigError("train.early_stop_metric", f"task {run.task.name} reports no metric "
+                          f"'{name}'.", value=name, choices=sorted(ev))
+    value = ev[name]
+    if _better(value, state["best"].get("value"), mode):
+        state["best"] = {"metric": f"{cfg.eval_split}/{name}", "value": value, "step": step}
+    threshold = cfg.early_stop_threshold
+    if threshold is not None and (value >= threshold if mode == "max" else value <= threshold):
+        state["status"] = "early_stopped"
+        state["message"] = f"{cfg.eval_split}/{name} = {value:.4g} reached {threshold} at step {step}"
+    return dict(state["last_eval"])
+
+
+def _emit(run: _Run, record: Dict[str, float], step: int, callback: Optional[Callback]) -> None:
+    """Add ``record`` to the history and pass it to the callback; a callback returning True stops the run."""
+    state = run.state
+    state["history"].append({"step": step, **record})
+    if callback is not None and callback(dict(record), step) is True and state["status"] == "running":
+        state["status"] = "stopped"
+        state["message"] = f"stopped by the callback at step {step}"
+
+
+def _progress_bar(run: _Run):
+    """A tqdm bar (``progress: always``, or ``auto`` on a terminal), else None."""
+    cfg = run.cfg
+    if not (cfg.progress == "always" or (cfg.progress == "auto" and sys.stdout.isatty())):
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=cfg.steps, initial=run.state["step"], desc=run.task.name, dynamic_ncols=True, file=sys.stdout)
+
+
+def _update_bar(bar, run: _Run, record: Mapping[str, float], evaluated: bool) -> None:
+    """One step on the bar; the loss (and the evaluation metric) when the step logged."""
+    bar.update(1)
+    if record:
+        state, name = run.state, run.metric_name
+        post = {"loss": f"{state['last_train'].get('train/loss', float('nan')):.4f}"}
+        if evaluated:
+            post[name] = f"{state['last_eval'][f'{run.cfg.eval_split}/{name}']:.4f}"
+        bar.set_postfix(post)
+
+
+def _finish(run: _Run, callback: Optional[Callback]) -> None:
+    """End of the loop: a run still going is ``completed``; unless it diverged, the final evaluation on the
+    test split (and at ``test_lengths``) goes to the history and the callback; the checkpoint is written."""
+    cfg, state = run.cfg, run.state
     if state["status"] == "running":
         state["status"] = "completed"
     if state["status"] != "diverged" and cfg.final_eval:
-        final = {f"{cfg.test_split}/{k}": v for k, v in evaluate(cfg.test_split).items()}
+        final = {f"{cfg.test_split}/{k}": v for k, v in run.evaluate(cfg.test_split).items()}
         if cfg.test_lengths:
-            final.update({f"{cfg.test_split}/{k}": v for k, v in evaluate(cfg.test_split, cfg.test_lengths).items()})
+            final.update({f"{cfg.test_split}/{k}": v
+                          for k, v in run.evaluate(cfg.test_split, cfg.test_lengths).items()})
         state["final"] = final
         state["history"].append({"step": state["step"], **final})
         if callback is not None:
             callback(dict(final), state["step"])
-    state["elapsed"] = time.time() - t_start
-    save()
-    return result()
+    state["elapsed"] = time.time() - run.t_start
+    run.save()
 
 
 __all__ = ["CHECKPOINT_NAME", "Callback", "TrainResult", "load_checkpoint", "make_optimizer", "num_parameters",
