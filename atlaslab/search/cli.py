@@ -6,9 +6,11 @@ import os
 import sys
 from pathlib import Path
 
+from atlaslab.search.driver import command_line, prepare, resume, run, trial_table
+from atlaslab.search.report import report_from_dir
+
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from atlaslab.search.driver import command_line, prepare, run, trial_table
     p = prepare(args.experiment, args.overrides)
     if args.dry_run:
         print(trial_table(p))
@@ -22,13 +24,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    from atlaslab.search.driver import resume
     summary = resume(args.run_dir, ray_address=args.ray_address, num_cpus=args.num_cpus, quiet=args.quiet)
     return _finish(summary, args.quiet)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from atlaslab.search.report import report_from_dir
     path = report_from_dir(Path(args.run_dir), refresh=args.refresh)
     if args.print:
         print(path.read_text())

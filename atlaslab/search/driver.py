@@ -17,6 +17,7 @@ joins a cluster. A Ray session this module started is shut down at the end, also
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import datetime as _dt
 import json
 import math
@@ -24,7 +25,6 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
@@ -43,32 +43,16 @@ os.environ.setdefault("DO_NOT_TRACK", "true")
 from omegaconf import OmegaConf
 
 from atlaslab.registry import ConfigError
-from atlaslab.search.expand import (
-                                    Validator,
-                                    expand_grid,
-                                    fmt_value,
-                                    trial_from_params,
-                                    )
-from atlaslab.search.schema import (
-                                    ExperimentConfig,
-                                    load_experiment,
-                                    load_experiment_node,
-                                    validate_experiment,
-                                    )
+from atlaslab.search import tracking as T
+from atlaslab.search.expand import Prepared, Validator, expand_grid, protocol_points, trial_from_params
+from atlaslab.search.formatting import fmt_value, human_count
+from atlaslab.search.report import write_report
+from atlaslab.search.results import RESULTS_NAME, WAITING, collect, saved_statuses
+from atlaslab.search.schema import ExperimentConfig, load_experiment, load_experiment_node, validate_experiment
+from atlaslab.search.space import corner_points, define_by_run, make_sampler
+from atlaslab.search.trainable import run_trial
 
 TUNE_NAME = "tune"
-
-
-@dataclass
-class Prepared:
-    """A validated experiment: the node (for the run folder), the config and the expanded trials."""
-
-    node: Dict[str, Any]
-    exp: ExperimentConfig
-    trials: List[Dict[str, Any]]          # grid: every trial; search: the corner configs validated
-    source: str = ""
-    validate_s: float = 0.0
-    overrides: List[str] = field(default_factory=list)
 
 
 def prepare(path: Optional[str] = None, overrides: Sequence[str] = (), node: Any = None) -> Prepared:
@@ -88,7 +72,6 @@ def prepare(path: Optional[str] = None, overrides: Sequence[str] = (), node: Any
         for t in trials:
             v.validate(t)
     else:
-        from atlaslab.search.space import corner_points
         trials = []
         for i, params in enumerate(corner_points(exp.space)):
             t = trial_from_params(exp, params, key=f"corner{i:02d}", index=i)
@@ -124,8 +107,8 @@ def trial_table(p: Prepared) -> str:
         tr = info.get("train", {})
         proto = ",".join(f"{k}={fmt_value(v)}" for k, v in t.get("protocol", {}).items())
         rows.append([t["key"], t["setting"], t["label"] if exp.kind == "search" else t["row"], str(t["seed"]),
-                     proto or "-", info.get("preset", "?"), _human(info.get("num_parameters")),
-                     _human(info.get("state_size")), str(tr.get("steps", "?"))])
+                     proto or "-", info.get("preset", "?"), human_count(info.get("num_parameters")),
+                     human_count(info.get("state_size")), str(tr.get("steps", "?"))])
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
     lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths)))
     lines.extend("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
@@ -134,18 +117,7 @@ def trial_table(p: Prepared) -> str:
 
 
 def _proto(exp: ExperimentConfig) -> List[Any]:
-    from atlaslab.search.expand import _protocol_points
-    return _protocol_points(exp) if exp.protocol.active else []
-
-
-def _human(n: Any) -> str:
-    if n is None:
-        return "?"
-    n = float(n)
-    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= div:
-            return f"{n / div:.3g}{unit}"
-    return f"{int(n)}"
+    return protocol_points(exp) if exp.protocol.active else []
 
 
 # --------------------------------------------------------------------------------------------------
@@ -230,12 +202,12 @@ def _trial_dirname(trial) -> str:
 
 def _trainable(exp: ExperimentConfig):
     from ray import tune
-
-    from atlaslab.search.trainable import run_trial
     res = {"cpu": float(exp.resources.cpus_per_trial)}
     if exp.resources.gpus_per_trial:
         res["gpu"] = float(exp.resources.gpus_per_trial)
-    return tune.with_resources(run_trial, res)
+    # a search trial builds its config from the sampled params with the experiment the driver validated
+    fn = tune.with_parameters(run_trial, experiment=exp) if exp.kind == "search" else run_trial
+    return tune.with_resources(fn, res)
 
 
 def _scheduler(exp: ExperimentConfig):
@@ -267,8 +239,6 @@ def build_tuner(p: Prepared, run_dir: Path, meta: Dict[str, Any], num_cpus: Opti
         num_samples = 1
     else:
         from ray.tune.search.optuna import OptunaSearch
-
-        from atlaslab.search.space import define_by_run, make_sampler
         search_alg = OptunaSearch(space=define_by_run(exp.space), metric=exp.metric, mode=exp.mode,
                                   sampler=make_sampler(exp))
         space = {"experiment": meta}
@@ -285,119 +255,10 @@ def build_tuner(p: Prepared, run_dir: Path, meta: Dict[str, Any], num_cpus: Opti
 
 
 # --------------------------------------------------------------------------------------------------
-# results
-# --------------------------------------------------------------------------------------------------
-def _clean_metrics(m: Mapping[str, Any]) -> Dict[str, Any]:
-    out = {}
-    for k, v in (m or {}).items():
-        if k in ("config",) or k.startswith("experiment"):
-            continue
-        if isinstance(v, bool):
-            v = int(v)
-        if isinstance(v, (int, float, str)) or v is None:
-            out[k] = v
-    return out
-
-
-def saved_statuses(tune_path: os.PathLike) -> Dict[str, str]:
-    """Trial folder name → status in Tune's newest saved experiment state (what a restore resumes from;
-    after an interruption the in-memory trials read TERMINATED although they will be resumed)."""
-    files = sorted(Path(tune_path).glob("experiment_state-*.json"))
-    if not files:
-        return {}
-    try:
-        data = json.loads(files[-1].read_text())
-    except (OSError, ValueError):
-        return {}
-    out = {}
-    for entry in data.get("trial_data", []):
-        try:
-            t = json.loads(entry[0] if isinstance(entry, (list, tuple)) else entry)
-        except (TypeError, ValueError):
-            continue
-        name = t.get("custom_dirname") or t.get("relative_logdir") or t.get("trial_id")
-        out[str(name)] = str(t.get("status"))
-    return out
-
-
-def collect(p: Prepared, result_grid, run_dir: Path, partial: bool = False,
-            statuses: Optional[Mapping[str, str]] = None) -> List[Dict[str, Any]]:
-    """One record per trial from Tune's results: status, reason, final metrics, learning curve.
-
-    ``partial`` (an experiment that has not finished): a trial without its final result is ``unfinished``
-    rather than stopped by the scheduler."""
-
-    from atlaslab.search.space import decode_params
-    exp = p.exp
-    records = []
-    for r in result_grid:
-        cfg = r.config or {}
-        key = Path(str(r.path)).name if r.path else None
-        if cfg.get("trial"):
-            trial = dict(cfg["trial"])
-        else:
-            params = decode_params(exp.space, cfg)
-            trial = trial_from_params(exp, params, key=str(key))
-            trial["info"] = {}
-        m = _clean_metrics(r.metrics or {})
-        saved = (statuses or {}).get(str(key))
-        if saved in ("RUNNING", "PENDING", "PAUSED") and r.error is None and m.get("final") != 1:
-            status, message = "unfinished", (f"last report at step {m.get('step')}" if m else "not started")
-        elif r.error is not None:
-            status = "error"
-            err = str(r.error).strip().splitlines()
-            message = next((line for line in reversed(err) if line.strip()), "error")[:500]
-        elif m.get("final") == 1:
-            status = str(m.get("status", "completed"))
-            message = str(m.get("message", "") or "")
-        elif partial:
-            status, message = "unfinished", (f"last report at step {m.get('step')}" if m else "not started")
-        elif m:
-            status, message = "pruned", f"stopped by the scheduler at step {m.get('step')}"
-        else:
-            status, message = "error", "the trial reported nothing"
-        failed = status in ("error", "diverged")
-        history = []
-        try:
-            df = r.metrics_dataframe
-        except Exception:
-            df = None
-        if df is not None and len(df):
-            keep = [c for c in df.columns if "/" in c or c == "step"]
-            for row in df[keep].to_dict("records"):
-                history.append({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                                for k, v in row.items()})
-        info = dict(trial.get("info") or {})
-        for k in ("num_parameters", "state_size"):
-            if k not in info and k in m:
-                info[k] = m[k]
-        rec = {k: trial[k] for k in ("key", "index", "setting", "variant", "label", "row", "axes", "protocol",
-                                     "seed", "params") if k in trial}
-        rec.update({"status": status, "failed": failed, "message": message, "metrics": m, "history": history,
-                    "info": {k: v for k, v in info.items() if k not in ("train", "task")},
-                    "train": (info.get("train") or trial["config"].get("train")),
-                    "task": trial["config"].get("task"), "path": str(r.path)})
-        records.append(rec)
-    if partial and exp.kind == "grid":
-        seen = {r["key"] for r in records}
-        for t in p.trials:
-            if t["key"] not in seen:
-                rec = {k: t[k] for k in ("key", "index", "setting", "variant", "label", "row", "axes", "protocol",
-                                         "seed", "params") if k in t}
-                rec.update({"status": "pending", "failed": False, "message": "not started", "metrics": {},
-                            "history": [], "info": {k: v for k, v in (t.get("info") or {}).items()
-                                                    if k not in ("train", "task")},
-                            "train": t["config"].get("train"), "task": t["config"].get("task"), "path": ""})
-                records.append(rec)
-    records.sort(key=lambda r: (r.get("index", 0), str(r["key"])))
-    return records
-
-
-# --------------------------------------------------------------------------------------------------
 # run / resume
 # --------------------------------------------------------------------------------------------------
 def _parent_run(exp: ExperimentConfig, run_dir: Path, uri: str, node: Mapping[str, Any], n_trials: int):
-    from atlaslab.search import tracking as T
+    """The experiment's MLflow parent run (its params, the experiment file); the tracking dict of state.json."""
     art = None
     if T.is_local_uri(uri):
         art = (run_dir / "mlartifacts").resolve().as_uri()
@@ -428,7 +289,6 @@ def run(p: Prepared, run_dir: Optional[os.PathLike] = None, ray_address: Optiona
 
     ``stop``: a Tune stopper (``RunConfig(stop=…)``); one that ends the whole experiment early leaves it
     resumable, like an interruption."""
-    from atlaslab.search.tracking import default_tracking_uri, is_local_uri
     exp = p.exp
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(exp.name)
     if (run_dir / "state.json").exists():
@@ -437,9 +297,9 @@ def run(p: Prepared, run_dir: Optional[os.PathLike] = None, ray_address: Optiona
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "experiment.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(p.node)))
     _write_json(run_dir / "trials.json", p.trials)
-    uri = default_tracking_uri(run_dir, tracking_uri or exp.tracking.uri)
+    uri = T.default_tracking_uri(run_dir, tracking_uri or exp.tracking.uri)
     addr = ray_address or os.environ.get("RAY_ADDRESS")
-    if addr and is_local_uri(uri) and not quiet:
+    if addr and T.is_local_uri(uri) and not quiet:
         print(f"warning: Ray address {addr} with a local MLflow store ({uri}): trials on other machines cannot "
               "reach it; pass --tracking-uri http://<server>:<port>.", file=sys.stderr)
     state = {"name": exp.name, "kind": exp.kind, "status": "starting", "created": time.time(),
@@ -450,7 +310,6 @@ def run(p: Prepared, run_dir: Optional[os.PathLike] = None, ray_address: Optiona
     pending = None
     if exp.tracking.enabled:
         # the MLflow store (SQLite migrations: seconds) is set up in a thread while Ray starts
-        import concurrent.futures as cf
         pool = cf.ThreadPoolExecutor(1)
         pending = pool.submit(_parent_run, exp, run_dir, uri, p.node,
                               len(p.trials) if exp.kind == "grid" else exp.num_samples)
@@ -471,7 +330,6 @@ def resume(run_dir: os.PathLike, ray_address: Optional[str] = None, num_cpus: Op
     p = Prepared(node, exp, trials, state.get("source", ""))
     tr = state.get("tracking") or {}
     if tr.get("parent_run_id"):
-        from atlaslab.search import tracking as T
         c = T.client(tr["uri"])
         T.retry(c.update_run, tr["parent_run_id"], status="RUNNING", what="reopen parent run")
         T.set_tags(c, tr["parent_run_id"], {"atlaslab.resumed": "true"})
@@ -485,91 +343,122 @@ def resume(run_dir: os.PathLike, ray_address: Optional[str] = None, num_cpus: Op
 
 def _execute(p: Prepared, run_dir: Path, state: Dict[str, Any], resume: bool, ray_address: Optional[str],
              num_cpus: Optional[int], quiet: bool, pending_tracking=None, stop: Any = None) -> Dict[str, Any]:
+    """Start (or join) Ray, fit the tuner (fresh or restored), collect the records, write the results and the
+    report, and close the MLflow parent run; ``state.json`` records the status and the time of every phase."""
     exp = p.exp
     total = len(p.trials) if exp.kind == "grid" else exp.num_samples
     t0 = time.time()
     status = "failed"
-    timings = state.setdefault("timings", {})
-    mark = [time.time()]
-
-    def lap(name: str) -> None:
-        now = time.time()
-        timings[name] = round(timings.get(name, 0.0) + now - mark[0], 3)
-        mark[0] = now
-
-    session = RaySession(ray_address, num_cpus)
+    lap = _Laps(state.setdefault("timings", {}))
     try:
-        with session:
+        with RaySession(ray_address, num_cpus):
             lap("ray_init_s")
-            from ray import tune
-
-            from atlaslab.search.progress import Progress
             if pending_tracking is not None:
                 state["tracking"] = pending_tracking.result()
             lap("mlflow_setup_wait_s")
             state["status"] = "running"
             _write_json(run_dir / "state.json", state)
-            tracking = state.get("tracking") or {}
-            meta = {"name": exp.name, "kind": exp.kind, "metric": exp.metric, "mode": exp.mode,
-                    "imports": exp.imports, "cpus_per_trial": exp.resources.cpus_per_trial, "tracking": tracking}
-            if exp.kind == "search":
-                meta["node"] = p.node
-            p.trials_for_tune = [dict(t) for t in p.trials]   # type: ignore[attr-defined]
-            progress = Progress(exp.name, exp.metric, exp.mode, tracking, "stderr" if quiet else "stdout", total)
-            if resume:
-                tuner = tune.Tuner.restore(state["tune_path"], trainable=_trainable(exp), resume_unfinished=True,
-                                           resume_errored=True)
-                if not quiet:
-                    print(f"[{exp.name}] resuming {state['tune_path']}", flush=True)
-            else:
-                tuner = build_tuner(p, run_dir, meta, num_cpus, progress, stop)
-                if not quiet:
-                    print(f"[{exp.name}] {total} trials → {run_dir}  (MLflow: {tracking.get('uri', 'off')})",
-                          flush=True)
+            tuner = _tuner(p, run_dir, state, resume, num_cpus, quiet, total, stop)
             lap("tuner_setup_s")
             results = tuner.fit()
             lap("fit_s")
-            statuses = saved_statuses(state["tune_path"])
-            interrupted = len(results) < total or any(v in ("RUNNING", "PENDING", "PAUSED")
-                                                      for v in statuses.values())
-            records = collect(p, results, run_dir, partial=interrupted, statuses=statuses)
-            mark[0] = time.time()
+            records, interrupted = _collect_fit(p, results, run_dir, state, total)
+            lap.restart()
         status = "interrupted" if interrupted else "finished"
     finally:
         lap("ray_shutdown_s")
         state["status"] = status
         state["wall_s"] = state.get("wall_s", 0.0) + (time.time() - t0)
         _write_json(run_dir / "state.json", state)
-    tracking = state.get("tracking") or {}
-    _write_json(run_dir / "results.json", records)
-    from atlaslab.search.report import write_report
+    _write_json(run_dir / RESULTS_NAME, records)
     rep = write_report(run_dir, p.exp, records, state)
     lap("report_s")
-    summary = {"run_dir": str(run_dir), "trials": len(records),
-               "failed": sum(r["failed"] for r in records),
-               "completed": sum(r["status"] in ("completed", "early_stopped") for r in records),
-               "pruned": sum(r["status"] == "pruned" for r in records), "wall_s": time.time() - t0,
-               "report": str(rep), "status": status,
-               "unfinished": sum(r["status"] in ("unfinished", "pending") for r in records)}
+    summary = _summary(run_dir, records, rep, status, t0)
+    tracking = state.get("tracking") or {}
     if tracking.get("parent_run_id"):
-        from atlaslab.search import tracking as T
-        c = T.client(tracking["uri"])
-        T.log_metrics(c, tracking["parent_run_id"], {"n_trials": summary["trials"], "n_failed": summary["failed"],
-                                                     "n_completed": summary["completed"],
-                                                     "wall_s": state["wall_s"]}, 0)
-        for f in sorted(run_dir.glob("report.*")) + sorted((run_dir / "plots").glob("*.png")) + \
-                [run_dir / "trials.csv", run_dir / "results.json"]:
-            if f.is_file():
-                T.retry(c.log_artifact, tracking["parent_run_id"], str(f),
-                        "plots" if f.suffix == ".png" else None, what="log report")
-        T.retry(c.set_terminated, tracking["parent_run_id"], status="FINISHED" if status == "finished" else "KILLED",
-                what="end parent run")
+        _close_parent_run(tracking, run_dir, state, summary)
         lap("mlflow_final_s")
     _write_json(run_dir / "state.json", state)
     return summary
 
 
+class _Laps:
+    """``lap(name)`` adds the seconds since the previous lap to ``timings[name]`` (accumulated over resumes)."""
+
+    def __init__(self, timings: Dict[str, float]):
+        self.timings = timings
+        self.mark = time.time()
+
+    def __call__(self, name: str) -> None:
+        now = time.time()
+        self.timings[name] = round(self.timings.get(name, 0.0) + now - self.mark, 3)
+        self.mark = now
+
+    def restart(self) -> None:
+        """Start the next lap now (the time since the last one is not counted)."""
+        self.mark = time.time()
+
+
+def _tuner(p: Prepared, run_dir: Path, state: Dict[str, Any], resume: bool, num_cpus: Optional[int],
+           quiet: bool, total: int, stop: Any = None):
+    """The Tuner of a fresh run (:func:`build_tuner`), or Tune's saved experiment restored (unfinished and
+    errored trials continue); prints the one-line start message unless ``quiet``."""
+    from ray import tune
+
+    from atlaslab.search.progress import Progress
+    exp = p.exp
+    tracking = state.get("tracking") or {}
+    meta = {"name": exp.name, "kind": exp.kind, "metric": exp.metric, "mode": exp.mode,
+            "imports": exp.imports, "cpus_per_trial": exp.resources.cpus_per_trial, "tracking": tracking}
+    p.trials_for_tune = [dict(t) for t in p.trials]   # type: ignore[attr-defined]
+    progress = Progress(exp.name, exp.metric, exp.mode, tracking, "stderr" if quiet else "stdout", total)
+    if resume:
+        tuner = tune.Tuner.restore(state["tune_path"], trainable=_trainable(exp), resume_unfinished=True,
+                                   resume_errored=True)
+        if not quiet:
+            print(f"[{exp.name}] resuming {state['tune_path']}", flush=True)
+        return tuner
+    tuner = build_tuner(p, run_dir, meta, num_cpus, progress, stop)
+    if not quiet:
+        print(f"[{exp.name}] {total} trials → {run_dir}  (MLflow: {tracking.get('uri', 'off')})", flush=True)
+    return tuner
+
+
+def _collect_fit(p: Prepared, results, run_dir: Path, state: Mapping[str, Any], total: int):
+    """``(records, interrupted)`` of a fit: interrupted when Tune returned fewer trials than the experiment
+    has or its saved state still has trials to run."""
+    statuses = saved_statuses(state["tune_path"])
+    interrupted = len(results) < total or any(v in WAITING for v in statuses.values())
+    return collect(p, results, run_dir, partial=interrupted, statuses=statuses), interrupted
+
+
+def _summary(run_dir: Path, records: List[Dict[str, Any]], report: Path, status: str, t0: float) -> Dict[str, Any]:
+    """What :func:`run` and :func:`resume` return: the counts by status, the wall time and the report's path."""
+    return {"run_dir": str(run_dir), "trials": len(records),
+            "failed": sum(r["failed"] for r in records),
+            "completed": sum(r["status"] in ("completed", "early_stopped") for r in records),
+            "pruned": sum(r["status"] == "pruned" for r in records), "wall_s": time.time() - t0,
+            "report": str(report), "status": status,
+            "unfinished": sum(r["status"] in ("unfinished", "pending") for r in records)}
+
+
+def _close_parent_run(tracking: Mapping[str, Any], run_dir: Path, state: Mapping[str, Any],
+                      summary: Mapping[str, Any]) -> None:
+    """Log the counts and the report to the MLflow parent run and end it (KILLED when interrupted)."""
+    c = T.client(tracking["uri"])
+    pid = tracking["parent_run_id"]
+    T.log_metrics(c, pid, {"n_trials": summary["trials"], "n_failed": summary["failed"],
+                           "n_completed": summary["completed"], "wall_s": state["wall_s"]}, 0)
+    for f in sorted(run_dir.glob("report.*")) + sorted((run_dir / "plots").glob("*.png")) + \
+            [run_dir / "trials.csv", run_dir / RESULTS_NAME]:
+        if f.is_file():
+            T.retry(c.log_artifact, pid, str(f), "plots" if f.suffix == ".png" else None, what="log report")
+    T.retry(c.set_terminated, pid, status="FINISHED" if summary["status"] == "finished" else "KILLED",
+            what="end parent run")
+
+
 def command_line(argv: Optional[Sequence[str]] = None) -> str:
+    """The ``atlaslab …`` command line that reproduces this run (recorded in state.json and the report)."""
     return "atlaslab " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
 
 

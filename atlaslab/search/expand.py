@@ -7,33 +7,57 @@ A trial is a plain, JSON-ready dict (it travels to Ray workers and into reports)
      "params": {dotted key: value},                 # every assignment made for this trial
      "config": {"model": {"preset": "atlas", "overrides": [[key, value, source], ...]},
                 "task": {...}, "train": {...}},
-     "info": {"num_parameters": …, "state_size": …, "components": {...}}}
+     "info": {"num_parameters": …, "state_size": …, "components": {...}},
+     "model_config": {...}}                         # the model config validated: what the trial builds
 
 ``row`` groups the trials a report line aggregates (seeds: mean ± std; protocol: best). Model overrides
 keep their *source* (the experiment key that set them) so a validation error can say which line of the
 file is wrong. :func:`validate_trials` builds every distinct model on the meta device (shapes, parameter
 count, state size; no memory, no compute) and every task and training config; any problem raises one
-:class:`TrialConfigError` naming the trial and the dotted path.
+:class:`TrialConfigError` naming the trial and the dotted path. A validated trial carries its model config
+(``model_config``: the preset with the overrides applied), so a Ray worker builds exactly the model whose
+size was recorded, whatever happens to the preset file afterwards (a resume included).
 """
 from __future__ import annotations
 
 import contextlib
 import copy
 import dataclasses
+import fnmatch
 import functools
 import hashlib
 import itertools
 import json
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
+import torch
+import torch.nn.init as init
 from omegaconf import DictConfig, OmegaConf
 
+from atlaslab.models.lm import LanguageModel, resolve_lm_config
+from atlaslab.models.presets import apply_overrides, preset_path
 from atlaslab.registry import ConfigError, to_container
-from atlaslab.search.schema import ExperimentConfig
+from atlaslab.search.formatting import fmt_value, short_key
+from atlaslab.search.schema import ExperimentConfig, parse_override
+from atlaslab.tasks.base import build_task
+from atlaslab.train.config import resolve_train_config
 
 Override = Tuple[str, Any, str]   # (key inside the model config, value, source path in the experiment)
+
+
+@dataclass
+class Prepared:
+    """A validated experiment: the node (for the run folder), the config and the expanded trials."""
+
+    node: Dict[str, Any]
+    exp: ExperimentConfig
+    trials: List[Dict[str, Any]]          # grid: every trial; search: the corner configs validated
+    source: str = ""
+    validate_s: float = 0.0
+    overrides: List[str] = field(default_factory=list)
 
 
 class TrialConfigError(ConfigError):
@@ -65,7 +89,6 @@ def flatten_overrides(node: Any, prefix: str = "", source: str = "model.override
     """Model overrides (nested / dotted mapping, or list of ``key=value``) as ``(key, value, source)``.
 
     Mappings are descended except when they carry ``name`` (a component node replaces the node)."""
-    from atlaslab.search.schema import parse_override
     node = to_container(node)
     if node is None:
         return []
@@ -100,34 +123,6 @@ def set_dotted(d: Dict[str, Any], key: str, value: Any) -> None:
         d[parts[-1]].update(copy.deepcopy(dict(value)))
     else:
         d[parts[-1]] = copy.deepcopy(value)
-
-
-def short_key(key: str) -> str:
-    """A readable short name of a dotted key for labels (``…memory.window.size`` → ``window.size``)."""
-    parts = key.split(".")
-    if parts[0] == "model":
-        parts = parts[1:]
-        if parts and parts[0] == "mixers" and len(parts) > 2:
-            parts = parts[2:]
-        if parts and parts[0] == "memory" and len(parts) > 1:
-            parts = parts[1:]
-    elif parts[0] in ("train", "eval") and len(parts) == 2:
-        return parts[1]
-    elif parts[0] == "task" and len(parts) == 2:
-        return parts[1]
-    return ".".join(parts[-2:]) if len(parts) > 2 else ".".join(parts)
-
-
-def fmt_value(v: Any) -> str:
-    if isinstance(v, Mapping):
-        if "name" in v and len(v) == 1:
-            return str(v["name"])
-        return "{" + ", ".join(f"{k}: {fmt_value(x)}" for k, x in v.items()) + "}"
-    if isinstance(v, float):
-        return f"{v:g}"
-    if isinstance(v, list):
-        return "[" + ", ".join(fmt_value(x) for x in v) + "]"
-    return str(v)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -178,7 +173,6 @@ def _glob_keys(node: Any, parts: List[str], prefix: str = "") -> Iterable[str]:
     head, rest = parts[0], parts[1:]
     if head == "*" or any(c in head for c in "*?["):
         if isinstance(node, Mapping):
-            import fnmatch
             for k in node:
                 if fnmatch.fnmatchcase(str(k), head):
                     yield from _glob_keys(node[k], rest, f"{prefix}.{k}" if prefix else str(k))
@@ -201,7 +195,6 @@ def _exists(node: Any, key: str) -> bool:
 
 @functools.lru_cache(maxsize=64)
 def _preset_resolved(path: str) -> Optional[Dict[str, Any]]:
-    from atlaslab.models.lm import resolve_lm_config
     try:
         return resolve_lm_config(OmegaConf.load(path)).to_dict()
     except ConfigError:
@@ -213,9 +206,6 @@ def resolve_model_node(model_node: Mapping[str, Any], vocab_size: Optional[int] 
 
     ``vocab_size`` (the task's) is applied first unless an override sets it. Raises ConfigError with the
     path inside the model config; ``err.source`` names the experiment key of the override at fault."""
-    from atlaslab.models.lm import resolve_lm_config
-    from atlaslab.models.presets import apply_overrides, preset_path
-
     preset = str(model_node.get("preset"))
     overrides = [tuple(o) for o in model_node.get("overrides", [])]
     try:
@@ -316,7 +306,8 @@ def _axis_points(exp: ExperimentConfig) -> List[Dict[str, Any]]:
     return [dict(zip(keys, vals)) for vals in itertools.product(*[axes[k] for k in keys])]
 
 
-def _protocol_points(exp: ExperimentConfig) -> List[Dict[str, Any]]:
+def protocol_points(exp: ExperimentConfig) -> List[Dict[str, Any]]:
+    """The (lr, weight decay) points of the protocol mini-grid (``[{}]`` without a protocol)."""
     p = exp.protocol
     if not p.active:
         return [{}]
@@ -360,7 +351,7 @@ def expand_grid(exp: ExperimentConfig) -> List[Dict[str, Any]]:
             for axes in _axis_points(exp):
                 if _excluded(exp, vname, axes):
                     continue
-                for proto in _protocol_points(exp):
+                for proto in protocol_points(exp):
                     for seed in exp.seeds:
                         assignments = [(k, v, f"grid.variants.{vname}.{k}") for k, v in (vnode or {}).items()]
                         assignments += [(k, v, f"grid.axes.{k}") for k, v in axes.items()]
@@ -399,7 +390,6 @@ def trial_hash(trial: Mapping[str, Any]) -> str:
 def _no_init():
     """Skip ``torch.nn.init`` fills while building on the meta device (values do not exist there, and the
     meta ``normal_`` would import torch._dynamo, seconds of start-up)."""
-    import torch.nn.init as init
     names = ("normal_", "trunc_normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
              "xavier_normal_", "orthogonal_", "zeros_", "ones_", "constant_")
     saved = {n: getattr(init, n) for n in names if hasattr(init, n)}
@@ -421,7 +411,6 @@ class Validator:
         self._tasks: Dict[str, Any] = {}
 
     def task(self, trial: Mapping[str, Any]):
-        from atlaslab.tasks.base import build_task
         node = trial["config"]["task"]
         k = json.dumps(node, sort_keys=True, default=str)
         if k not in self._tasks:
@@ -430,13 +419,10 @@ class Validator:
         return self._tasks[k]
 
     def model_info(self, model_node: Mapping[str, Any], task) -> Dict[str, Any]:
-        import torch
-
-        from atlaslab.models.lm import LanguageModel
         k = json.dumps([model_node, task.vocab_size, task.seq_len], sort_keys=True, default=str)
         if k in self._models:
             return self._models[k]
-        _, resolved_cfg = resolve_model_node(model_node, task.vocab_size)
+        cfg, resolved_cfg = resolve_model_node(model_node, task.vocab_size)
         try:
             with torch.device("meta"), _no_init():
                 model = LanguageModel(resolved_cfg)
@@ -454,12 +440,12 @@ class Validator:
             "preset": str(model_node.get("preset")),
             "components": components(resolved),
             "resolved_model": resolved,
+            "model_config": to_container(cfg),
         }
         self._models[k] = info
         return info
 
     def validate(self, trial: Dict[str, Any]) -> Dict[str, Any]:
-        from atlaslab.train.config import resolve_train_config
         tid = f"{trial['key']} ({trial['label']}" + (f", seed {trial['seed']}" if len(self.exp.seeds) > 1 else "") + ")"
         cfg = trial["config"]
         try:
@@ -484,7 +470,8 @@ class Validator:
             info = self.model_info(cfg["model"], task)
         except ConfigError as exc:
             raise TrialConfigError.wrap(tid, exc, "model", getattr(exc, "source", "")) from None
-        trial["info"] = {k: v for k, v in info.items() if k != "resolved_model"}
+        trial["info"] = {k: v for k, v in info.items() if k not in ("resolved_model", "model_config")}
+        trial["model_config"] = copy.deepcopy(info["model_config"])
         trial["info"]["task"] = task.info()
         trial["info"]["train"] = tcfg.to_dict()
         return trial
@@ -497,6 +484,6 @@ def validate_trials(exp: ExperimentConfig, trials: List[Dict[str, Any]]) -> List
     return trials
 
 
-__all__ = ["TrialConfigError", "Validator", "build_trial_config", "components", "expand_grid", "flatten_overrides",
-           "fmt_value", "model_config", "row_label", "short_key", "trial_from_params", "trial_hash",
+__all__ = ["Prepared", "TrialConfigError", "Validator", "build_trial_config", "components", "expand_grid",
+           "flatten_overrides", "model_config", "protocol_points", "row_label", "trial_from_params", "trial_hash",
            "validate_trials"]

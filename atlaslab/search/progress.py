@@ -7,7 +7,8 @@ import time
 
 from ray.tune import Callback
 
-from atlaslab.search.expand import fmt_value, short_key
+from atlaslab.search.formatting import fmt_value, short_key
+from atlaslab.search.tracking import finalize_child
 
 
 class Progress(Callback):
@@ -115,7 +116,6 @@ class Progress(Callback):
         t = trial.config.get("trial")
         key = t["key"] if t else trial.trial_id
         try:
-            from atlaslab.search.tracking import finalize_child
             finalize_child(tr["uri"], tr["experiment_id"], tr["parent_run_id"], key, status, tags)
         except Exception as exc:
             self._out(f"warning: could not end the MLflow run of {key}: {exc}")

@@ -19,20 +19,15 @@ from collections import OrderedDict, defaultdict
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from atlaslab.search.expand import fmt_value, short_key
-from atlaslab.search.schema import ExperimentConfig
+from omegaconf import OmegaConf
+
+from atlaslab.search.expand import Prepared
+from atlaslab.search.formatting import finite_number as _num
+from atlaslab.search.formatting import fmt_value, human_count, short_key
+from atlaslab.search.results import read_records
+from atlaslab.search.schema import ExperimentConfig, load_experiment
 
 OK = ("completed", "early_stopped")
-
-
-def _num(v: Any) -> Optional[float]:
-    if isinstance(v, bool) or v is None:
-        return None
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return None
-    return f if math.isfinite(f) else None
 
 
 def _mean_std(vals: Sequence[float]) -> Tuple[Optional[float], Optional[float]]:
@@ -159,16 +154,6 @@ def _fmt(v: Optional[float], std: Optional[float] = None, digits: int = 3) -> st
 
 def _delta(v: Optional[float]) -> str:
     return "—" if v is None else f"{v:+.3f}"
-
-
-def _human(n: Any) -> str:
-    n = _num(n)
-    if n is None:
-        return "?"
-    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= div:
-            return f"{n / div:.3g}{unit}"
-    return f"{int(n)}"
 
 
 def _md_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> List[str]:
@@ -438,7 +423,36 @@ def write_report(run_dir: Path, exp: ExperimentConfig, records: Sequence[Mapping
     plots = run_dir / "plots"
     plots.mkdir(exist_ok=True)
     metrics = report_metrics(exp, records)
-    main = metrics[0]
+    lines = _header(exp, records, state)
+    rows: List[Dict[str, Any]] = []
+    if exp.kind == "grid":
+        rows = aggregate(exp, records)
+        lines += _grid_sections(exp, rows, metrics, multi=len(_settings(records)) > 1)
+        figs = _grid_plots(exp, rows, records, metrics, plots) if exp.report.plots else []
+        lines += _length_section(exp, rows)
+    else:
+        section, figs = _search_section(exp, records, metrics, plots)
+        lines += section
+    lines += _waiting_section(exp, records) + _failed_section(records)
+    if figs:
+        lines += ["## Plots", ""]
+        lines += [f"![{p.stem}](plots/{p.name})" for p in figs]
+        lines.append("")
+    lines.append("Per-trial numbers: `trials.csv`; per-row numbers: `report.csv`; MLflow: "
+                 f"`{(state.get('tracking') or {}).get('uri', 'off')}`.")
+    write_csvs(run_dir, exp, rows, records, metrics)
+    out = run_dir / "report.md"
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+def _settings(records: Sequence[Mapping[str, Any]]) -> "OrderedDict[Any, Any]":
+    """Setting → its task node, in the order of the records."""
+    return OrderedDict((r.get("setting"), r.get("task")) for r in records)
+
+
+def _header(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]], state: Mapping[str, Any]) -> List[str]:
+    """Title, description, the command that reproduces the run, trial counts, training settings and tasks."""
     lines = [f"# {exp.name}", ""]
     if exp.description:
         lines += [exp.description.strip(), ""]
@@ -456,166 +470,175 @@ def write_report(run_dir: Path, exp: ExperimentConfig, records: Sequence[Mapping
         lines.append(f"Training: {tr.get('steps')} steps, batch {tr.get('batch_size')}, lr {tr.get('lr')}, "
                      f"weight decay {tr.get('weight_decay')}, {tr.get('schedule')} schedule; "
                      f"metric `{exp.metric}` ({exp.mode})")
-    settings = OrderedDict((r.get("setting"), r.get("task")) for r in records)
-    for s, t in settings.items():
+    for s, t in _settings(records).items():
         lines.append(f"Task `{s}`: " + ", ".join(f"{k}={fmt_value(v)}" for k, v in (t or {}).items()))
     lines.append("")
-    figs: List[Path] = []
-    rows: List[Dict[str, Any]] = []
-    if exp.kind == "grid":
-        rows = aggregate(exp, records)
-        proto = exp.protocol.active
-        multi = len(settings) > 1
-        head = (["setting"] if multi else []) + ["variant"]
+    return lines
+
+
+def _grid_sections(exp: ExperimentConfig, rows: Sequence[Mapping[str, Any]], metrics: Sequence[str],
+                   multi: bool) -> List[str]:
+    """``## Results`` (one line per row; ``multi``: several settings) and, with several settings under the
+    protocol or when asked for, ``## MAD score``."""
+    proto = exp.protocol.active
+    reach = exp.report.steps_to
+    lines = ["## Results", ""]
+    lines.append("mean ± std over seeds" + (f"; steps to {fmt_value(reach)} = the first evaluation with "
+                                            f"`{exp.metric}` at {fmt_value(reach)} or better (seeds that got "
+                                            "there)" if reach is not None else "")
+                 + ("; each row at its best (lr, weight decay) of the protocol by "
+                    f"`{exp.metric}`" if proto else "")
+                 + "; Δ vs the baseline row; state = recurrent-state scalars per sequence at the training "
+                   "length (KV cache for attention).")
+    lines.append("")
+    lines += _md_table(*_results_table(exp, rows, metrics, multi))
+    lines.append("")
+    if exp.report.mad_score or (proto and multi):
+        lines += _mad_section(rows, metrics[0])
+    return lines
+
+
+def _results_table(exp: ExperimentConfig, rows: Sequence[Mapping[str, Any]], metrics: Sequence[str],
+                   multi: bool) -> Tuple[List[str], List[List[str]]]:
+    """``(head, table)`` of the results: each metric with its Δ, steps to the threshold, size, best lr / wd."""
+    proto = exp.protocol.active
+    reach = exp.report.steps_to
+    head = (["setting"] if multi else []) + ["variant"]
+    for m in metrics:
+        head += [m, "Δ"]
+    if reach is not None:
+        head.append(f"steps to {fmt_value(reach)}")
+    head += ["params", "state"] + (["best lr / wd"] if proto else []) + ["seeds ok"]
+    table = []
+    for r in rows:
+        line = ([r["setting"]] if multi else []) + [r["label"] + (" (baseline)" if r["baseline"] else "")]
         for m in metrics:
-            head += [m, "Δ"]
-        reach = exp.report.steps_to
+            line += [_fmt(r.get(m), r.get(m + " std")), "" if r["baseline"] else _delta(r.get(m + " delta"))]
         if reach is not None:
-            head.append(f"steps to {fmt_value(reach)}")
-        head += ["params", "state"] + (["best lr / wd"] if proto else []) + ["seeds ok"]
-        table = []
-        for r in rows:
-            line = ([r["setting"]] if multi else []) + [r["label"] + (" (baseline)" if r["baseline"] else "")]
-            for m in metrics:
-                line += [_fmt(r.get(m), r.get(m + " std")), "" if r["baseline"] else _delta(r.get(m + " delta"))]
-            if reach is not None:
-                n_hit = r.get("steps_to n", 0)
-                line.append("—" if not n_hit else _fmt(r["steps_to"], r["steps_to std"], digits=0)
-                            + ("" if n_hit == r["n_ok"] else f" ({n_hit}/{r['n_ok']})"))
-            line += [_human(r["num_parameters"]), _human(r["state_size"])]
-            if proto:
-                line.append(", ".join(fmt_value(v) for v in r["protocol"].values()) or "—")
-            line.append(f"{r['n_ok']}/{r['n']}")
-            table.append(line)
-        lines.append("## Results")
-        lines.append("")
-        lines.append("mean ± std over seeds" + (f"; steps to {fmt_value(reach)} = the first evaluation with "
-                                                f"`{exp.metric}` at {fmt_value(reach)} or better (seeds that got "
-                                                "there)" if reach is not None else "") + ("; each row at its best (lr, weight decay) of the protocol by "
-                                                f"`{exp.metric}`" if proto else "")
-                     + "; Δ vs the baseline row; state = recurrent-state scalars per sequence at the training "
-                       "length (KV cache for attention).")
-        lines.append("")
-        lines += _md_table(head, table)
-        lines.append("")
-        if exp.report.mad_score or (proto and multi):
-            scores = mad_scores(rows, main)
-            if scores:
-                tasks = sorted({t for s in scores.values() for t in s if t != "mad_score"})
-                lines += ["## MAD score", "", f"best `{main}` per setting, mean over a task's settings, then over "
-                          "tasks.", ""]
-                lines += _md_table(["variant"] + tasks + ["MAD score"],
-                                   [[lab] + [_fmt(s.get(t)) for t in tasks] + [_fmt(s["mad_score"])]
-                                    for lab, s in scores.items()])
-                lines.append("")
-        if exp.report.plots:
-            for m in metrics:
-                p = plot_bars(rows, m, plots / f"bar_{_slug(m)}.png", f"{exp.name}: {m}")
-                if p:
-                    figs.append(p)
-            if exp.grid is not None:
-                for key in exp.grid.axes:
-                    p = plot_axis(records, key, main, plots / f"axis_{_slug(short_key(key))}.png")
-                    if p:
-                        figs.append(p)
-            p = plot_state(rows, main, plots / "state.png")
-            if p:
-                figs.append(p)
-            p = plot_curves(rows, records, exp.report.curve_metric or exp.metric, plots / "curves.png")
-            if p:
-                figs.append(p)
-            p = plot_lengths(rows, exp.report.length_metric, plots / "length.png")
-            if p:
-                figs.append(p)
-        len_rows = [r for r in rows if r.get("lengths")]
-        if len_rows:
-            Ls = sorted({L for r in len_rows for L in r["lengths"]})
-            lines += [f"## Test {exp.report.length_metric} vs evaluation length", ""]
-            lines += _md_table(["variant"] + [str(L) for L in Ls],
-                               [[r["row"]] + [_fmt(*r["lengths"][L]) if L in r["lengths"] else "—" for L in Ls]
-                                for r in len_rows])
-            lines.append("")
-    else:
-        ok = [r for r in records if _num(r["metrics"].get(exp.metric)) is not None]
-        rev = exp.mode == "max"
-        ok.sort(key=lambda r: _num(r["metrics"].get(exp.metric)), reverse=rev)
-        keys = list(exp.space)
-        lines += ["## Trials (best first)", ""]
-        head = ["trial"] + [short_key(k) for k in keys] + metrics + ["steps", "status", "params", "state"]
-        table = []
-        for r in ok + [r for r in records if r not in ok]:
-            table.append([r["key"]] + [fmt_value(r["params"][k]) if k in r["params"] else "—" for k in keys]
-                         + [_fmt(_num(r["metrics"].get(m))) for m in metrics]
-                         + [str(r["metrics"].get("step", "?")), r["status"],
-                            _human((r.get("info") or {}).get("num_parameters")),
-                            _human((r.get("info") or {}).get("state_size"))])
-        lines += _md_table(head, table)
-        lines.append("")
-        total_steps = sum(_num(r["metrics"].get("step")) or 0 for r in records)
-        lines.append(f"Steps trained in total: {int(total_steps)} (the full budget would be "
-                     f"{len(records) * int(first.get('train', {}).get('steps') or 0)}).")
-        lines.append("")
-        if exp.report.plots:
-            figs += plot_search(records, exp.metric, keys, plots)
-            rows_like = [{"row": f"{r['key']}", "keys": [r["key"]], "baseline": i == 0} for i, r in enumerate(ok[:8])]
-            p = plot_curves(rows_like, records, exp.report.curve_metric or exp.metric, plots / "curves.png")
-            if p:
-                figs.append(p)
+            n_hit = r.get("steps_to n", 0)
+            line.append("—" if not n_hit else _fmt(r["steps_to"], r["steps_to std"], digits=0)
+                        + ("" if n_hit == r["n_ok"] else f" ({n_hit}/{r['n_ok']})"))
+        line += [human_count(r["num_parameters"]), human_count(r["state_size"])]
+        if proto:
+            line.append(", ".join(fmt_value(v) for v in r["protocol"].values()) or "—")
+        line.append(f"{r['n_ok']}/{r['n']}")
+        table.append(line)
+    return head, table
+
+
+def _mad_section(rows: Sequence[Mapping[str, Any]], main: str) -> List[str]:
+    """``## MAD score``: best ``main`` per setting, mean over a task's settings, then over tasks."""
+    scores = mad_scores(rows, main)
+    if not scores:
+        return []
+    tasks = sorted({t for s in scores.values() for t in s if t != "mad_score"})
+    lines = ["## MAD score", "", f"best `{main}` per setting, mean over a task's settings, then over "
+             "tasks.", ""]
+    lines += _md_table(["variant"] + tasks + ["MAD score"],
+                       [[lab] + [_fmt(s.get(t)) for t in tasks] + [_fmt(s["mad_score"])]
+                        for lab, s in scores.items()])
+    lines.append("")
+    return lines
+
+
+def _grid_plots(exp: ExperimentConfig, rows: Sequence[Mapping[str, Any]], records: Sequence[Mapping[str, Any]],
+                metrics: Sequence[str], plots: Path) -> List[Path]:
+    """The grid's figures: bars per metric, one per axis, state size, learning curves, length."""
+    main = metrics[0]
+    figs = [plot_bars(rows, m, plots / f"bar_{_slug(m)}.png", f"{exp.name}: {m}") for m in metrics]
+    if exp.grid is not None:
+        figs += [plot_axis(records, key, main, plots / f"axis_{_slug(short_key(key))}.png") for key in exp.grid.axes]
+    figs.append(plot_state(rows, main, plots / "state.png"))
+    figs.append(plot_curves(rows, records, exp.report.curve_metric or exp.metric, plots / "curves.png"))
+    figs.append(plot_lengths(rows, exp.report.length_metric, plots / "length.png"))
+    return [p for p in figs if p]
+
+
+def _length_section(exp: ExperimentConfig, rows: Sequence[Mapping[str, Any]]) -> List[str]:
+    """``## Test <metric> vs evaluation length`` (rows with ``test_lengths`` results)."""
+    len_rows = [r for r in rows if r.get("lengths")]
+    if not len_rows:
+        return []
+    Ls = sorted({L for r in len_rows for L in r["lengths"]})
+    lines = [f"## Test {exp.report.length_metric} vs evaluation length", ""]
+    lines += _md_table(["variant"] + [str(L) for L in Ls],
+                       [[r["row"]] + [_fmt(*r["lengths"][L]) if L in r["lengths"] else "—" for L in Ls]
+                        for r in len_rows])
+    lines.append("")
+    return lines
+
+
+def _search_section(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]], metrics: Sequence[str],
+                    plots: Path) -> Tuple[List[str], List[Path]]:
+    """``## Trials (best first)`` of a search, the steps trained, and its figures (each parameter against the
+    metric, the curves of the best eight)."""
+    ok = [r for r in records if _num(r["metrics"].get(exp.metric)) is not None]
+    rev = exp.mode == "max"
+    ok.sort(key=lambda r: _num(r["metrics"].get(exp.metric)), reverse=rev)
+    keys = list(exp.space)
+    lines = ["## Trials (best first)", ""]
+    head = ["trial"] + [short_key(k) for k in keys] + list(metrics) + ["steps", "status", "params", "state"]
+    table = []
+    for r in ok + [r for r in records if r not in ok]:
+        table.append([r["key"]] + [fmt_value(r["params"][k]) if k in r["params"] else "—" for k in keys]
+                     + [_fmt(_num(r["metrics"].get(m))) for m in metrics]
+                     + [str(r["metrics"].get("step", "?")), r["status"],
+                        human_count((r.get("info") or {}).get("num_parameters")),
+                        human_count((r.get("info") or {}).get("state_size"))])
+    lines += _md_table(head, table)
+    lines.append("")
+    first = records[0] if records else {}
+    total_steps = sum(_num(r["metrics"].get("step")) or 0 for r in records)
+    lines.append(f"Steps trained in total: {int(total_steps)} (the full budget would be "
+                 f"{len(records) * int(first.get('train', {}).get('steps') or 0)}).")
+    lines.append("")
+    figs: List[Path] = []
+    if exp.report.plots:
+        figs += plot_search(records, exp.metric, keys, plots)
+        rows_like = [{"row": f"{r['key']}", "keys": [r["key"]], "baseline": i == 0} for i, r in enumerate(ok[:8])]
+        p = plot_curves(rows_like, records, exp.report.curve_metric or exp.metric, plots / "curves.png")
+        if p:
+            figs.append(p)
+    return lines, figs
+
+
+def _waiting_section(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]) -> List[str]:
+    """``## Unfinished trials`` of an experiment that has not finished."""
     waiting = [r for r in records if r["status"] in ("unfinished", "pending")]
-    if waiting:
-        lines += ["## Unfinished trials", "", "(the experiment has not finished: `atlaslab resume` completes it)", ""]
-        lines += _md_table(["trial", "row", "seed", "status", "last step", exp.metric],
-                           [[r["key"], r.get("row", ""), str(r.get("seed", "")), r["status"],
-                             str(r["metrics"].get("step", "—")), _fmt(_num(r["metrics"].get(exp.metric)))]
-                            for r in waiting])
-        lines.append("")
+    if not waiting:
+        return []
+    lines = ["## Unfinished trials", "", "(the experiment has not finished: `atlaslab resume` completes it)", ""]
+    lines += _md_table(["trial", "row", "seed", "status", "last step", exp.metric],
+                       [[r["key"], r.get("row", ""), str(r.get("seed", "")), r["status"],
+                         str(r["metrics"].get("step", "—")), _fmt(_num(r["metrics"].get(exp.metric)))]
+                        for r in waiting])
+    lines.append("")
+    return lines
+
+
+def _failed_section(records: Sequence[Mapping[str, Any]]) -> List[str]:
+    """``## Failed trials`` (diverged, errored) with their reasons."""
     failed = [r for r in records if r["failed"]]
-    if failed:
-        lines += ["## Failed trials", ""]
-        lines += _md_table(["trial", "row", "seed", "status", "reason"],
-                           [[r["key"], r.get("row", ""), str(r.get("seed", "")), r["status"], r.get("message", "")]
-                            for r in failed])
-        lines.append("")
-    if figs:
-        lines += ["## Plots", ""]
-        lines += [f"![{p.stem}](plots/{p.name})" for p in figs]
-        lines.append("")
-    lines.append("Per-trial numbers: `trials.csv`; per-row numbers: `report.csv`; MLflow: "
-                 f"`{(state.get('tracking') or {}).get('uri', 'off')}`.")
-    write_csvs(run_dir, exp, rows, records, metrics)
-    out = run_dir / "report.md"
-    out.write_text("\n".join(lines) + "\n")
-    return out
+    if not failed:
+        return []
+    lines = ["## Failed trials", ""]
+    lines += _md_table(["trial", "row", "seed", "status", "reason"],
+                       [[r["key"], r.get("row", ""), str(r.get("seed", "")), r["status"], r.get("message", "")]
+                        for r in failed])
+    lines.append("")
+    return lines
 
 
 def report_from_dir(run_dir: Path, refresh: bool = False) -> Path:
     """Rewrite the report of a run folder. Without ``results.json`` (an experiment still running or
     interrupted), or with ``refresh``, the records are read from Tune's experiment folder; trials without a
     final result are then reported as ``unfinished``."""
-    from omegaconf import OmegaConf
-
-    from atlaslab.search.schema import load_experiment
     run_dir = Path(run_dir)
     state = json.loads((run_dir / "state.json").read_text()) if (run_dir / "state.json").is_file() else {}
     node = OmegaConf.to_container(OmegaConf.load(run_dir / "experiment.yaml"))
     exp = load_experiment(node=node)
-    rp = run_dir / "results.json"
-    if rp.is_file() and not refresh:
-        records = json.loads(rp.read_text())
-    else:
-        from atlaslab.registry import ConfigError
-        tune_path = Path(state.get("tune_path") or run_dir / "ray" / "tune")
-        if not tune_path.is_dir() or not any(tune_path.glob("experiment_state-*.json")):
-            raise ConfigError("run_dir", f"{run_dir} has no results yet (no Tune experiment state in {tune_path}).",
-                              value=str(run_dir))
-        from ray.tune import ExperimentAnalysis, ResultGrid
-
-        from atlaslab.search.driver import Prepared, collect
-        trials = json.loads((run_dir / "trials.json").read_text()) if (run_dir / "trials.json").is_file() else []
-        p = Prepared(node, exp, trials)
-        from atlaslab.search.driver import saved_statuses
-        records = collect(p, ResultGrid(ExperimentAnalysis(str(tune_path))), run_dir,
-                          partial=state.get("status") != "finished", statuses=saved_statuses(tune_path))
+    trials = json.loads((run_dir / "trials.json").read_text()) if (run_dir / "trials.json").is_file() else []
+    records = read_records(run_dir, Prepared(node, exp, trials), state, refresh=refresh)
     return write_report(run_dir, exp, records, state)
 
 

@@ -45,6 +45,7 @@ the dotted path and the valid keys); :mod:`atlaslab.search.expand` then validate
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,10 +54,13 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+import atlaslab.tasks  # noqa: F401  (registers the tasks, whose names a missing task lists)
+from atlaslab.models.presets import list_presets
 from atlaslab.registry import (
                                ConfigError,
                                check_choice,
                                check_range,
+                               get_registry,
                                to_container,
                                validate_structured,
                                )
@@ -304,6 +308,26 @@ def parse_param(key: str, node: Any, path: str) -> ParamNode:
 
 def validate_experiment(cfg: Any, source: str = "") -> ExperimentConfig:
     """Structural validation of an experiment node (the trials are validated by :mod:`.expand`)."""
+    node = _top_level(cfg, source)
+    raw_grid, raw_search = node.pop("grid", None), node.pop("search", None)
+    raw_model = node.pop("model", None)
+    exp = _structured(ExperimentConfig, node, "")
+    exp.model = _model_node(raw_model)
+    _check_tasks(exp)
+    settings = list(exp.settings())
+    _check_fields(exp)
+    if raw_grid is not None and raw_search is not None:
+        raise ConfigError("search", "an experiment is either an ablation grid or a search, not both.",
+                          choices=["grid", "search"])
+    if raw_search is not None:
+        _validate_search(exp, raw_search, settings)
+    else:
+        _validate_grid(exp, raw_grid, settings)
+    return exp
+
+
+def _top_level(cfg: Any, source: str) -> Dict[str, Any]:
+    """The experiment node as a dict whose keys are all experiment fields, named (after the file) if it was not."""
     node = to_container(cfg)
     if not isinstance(node, Mapping):
         raise ConfigError("", f"an experiment file must be a mapping, got {type(node).__name__}.")
@@ -315,33 +339,39 @@ def validate_experiment(cfg: Any, source: str = "") -> ExperimentConfig:
         node["name"] = Path(source).stem if source else "experiment"
     if "space" in node:  # pragma: no cover - guarded by TOP_FIELDS
         node.pop("space")
-    raw_grid, raw_search = node.pop("grid", None), node.pop("search", None)
-    raw_model = node.pop("model", None)
-    exp = _structured(ExperimentConfig, node, "")
-    # -- model
+    return node
+
+
+def _model_node(raw_model: Any) -> ModelNode:
+    """The base model (``model: <preset>`` or ``{preset, overrides}``); overrides a mapping or a dotlist."""
     model = to_container(raw_model)
     if model is None:
         raise ConfigError("model", "the experiment needs a base model: model: {preset: <name>, overrides: {...}}.",
                           choices=_preset_names())
     if isinstance(model, str):
         model = {"preset": model}
-    exp.model = _structured(ModelNode, model, "model")
-    ov = exp.model.overrides
+    out = _structured(ModelNode, model, "model")
+    ov = out.overrides
     if ov is not None and not isinstance(ov, (Mapping, list, tuple)):
         raise ConfigError("model.overrides", f"expected a mapping or a list of 'key=value', got {ov!r}.", value=ov)
-    # -- tasks
+    return out
+
+
+def _check_tasks(exp: ExperimentConfig) -> None:
+    """Exactly one of ``task`` and ``tasks``; every setting of ``tasks`` a task node."""
     if exp.task is None and not exp.tasks:
         raise ConfigError("task", "the experiment needs a task (task: {name: …}) or settings (tasks: {…}).",
                           choices=_task_names())
     if exp.task is not None and exp.tasks:
         raise ConfigError("tasks", "give either task or tasks, not both.")
-    if exp.tasks:
-        for name, tnode in exp.tasks.items():
-            if not isinstance(to_container(tnode), (Mapping, str)):
-                raise ConfigError(f"tasks.{name}", f"expected a task node ({{name: …}}), got {tnode!r}.",
-                                  choices=_task_names())
-    settings = list(exp.settings())
-    # -- simple fields
+    for name, tnode in exp.tasks.items():
+        if not isinstance(to_container(tnode), (Mapping, str)):
+            raise ConfigError(f"tasks.{name}", f"expected a task node ({{name: …}}), got {tnode!r}.",
+                              choices=_task_names())
+
+
+def _check_fields(exp: ExperimentConfig) -> None:
+    """The simple fields: mode, metric, seeds and the counts."""
     check_choice("mode", exp.mode, ("max", "min"))
     if "/" not in exp.metric:
         raise ConfigError("metric", f"a metric is '<split>/<name>' (e.g. val/accuracy), got '{exp.metric}'.",
@@ -355,65 +385,70 @@ def validate_experiment(cfg: Any, source: str = "") -> ExperimentConfig:
     check_range("max_failures", exp.max_failures, 0, None)
     if len(set(exp.seeds)) != len(exp.seeds):
         raise ConfigError("seeds", f"repeated seeds {exp.seeds}.", value=exp.seeds)
-    # -- grid / search
-    if raw_grid is not None and raw_search is not None:
-        raise ConfigError("search", "an experiment is either an ablation grid or a search, not both.",
-                          choices=["grid", "search"])
-    if raw_search is not None:
-        exp.search = _structured(SearchNode, raw_search, "search")
-        if not exp.search.space:
-            raise ConfigError("search.space", "a search needs at least one parameter.", value={})
-        seen: List[str] = []
-        for key, pnode in exp.search.space.items():
-            path = f"search.space.{key}"
-            _check_key(key, path, settings)
-            p = parse_param(key, pnode, path)
-            for ckey, cval in p.when.items():
-                if ckey not in seen:
-                    raise ConfigError(f"{path}.when.{ckey}", "a condition must name a parameter listed before "
-                                      "this one.", value=ckey, choices=seen)
-                cp = exp.space[ckey]
-                if cp.type == "categorical":
-                    vals = cval if isinstance(cval, list) else [cval]
-                    for v in vals:
-                        if v not in cp.choices:
-                            raise ConfigError(f"{path}.when.{ckey}", f"{v!r} is not a choice of {ckey}.", value=v,
-                                              choices=[str(c) for c in cp.choices])
-            exp.space[key] = p
-            seen.append(key)
-        if exp.protocol.active:
-            raise ConfigError("protocol", "the lr × weight-decay protocol is for grids; put train.lr and "
-                              "train.weight_decay in search.space instead.")
-        if len(exp.seeds) > 1:
-            raise ConfigError("seeds", "a search runs each sampled config once; give one seed.", value=exp.seeds)
-    else:
-        exp.grid = _structured(GridNode, raw_grid or {}, "grid")
-        if exp.num_samples != 1:
-            raise ConfigError("num_samples", "a grid runs every point once per seed: list repeats in seeds.",
-                              value=exp.num_samples)
-        g = exp.grid
-        for key, values in g.axes.items():
-            path = f"grid.axes.{key}"
-            _check_key(key, path, settings)
-            if not isinstance(values, list) or not values:
-                raise ConfigError(path, f"an axis is a non-empty list of values, got {values!r}.", value=values)
-        if g.mode == "zip" and g.axes:
-            lengths = {k: len(v) for k, v in g.axes.items()}
-            if len(set(lengths.values())) > 1:
-                raise ConfigError("grid.axes", f"zipped axes need equal lengths, got {lengths}.", value=lengths)
-        for vname, vnode in g.variants.items():
-            vnode = {} if vnode is None else vnode
-            if not isinstance(vnode, Mapping):
-                raise ConfigError(f"grid.variants.{vname}", "a variant is a mapping of dotted keys to values.",
-                                  value=vnode)
-            g.variants[vname] = dict(vnode)
-            for key in vnode:
-                _check_key(key, f"grid.variants.{vname}.{key}", settings)
-        _check_exclude(g)
-        if g.baseline is not None and g.baseline not in g.variants:
-            raise ConfigError("grid.baseline", f"no variant named '{g.baseline}'.", value=g.baseline,
-                              choices=list(g.variants))
-    return exp
+
+
+def _validate_search(exp: ExperimentConfig, raw_search: Any, settings: Sequence[str]) -> None:
+    """``search``: the space (into ``exp.space``), conditions on earlier parameters, no protocol, one seed."""
+    exp.search = _structured(SearchNode, raw_search, "search")
+    if not exp.search.space:
+        raise ConfigError("search.space", "a search needs at least one parameter.", value={})
+    for key, pnode in exp.search.space.items():
+        path = f"search.space.{key}"
+        _check_key(key, path, settings)
+        p = parse_param(key, pnode, path)
+        _check_conditions(exp, p, path)
+        exp.space[key] = p
+    if exp.protocol.active:
+        raise ConfigError("protocol", "the lr × weight-decay protocol is for grids; put train.lr and "
+                          "train.weight_decay in search.space instead.")
+    if len(exp.seeds) > 1:
+        raise ConfigError("seeds", "a search runs each sampled config once; give one seed.", value=exp.seeds)
+
+
+def _check_conditions(exp: ExperimentConfig, p: ParamNode, path: str) -> None:
+    """A ``when`` names parameters listed before this one (already in ``exp.space``), with values they can take."""
+    seen = list(exp.space)
+    for ckey, cval in p.when.items():
+        if ckey not in seen:
+            raise ConfigError(f"{path}.when.{ckey}", "a condition must name a parameter listed before "
+                              "this one.", value=ckey, choices=seen)
+        cp = exp.space[ckey]
+        if cp.type == "categorical":
+            vals = cval if isinstance(cval, list) else [cval]
+            for v in vals:
+                if v not in cp.choices:
+                    raise ConfigError(f"{path}.when.{ckey}", f"{v!r} is not a choice of {ckey}.", value=v,
+                                      choices=[str(c) for c in cp.choices])
+
+
+def _validate_grid(exp: ExperimentConfig, raw_grid: Any, settings: Sequence[str]) -> None:
+    """``grid`` (also when absent: one base point): axes, variants, exclusions and the baseline."""
+    exp.grid = _structured(GridNode, raw_grid or {}, "grid")
+    if exp.num_samples != 1:
+        raise ConfigError("num_samples", "a grid runs every point once per seed: list repeats in seeds.",
+                          value=exp.num_samples)
+    g = exp.grid
+    for key, values in g.axes.items():
+        path = f"grid.axes.{key}"
+        _check_key(key, path, settings)
+        if not isinstance(values, list) or not values:
+            raise ConfigError(path, f"an axis is a non-empty list of values, got {values!r}.", value=values)
+    if g.mode == "zip" and g.axes:
+        lengths = {k: len(v) for k, v in g.axes.items()}
+        if len(set(lengths.values())) > 1:
+            raise ConfigError("grid.axes", f"zipped axes need equal lengths, got {lengths}.", value=lengths)
+    for vname, vnode in g.variants.items():
+        vnode = {} if vnode is None else vnode
+        if not isinstance(vnode, Mapping):
+            raise ConfigError(f"grid.variants.{vname}", "a variant is a mapping of dotted keys to values.",
+                              value=vnode)
+        g.variants[vname] = dict(vnode)
+        for key in vnode:
+            _check_key(key, f"grid.variants.{vname}.{key}", settings)
+    _check_exclude(g)
+    if g.baseline is not None and g.baseline not in g.variants:
+        raise ConfigError("grid.baseline", f"no variant named '{g.baseline}'.", value=g.baseline,
+                          choices=list(g.variants))
 
 
 def _check_exclude(g: GridNode) -> None:
@@ -440,13 +475,10 @@ def _check_exclude(g: GridNode) -> None:
 
 
 def _preset_names() -> List[str]:
-    from atlaslab.models.presets import list_presets
     return list_presets()
 
 
 def _task_names() -> List[str]:
-    from atlaslab import tasks  # noqa: F401
-    from atlaslab.registry import get_registry
     return get_registry("task").names()
 
 
@@ -501,7 +533,7 @@ def load_experiment(path: Optional[str] = None, overrides: Sequence[str] = (), n
 
 
 def import_module(name: str) -> None:
-    import importlib
+    """Import a module of ``imports`` (user parts register themselves); ConfigError if it cannot be."""
     try:
         importlib.import_module(name)
     except ImportError as exc:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
+from atlaslab.search.formatting import fmt_value
 from atlaslab.search.schema import ExperimentConfig, ParamNode
 
 _SCALARS = (type(None), bool, int, float, str)
@@ -28,7 +29,6 @@ def choice_labels(p: ParamNode) -> List[Any]:
     """What Optuna sees for a categorical parameter: the choices themselves when scalar, else labels."""
     if all(isinstance(c, _SCALARS) for c in p.choices):
         return list(p.choices)
-    from atlaslab.search.expand import fmt_value
     labels = [fmt_value(c) for c in p.choices]
     if len(set(labels)) != len(labels):
         labels = [f"{i}:{lab}" for i, lab in enumerate(labels)]

@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
+
+import yaml
 
 log = logging.getLogger("atlaslab.search")
 # nothing leaves the machine but what the user points MLflow at (MLflow 3 otherwise sends usage telemetry)
@@ -93,7 +97,6 @@ def config_params(config: Mapping[str, Any]) -> Dict[str, str]:
 
 
 def safe_key(k: str) -> str:
-    import re
     k = re.sub(r"[^A-Za-z0-9_\-. /:]", "_", k)
     return k[:MAX_KEY_LEN]
 
@@ -128,8 +131,6 @@ def log_params(c, run_id: str, params: Mapping[str, Any], existing: Optional[Map
 
 
 def log_metrics(c, run_id: str, metrics: Mapping[str, float], step: int) -> None:
-    import math
-
     from mlflow.entities import Metric
     ts = int(time.time() * 1000)
     items = [Metric(safe_key(k), float(v), ts, int(step)) for k, v in metrics.items()
@@ -215,7 +216,6 @@ class TrialRun:
         ``resolved_config.yaml`` (model with every default filled in, task, training settings)."""
         if not self.ok or self.artifact_logged:
             return
-        import yaml
         plain = json.loads(json.dumps(dict(trial), default=str))
         retry(self.c.log_text, self.run_id, yaml.safe_dump(plain, sort_keys=False), "trial_config.yaml",
               what="log config")

@@ -23,124 +23,51 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import torch
+
+from atlaslab.models.presets import build_model
+from atlaslab.search.expand import Validator, model_config, trial_from_params
+from atlaslab.search.schema import ExperimentConfig
+from atlaslab.search.space import decode_params
+from atlaslab.search.tracking import TrialRun
+from atlaslab.tasks.base import build_task
+from atlaslab.train.config import TrainConfig, resolve_train_config
+from atlaslab.train.loop import CHECKPOINT_NAME, TrainResult, train
 
 CKPT_META = "atlaslab_trial.json"
 
 
-def _trial_spec(config: Mapping[str, Any]) -> Dict[str, Any]:
-    """The trial dict: given (grid), or built from the sampled params (search) and validated here."""
-    if "trial" in config:
-        return dict(config["trial"])
-    from ray import tune
+def run_trial(config: Dict[str, Any], experiment: Optional[ExperimentConfig] = None) -> None:
+    """Ray Tune function trainable (see the module docstring).
 
-    from atlaslab.search.expand import Validator, trial_from_params
-    from atlaslab.search.schema import load_experiment
-    from atlaslab.search.space import decode_params
-    exp = load_experiment(node=config["experiment"]["node"])
-    params = decode_params(exp.space, config)
-    tid = tune.get_context().get_trial_id()
-    trial = trial_from_params(exp, params, key=tid)
-    Validator(exp).validate(trial)
-    return trial
-
-
-def run_trial(config: Dict[str, Any]) -> None:
-    """Ray Tune function trainable (see the module docstring)."""
+    ``config``: ``{"experiment": meta, "trial": trial}`` for a grid (the trial as the driver validated it),
+    ``{"experiment": meta, <sampled params>}`` for a search, whose ``experiment`` (the driver's validated
+    :class:`ExperimentConfig`, through ``tune.with_parameters``) turns the params into the trial."""
     t_start = time.time()
     from ray import tune
 
     meta = config["experiment"]
     for mod in meta.get("imports", []):
         __import__(mod)
-    import torch
-
-    threads = max(1, int(meta.get("cpus_per_trial", 1)))
-    torch.set_num_threads(threads)
-
-    from atlaslab.models.presets import build_model
-    from atlaslab.tasks.base import build_task
-    from atlaslab.train.config import resolve_train_config
-    from atlaslab.train.loop import CHECKPOINT_NAME, train
-    from atlaslab.search.expand import model_config
-    from atlaslab.search.tracking import TrialRun
-
-    trial = _trial_spec(config)
-    ctx = tune.get_context()
-    work = Path(ctx.get_trial_dir()) / "work"
+    torch.set_num_threads(max(1, int(meta.get("cpus_per_trial", 1))))
+    trial = _trial_spec(config, experiment)
+    work = Path(tune.get_context().get_trial_dir()) / "work"
     work.mkdir(parents=True, exist_ok=True)
-    reported_step = -1
-    ckpt = tune.get_checkpoint()
-    if ckpt is not None:
-        with ckpt.as_directory() as d:
-            m = Path(d) / CKPT_META
-            ck_meta = json.loads(m.read_text()) if m.is_file() else {}
-            if ck_meta.get("final"):
-                # finished before an interruption that Tune did not record: report the stored result again,
-                # train nothing and leave the MLflow run as it is
-                tune.report(ck_meta["final"])
-                return
-            src = Path(d) / CHECKPOINT_NAME
-            if src.is_file():
-                shutil.copyfile(src, work / (CHECKPOINT_NAME + ".part"))
-                os.replace(work / (CHECKPOINT_NAME + ".part"), work / CHECKPOINT_NAME)
-            reported_step = int(ck_meta.get("reported_step", -1))
-    elif (work / CHECKPOINT_NAME).exists():
-        (work / CHECKPOINT_NAME).unlink()          # a fresh start: no stale state from an earlier attempt
-
-    tr = meta.get("tracking") or {}
-    mlrun: Optional[TrialRun] = None
-    if tr.get("uri") and tr.get("parent_run_id"):
-        mlrun = TrialRun(tr["uri"], tr["experiment_id"], tr["parent_run_id"], trial,
-                         run_name=f"{trial['key']} {trial['label']}"[:200])
-
-    cfg = trial["config"]
+    restored = _restore_checkpoint(work)
+    if restored is None:
+        return
+    mlrun = _child_run(meta, trial)
     status, tags = "FAILED", {}
     try:
-        task = build_task(cfg["task"])
-        tcfg = resolve_train_config(cfg["train"], "train")
-        torch.manual_seed(tcfg.seed)
-        model = build_model(model_config(cfg["model"], task.vocab_size))
+        task, tcfg, model = _build(trial)
         if mlrun is not None:
-            mlrun.log_config(trial, {"model": model.resolved.to_dict(), "task": task.info(),
-                                     "train": tcfg.to_dict()})
-        info = trial.get("info", {})
-        eval_prefix = tcfg.eval_split + "/"
-        state = {"prev_eval": None, "last_train": {}, "t0": time.time()}
-        setup_s = state["t0"] - t_start          # imports, MLflow run, model build: the per-trial overhead
-
-        def callback(metrics: Dict[str, float], step: int) -> None:
-            if mlrun is not None:
-                mlrun.log(metrics, step)
-            train_part = {k: v for k, v in metrics.items() if k.startswith("train/")}
-            if train_part:
-                state["last_train"] = train_part
-            if not any(k.startswith(eval_prefix) for k in metrics):
-                return
-            prev = state["prev_eval"]
-            state["prev_eval"] = step
-            if step <= reported_step or step >= tcfg.steps:
-                return        # replayed after a restore / the last one: the final report carries it
-            rep = {**state["last_train"], **metrics, "step": step, "final": 0,
-                   "elapsed_s": time.time() - state["t0"], "setup_s": setup_s, "t_start": t_start}
-            _report(rep, work / CHECKPOINT_NAME if prev is not None else None, step)
-            return
-
-        result = train(model, task, tcfg, callback=callback, checkpoint_dir=work)
-        final = {**result.metrics, "step": result.steps, "final": 1, "status": result.status,
-                 "message": result.message, "failed": int(result.diverged), "wall_time_s": result.wall_time_s,
-                 "setup_s": setup_s, "t_start": t_start, "t_end": time.time(), "node_id": _node_id(),
-                 "num_parameters": info.get("num_parameters", 0), "state_size": info.get("state_size", 0)}
-        if result.best:
-            final["best_value"] = result.best.get("value")
-            final["best_step"] = result.best.get("step")
-        if result.diverged:
-            final[meta.get("metric", "val/accuracy")] = float("nan")
-            status = "FAILED"
-            tags = {"atlaslab.status": "diverged", "atlaslab.failure": result.message}
-        else:
-            status = "FINISHED"
-            tags = {"atlaslab.status": result.status}
+            mlrun.log_config({k: v for k, v in trial.items() if k != "model_config"},
+                             {"model": model.resolved.to_dict(), "task": task.info(), "train": tcfg.to_dict()})
+        reporter = _Reporter(mlrun, work, tcfg, reported_step=restored, t_start=t_start)
+        result = train(model, task, tcfg, callback=reporter, checkpoint_dir=work)
+        final, status, tags = _final_result(result, meta, trial, reporter)
         if mlrun is not None:
             mlrun.log({k: v for k, v in final.items() if k in ("failed", "wall_time_s", "setup_s")}, result.steps)
         _report(final, work / CHECKPOINT_NAME, result.steps, final=True)
@@ -161,7 +88,118 @@ def run_trial(config: Dict[str, Any]) -> None:
             mlrun.end(status, tags)
 
 
+def _trial_spec(config: Mapping[str, Any], experiment: Optional[ExperimentConfig]) -> Dict[str, Any]:
+    """The trial dict: given (grid), or built from the sampled params (search) and validated here (the driver
+    validated the experiment and the corners of the space, not this point of it)."""
+    if "trial" in config:
+        return dict(config["trial"])
+    if experiment is None:
+        raise ValueError("a search trial needs its experiment: tune.with_parameters(run_trial, experiment=exp)")
+    from ray import tune
+    params = decode_params(experiment.space, config)
+    trial = trial_from_params(experiment, params, key=tune.get_context().get_trial_id())
+    Validator(experiment).validate(trial)
+    return trial
+
+
+def _restore_checkpoint(work: Path) -> Optional[int]:
+    """Put the trial's last Ray checkpoint (if any) where the training loop resumes from; returns the last step
+    reported to Tune (-1 for a fresh start), or None for a trial that had finished (its stored final result
+    is reported again: there is nothing to train, and its MLflow run stays as it is)."""
+    from ray import tune
+    ckpt = tune.get_checkpoint()
+    if ckpt is None:
+        if (work / CHECKPOINT_NAME).exists():
+            (work / CHECKPOINT_NAME).unlink()          # a fresh start: no stale state from an earlier attempt
+        return -1
+    with ckpt.as_directory() as d:
+        m = Path(d) / CKPT_META
+        ck_meta = json.loads(m.read_text()) if m.is_file() else {}
+        if ck_meta.get("final"):
+            # finished before an interruption that Tune did not record
+            tune.report(ck_meta["final"])
+            return None
+        src = Path(d) / CHECKPOINT_NAME
+        if src.is_file():
+            shutil.copyfile(src, work / (CHECKPOINT_NAME + ".part"))
+            os.replace(work / (CHECKPOINT_NAME + ".part"), work / CHECKPOINT_NAME)
+        return int(ck_meta.get("reported_step", -1))
+
+
+def _child_run(meta: Mapping[str, Any], trial: Mapping[str, Any]) -> Optional[TrialRun]:
+    """The trial's MLflow run (found again after a restore), or None when tracking is off."""
+    tr = meta.get("tracking") or {}
+    if not (tr.get("uri") and tr.get("parent_run_id")):
+        return None
+    return TrialRun(tr["uri"], tr["experiment_id"], tr["parent_run_id"], trial,
+                    run_name=f"{trial['key']} {trial['label']}"[:200])
+
+
+def _build(trial: Mapping[str, Any]) -> Tuple[Any, TrainConfig, torch.nn.Module]:
+    """``(task, train config, model)`` of a trial, the model seeded with the training seed. The model is the
+    one the driver validated (``trial["model_config"]``); a trial recorded before trials carried it (a run
+    folder of an older version, resumed) builds it from its preset and overrides."""
+    cfg = trial["config"]
+    task = build_task(cfg["task"])
+    tcfg = resolve_train_config(cfg["train"], "train")
+    torch.manual_seed(tcfg.seed)
+    mcfg = trial.get("model_config")
+    model = build_model(mcfg if mcfg is not None else model_config(cfg["model"], task.vocab_size))
+    return task, tcfg, model
+
+
+class _Reporter:
+    """The training loop's callback: every metrics call to MLflow; every evaluation after the first one (but
+    the last, which the final report carries) to Tune with the checkpoint of that step, unless a restored trial
+    reported it already."""
+
+    def __init__(self, mlrun: Optional[TrialRun], work: Path, tcfg: TrainConfig, reported_step: int,
+                 t_start: float):
+        self.mlrun, self.work, self.tcfg = mlrun, work, tcfg
+        self.reported_step, self.t_start = reported_step, t_start
+        self.eval_prefix = tcfg.eval_split + "/"
+        self.prev_eval: Optional[int] = None
+        self.last_train: Dict[str, float] = {}
+        self.t0 = time.time()
+        self.setup_s = self.t0 - t_start          # imports, MLflow run, model build: the per-trial overhead
+
+    def __call__(self, metrics: Dict[str, float], step: int) -> None:
+        if self.mlrun is not None:
+            self.mlrun.log(metrics, step)
+        train_part = {k: v for k, v in metrics.items() if k.startswith("train/")}
+        if train_part:
+            self.last_train = train_part
+        if not any(k.startswith(self.eval_prefix) for k in metrics):
+            return
+        prev = self.prev_eval
+        self.prev_eval = step
+        if step <= self.reported_step or step >= self.tcfg.steps:
+            return        # replayed after a restore / the last one: the final report carries it
+        rep = {**self.last_train, **metrics, "step": step, "final": 0,
+               "elapsed_s": time.time() - self.t0, "setup_s": self.setup_s, "t_start": self.t_start}
+        _report(rep, self.work / CHECKPOINT_NAME if prev is not None else None, step)
+
+
+def _final_result(result: TrainResult, meta: Mapping[str, Any], trial: Mapping[str, Any],
+                  reporter: _Reporter) -> Tuple[Dict[str, Any], str, Dict[str, str]]:
+    """``(final report, MLflow status, MLflow tags)`` of a finished training run; a diverged one reports its
+    metric as NaN and ends FAILED."""
+    info = trial.get("info", {})
+    final = {**result.metrics, "step": result.steps, "final": 1, "status": result.status,
+             "message": result.message, "failed": int(result.diverged), "wall_time_s": result.wall_time_s,
+             "setup_s": reporter.setup_s, "t_start": reporter.t_start, "t_end": time.time(), "node_id": _node_id(),
+             "num_parameters": info.get("num_parameters", 0), "state_size": info.get("state_size", 0)}
+    if result.best:
+        final["best_value"] = result.best.get("value")
+        final["best_step"] = result.best.get("step")
+    if result.diverged:
+        final[meta.get("metric", "val/accuracy")] = float("nan")
+        return final, "FAILED", {"atlaslab.status": "diverged", "atlaslab.failure": result.message}
+    return final, "FINISHED", {"atlaslab.status": result.status}
+
+
 def _node_id() -> str:
+    """The Ray node this trial runs on ("" outside Ray)."""
     try:
         import ray
         return ray.get_runtime_context().get_node_id()
@@ -170,6 +208,8 @@ def _node_id() -> str:
 
 
 def _report(metrics: Dict[str, Any], ckpt_file: Optional[Path], step: int, final: bool = False) -> None:
+    """``tune.report`` (non-finite values as NaN), with a Ray checkpoint of ``ckpt_file`` when it exists; the
+    checkpoint's meta holds the step reported and, for the final report, the result itself."""
     from ray import tune
     clean = {}
     for k, v in metrics.items():

@@ -1,0 +1,158 @@
+"""The trials' results of a run folder: one record per trial, read from Ray Tune's results.
+
+    records = collect(prepared, tuner.fit(), run_dir, partial=interrupted, statuses=saved_statuses(tune_path))
+    records = read_records(run_dir, prepared, state, refresh=True)       # results.json, or Tune's folder
+
+A record holds what a report needs of a trial: its place in the experiment (key, setting, variant, row,
+axes, protocol, seed, params), ``status`` (``completed`` / ``early_stopped`` / ``diverged`` / ``error`` /
+``pruned``, and ``unfinished`` / ``pending`` for an experiment that has not finished), ``failed``,
+``message``, the final ``metrics``, the learning curve (``history``), the validated model's ``info`` and
+the ``train`` / ``task`` settings. The driver writes them to ``results.json``; :mod:`.report` reads them.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from atlaslab.registry import ConfigError
+from atlaslab.search.expand import Prepared, trial_from_params
+from atlaslab.search.space import decode_params
+
+RESULTS_NAME = "results.json"
+#: the trial fields a record keeps
+PLACE_KEYS = ("key", "index", "setting", "variant", "label", "row", "axes", "protocol", "seed", "params")
+#: Tune statuses of a trial that a resume continues
+WAITING = ("RUNNING", "PENDING", "PAUSED")
+
+
+def saved_statuses(tune_path: os.PathLike) -> Dict[str, str]:
+    """Trial folder name → status in Tune's newest saved experiment state (what a restore resumes from;
+    after an interruption the in-memory trials read TERMINATED although they will be resumed)."""
+    files = sorted(Path(tune_path).glob("experiment_state-*.json"))
+    if not files:
+        return {}
+    try:
+        data = json.loads(files[-1].read_text())
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    for entry in data.get("trial_data", []):
+        try:
+            t = json.loads(entry[0] if isinstance(entry, (list, tuple)) else entry)
+        except (TypeError, ValueError):
+            continue
+        name = t.get("custom_dirname") or t.get("relative_logdir") or t.get("trial_id")
+        out[str(name)] = str(t.get("status"))
+    return out
+
+
+def collect(p: Prepared, result_grid, run_dir: Path, partial: bool = False,
+            statuses: Optional[Mapping[str, str]] = None) -> List[Dict[str, Any]]:
+    """One record per trial from Tune's results: status, reason, final metrics, learning curve.
+
+    ``partial`` (an experiment that has not finished): a trial without its final result is ``unfinished``
+    rather than stopped by the scheduler, and a grid's trials Tune has not started are ``pending``."""
+    records = [_record(p, r, partial, statuses or {}) for r in result_grid]
+    if partial and p.exp.kind == "grid":
+        seen = {r["key"] for r in records}
+        records += [_pending_record(t) for t in p.trials if t["key"] not in seen]
+    records.sort(key=lambda r: (r.get("index", 0), str(r["key"])))
+    return records
+
+
+def read_records(run_dir: Path, p: Prepared, state: Mapping[str, Any], refresh: bool = False) -> List[Dict[str, Any]]:
+    """The records of a run folder: ``results.json``, or (without it, or with ``refresh``) collected again
+    from Tune's experiment folder, partial unless the experiment finished."""
+    run_dir = Path(run_dir)
+    rp = run_dir / RESULTS_NAME
+    if rp.is_file() and not refresh:
+        return json.loads(rp.read_text())
+    tune_path = Path(state.get("tune_path") or run_dir / "ray" / "tune")
+    if not tune_path.is_dir() or not any(tune_path.glob("experiment_state-*.json")):
+        raise ConfigError("run_dir", f"{run_dir} has no results yet (no Tune experiment state in {tune_path}).",
+                          value=str(run_dir))
+    from ray.tune import ExperimentAnalysis, ResultGrid
+    return collect(p, ResultGrid(ExperimentAnalysis(str(tune_path))), run_dir,
+                   partial=state.get("status") != "finished", statuses=saved_statuses(tune_path))
+
+
+def _record(p: Prepared, r, partial: bool, statuses: Mapping[str, str]) -> Dict[str, Any]:
+    """The record of one Tune result."""
+    cfg = r.config or {}
+    key = Path(str(r.path)).name if r.path else None
+    if cfg.get("trial"):
+        trial = dict(cfg["trial"])
+    else:
+        trial = trial_from_params(p.exp, decode_params(p.exp.space, cfg), key=str(key))
+        trial["info"] = {}
+    m = _clean_metrics(r.metrics or {})
+    status, message = _status(r, m, statuses.get(str(key)), partial)
+    info = dict(trial.get("info") or {})
+    for k in ("num_parameters", "state_size"):
+        if k not in info and k in m:
+            info[k] = m[k]
+    rec = {k: trial[k] for k in PLACE_KEYS if k in trial}
+    rec.update({"status": status, "failed": status in ("error", "diverged"), "message": message, "metrics": m,
+                "history": _history(r), "info": {k: v for k, v in info.items() if k not in ("train", "task")},
+                "train": (info.get("train") or trial["config"].get("train")),
+                "task": trial["config"].get("task"), "path": str(r.path)})
+    return rec
+
+
+def _status(r, m: Mapping[str, Any], saved: Optional[str], partial: bool) -> Tuple[str, str]:
+    """``(status, message)`` of a Tune result with (clean) metrics ``m``; ``saved``: its status in Tune's
+    saved state."""
+    waiting = (f"last report at step {m.get('step')}" if m else "not started")
+    if saved in WAITING and r.error is None and m.get("final") != 1:
+        return "unfinished", waiting
+    if r.error is not None:
+        err = str(r.error).strip().splitlines()
+        return "error", next((line for line in reversed(err) if line.strip()), "error")[:500]
+    if m.get("final") == 1:
+        return str(m.get("status", "completed")), str(m.get("message", "") or "")
+    if partial:
+        return "unfinished", waiting
+    if m:
+        return "pruned", f"stopped by the scheduler at step {m.get('step')}"
+    return "error", "the trial reported nothing"
+
+
+def _history(r) -> List[Dict[str, Any]]:
+    """The learning curve of a Tune result: ``step`` and the split metrics of every report (NaN → None)."""
+    try:
+        df = r.metrics_dataframe
+    except Exception:
+        df = None
+    if df is None or not len(df):
+        return []
+    keep = [c for c in df.columns if "/" in c or c == "step"]
+    return [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+            for row in df[keep].to_dict("records")]
+
+
+def _pending_record(t: Mapping[str, Any]) -> Dict[str, Any]:
+    """The record of a grid trial Tune has not started."""
+    rec = {k: t[k] for k in PLACE_KEYS if k in t}
+    rec.update({"status": "pending", "failed": False, "message": "not started", "metrics": {}, "history": [],
+                "info": {k: v for k, v in (t.get("info") or {}).items() if k not in ("train", "task")},
+                "train": t["config"].get("train"), "task": t["config"].get("task"), "path": ""})
+    return rec
+
+
+def _clean_metrics(m: Mapping[str, Any]) -> Dict[str, Any]:
+    """A Tune result's scalars (booleans as ints), without the config and the experiment's meta."""
+    out = {}
+    for k, v in (m or {}).items():
+        if k in ("config",) or k.startswith("experiment"):
+            continue
+        if isinstance(v, bool):
+            v = int(v)
+        if isinstance(v, (int, float, str)) or v is None:
+            out[k] = v
+    return out
+
+
+__all__ = ["RESULTS_NAME", "collect", "read_records", "saved_statuses"]
