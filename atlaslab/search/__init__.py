@@ -8,8 +8,10 @@
 * :mod:`.expand` — grid expansion into trials and the validation of every trial before Ray starts;
 * :mod:`.space` — Optuna define-by-run search spaces with conditional parameters;
 * :mod:`.trainable` — the Ray Tune function trainable (build, train, report, checkpoint, MLflow run);
-* :mod:`.driver` — Ray session, Tuner, resume, result collection; :mod:`.progress` — live progress;
-* :mod:`.tracking` — MLflow parent/child runs; :mod:`.report` — markdown, CSV and PNG reports.
+* :mod:`.driver` — Ray session, Tuner, run and resume; :mod:`.progress` — live progress;
+* :mod:`.results` — the trials' records of a run folder (from Tune's results), read by the driver and the report;
+* :mod:`.tracking` — MLflow parent/child runs; :mod:`.report` — markdown, CSV and PNG reports;
+* :mod:`.formatting` — how keys and values are written in labels, tables and plots.
 
 ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is set when this package is imported (before ``import ray``), so a
 local Ray keeps every process on 127.0.0.1.
