@@ -1,6 +1,6 @@
 """Compile every Triton kernel launch of the test suite for an H100 / H200 (sm_90) on a machine WITHOUT a GPU.
 
-    python bench/compile_sm90.py                      # all tests/test_triton*.py → bench/results/compile_sm90.{json,md}
+    python bench/compile_sm90.py                      # all tests/kernels/test_triton*.py → bench/results/compile_sm90.{json,md}
     python bench/compile_sm90.py -k window            # a subset (pytest's -k)
     python bench/compile_sm90.py --arch 100           # another NVIDIA target (compute capability × 10)
 
@@ -45,7 +45,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
 #: the project's kernels live here; launches of other modules' kernels (none today) are not recorded
-PACKAGE = "atlaslab.kernels.triton"
+PACKAGE = "atlaslab.kernels"
 #: largest dynamic + static shared memory per block, by compute capability × 10 (CUDA programming guide)
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024}
 
@@ -202,7 +202,8 @@ def compile_all(launches, arch: int, precision=None, num_warps=None, num_stages=
             seen[key]["launches"] += launch["count"]
             continue
         const = {kernel.params[p[0]].name: v for p, v in constexprs.items() if len(p) == 1}
-        result = {"kernel": f"{launch['module'].rsplit('.', 1)[-1]}.{launch['name']}", "test": launch["test"],
+        label = f"{launch['module'].removeprefix(PACKAGE + '.')}.{launch['name']}"      # e.g. delta_rule.chunk._…
+        result = {"kernel": label, "test": launch["test"],
                   "launches": launch["count"], "num_warps": options.num_warps, "num_stages": options.num_stages,
                   "constexprs": {k: v for k, v in const.items() if not isinstance(v, bool) or v},
                   "dtypes": sorted({d["tensor"] for d in launch["args"] + list(launch["kwargs"].values())
@@ -303,7 +304,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, default=90, help="compute capability × 10 (90: H100 / H200)")
     p.add_argument("-k", default=None, help="pytest -k expression: record only the matching tests")
-    p.add_argument("--tests", nargs="+", default=None, help="test files (default: tests/test_triton*.py)")
+    p.add_argument("--tests", nargs="+", default=None, help="test files (default: tests/kernels/test_triton*.py)")
     p.add_argument("--production", type=int, nargs="*", default=[64, 128], metavar="D",
                    help="also record bench/kernels.py's cases at these head dims (default 64 128; none: tests only)")
     p.add_argument("--no-tests", action="store_true", help="record only the --production calls")
@@ -322,7 +323,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     if args.record_only is not None:
-        tests = args.tests or sorted(str(t) for t in (ROOT / "tests").glob("test_triton*.py"))
+        tests = args.tests or sorted(str(t) for t in (ROOT / "tests" / "kernels").glob("test_triton*.py"))
         pytest_args = None if args.no_tests else ["-q", "-p", "no:cacheprovider", *tests,
                                                    *(["-k", args.k] if args.k else [])]
         return record(pytest_args, args.record_only, args.production)

@@ -96,7 +96,7 @@ if not HAS_CUDA:   # the kernels can only run interpreted here: for the correctn
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from atlaslab import build_memory, memorize  # noqa: E402
-from atlaslab.kernels import triton as tk  # noqa: E402
+from atlaslab.engines import triton as tk  # noqa: E402
 from atlaslab.kernels.newton_schulz import newton_schulz as ns_torch  # noqa: E402
 
 RESULTS = HERE / "results"
@@ -227,10 +227,9 @@ def triton_reason(case: MemoryCase, parts, q) -> Optional[str]:
     if case.kernel == "mlp_step":
         if tk.select_mlp_step(parts, q) is not None:
             return None
-        from atlaslab.kernels.triton.mlp_chunk import spec_reason
         if tk.forced_torch() or not tk.available():
             return tk.explain(parts, q, case.chunk_size)
-        return tk.device_ok(q) or spec_reason(parts) or "the MLP step was not selected"
+        return tk.device_ok(q) or tk.mlp_reason(parts) or "the MLP step was not selected"
     with chunk_kernel_only():
         engine = tk.select_kernel(parts, q, case.chunk_size)
     if engine is None:
@@ -325,8 +324,8 @@ def gate_packed(parts, T, H, D, docs, dtype, device, layout="packed") -> float:
 
 def gate_recurrent(B, T, H, D, dtype, device):
     """The token-by-token GDN kernel's forward (o, final state) vs the fp32 torch chunk reference."""
-    from atlaslab.kernels.triton.fused_recurrent import fused_recurrent_forward
-    from atlaslab.kernels.triton.reference import delta_rule_chunk
+    from atlaslab.kernels.delta_rule.fused_recurrent import fused_recurrent_forward
+    from atlaslab.kernels.delta_rule.naive import delta_rule_chunk
     (q, k, v), gates, _ = memory_problem(CASES["gdn"], B, T, H, D, dtype, device, seed=2)
     o, h = fused_recurrent_forward(q, k, v, gates["lr"], gates["retention"])
     o_r, h_r = delta_rule_chunk(q.float(), k.float(), v.float(), gates["lr"].float(), gates["retention"].float())
@@ -335,7 +334,7 @@ def gate_recurrent(B, T, H, D, dtype, device):
 
 def gate_ns(n, D, dtype, device):
     """The fused Newton–Schulz kernel vs the torch reference (fp32): output and input gradient."""
-    from atlaslab.kernels.triton.newton_schulz import newton_schulz as ns_triton
+    from atlaslab.kernels.newton_schulz.fused import newton_schulz as ns_triton
     s = torch.randn(n, D, D, generator=torch.Generator().manual_seed(3)).to(device=device, dtype=dtype)
     w = torch.randn(n, D, D, generator=torch.Generator().manual_seed(4)).to(device=device, dtype=dtype)
     a, b = s.clone().requires_grad_(), s.float().clone().requires_grad_()
@@ -567,7 +566,7 @@ def memory_rows(case: MemoryCase, T, args, ctx) -> list:
 
 def recurrent_row(T, args, ctx) -> dict:
     """The token-by-token GDN kernel, forward only (gated)."""
-    from atlaslab.kernels.triton.fused_recurrent import fused_recurrent_forward
+    from atlaslab.kernels.delta_rule.fused_recurrent import fused_recurrent_forward
     B, H, D, dtype, device = args.batch, args.heads, args.dim, ctx["dtype"], ctx["device"]
     fl = 4 * B * T * H * D * D
     if not ctx["timed"]:
@@ -653,7 +652,7 @@ def sdpa_backend(flash: bool):
 
 def ns_rows(T, args, ctx) -> list:
     """Newton–Schulz, one D × D matrix per token and head (capped on CPU): torch and the gated fused kernel."""
-    from atlaslab.kernels.triton.newton_schulz import newton_schulz as ns_triton
+    from atlaslab.kernels.newton_schulz.fused import newton_schulz as ns_triton
     B, H, D, dtype, device = args.batch, args.heads, args.dim, ctx["dtype"], ctx["device"]
     n = B * T * H if device == "cuda" else min(B * T * H, args.cpu_ns_max)
     s_in = torch.randn(n, D, D, device=device, dtype=dtype)
@@ -877,7 +876,7 @@ def parse(argv=None):
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     p.add_argument("--tf32", action="store_true",
                    help="torch.set_float32_matmul_precision('high'): fp32 rows use TF32 (torch's matmuls and the "
-                        "kernels' dots, kernels/triton/precision.py); half-precision rows always do")
+                        "kernels' dots, kernels/utils.py: dot_precision); half-precision rows always do")
     p.add_argument("--reps", type=int, default=None, help="most timed repeats per row (default 10 on GPU, 3 on CPU)")
     p.add_argument("--row-budget", type=float, default=None,
                    help="seconds of timed repeats per row before stopping (at least 2 repeats; default 3 GPU, 10 CPU)")

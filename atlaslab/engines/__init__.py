@@ -16,7 +16,7 @@ from atlaslab.engines.packed import (CuSeqlens, check_cu_seqlens, memorize_packe
 from atlaslab.engines import recurrent as _recurrent
 from atlaslab.engines.recurrent import initial_state, memorize_recurrent, read_memory
 from atlaslab.memory.state import GATE_NAMES, Gates, MemoryState, normalise_gates
-from atlaslab.kernels.triton import memorize_triton
+from atlaslab.engines.triton import memorize_triton
 
 #: Engines that compute ``memorize``; each must match the ``recurrent`` reference.
 MODES = {"recurrent": memorize_recurrent, "chunked": memorize_chunked,

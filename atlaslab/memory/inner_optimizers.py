@@ -125,7 +125,7 @@ class Muon(InnerOptimizer):
         """NS_k per matrix: the fused Triton kernel on CUDA when it applies, else the torch reference."""
         fn = newton_schulz
         if s.is_cuda:   # (on CPU the kernel would only run in Triton's interpreter: far slower than torch)
-            from atlaslab.kernels.triton import select_newton_schulz
+            from atlaslab.kernels.newton_schulz import select_newton_schulz
             fn = select_newton_schulz(s) or newton_schulz
         return fn(s, self.cfg.ns_steps, self.cfg.ns_eps, shape_factor=self.cfg.shape_factor)
 

@@ -3,7 +3,7 @@
 # the correctness-gated kernel benchmark. Everything it writes goes to $OUT (default bench/results/device):
 #
 #   gpu.txt      nvidia-smi, torch / triton versions
-#   tests.log    TRITON_INTERPRET=0 pytest tests/test_triton*.py tests/test_bench_kernels.py (junit in tests.xml)
+#   tests.log    TRITON_INTERPRET=0 pytest tests/kernels/test_triton*.py tests/kernels/test_bench_kernels.py (junit in tests.xml)
 #   bench.log    python3 bench/kernels.py --dtype bf16 ... (results in kernels_<gpu>.{json,md})
 #
 # Budgets (seconds; the whole call must fit the session's device time with room for a rerun):
@@ -21,7 +21,7 @@ cat "$OUT/gpu.txt"
 python3 -c "import omegaconf" || { echo "check: omegaconf is missing: run bench/device/prepare.sh here and carry bench/device/site"; exit 2; }
 
 echo "== tests (budget ${TEST_BUDGET:-240} s) =="
-timeout -s INT "${TEST_BUDGET:-240}" python3 -m pytest tests/test_triton*.py tests/test_bench_kernels.py \
+timeout -s INT "${TEST_BUDGET:-240}" python3 -m pytest tests/kernels/test_triton*.py tests/kernels/test_bench_kernels.py \
   -rfE --timeout "${PER_TEST:-60}" -p no:cacheprovider --junitxml "$OUT/tests.xml" 2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
 

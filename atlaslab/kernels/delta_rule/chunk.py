@@ -1,78 +1,14 @@
-"""Chunked Triton forward AND backward of the linear-memory (gated) delta / Hebbian rule, fla-style stages.
+"""Chunk-parallel Triton forward and backward of the linear-memory (gated) delta / Hebbian rule, in fla's stages.
 
-Rules (docs/concepts/memory.md#retention-placement for the two decay placements), one head's state S ``[D_v, D_k]``:
-
-    l2,  before_step:  S_t = α_t S_{t−1} − β_t (α_t S_{t−1} k_t − v_t) k_tᵀ      (Gated DeltaNet)
-    l2,  after_step:   S_t = α_t S_{t−1} − β_t (S_{t−1} k_t − v_t) k_tᵀ          (Titans / ATLAS)
-    dot (either):      S_t = α_t S_{t−1} + β_t v_t k_tᵀ
-    read token: o_t = S_t q_t;   read chunk (b = 1): o_t = S_{t−1} q_t
-
-Forward: the math is :func:`.reference.delta_rule_chunk` (exact for the online b = 1 rule), split as in fla's
-``chunk_gated_delta_rule_fwd``:
-
-1. ``_chunk_ut_kernel`` (one program per chunk × head, all chunks in parallel): chunk-local cumsum of log α,
-   the strictly lower A[t, s] = β_t e^{G_t − g_s} k_t·k_s, its unit-triangular inverse (forward substitution in
-   registers) and the UT/WY factors u = (I + A)⁻¹ β v, w_k = (I + A)⁻¹ (β e^G k) (and, for the backward,
-   (I + A)⁻¹ itself, ``[B, T, H, BT]``);
-2. ``_chunk_state_kernel`` (one program per value block × sequence × head, sequential over chunks): pseudo-values
-   w = u − w_k S_0ᵀ against the chunk-start state, stores every chunk-start state, and steps
-   S ← e^{g_L} S + Σ_s e^{g_L − g_s} w_s k_sᵀ;
-3. ``_chunk_out_kernel`` (value block × chunk × head, parallel): o = e^{g} (q S_0ᵀ) + [causal e^{g_t − g_s} q kᵀ] w.
-
-The dot-product (Hebbian) bias skips stage 1's solve (w = β v). Intermediates (g, u, w_k, w, chunk states)
-are fp32.
-
-Backward (:func:`chunk_backward`, plain reference :func:`.reference.delta_rule_chunk_backward`, whose docstring
-gives every equation), as fla's ``chunk_gated_delta_rule_bwd``: nothing but the inputs is saved by the forward;
-
-1. stages 1–2 are re-run (recompute g, w_k, (I + A)⁻¹, w and the chunk-start states S_0 in a forward sweep);
-2. ``_chunk_bwd_dh_kernel`` (value block × sequence × head, reverse over chunks): dS = ∂L/∂(chunk-end state), from
-   ``dht``; dw = Pᵀ do + e^{g_L − g} ⊙ k dSᵀ; dS ← e^{g_L} dS + (e^{gq} do)ᵀ q − [l2] dwᵀ w_k; the last dS is
-   the initial state's gradient;
-3. ``_chunk_bwd_grad_kernel`` (chunk × head, parallel, a loop over value blocks): dr = (I + A)⁻ᵀ dw, then dq,
-   dk, dv, dβ and d log α (a reverse cumsum of dg inside the chunk); dα = d log α / α in torch.
-
-:class:`ChunkFunction` uses these kernels; ``BACKWARD = "torch"`` (or ``ATLASLAB_CHUNK_BACKWARD=torch``) switches
-to autograd through the torch chunk form recomputed under ``enable_grad`` (the reference, kept as a fallback).
-
-Channel-wise (per key channel, GLA-style) decay, α ``[B, T, H, D_k]`` and S_t = S_{t−1} Diag(α_t) (+ the write):
-the same stages on the ``_cw_*`` kernels, with g ``[B, T, H, D_k]``; a write at s reaches t with its key decayed
-channel by channel, k_s ⊙ e^{g_t − g_s}, so A[t, s] = β_t Σ_c k_tc k_sc e^{G_tc − g_sc}, the intra-chunk read is
-P[t, s] = Σ_c q_tc k_sc e^{gq_tc − g_sc}, the inter-chunk read is (q ⊙ e^{gq}) S_0ᵀ and the state steps as
-S ← S Diag(e^{g_L}) + wᵀ (k ⊙ e^{g_L − g}) (equations and gradients: :func:`.reference._chunk_channel_wise`,
-:func:`.reference._channel_wise_backward`). The pairwise decays are formed exactly (every exponent ≤ 0, no
-e^{−g} factorisation, so no overflow at any decay strength) by a loop over the chunk's columns on CUDA cores
-(``_decayed_dot`` / ``_decayed_mm``, O(BT² D_k) per chunk); fla's GLA kernels instead use 16-token sub-chunks
-with tensor-core products between sub-chunks, the faster choice on a GPU (not done here).
-
-Code layout: each stage is written once as a ``@triton.jit`` body that Triton inlines into the named kernels
-(``_ut_solve``, ``_state_sweep``, ``_out_chunk``, ``_dh_sweep``, ``_grad_per_head``, ``_grad_channel``), shared by
-the C = 1 kernels here and the Omega-window kernels of :mod:`.chunk_window` (C > 1: the BT·C window slots are the
-chunk's write rows) and switched by ``tl.constexpr`` flags (C, CHANNEL). Each variant emits the same Triton IR, op for
-op, as the separate kernel it replaced: register allocation depends on the order of the IR, so where the variants had
-formed a mask, an address or a comparison in a different order the body keeps each one's order (``_causal``,
-``_last_gate``, ``_chunk_row``, the C == 1 branches), and ``_chunk_state_kernel`` and ``_win_out_kernel`` keep their
-own short bodies. The sweeps and the UT solve are written out without nested jit helpers: an inlined helper's debug
-scope adds labels to the PTX which, with Triton's default line info, moved ptxas' register allocation by a few
-registers in some builds although the IR was the same (``bench/compile_sm90.py``: every build as before).
-
-Variable-length batches (``cu_seqlens [N + 1]``, sequences packed as ``[1, total_T, H, D]``) run natively, as in
-fla: :func:`prepare_chunk_indices` builds on the host the table of (sequence, chunk within it) for every BT-token
-chunk of every sequence (chunks never cross a sequence boundary; a sequence's last chunk may be partial) and each
-sequence's first chunk; the per-chunk kernels (UT, output, backward grads) run over all chunks of all sequences in
-ONE launch (grid: chunk × head, the table gives each program its sequence's rows and length), and the sequential
-kernels (state sweep, reverse dS sweep) run one program per value block × sequence × head over that sequence's
-chunks, with per-sequence initial / final states ``[N, H, V, K]``. Without ``cu_seqlens`` the same kernels see B
-equal sequences of T tokens (``IS_VARLEN`` off, no table). Chunk-state tensors are ``[NC, H, V, K]`` (NC = all
-chunks). Each stage is one launch either way (``tests/test_triton_varlen.py`` counts them). The Omega-window kernels
-(c > 1, :mod:`.chunk_window`) take ``cu_seqlens`` the same way (their slots stop at each sequence's start).
-
-Performance notes (unmeasured: no GPU was available when this was written): the in-register forward
-substitution costs BT iterations of O(BT²) work; fla's 16×16 diagonal solves merged by tl.dot are faster
-for BT = 64. The backward grad kernel holds five ``[BT, BK]`` fp32 accumulators and two ``[BT, BT]`` ones per
-program (fla splits dq/dk and dv/dw kernels to lower register pressure; for D_k = 256 that split, or BT = 32,
-will be needed). fp32 dots use TF32 for fp16 / bf16 inputs and IEEE for fp32 ones unless torch's float32 matmul precision allows TF32
-(:func:`.precision.dot_precision`; ``allow_tf32`` forces either).
+Forward: the UT transform per chunk (``_chunk_ut_kernel``, all chunks in parallel), the inter-chunk state sweep
+(``_chunk_state_kernel``, sequential over chunks) and the output (``_chunk_out_kernel``); backward: the stages
+re-run, a reverse sweep for dS (``_chunk_bwd_dh_kernel``) and every chunk's gradients in parallel
+(``_chunk_bwd_grad_kernel``); the ``_cw_*`` kernels for channel-wise decay. The math is :func:`.naive.delta_rule_chunk`
+and :func:`.naive.delta_rule_chunk_backward` (docs/kernels.md#delta-rule). Each stage is one ``@triton.jit`` body
+(public here, so the Omega-window kernels of :mod:`atlaslab.kernels.window_rule.chunk` reuse them with C > 1
+slots per token), inlined into the named kernels and switched by constexpr flags; ``cu_seqlens`` runs natively
+(one launch per stage over all chunks of all sequences). ``BACKWARD = "torch"`` (``ATLASLAB_CHUNK_BACKWARD=torch``)
+switches this op's and the window op's backward to autograd through the torch chunk form.
 """
 from __future__ import annotations
 
@@ -81,9 +17,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from atlaslab.kernels.triton.fallback import with_torch_fallback
-from atlaslab.kernels.triton.precision import dot_precision
-from atlaslab.kernels.triton.reference import _upcast, check_args, delta_rule_chunk, log_decay
+from atlaslab.kernels.delta_rule.naive import check_args, delta_rule_chunk
+from atlaslab.kernels.utils import ChunkLayout, dot_precision, log_decay, pow2, reference_backward, with_torch_fallback
 
 try:
     import triton
@@ -94,14 +29,10 @@ except ImportError:  # pragma: no cover
 MAX_D = 256
 
 
-def _pow2(n: int, floor: int = 16) -> int:
-    return max(floor, 1 << (int(n) - 1).bit_length())
-
-
 if triton is not None:
 
     @triton.jit
-    def _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN: tl.constexpr):
+    def chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN: tl.constexpr):
         """Where chunk program ``i_c`` works: (chunk within its sequence, the sequence's first row, its length).
         Varlen: fla's chunk-index table row (sequence, chunk within it) and ``cu_seqlens``; dense: B equal
         sequences of T tokens, NT chunks each."""
@@ -116,7 +47,7 @@ if triton is not None:
         return i_t, bos, T
 
     @triton.jit
-    def _sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    def sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
         """Sequence ``i_n``'s (first row, length, chunks, first chunk row) for the sequential sweeps."""
         if IS_VARLEN:
             bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -129,19 +60,19 @@ if triton is not None:
         return bos, T, NT, boc
 
     # ------------------------------------------------------------------ shared pieces (Triton inlines them)
-    # Row conventions of every kernel here and in :mod:`.chunk_window`: a tensor [B, T, H, N] (or [B, T·C, H, N]
+    # Row conventions of every kernel here and in :mod:`atlaslab.kernels.window_rule.chunk`: a tensor [B, T, H, N] (or [B, T·C, H, N]
     # for window slots) is addressed by flat rows (b·T + t)·H + h and a column index < N; a chunk has BT tokens
     # (rows ``rows``, mask ``m_t``) and BS write rows ("slots": the tokens themselves for C = 1, the BT·C window
     # slots for C > 1; rows ``srow``, their tokens' rows ``trow``, local token ``tau``, mask ``m_s``).
 
     @triton.jit
-    def _tile(ptr, rows, cols, N, mask):
+    def load_tile(ptr, rows, cols, N, mask):
         """The fp32 block ``ptr[rows, cols]`` ``[R, BC]`` of a row-major tensor with N columns (rows ``[R]``, cols
         ``[BC]``), 0 where the ``[R, BC]`` mask is off."""
         return tl.load(ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
 
     @triton.jit
-    def _vec(ptr, rows, m):
+    def load_vec(ptr, rows, m):
         """The fp32 entries ``ptr[rows]`` ``[R]`` of a per-row tensor ([B, T, H]: β, coef, per-head g or log α)."""
         return tl.load(ptr + rows, mask=m, other=0.0).to(tl.float32)
 
@@ -158,7 +89,7 @@ if triton is not None:
         tl.store(ptr + row * V * K + h_offs, x, mask=m_h)
 
     @triton.jit
-    def _token_rows(o_i, bos, i_t, i_h, T, H: tl.constexpr, BT: tl.constexpr):
+    def token_rows(o_i, bos, i_t, i_h, T, H: tl.constexpr, BT: tl.constexpr):
         """Chunk i_t (tokens o_i = arange(BT)) of a sequence starting at row bos (length T): (m_t (t < T), the
         tokens' flat rows ``(bos + t)·H + i_h``)."""
         o_t = i_t * BT + o_i
@@ -167,7 +98,7 @@ if triton is not None:
         return m_t, rows
 
     @triton.jit
-    def _slot_tokens(o_s, C: tl.constexpr):
+    def slot_tokens(o_s, C: tl.constexpr):
         """tau: the local token of each write row o_s ``[BS]`` (o_s // C; for C = 1 the rows are the tokens)."""
         if C == 1:
             tau = o_s
@@ -176,8 +107,8 @@ if triton is not None:
         return tau
 
     @triton.jit
-    def _slot_rows(bos, i_t, i_h, o_s, tau, T, H: tl.constexpr, C: tl.constexpr, BT: tl.constexpr):
-        """The write rows of chunk i_t (o_s, tau from :func:`_slot_tokens`): (m_s, srow = their flat rows, trow = their
+    def slot_rows(bos, i_t, i_h, o_s, tau, T, H: tl.constexpr, C: tl.constexpr, BT: tl.constexpr):
+        """The write rows of chunk i_t (o_s, tau from :func:`slot_tokens`): (m_s, srow = their flat rows, trow = their
         tokens' flat rows). C = 1: the chunk's BT tokens (trow = srow); C > 1: the BT·C Omega-window slots
         s = τ·C + j of the ``[B, T·C, H, ·]`` slot tensors (rows past BT·C or T masked)."""
         if C == 1:
@@ -204,7 +135,7 @@ if triton is not None:
         i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
         i_n = i_bh // H
         i_h = i_bh % H
-        bos, T, NT, boc = _sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
+        bos, T, NT, boc = sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
         o_i = tl.arange(0, BT)
         o_s = tl.arange(0, BS)
         o_k = tl.arange(0, BK)
@@ -213,16 +144,16 @@ if triton is not None:
         m_v = o_v < V
         m_h = m_v[:, None] & m_k[None, :]
         h_offs = o_v[:, None] * K + o_k[None, :]
-        tau = _slot_tokens(o_s, C)
+        tau = slot_tokens(o_s, C)
         return i_bh, i_h, bos, T, NT, boc, o_i, o_s, tau, o_k, o_v, m_k, m_v, m_h, h_offs
 
     @triton.jit
-    def _gates(g, rows, m, o_k, m_k, K: tl.constexpr, CHANNEL: tl.constexpr):
+    def load_gates(g, rows, m, o_k, m_k, K: tl.constexpr, CHANNEL: tl.constexpr):
         """A gate tensor (g or log α) at ``rows``: ``[R]`` per head ([B, T, H]), ``[R, BK]`` channel-wise."""
         if CHANNEL:
-            x = _tile(g, rows, o_k, K, m[:, None] & m_k[None, :])
+            x = load_tile(g, rows, o_k, K, m[:, None] & m_k[None, :])
         else:
-            x = _vec(g, rows, m)
+            x = load_vec(g, rows, m)
         return x
 
     @triton.jit
@@ -240,14 +171,14 @@ if triton is not None:
         return last, g_last
 
     @triton.jit
-    def _read_gate(b_g, la, rows, m_t, o_k, m_k, K: tl.constexpr, HAS_ALPHA: tl.constexpr,
+    def read_gate(b_g, la, rows, m_t, o_k, m_k, K: tl.constexpr, HAS_ALPHA: tl.constexpr,
                    READ_TOKEN: tl.constexpr, CHANNEL: tl.constexpr):
         """gq, the log-decay a read sees: g for read token (o_t = S_t q_t), g − log α for read chunk
         (o_t = S_{t−1} q_t); shape of b_g."""
         if READ_TOKEN:
             b_gq = b_g
         elif HAS_ALPHA:
-            b_gq = b_g - _gates(la, rows, m_t, o_k, m_k, K, CHANNEL)
+            b_gq = b_g - load_gates(la, rows, m_t, o_k, m_k, K, CHANNEL)
         else:
             b_gq = b_g
         return b_gq
@@ -263,7 +194,7 @@ if triton is not None:
         return b_G
 
     @triton.jit
-    def _causal(o_i, tau, m_s, C: tl.constexpr, STRICT: tl.constexpr):
+    def causal_mask(o_i, tau, m_s, C: tl.constexpr, STRICT: tl.constexpr):
         """``[BT, BS]`` read mask: token t sees write row r where τ_r < t (STRICT: read chunk) or τ_r ≤ t, and m_s
         (the comparison written as each kernel family always has: the builds depend on the form)."""
         if C == 1:
@@ -389,7 +320,7 @@ if triton is not None:
         return M
 
     @triton.jit
-    def _ut_solve(b_x, b_c, b_v, b_G, b_gs, b_g, u_out, wk_out, ainv_out, srow, m_s, o_i, tau, o_s, o_k, m_k, o_v,
+    def ut_solve(b_x, b_c, b_v, b_G, b_gs, b_g, u_out, wk_out, ainv_out, srow, m_s, o_i, tau, o_s, o_k, m_k, o_v,
                   m_v, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
                   STORE_AINV: tl.constexpr, CHANNEL: tl.constexpr, PRECISION: tl.constexpr):
         """Stage 1's UT system over a chunk's write rows (x ``[BS, BK]``, v ``[BS, BVV]``, c ``[BS]`` = β or coef):
@@ -431,10 +362,10 @@ if triton is not None:
             tl.store(ainv_out + srow[:, None] * BS + o_s[None, :], Ti, mask=m_s[:, None])
 
     @triton.jit
-    def _read_scores(b_q, b_x, b_gq, b_g, b_gs, causal, m_t, o_i, o_s, C: tl.constexpr, BT: tl.constexpr,
+    def read_scores(b_q, b_x, b_gq, b_g, b_gs, causal, m_t, o_i, o_s, C: tl.constexpr, BT: tl.constexpr,
                      BS: tl.constexpr, READ_TOKEN: tl.constexpr, CHANNEL: tl.constexpr, PRECISION: tl.constexpr):
         """The intra-chunk read P ``[BT, BS]``: P[t, r] = e^{gq_t − g_τr} q_t·x_r (per head; on the ``causal``
-        mask of :func:`_causal`) or Σ_c q_tc x_rc e^{gq_tc − g_τr,c} (channel-wise) for τ_r ≤ t (read token) or
+        mask of :func:`causal`) or Σ_c q_tc x_rc e^{gq_tc − g_τr,c} (channel-wise) for τ_r ≤ t (read token) or
         τ_r < t (read chunk). b_q, b_gq ``[BT, ·]`` at the tokens, b_x ``[BS, BK]`` and b_gs (per head: g at the
         slots' tokens ``[BS]``) at the write rows, b_g the tokens' g (channel-wise ``[BT, BK]``)."""
         if CHANNEL:
@@ -445,7 +376,7 @@ if triton is not None:
         return P
 
     @triton.jit
-    def _state_sweep(k, v, beta, g, u, wk, h0, w_out, hs, ht, cu_seqlens, chunk_offsets, T, NT,
+    def state_sweep(k, v, beta, g, u, wk, h0, w_out, hs, ht, cu_seqlens, chunk_offsets, T, NT,
                      H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                      BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr,
                      IS_L2: tl.constexpr, CHANNEL: tl.constexpr, PRECISION: tl.constexpr):
@@ -458,7 +389,7 @@ if triton is not None:
         i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
         i_n = i_bh // H
         i_h = i_bh % H
-        bos, T, NT, boc = _sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
+        bos, T, NT, boc = sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
         o_s = tl.arange(0, BS)
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
@@ -518,18 +449,18 @@ if triton is not None:
         tl.store(ht + i_bh.to(tl.int64) * V * K + h_offs, h, mask=m_h)
 
     @triton.jit
-    def _out_chunk(q, k, la, g, w, hs, o, cu_seqlens, chunk_indices, T, NT, H: tl.constexpr,
+    def out_chunk(q, k, la, g, w, hs, o, cu_seqlens, chunk_indices, T, NT, H: tl.constexpr,
                    IS_VARLEN: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr,
                    BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_ALPHA: tl.constexpr,
                    READ_TOKEN: tl.constexpr, CHANNEL: tl.constexpr, PRECISION: tl.constexpr):
         """Stage 3 (value block × chunk × head, all chunks in parallel): o = e^{gq} ⊙ (q S_0ᵀ) (per head) or
-        (q ⊙ e^{gq}) S_0ᵀ (channel-wise) + P w, P of :func:`_read_scores`. q, o ``[B, T, H, ·]``; k, w the write
+        (q ⊙ e^{gq}) S_0ᵀ (channel-wise) + P w, P of :func:`read_scores`. q, o ``[B, T, H, ·]``; k, w the write
         rows (tokens, or window slots for C > 1). The per-head window kernel has its own body
-        (:func:`.chunk_window._win_out_kernel`: its loads form their masks in another order)."""
+        (``window_rule.chunk._win_out_kernel``: its loads form their masks in another order)."""
         i_v = tl.program_id(0)
         i_c = tl.program_id(1)            # global chunk index
         i_h = tl.program_id(2)
-        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
+        i_t, bos, T = chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
         boc = i_c.to(tl.int64) - i_t      # global index of the sequence's first chunk (rows of hs / dhs)
         o_i = tl.arange(0, BT)
         o_s = tl.arange(0, BS)
@@ -537,15 +468,15 @@ if triton is not None:
         o_v = i_v * BV + tl.arange(0, BV)
         m_k = o_k < K
         m_v = o_v < V
-        m_t, rows = _token_rows(o_i, bos, i_t, i_h, T, H, BT)
-        tau = _slot_tokens(o_s, C)
-        m_s, srow, trow = _slot_rows(bos, i_t, i_h, o_s, tau, T, H, C, BT)
+        m_t, rows = token_rows(o_i, bos, i_t, i_h, T, H, BT)
+        tau = slot_tokens(o_s, C)
+        m_s, srow, trow = slot_rows(bos, i_t, i_h, o_s, tau, T, H, C, BT)
         m_tk = m_t[:, None] & m_k[None, :]
-        b_q = _tile(q, rows, o_k, K, m_tk)
+        b_q = load_tile(q, rows, o_k, K, m_tk)
         b_x = tl.load(k + srow[:, None] * K + o_k[None, :], mask=m_s[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        b_g = _gates(g, rows, m_t, o_k, m_k, K, CHANNEL)
-        b_gq = _read_gate(b_g, la, rows, m_t, o_k, m_k, K, HAS_ALPHA, READ_TOKEN, CHANNEL)
-        causal = _causal(o_i, tau, m_s, C, not READ_TOKEN)        # (per head only)
+        b_g = load_gates(g, rows, m_t, o_k, m_k, K, CHANNEL)
+        b_gq = read_gate(b_g, la, rows, m_t, o_k, m_k, K, HAS_ALPHA, READ_TOKEN, CHANNEL)
+        causal = causal_mask(o_i, tau, m_s, C, not READ_TOKEN)        # (per head only)
         b_w = tl.load(w + srow[:, None] * V + o_v[None, :], mask=m_s[:, None] & m_v[None, :], other=0.0)
         h = tl.load(hs + (_chunk_row(i_c, i_t, boc, C) * H + i_h) * V * K + o_v[:, None] * K + o_k[None, :],
                     mask=m_v[:, None] & m_k[None, :], other=0.0)
@@ -553,7 +484,7 @@ if triton is not None:
             b_o = tl.dot(b_q * tl.exp(b_gq), tl.trans(h), input_precision=PRECISION)
         else:
             b_o = tl.exp(b_gq)[:, None] * tl.dot(b_q, tl.trans(h), input_precision=PRECISION)
-        P = _read_scores(b_q, b_x, b_gq, b_g, b_g, causal, m_t, o_i, o_s, C, BT, BS, READ_TOKEN, CHANNEL, PRECISION)
+        P = read_scores(b_q, b_x, b_gq, b_g, b_g, causal, m_t, o_i, o_s, C, BT, BS, READ_TOKEN, CHANNEL, PRECISION)
         b_o += tl.dot(P, b_w, input_precision=PRECISION)
         tl.store(o + rows[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
@@ -568,7 +499,7 @@ if triton is not None:
         return row
 
     @triton.jit
-    def _dh_sweep(q, k, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT, H: tl.constexpr,
+    def dh_sweep(q, k, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT, H: tl.constexpr,
                   IS_VARLEN: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr,
                   BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_ALPHA: tl.constexpr,
                   HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, IS_L2: tl.constexpr, READ_TOKEN: tl.constexpr,
@@ -585,7 +516,7 @@ if triton is not None:
         i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
         i_n = i_bh // H
         i_h = i_bh % H
-        bos, T, NT, boc = _sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
+        bos, T, NT, boc = sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
         o_i = tl.arange(0, BT)
         o_s = tl.arange(0, BS)
         o_k = tl.arange(0, BK)
@@ -707,25 +638,25 @@ if triton is not None:
         channel-wise ``[·, BK]``))."""
         i_c = tl.program_id(0)            # global chunk index: all chunks of all sequences in one launch
         i_h = tl.program_id(1)
-        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
+        i_t, bos, T = chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
         boc = i_c.to(tl.int64) - i_t      # global index of the sequence's first chunk (rows of hs / dhs)
         o_i = tl.arange(0, BT)
         o_s = tl.arange(0, BS)
         o_k = tl.arange(0, BK)
         m_k = o_k < K
-        m_t, rows = _token_rows(o_i, bos, i_t, i_h, T, H, BT)
-        tau = _slot_tokens(o_s, C)
-        m_s, srow, trow = _slot_rows(bos, i_t, i_h, o_s, tau, T, H, C, BT)
+        m_t, rows = token_rows(o_i, bos, i_t, i_h, T, H, BT)
+        tau = slot_tokens(o_s, C)
+        m_s, srow, trow = slot_rows(bos, i_t, i_h, o_s, tau, T, H, C, BT)
         m_tk = m_t[:, None] & m_k[None, :]
         m_sk = m_s[:, None] & m_k[None, :]
-        b_q = _tile(q, rows, o_k, K, m_tk)
-        b_x = _tile(k, srow, o_k, K, m_sk)
-        b_c = _vec(beta, srow, m_s)
-        b_g = _gates(g, rows, m_t, o_k, m_k, K, CHANNEL)
+        b_q = load_tile(q, rows, o_k, K, m_tk)
+        b_x = load_tile(k, srow, o_k, K, m_sk)
+        b_c = load_vec(beta, srow, m_s)
+        b_g = load_gates(g, rows, m_t, o_k, m_k, K, CHANNEL)
         if C == 1:
             b_gs = b_g
         else:
-            b_gs = _gates(g, trow, m_s, o_k, m_k, K, CHANNEL)
+            b_gs = load_gates(g, trow, m_s, o_k, m_k, K, CHANNEL)
         return (i_c, i_h, bos, i_t, T, boc, o_i, o_s, tau, o_k, m_k, m_t, rows, m_s, srow, trow, m_tk, m_sk, b_q, b_x,
                 b_c, b_g, b_gs)
 
@@ -771,25 +702,25 @@ if triton is not None:
             tl.store(dla + rows, b_dla, mask=m_t)
 
     @triton.jit
-    def _grad_per_head(q, k, v, beta, la, g, ainv, w, hs, dhs, do, dw, dq, dk, dv, dbeta, dla, cu_seqlens,
+    def grad_per_head(q, k, v, beta, la, g, ainv, w, hs, dhs, do, dw, dq, dk, dv, dbeta, dla, cu_seqlens,
                        chunk_indices, T, NT, H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
                        V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
                        BV: tl.constexpr, HAS_ALPHA: tl.constexpr, IS_L2: tl.constexpr, BEFORE: tl.constexpr,
                        READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
         """Per chunk × head (all chunks in parallel, a loop over value blocks), per-head decay: dq (tokens), dk, dv,
         dβ (write rows) and d log α (tokens) from S_0 (chunk start), dS (chunk end), w, dw and (I + A)⁻¹ — the
-        equations of :func:`.reference.delta_rule_chunk_backward` step 3 on the write rows (C > 1: the window slots,
+        equations of :func:`.naive.delta_rule_chunk_backward` step 3 on the write rows (C > 1: the window slots,
         whose dg / dG terms are summed into their tokens by a one-hot [BT, BS] reduction before the reverse cumsum
         of d log α)."""
         (i_c, i_h, bos, i_t, T, boc, o_i, o_s, tau, o_k, m_k, m_t, rows, m_s, srow, trow, m_tk, m_sk, b_q, b_x, b_c,
          b_g, b_gs) = _grad_program(q, k, beta, g, cu_seqlens, chunk_indices, T, NT, H, IS_VARLEN, K, C, BT, BS, BK,
                                     False)
         if HAS_ALPHA:
-            b_la = _vec(la, rows, m_t)
+            b_la = load_vec(la, rows, m_t)
             if C == 1:
                 b_las = b_la
             else:
-                b_las = _vec(la, trow, m_s)
+                b_las = load_vec(la, trow, m_s)
         else:
             b_la = tl.zeros([BT], dtype=tl.float32)
             b_las = tl.zeros([BS], dtype=tl.float32)
@@ -798,7 +729,7 @@ if triton is not None:
             b_gq = b_g
         else:
             b_gq = b_g - b_la
-        causal = _causal(o_i, tau, m_s, C, not READ_TOKEN)
+        causal = causal_mask(o_i, tau, m_s, C, not READ_TOKEN)
         b_G = _write_gate(b_gs, b_las, BEFORE)
         e_gq = tl.exp(b_gq)
         e_G = tl.exp(b_G)
@@ -877,12 +808,12 @@ if triton is not None:
             _store_dla(dla, b_dg, b_dG_t, b_dgq, rows, m_t, o_k, m_k, K, BEFORE, READ_TOKEN, False)
 
     @triton.jit
-    def _grad_channel(q, k, v, beta, la, g, ainv, w, hs, dhs, do, dw, dq, dk, dv, dbeta, dla, cu_seqlens,
+    def grad_channel(q, k, v, beta, la, g, ainv, w, hs, dhs, do, dw, dq, dk, dv, dbeta, dla, cu_seqlens,
                       chunk_indices, T, NT, H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
                       V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
                       BV: tl.constexpr, IS_L2: tl.constexpr, BEFORE: tl.constexpr, READ_TOKEN: tl.constexpr,
                       PRECISION: tl.constexpr):
-        """Per chunk × head, channel-wise decay: the equations of :func:`.reference._channel_wise_backward` step 3
+        """Per chunk × head, channel-wise decay: the equations of :func:`.naive._channel_wise_backward` step 3
         on the write rows. With D = do wᵀ, dr = (I + A)⁻ᵀ dw, dA = −strict(dr wᵀ), x_G = x ⊙ e^{G_τ},
         Z = c_r dA[r, r']: dq = (do S_0) ⊙ e^{gq} + Σ_r D[t, r] x_r ⊙ e^{gq_t − g_τr};
         dx = Σ_t D[t, r] q_t ⊙ e^{gq_t − g_τr} + (w dS) ⊙ e^{g_L − g_τ} − c (dr S_0) ⊙ e^{G_τ}
@@ -895,11 +826,11 @@ if triton is not None:
         (i_c, i_h, bos, i_t, T, boc, o_i, o_s, tau, o_k, m_k, m_t, rows, m_s, srow, trow, m_tk, m_sk, b_q, b_x, b_c,
          b_g, b_gs) = _grad_program(q, k, beta, g, cu_seqlens, chunk_indices, T, NT, H, IS_VARLEN, K, C, BT, BS, BK,
                                     True)
-        b_la = _tile(la, rows, o_k, K, m_tk)
+        b_la = load_tile(la, rows, o_k, K, m_tk)
         if C == 1:
             b_las = b_la
         else:
-            b_las = _tile(la, trow, o_k, K, m_sk)
+            b_las = load_tile(la, trow, o_k, K, m_sk)
         last, g_last = _last_gate(g, bos, i_t, i_h, T, H, K, C, BT, o_k, m_k, True)
         if READ_TOKEN:
             b_gq = b_g
@@ -988,15 +919,15 @@ if triton is not None:
                          HAS_ALPHA: tl.constexpr, IS_L2: tl.constexpr, BEFORE: tl.constexpr,
                          STORE_AINV: tl.constexpr, PRECISION: tl.constexpr):
         """Stage 1 (chunk × head, all chunks in parallel): g = chunk-local cumsum of log α (stored); for l2 the UT
-        system (:func:`_ut_solve`): A[t, s] = β_t e^{G_t − g_s} k_t·k_s (s < t), (I + A)⁻¹ by forward
+        system (:func:`ut_solve`): A[t, s] = β_t e^{G_t − g_s} k_t·k_s (s < t), (I + A)⁻¹ by forward
         substitution, u = (I + A)⁻¹ β v, w_k = (I + A)⁻¹ (β e^G k), (I + A)⁻¹ ``[B, T, H, BT]``."""
         i_c = tl.program_id(0)            # global chunk index: all chunks of all sequences in one launch
         i_h = tl.program_id(1)
-        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
+        i_t, bos, T = chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
         o_i = tl.arange(0, BT)
-        m_t, rows = _token_rows(o_i, bos, i_t, i_h, T, H, BT)
+        m_t, rows = token_rows(o_i, bos, i_t, i_h, T, H, BT)
         if HAS_ALPHA:
-            b_la = _vec(la, rows, m_t)
+            b_la = load_vec(la, rows, m_t)
         else:
             b_la = tl.zeros([BT], dtype=tl.float32)
         b_g = tl.cumsum(b_la, axis=0)
@@ -1010,9 +941,9 @@ if triton is not None:
                           other=0.0).to(tl.float32)
             b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
                           other=0.0).to(tl.float32)
-            b_beta = _vec(beta, rows, m_t)
+            b_beta = load_vec(beta, rows, m_t)
             b_G = _write_gate(b_g, b_la, BEFORE)
-            _ut_solve(b_k, b_beta, b_v, b_G, b_g, b_g, u_out, wk_out, ainv_out, rows, m_t, o_i, o_i, o_i, o_k, m_k,
+            ut_solve(b_k, b_beta, b_v, b_G, b_g, b_g, u_out, wk_out, ainv_out, rows, m_t, o_i, o_i, o_i, o_k, m_k,
                       o_v, m_v, K, V, 1, BT, BT, STORE_AINV, False, PRECISION)
 
     @triton.jit
@@ -1021,28 +952,28 @@ if triton is not None:
                       V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BVV: tl.constexpr, IS_L2: tl.constexpr,
                       BEFORE: tl.constexpr, STORE_AINV: tl.constexpr, PRECISION: tl.constexpr):
         """Stage 1, channel-wise: g = chunk-local cumsum of log α per key channel; for l2 the UT system
-        (:func:`_ut_solve`): A[t, s] = β_t Σ_c k_tc k_sc e^{G_tc − g_sc} (s < t), (I + A)⁻¹, u = (I + A)⁻¹ β v,
+        (:func:`ut_solve`): A[t, s] = β_t Σ_c k_tc k_sc e^{G_tc − g_sc} (s < t), (I + A)⁻¹, u = (I + A)⁻¹ β v,
         w_k = (I + A)⁻¹ β (k ⊙ e^G)."""
         i_c = tl.program_id(0)            # global chunk index: all chunks of all sequences in one launch
         i_h = tl.program_id(1)
-        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
+        i_t, bos, T = chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
         m_k = o_k < K
-        m_t, rows = _token_rows(o_i, bos, i_t, i_h, T, H, BT)
+        m_t, rows = token_rows(o_i, bos, i_t, i_h, T, H, BT)
         m_tk = m_t[:, None] & m_k[None, :]
-        b_la = _tile(la, rows, o_k, K, m_tk)
+        b_la = load_tile(la, rows, o_k, K, m_tk)
         b_g = tl.cumsum(b_la, axis=0)
         tl.store(g_out + rows[:, None] * K + o_k[None, :], b_g, mask=m_tk)
         if IS_L2:
             o_v = tl.arange(0, BVV)
             m_v = o_v < V
-            b_k = _tile(k, rows, o_k, K, m_tk)
+            b_k = load_tile(k, rows, o_k, K, m_tk)
             b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
                           other=0.0).to(tl.float32)
-            b_beta = _vec(beta, rows, m_t)
+            b_beta = load_vec(beta, rows, m_t)
             b_G = _write_gate(b_g, b_la, BEFORE)
-            _ut_solve(b_k, b_beta, b_v, b_G, b_g, b_g, u_out, wk_out, ainv_out, rows, m_t, o_i, o_i, o_i, o_k, m_k,
+            ut_solve(b_k, b_beta, b_v, b_G, b_g, b_g, u_out, wk_out, ainv_out, rows, m_t, o_i, o_i, o_i, o_k, m_k,
                       o_v, m_v, K, V, 1, BT, BT, STORE_AINV, True, PRECISION)
 
     @triton.jit
@@ -1050,7 +981,7 @@ if triton is not None:
                             H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
                             V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                             HAS_H0: tl.constexpr, IS_L2: tl.constexpr, PRECISION: tl.constexpr):
-        """Stage 2, per head (the loop of :func:`_state_sweep` with the masks formed in the loads, as this kernel's
+        """Stage 2, per head (the loop of :func:`state_sweep` with the masks formed in the loads, as this kernel's
         builds have them): w = u − w_k S_0ᵀ; S ← e^{g_L} S + Σ_s e^{g_L − g_s} w_s k_sᵀ."""
         i_bh, i_h, bos, T, NT, boc, o_i, o_s, tau, o_k, o_v, m_k, m_v, m_h, h_offs = _sweep_program(
             cu_seqlens, chunk_offsets, T, NT, H, K, V, 1, BT, BT, BK, BV, IS_VARLEN)
@@ -1085,9 +1016,9 @@ if triton is not None:
                          H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
                          V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                          HAS_H0: tl.constexpr, IS_L2: tl.constexpr, PRECISION: tl.constexpr):
-        """Stage 2, channel-wise (:func:`_state_sweep`): w = u − w_k S_0ᵀ;
+        """Stage 2, channel-wise (:func:`state_sweep`): w = u − w_k S_0ᵀ;
         S ← S Diag(e^{g_L}) + Σ_s w_s (k_s ⊙ e^{g_L − g_s})ᵀ."""
-        _state_sweep(k, v, beta, g, u, wk, h0, w_out, hs, ht, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K, V,
+        state_sweep(k, v, beta, g, u, wk, h0, w_out, hs, ht, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K, V,
                      1, BT, BT, BK, BV, HAS_H0, IS_L2, True, PRECISION)
 
     @triton.jit
@@ -1095,8 +1026,8 @@ if triton is not None:
                           H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_ALPHA: tl.constexpr,
                           READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
-        """Stage 3 (:func:`_out_chunk`, per head): o = e^{g} (q S_0ᵀ) + [causal e^{g_t − g_s} q kᵀ] w."""
-        _out_chunk(q, k, la, g, w, hs, o, cu_seqlens, chunk_indices, T, NT, H, IS_VARLEN, K, V, 1, BT, BT, BK, BV,
+        """Stage 3 (:func:`out_chunk`, per head): o = e^{g} (q S_0ᵀ) + [causal e^{g_t − g_s} q kᵀ] w."""
+        out_chunk(q, k, la, g, w, hs, o, cu_seqlens, chunk_indices, T, NT, H, IS_VARLEN, K, V, 1, BT, BT, BK, BV,
                    HAS_ALPHA, READ_TOKEN, False, PRECISION)
 
     @triton.jit
@@ -1104,9 +1035,9 @@ if triton is not None:
                        H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, READ_TOKEN: tl.constexpr,
                        PRECISION: tl.constexpr):
-        """Stage 3, channel-wise (:func:`_out_chunk`): o = (q ⊙ e^{gq}) S_0ᵀ + P w,
+        """Stage 3, channel-wise (:func:`out_chunk`): o = (q ⊙ e^{gq}) S_0ᵀ + P w,
         P[t, s] = Σ_c q_tc k_sc e^{gq_tc − g_sc} (causal)."""
-        _out_chunk(q, k, la, g, w, hs, o, cu_seqlens, chunk_indices, T, NT, H, IS_VARLEN, K, V, 1, BT, BT, BK, BV,
+        out_chunk(q, k, la, g, w, hs, o, cu_seqlens, chunk_indices, T, NT, H, IS_VARLEN, K, V, 1, BT, BT, BK, BV,
                    True, READ_TOKEN, True, PRECISION)
 
     @triton.jit
@@ -1115,9 +1046,9 @@ if triton is not None:
                              V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                              HAS_ALPHA: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
                              IS_L2: tl.constexpr, READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
-        """Reverse sweep over chunks (:func:`_dh_sweep`, per head). dS = ∂L/∂S_L of the chunk end:
+        """Reverse sweep over chunks (:func:`dh_sweep`, per head). dS = ∂L/∂S_L of the chunk end:
         dw = Pᵀ do + e^{g_L − g} ⊙ (k dSᵀ);  dS ← e^{g_L} dS + (e^{gq} ⊙ do)ᵀ q − [l2] dwᵀ w_k."""
-        _dh_sweep(q, k, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K, V, 1,
+        dh_sweep(q, k, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K, V, 1,
                   BT, BT, BK, BV, HAS_ALPHA, HAS_DHT, HAS_H0, IS_L2, READ_TOKEN, False, PRECISION)
 
     @triton.jit
@@ -1126,9 +1057,9 @@ if triton is not None:
                           V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                           HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, IS_L2: tl.constexpr,
                           READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
-        """Reverse sweep, channel-wise (:func:`_dh_sweep`): dw = Pᵀ do + (k ⊙ e^{g_L − g}) dSᵀ;
+        """Reverse sweep, channel-wise (:func:`dh_sweep`): dw = Pᵀ do + (k ⊙ e^{g_L − g}) dSᵀ;
         dS ← dS Diag(e^{g_L}) + doᵀ (q ⊙ e^{gq}) − [l2] dwᵀ w_k."""
-        _dh_sweep(q, k, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K, V, 1,
+        dh_sweep(q, k, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K, V, 1,
                   BT, BT, BK, BV, True, HAS_DHT, HAS_H0, IS_L2, READ_TOKEN, True, PRECISION)
 
     @triton.jit
@@ -1139,8 +1070,8 @@ if triton is not None:
                                BEFORE: tl.constexpr, READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
         """Per chunk × head (all chunks in parallel, a loop over value blocks): dq, dk, dv, dβ, d log α from
         S_0 (chunk start), dS (chunk end), w, dw and (I + A)⁻¹ — the equations of
-        :func:`.reference.delta_rule_chunk_backward` step 3; d log α is a reverse cumsum of dg within the chunk."""
-        _grad_per_head(q, k, v, beta, la, g, ainv, w, hs, dhs, do, dw, dq, dk, dv, dbeta, dla, cu_seqlens,
+        :func:`.naive.delta_rule_chunk_backward` step 3; d log α is a reverse cumsum of dg within the chunk."""
+        grad_per_head(q, k, v, beta, la, g, ainv, w, hs, dhs, do, dw, dq, dk, dv, dbeta, dla, cu_seqlens,
                        chunk_indices, T, NT, H, IS_VARLEN, K, V, 1, BT, BT, BK, BV, HAS_ALPHA, IS_L2, BEFORE,
                        READ_TOKEN, PRECISION)
 
@@ -1150,9 +1081,9 @@ if triton is not None:
                             V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                             BV: tl.constexpr, IS_L2: tl.constexpr, BEFORE: tl.constexpr, READ_TOKEN: tl.constexpr,
                             PRECISION: tl.constexpr):
-        """Per chunk × head, channel-wise: the equations of :func:`.reference._channel_wise_backward` step 3;
+        """Per chunk × head, channel-wise: the equations of :func:`.naive._channel_wise_backward` step 3;
         d log α ``[B, T, H, K]`` is a reverse cumsum over the chunk of dg per channel."""
-        _grad_channel(q, k, v, beta, la, g, ainv, w, hs, dhs, do, dw, dq, dk, dv, dbeta, dla, cu_seqlens,
+        grad_channel(q, k, v, beta, la, g, ainv, w, hs, dhs, do, dw, dq, dk, dv, dbeta, dla, cu_seqlens,
                       chunk_indices, T, NT, H, IS_VARLEN, K, V, 1, BT, BT, BK, BV, IS_L2, BEFORE, READ_TOKEN,
                       PRECISION)
 
@@ -1172,47 +1103,8 @@ def _sizes(K: int, V: int, chunk_size: int):
     """Block sizes: BT (chunk), BK / BVV (padded head dims), BV (value block of the state kernels)."""
     if max(K, V) > MAX_D:
         raise ValueError(f"chunk (triton): head dims D_k = {K}, D_v = {V} must be ≤ {MAX_D}")
-    BK, BVV = _pow2(K), _pow2(V)
-    return _pow2(chunk_size), BK, BVV, value_block(BK, BVV)
-
-
-def prepare_chunk_indices(cu_seqlens: torch.Tensor, chunk_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """fla's chunk tables for packed sequences (``fla/ops/utils/index.py``), host-side.
-
-    Args:
-        cu_seqlens: ``[N + 1]`` offsets of N packed sequences.
-        chunk_size: BT, the kernels' chunk (a sequence of length T_n has ⌈T_n / BT⌉ chunks, its last one
-            possibly partial; chunks never cross a sequence boundary; an empty sequence has none).
-
-    Returns:
-        ``chunk_indices [NC, 2]`` int32: (sequence n, chunk index within n) of every chunk of every sequence, in
-        order (row = the chunk's global index, the row of the chunk-state tensors), and ``chunk_offsets [N + 1]``
-        int32: the global index of each sequence's first chunk (``chunk_offsets[-1]`` = NC).
-    """
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    counts = (lens + chunk_size - 1) // chunk_size
-    offsets = torch.nn.functional.pad(counts.cumsum(0), (1, 0))
-    seq = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
-    within = torch.arange(seq.numel(), device=counts.device) - offsets[seq]
-    return torch.stack([seq, within], 1).to(torch.int32).contiguous(), offsets.to(torch.int32)
-
-
-class _Layout:
-    """Where the chunks are: ``B × ⌈T / BT⌉`` equal sequences (dense), or the chunks of ``cu_seqlens``' packed
-    sequences (varlen, B = 1). ``N`` sequences (rows of the initial / final states), ``NC`` chunks in all (rows of
-    the chunk-state tensors, the parallel kernels' grid), ``NT`` chunks per sequence (dense only), and the
-    arguments the kernels take: ``cu``, ``table`` (chunk indices, parallel kernels), ``offsets`` (sequential)."""
-
-    def __init__(self, B: int, T: int, BT: int, cu_seqlens: Optional[torch.Tensor], like: torch.Tensor):
-        self.varlen = cu_seqlens is not None
-        self.NT = triton.cdiv(T, BT)
-        if self.varlen:
-            self.cu = cu_seqlens.to(device=like.device).contiguous()
-            self.table, self.offsets = prepare_chunk_indices(self.cu, BT)
-            self.N, self.NC = self.cu.numel() - 1, self.table.shape[0]
-        else:
-            self.cu = self.table = self.offsets = like      # never read (IS_VARLEN is False)
-            self.N, self.NC = B, B * self.NT
+    BK, BVV = pow2(K), pow2(V)
+    return pow2(chunk_size), BK, BVV, value_block(BK, BVV)
 
 
 def _forward_stages(k, v, beta, la, h0, *, bias, placement, chunk_size, prec, store_ainv=False, cu_seqlens=None):
@@ -1220,14 +1112,14 @@ def _forward_stages(k, v, beta, la, h0, *, bias, placement, chunk_size, prec, st
 
     Returns a dict of fp32 tensors: ``g [B, T, H]``, ``wk [B, T, H, K]`` (l2), ``ainv [B, T, H, BT]`` (l2 and
     ``store_ainv``), ``w [B, T, H, V]``, ``hs [NC, H, V, K]`` (chunk-start states, NC = every chunk of every
-    sequence), ``ht [N, H, V, K]``, and the chunk ``layout`` (:class:`_Layout`). With ``cu_seqlens`` (B = 1) each
+    sequence), ``ht [N, H, V, K]``, and the chunk ``layout`` (:class:`ChunkLayout`). With ``cu_seqlens`` (B = 1) each
     stage is still one launch: the UT kernel over all chunks of all sequences (the chunk-index table), the state
     kernel one program per (value block, sequence × head) over that sequence's chunks.
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
     BT, BK, BVV, BV = _sizes(K, V, chunk_size)
-    lay = _Layout(B, T, BT, cu_seqlens, k)
+    lay = ChunkLayout(B, T, BT, cu_seqlens, k)
     f32 = dict(dtype=torch.float32, device=k.device)
     is_l2 = bias == "l2"
     cw = la is not None and la.dim() == 4
@@ -1286,7 +1178,7 @@ def chunk_forward(q, k, v, beta, alpha=None, initial_state=None, *, bias="l2", p
 def chunk_backward(q, k, v, beta, alpha, initial_state, do, dht, *, bias="l2", placement="before_step",
                    read="token", cu_seqlens=None, chunk_size: int = 64, allow_tf32: Optional[bool] = None):
     """Gradients of :func:`chunk_forward` on the backward kernels (the Triton twin of
-    :func:`.reference.delta_rule_chunk_backward`).
+    :func:`.naive.delta_rule_chunk_backward`).
 
     Args: as :func:`chunk_delta_rule`, plus ``do: [B, T, H, D_v]`` and ``dht: [N, H, D_v, D_k]`` or None.
 
@@ -1379,17 +1271,8 @@ class ChunkFunction(torch.autograd.Function):
 
 
 def _torch_backward(saved, need, do, dht, opts, chunk_size):
-    """The reference backward: autograd of :func:`.reference.delta_rule_chunk`, recomputed (≥ fp32)."""
-    with torch.enable_grad():
-        inputs = [_upcast(x).detach().requires_grad_(True) if x is not None else None for x in saved]
-        o, ht = delta_rule_chunk(*inputs, chunk_size=chunk_size, **opts)
-        outs, grads_out = [o], [do.to(o.dtype)]
-        if dht is not None:
-            outs.append(ht)
-            grads_out.append(dht.to(ht.dtype))
-        leaves = [x for x, n in zip(inputs, need) if x is not None and n]
-        grads = iter(torch.autograd.grad(outs, leaves, grads_out, allow_unused=True) if leaves else ())
-    return [next(grads).to(x.dtype) if (x is not None and n) else None for x, n in zip(saved, need)]
+    """The reference backward: autograd of :func:`.naive.delta_rule_chunk`, recomputed (≥ fp32)."""
+    return reference_backward(delta_rule_chunk, saved, need, (do, dht), chunk_size=chunk_size, **opts)
 
 
 def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
@@ -1409,7 +1292,7 @@ def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: to
         cu_seqlens: ``[N + 1]`` offsets of packed sequences (B = 1), or None. Run natively: one launch per
             kernel over the chunks of all sequences (:func:`prepare_chunk_indices`), states restart at each boundary.
         chunk_size: the kernel's compute block BT (a power of two ≥ 16; it does not change the result).
-        allow_tf32: True / False: fp32 dots in TF32 / IEEE; None: :func:`.precision.dot_precision` chooses (TF32
+        allow_tf32: True / False: fp32 dots in TF32 / IEEE; None: :func:`atlaslab.kernels.utils.dot_precision` chooses (TF32
             for fp16 / bf16 inputs, else torch's float32 matmul precision).
 
     Returns:

@@ -1,51 +1,11 @@
-"""Chunked Triton kernels for Omega windows c > 1 of the linear-memory delta / Hebbian rule (ATLAS Eq.9, b = 1).
+"""Chunk-parallel Triton kernels of the Omega-window rule (c ≤ 8 window slots per token, b = 1), forward and backward.
 
-The window rule of :func:`.reference.window_rule_chunk`: the same three stages with the L·C window *slots* of a
-chunk of L tokens as the rows of the UT system. Slot tensors are ``[B, T·C, H, ·]`` (slot s = t·C + j of token
-t holds the key / value of token t − C + 1 + j, coefficient η_t γ_j); decays and causal masks are taken at the
-slots' tokens (slot → token: s // C, so the C slots of one token never see each other). g (the chunk-local
-cumsum of log α, per token) is formed in torch. A chunk holds BT tokens and BS = pow2(BT·C) slot rows.
-Backward (:func:`window_chunk_backward`): the c = 1 backward's stages on the slot rows (``_win_bwd_dh_kernel``,
-``_win_bwd_grad_kernel``); the slots' dg / dG terms are summed into their tokens before the reverse cumsum, and
-the gradients of xs, vs, coef reach k, v, η, γ and the history through the torch gather of the slots.
-
-Variable-length batches (``cu_seqlens [N + 1]``, slot tensors packed as ``[1, total_T·C, H, ·]``) run natively, as
-the c = 1 kernels do (:mod:`.chunk`): the chunks are those of :func:`.chunk.prepare_chunk_indices` (BT tokens, never
-crossing a sequence boundary); the per-chunk kernels (UT, output, backward grads) run over all chunks of all
-sequences in one launch (grid: chunk × head, the chunk-index table gives each program its sequence's start and
-length; its slot rows start at C·(sequence start + chunk start)), the sequential sweeps (state, reverse dS) one
-program per value block × sequence × head, with per-sequence initial / final states ``[N, H, V, K]``; chunk-state
-tensors are ``[NC, H, V, K]`` either way. g is cumsummed per chunk of the table in torch. The kernels do not mask
-slots across a sequence start themselves: the caller's slot gather does (:func:`.reference.window_slots` with
-``cu_seqlens`` gives slots before a sequence's first token coefficient 0; a history is not supported there).
-Tested under the interpreter only (``tests/test_triton_window_varlen.py``); never run on a GPU.
-
-Channel-wise decay (α_t ∈ [0, 1]^{D_k}, S_t = S_{t−1} Diag(α_t) + the window's writes: OmegaNet's linear closed
-form M_{t−1}(diag(α_t) − Σ_i γ_i φ(k_i)φ(k_i)ᵀ) + Σ_i γ_i v_i φ(k_i)ᵀ, docs/concepts/memory.md#window; both
-placements; equations in :func:`.reference.window_rule_chunk`): the ``_win_cw_*`` kernels, forward and backward,
-with g the chunk-local cumsum of log α per key channel ``[B, T, H, D_k]`` and every slot's decay that of its token τ_r. A write
-from slot r reaches token t with its key decayed channel by channel, x_r ⊙ e^{g_t − g_τr}, so the UT system over the
-chunk's L·c slot rows is
-
-    A[r, r'] = coef_r Σ_c x_rc x_r'c e^{G_τr,c − g_τr',c}   (τr' < τr),   G = g (before_step) or g − log α (after),
-    w = (I + A)⁻¹ (coef ⊙ v) − (I + A)⁻¹ (coef ⊙ x ⊙ e^{G_τ}) S_0ᵀ,
-
-the read o_t = (q_t ⊙ e^{gq_t}) S_0ᵀ + Σ_r P[t, r] w_r with P[t, r] = Σ_c q_tc x_rc e^{gq_tc − g_τr,c} (τr ≤ t, or
-< t for read chunk) and the state S_L = S_0 Diag(e^{g_L}) + Σ_r w_r (x_r ⊙ e^{g_L − g_τr})ᵀ. The pairwise decays are
-formed directly, e^{a − b} with an exponent ≤ 0 on the causal part (masked rows and columns use exponent 0), in a
-loop over the chunk's BT tokens — one ``[rows, D_k]`` exponential per token, shared by its c slots
-(``_slot_decayed_dot``, and ``_slot_decayed_mm`` for its two gradients): no ratio of products (the spec's
-(α_t…α_t')/(α_n…α_t') of the chunk form), so nothing overflows
-however fast a channel forgets (tested with α ≈ 0.05 over a 32-token chunk, e^{g} ≈ e^{−90}). O(BT · BS · D_k) per
-chunk on CUDA cores, like the c = 1 channel-wise kernels of :mod:`.chunk` (fla's GLA sub-chunk tensor-core split is
-the faster GPU choice, not done here). The backward (``_win_cw_bwd_dh_kernel``, ``_win_cw_bwd_grad_kernel``) is the
-c = 1 channel-wise backward (:func:`.reference._channel_wise_backward`) on the slot rows, the slots' dg / dG rows
-summed into their tokens before the per-channel reverse cumsum; ``cu_seqlens`` as above.
-
-The c = 1 kernels, the stage bodies these kernels share with them (``_ut_solve``, ``_state_sweep``, ``_out_chunk``,
-``_dh_sweep``, ``_grad_per_head``, ``_grad_channel``: the window kernels are their C > 1 cases), the shared block
-sizes and the backward switch ``chunk.BACKWARD`` live in :mod:`.chunk`; here: the window UT body (``_win_ut``) and the
-per-head output kernel, whose loads form their masks in their own order.
+The delta rule's stages (:mod:`atlaslab.kernels.delta_rule.chunk`, whose jit bodies these kernels reuse as their
+C > 1 case) with the L·c window slots of a chunk as the rows of the UT system, decays and causal masks taken at the
+slots' tokens; ``_win_cw_*`` for channel-wise decay. The math is :func:`.naive.window_rule_chunk`
+(docs/kernels.md#window-rule). Slots come from :func:`.naive.window_slots`: with ``cu_seqlens`` the kernels trust
+its zero coefficients before each sequence's start. Here: the window UT body (``_win_ut``) and the per-head output
+kernel, whose loads form their masks in their own order, and the op's entry points.
 """
 from __future__ import annotations
 
@@ -53,11 +13,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from atlaslab.kernels.triton import chunk as _chunk
-from atlaslab.kernels.triton.chunk import MAX_D, _pow2
-from atlaslab.kernels.triton.fallback import with_torch_fallback
-from atlaslab.kernels.triton.precision import dot_precision
-from atlaslab.kernels.triton.reference import MAX_WINDOW, _upcast, log_decay
+from atlaslab.kernels.delta_rule import chunk as delta_chunk
+from atlaslab.kernels.delta_rule.chunk import MAX_D, value_block
+from atlaslab.kernels.utils import ChunkLayout, dot_precision, log_decay, pow2, reference_backward, with_torch_fallback
+from atlaslab.kernels.window_rule.naive import MAX_WINDOW, check_window_args, window_rule_chunk
 
 try:
     import triton
@@ -66,9 +25,10 @@ except ImportError:  # pragma: no cover
     triton = None
 
 if triton is not None:
-    # the shared stage bodies and pieces (C = 1 and window, per-head and channel-wise decay) live in .chunk
-    from atlaslab.kernels.triton.chunk import (_causal, _chunk_span, _dh_sweep, _gates, _grad_channel, _grad_per_head, _out_chunk, _read_gate,
-                                               _read_scores, _slot_rows, _slot_tokens, _state_sweep, _tile, _token_rows, _ut_solve, _vec)
+    # the shared stage bodies and pieces (C = 1 and window, per-head and channel-wise decay) live in delta_rule.chunk
+    from atlaslab.kernels.delta_rule.chunk import (causal_mask, chunk_span, dh_sweep, grad_channel, grad_per_head,
+                                                   load_gates, load_tile, load_vec, out_chunk, read_gate, read_scores,
+                                                   slot_rows, slot_tokens, state_sweep, token_rows, ut_solve)
 
     @triton.jit
     def _win_ut(xs, vs, coef, la, g, u_out, wk_out, ainv_out, cu_seqlens, chunk_indices, T, NT, H: tl.constexpr,
@@ -80,36 +40,36 @@ if triton is not None:
         g − log α after_step)."""
         i_c = tl.program_id(0)            # global chunk index: all chunks of all sequences in one launch
         i_h = tl.program_id(1)
-        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
+        i_t, bos, T = chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
         o_i = tl.arange(0, BT)
         o_s = tl.arange(0, BS)
         o_k = tl.arange(0, BK)
         o_v = tl.arange(0, BVV)
         m_k = o_k < K
         m_v = o_v < V
-        m_t, rows = _token_rows(o_i, bos, i_t, i_h, T, H, BT)
-        tau = _slot_tokens(o_s, C)
-        m_s, srow, trow = _slot_rows(bos, i_t, i_h, o_s, tau, T, H, C, BT)
+        m_t, rows = token_rows(o_i, bos, i_t, i_h, T, H, BT)
+        tau = slot_tokens(o_s, C)
+        m_s, srow, trow = slot_rows(bos, i_t, i_h, o_s, tau, T, H, C, BT)
         if CHANNEL:
             m_sk = m_s[:, None] & m_k[None, :]
-            b_x = _tile(xs, srow, o_k, K, m_sk)
+            b_x = load_tile(xs, srow, o_k, K, m_sk)
         else:    # (the per-head kernel forms this mask after the address)
             b_x = tl.load(xs + srow[:, None] * K + o_k[None, :], mask=m_s[:, None] & m_k[None, :],
                           other=0.0).to(tl.float32)
         b_v = tl.load(vs + srow[:, None] * V + o_v[None, :], mask=m_s[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        b_c = _vec(coef, srow, m_s)
+        b_c = load_vec(coef, srow, m_s)
         if CHANNEL:
-            b_g = _gates(g, rows, m_t, o_k, m_k, K, True)          # g at the chunk's tokens [BT, BK]
-        b_gs = _gates(g, trow, m_s, o_k, m_k, K, CHANNEL)
+            b_g = load_gates(g, rows, m_t, o_k, m_k, K, True)          # g at the chunk's tokens [BT, BK]
+        b_gs = load_gates(g, trow, m_s, o_k, m_k, K, CHANNEL)
         if not CHANNEL:
             b_g = b_gs
         if BEFORE:
             b_G = b_gs
         elif HAS_ALPHA:
-            b_G = b_gs - _gates(la, trow, m_s, o_k, m_k, K, CHANNEL)
+            b_G = b_gs - load_gates(la, trow, m_s, o_k, m_k, K, CHANNEL)
         else:
             b_G = b_gs
-        _ut_solve(b_x, b_c, b_v, b_G, b_gs, b_g, u_out, wk_out, ainv_out, srow, m_s, o_i, tau, o_s, o_k, m_k, o_v,
+        ut_solve(b_x, b_c, b_v, b_G, b_gs, b_g, u_out, wk_out, ainv_out, srow, m_s, o_i, tau, o_s, o_k, m_k, o_v,
                   m_v, K, V, C, BT, BS, STORE_AINV, CHANNEL, PRECISION)
 
     @triton.jit
@@ -130,7 +90,7 @@ if triton is not None:
                           BV: tl.constexpr, HAS_H0: tl.constexpr, IS_L2: tl.constexpr, PRECISION: tl.constexpr):
         """Stage 2 (:func:`.chunk._state_sweep` on the slots), per value block × head, sequential over chunks:
         w = u − w_k S_0ᵀ (dot: coef v), stores the chunk-start states, S ← e^{g_L} S + Σ_r e^{g_L − g_τr} w_r x_rᵀ."""
-        _state_sweep(xs, vs, coef, g, u, wk, h0, w_out, hs, ht, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K,
+        state_sweep(xs, vs, coef, g, u, wk, h0, w_out, hs, ht, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K,
                      V, C, BT, BS, BK, BV, HAS_H0, IS_L2, False, PRECISION)
 
     @triton.jit
@@ -143,27 +103,27 @@ if triton is not None:
         i_v = tl.program_id(0)
         i_c = tl.program_id(1)
         i_h = tl.program_id(2)
-        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
+        i_t, bos, T = chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
         o_i = tl.arange(0, BT)
         o_s = tl.arange(0, BS)
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
         m_k = o_k < K
         m_v = o_v < V
-        m_t, rows = _token_rows(o_i, bos, i_t, i_h, T, H, BT)
-        tau = _slot_tokens(o_s, C)
-        m_s, srow, trow = _slot_rows(bos, i_t, i_h, o_s, tau, T, H, C, BT)
+        m_t, rows = token_rows(o_i, bos, i_t, i_h, T, H, BT)
+        tau = slot_tokens(o_s, C)
+        m_s, srow, trow = slot_rows(bos, i_t, i_h, o_s, tau, T, H, C, BT)
         b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_x = tl.load(xs + srow[:, None] * K + o_k[None, :], mask=m_s[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        b_g = _vec(g, rows, m_t)
-        b_gs = _vec(g, trow, m_s)
-        b_gq = _read_gate(b_g, la, rows, m_t, o_k, m_k, K, HAS_ALPHA, READ_TOKEN, False)
-        causal = _causal(o_i, tau, m_s, C, not READ_TOKEN)
+        b_g = load_vec(g, rows, m_t)
+        b_gs = load_vec(g, trow, m_s)
+        b_gq = read_gate(b_g, la, rows, m_t, o_k, m_k, K, HAS_ALPHA, READ_TOKEN, False)
+        causal = causal_mask(o_i, tau, m_s, C, not READ_TOKEN)
         b_w = tl.load(w + srow[:, None] * V + o_v[None, :], mask=m_s[:, None] & m_v[None, :], other=0.0)
         h = tl.load(hs + (i_c.to(tl.int64) * H + i_h) * V * K + o_v[:, None] * K + o_k[None, :],
                     mask=m_v[:, None] & m_k[None, :], other=0.0)
         b_o = tl.exp(b_gq)[:, None] * tl.dot(b_q, tl.trans(h), input_precision=PRECISION)
-        b_o += tl.dot(_read_scores(b_q, b_x, b_gq, b_g, b_gs, causal, m_t, o_i, o_s, C, BT, BS, READ_TOKEN, False,
+        b_o += tl.dot(read_scores(b_q, b_x, b_gq, b_g, b_gs, causal, m_t, o_i, o_s, C, BT, BS, READ_TOKEN, False,
                                    PRECISION), b_w, input_precision=PRECISION)
         tl.store(o + rows[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
@@ -175,7 +135,7 @@ if triton is not None:
                            IS_L2: tl.constexpr, READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
         """Reverse sweep over chunks (:func:`.chunk._dh_sweep`, value block × head): dw = Pᵀ do + e^{g_L − g_τ} ⊙
         (x dSᵀ) on the slots; dS ← e^{g_L} dS + (e^{gq} ⊙ do)ᵀ q − [l2] dwᵀ w_k."""
-        _dh_sweep(q, xs, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K, V, C,
+        dh_sweep(q, xs, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K, V, C,
                   BT, BS, BK, BV, HAS_ALPHA, HAS_DHT, HAS_H0, IS_L2, READ_TOKEN, False, PRECISION)
 
     @triton.jit
@@ -188,7 +148,7 @@ if triton is not None:
         """Per chunk × head: dq (tokens), dx, dv, dcoef (slots) and d log α (tokens) — the c = 1 grad kernel's
         equations with the slot rows in place of the tokens; slot terms of dg / dG are summed into their tokens
         (a one-hot [BT, BS] reduction) before the reverse cumsum."""
-        _grad_per_head(q, xs, vs, coef, la, g, ainv, w, hs, dhs, do, dw, dq, dx, dv, dcoef, dla, cu_seqlens,
+        grad_per_head(q, xs, vs, coef, la, g, ainv, w, hs, dhs, do, dw, dq, dx, dv, dcoef, dla, cu_seqlens,
                        chunk_indices, T, NT, H, IS_VARLEN, K, V, C, BT, BS, BK, BV, HAS_ALPHA, IS_L2, BEFORE,
                        READ_TOKEN, PRECISION)
 
@@ -209,7 +169,7 @@ if triton is not None:
                              BV: tl.constexpr, HAS_H0: tl.constexpr, IS_L2: tl.constexpr, PRECISION: tl.constexpr):
         """Stage 2, channel-wise (:func:`.chunk._state_sweep`), per value block × sequence × head: w = u − w_k S_0ᵀ
         (dot: coef v), stores the chunk-start states, S ← S Diag(e^{g_L}) + Σ_r w_r (x_r ⊙ e^{g_L − g_τr})ᵀ."""
-        _state_sweep(xs, vs, coef, g, u, wk, h0, w_out, hs, ht, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K,
+        state_sweep(xs, vs, coef, g, u, wk, h0, w_out, hs, ht, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K,
                      V, C, BT, BS, BK, BV, HAS_H0, IS_L2, True, PRECISION)
 
     @triton.jit
@@ -219,7 +179,7 @@ if triton is not None:
                            READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
         """Stage 3, channel-wise (:func:`.chunk._out_chunk`): o = (q ⊙ e^{gq}) S_0ᵀ + P w,
         P[t, r] = Σ_c q_tc x_rc e^{gq_tc − g_τr,c} (τr ≤ t for read token, < t for read chunk)."""
-        _out_chunk(q, xs, la, g, w, hs, o, cu_seqlens, chunk_indices, T, NT, H, IS_VARLEN, K, V, C, BT, BS, BK, BV,
+        out_chunk(q, xs, la, g, w, hs, o, cu_seqlens, chunk_indices, T, NT, H, IS_VARLEN, K, V, C, BT, BS, BK, BV,
                    True, READ_TOKEN, True, PRECISION)
 
     @triton.jit
@@ -230,7 +190,7 @@ if triton is not None:
                               READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
         """Reverse sweep, channel-wise (:func:`.chunk._dh_sweep`): dw = Pᵀ do + (x ⊙ e^{g_L − g_τ}) dSᵀ on the
         slots; dS ← dS Diag(e^{g_L}) + doᵀ (q ⊙ e^{gq}) − [l2] dwᵀ w_k; the last dS is the initial state's."""
-        _dh_sweep(q, xs, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K, V, C,
+        dh_sweep(q, xs, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K, V, C,
                   BT, BS, BK, BV, True, HAS_DHT, HAS_H0, IS_L2, READ_TOKEN, True, PRECISION)
 
     @triton.jit
@@ -248,7 +208,7 @@ if triton is not None:
         per slot dg = −x ⊙ (dx_P + dx_S) − [l2] x ⊙ Z-column term, dG = −coef (dr S_0) ⊙ x_G + x ⊙ Z-row term;
         summed into their tokens (one-hot [BT, BS] products) with d gq = q ⊙ dq and, at the chunk's last token,
         e^{g_L} ⊙ Σ_v dS ⊙ S_0 + Σ_r x_r ⊙ dx_S,r; d log α = reverse-cumsum(dg + dG) − [after] dG − [chunk] d gq."""
-        _grad_channel(q, xs, vs, coef, la, g, ainv, w, hs, dhs, do, dw, dq, dx, dv, dcoef, dla, cu_seqlens,
+        grad_channel(q, xs, vs, coef, la, g, ainv, w, hs, dhs, do, dw, dq, dx, dv, dcoef, dla, cu_seqlens,
                       chunk_indices, T, NT, H, IS_VARLEN, K, V, C, BT, BS, BK, BV, IS_L2, BEFORE, READ_TOKEN,
                       PRECISION)
 
@@ -262,8 +222,8 @@ def _win_sizes(K: int, V: int, c: int, chunk_size: int):
         raise ValueError(f"chunk window (triton): window c = {c} must be in [1, {MAX_WINDOW}]")
     per = max(1, int(chunk_size) // c)
     BT = max(16, 1 << (per.bit_length() - 1))
-    BK, BVV = _pow2(K), _pow2(V)
-    return BT, _pow2(BT * c), BK, BVV, _chunk.value_block(BK, BVV)
+    BK, BVV = pow2(K), pow2(V)
+    return BT, pow2(BT * c), BK, BVV, value_block(BK, BVV)
 
 
 def _slot_warps(BS: int) -> int:
@@ -341,12 +301,11 @@ def window_forward(q, xs, vs, coef, alpha=None, initial_state=None, *, bias="l2"
                    read="token", cu_seqlens=None, chunk_size: int = 64, allow_tf32: Optional[bool] = None):
     """The window forward kernels, no autograd; arguments as :func:`chunk_window_rule`. One launch per stage,
     with or without ``cu_seqlens``."""
-    from atlaslab.kernels.triton.reference import check_window_args
     c = check_window_args(q, xs, vs, coef, alpha, initial_state, bias, placement, read, cu_seqlens)
     B, T, H, K = q.shape
     V = vs.shape[-1]
     BT, BS, BK, BVV, BV = _win_sizes(K, V, c, chunk_size)
-    lay = _chunk._Layout(B, T, BT, cu_seqlens, q)
+    lay = ChunkLayout(B, T, BT, cu_seqlens, q)
     q = q.contiguous()
     xs, vs, coef = (x.contiguous().flatten(1, 2) for x in (xs, vs, coef))     # [B, T·c, H, ·]
     la = log_decay(alpha.float(), q).contiguous() if alpha is not None else None
@@ -375,13 +334,12 @@ def window_chunk_backward(q, xs, vs, coef, alpha, initial_state, do, dht, *, bia
     parallel (``_win_bwd_grad_kernel``); channel-wise decay on the ``_win_cw_bwd_*`` kernels (``dalpha``
     ``[B, T, H, D_k]``). With ``cu_seqlens`` each stage is still one launch (the sweeps one program per value
     block × sequence × head, the rest over the chunk-index table)."""
-    from atlaslab.kernels.triton.reference import check_window_args
     c = check_window_args(q, xs, vs, coef, alpha, initial_state, bias, placement, read, cu_seqlens)
     channel = alpha is not None and alpha.dim() == 4
     B, T, H, K = q.shape
     V = vs.shape[-1]
     BT, BS, BK, BVV, BV = _win_sizes(K, V, c, chunk_size)
-    lay = _chunk._Layout(B, T, BT, cu_seqlens, q)
+    lay = ChunkLayout(B, T, BT, cu_seqlens, q)
     f32 = dict(dtype=torch.float32, device=q.device)
     q_, do_ = q.contiguous(), do.contiguous()
     xs_, vs_, coef_ = (x.contiguous().flatten(1, 2) for x in (xs, vs, coef))
@@ -424,22 +382,8 @@ def window_chunk_backward(q, xs, vs, coef, alpha, initial_state, do, dht, *, bia
 
 
 def window_torch_backward(saved, need, do, dht, opts, chunk_size):
-    """Backward of a window kernel by autograd of :func:`.reference.window_rule_chunk`, recomputed (≥ fp32)."""
-    from atlaslab.kernels.triton.reference import window_rule_chunk
-    with torch.enable_grad():
-        inputs = [_upcast(x).detach().requires_grad_(True) if x is not None else None for x in saved]
-        o, ht = window_rule_chunk(*inputs, chunk_size=chunk_size, **opts)
-        outs, grads_out = [o], [do.to(o.dtype)]
-        if dht is not None:
-            outs.append(ht)
-            grads_out.append(dht.to(ht.dtype))
-        leaves = [x for x, n in zip(inputs, need) if x is not None and n]
-        grads = iter(torch.autograd.grad(outs, leaves, grads_out, allow_unused=True) if leaves else ())
-    out = []
-    for x, n in zip(saved, need):
-        gr = next(grads) if (x is not None and n) else None
-        out.append(None if gr is None else gr.to(x.dtype))
-    return out
+    """Backward of a window kernel by autograd of :func:`.naive.window_rule_chunk`, recomputed (≥ fp32)."""
+    return reference_backward(window_rule_chunk, saved, need, (do, dht), chunk_size=chunk_size, **opts)
 
 
 def window_backward(saved, need, do, dht, opts, chunk_size):
@@ -455,7 +399,7 @@ def window_backward(saved, need, do, dht, opts, chunk_size):
     def kernels():
         grads = window_chunk_backward(*saved, do, dht, chunk_size=chunk_size, **opts)
         return [gr if n else None for gr, n in zip(grads, need)]
-    return torch_path() if _chunk.BACKWARD == "torch" else with_torch_fallback(kernels, torch_path, "window backward")
+    return torch_path() if delta_chunk.BACKWARD == "torch" else with_torch_fallback(kernels, torch_path, "window backward")
 
 
 class WindowChunkFunction(torch.autograd.Function):
@@ -484,24 +428,24 @@ def chunk_window_rule(q: torch.Tensor, xs: torch.Tensor, vs: torch.Tensor, coef:
                       cu_seqlens: Optional[torch.LongTensor] = None, chunk_size: int = 64,
                       allow_tf32: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Omega-window (c ≥ 1) linear rule, chunk-parallel on Triton: the math of
-    :func:`.reference.window_rule_chunk` (exact; same results as :func:`.reference.window_rule_recurrent`).
+    :func:`.naive.window_rule_chunk` (exact; same results as :func:`.naive.window_rule_recurrent`).
 
     Args:
         q: ``[B, T, H, D_k]`` queries (featurised).
         xs: ``[B, T, c, H, D_k]`` window keys (slot (t, j) = featurised key of token t − c + 1 + j), vs
             ``[B, T, c, H, D_v]`` their values, coef ``[B, T, c, H]`` the step coefficients η_t γ_j (0 on slots
-            before the window history): :func:`.reference.window_slots` builds them. c ≤ :data:`MAX_WINDOW`.
+            before the window history): :func:`.naive.window_slots` builds them. c ≤ :data:`MAX_WINDOW`.
         alpha: ``[B, T, H]`` per-head kept fraction, ``[B, T, H, D_k]`` channel-wise (S ← S Diag(α_t)), or None.
         initial_state: ``[N, H, D_v, D_k]`` or None (zeros); N = B, or the number of packed sequences.
         bias, placement, read: as :func:`chunk_delta_rule`.
         cu_seqlens: ``[N + 1]`` offsets of packed sequences (B = 1, tensors ``[1, total_T, ...]``), or None. Run
             natively as :func:`.chunk.chunk_delta_rule` does: one launch per stage over all chunks of all
             sequences (chunks never cross a boundary, states restart at each). The slots must not reach across a
-            sequence start: build them with :func:`.reference.window_slots` (``cu_seqlens=...``), which gives the
+            sequence start: build them with :func:`.naive.window_slots` (``cu_seqlens=...``), which gives the
             slots before a sequence's first token coefficient 0 (the kernels trust ``coef`` for this).
         chunk_size: about how many slot rows a chunk holds: BT = a power of two ≥ 16 near ``chunk_size / c``
             tokens per chunk (it does not change the result).
-        allow_tf32: True / False: fp32 dots in TF32 / IEEE; None: :func:`.precision.dot_precision` chooses.
+        allow_tf32: True / False: fp32 dots in TF32 / IEEE; None: :func:`atlaslab.kernels.utils.dot_precision` chooses.
 
     Returns:
         ``o: [B, T, H, D_v]`` and the final state(s) ``[N, H, D_v, D_k]``.

@@ -1,91 +1,23 @@
-"""Token-by-token Triton kernel for a LINEAR memory trained by momentum GD at any semantic chunk size b ≥ 1 (Titans
-with a matrix memory), for inference / decoding with a cached state; its plain torch reference; the ``memorize``
-engine that uses it.
+"""Token-by-token Triton kernel for a linear memory trained by momentum GD at any semantic chunk size b ≥ 1, for
+decoding with a cached state: M, S, the chunk-start anchor M_a and the running decay product P are inputs and
+outputs, so one token per call equals one call.
 
-Semantics (docs/concepts/memory.md: training chunk, retention placement, inner optimizer, loss scaling; Titans §3.2
-Eq.13-14): memory linear, ℓ2 or dot-product bias, inner optimizer ``momentum``, retention none,
-per-head scalar decay or channel-wise decay (per key channel), placed ``before_step`` or ``after_step``,
-Omega window c = 1, read ``token`` or ``chunk``. This is exactly ``recurrent.py::memorize_recurrent`` for that spec.
-One head's memory M, momentum S and chunk-start anchor M_a are ``[D_v, D_k]``; P is the running decay product of
-the current chunk (a scalar per head; a ``[D_k]`` vector with channel-wise decay, see below). Per token t
-at global position p, with step β_t = η_t γ_t (learning rate × the c = 1 window gate), momentum gate θ_t and kept
-fraction α_t (1 without retention):
-
-    if p mod b = 0:  M_a ← M,  P ← 1                         a chunk starts
-    P ← P α_t
-    W_a = M_a (after_step)  or  P M_a (before_step)           the gradient's point
-    e_t = W_a k_t − v_t (ℓ2: ∇ ½‖W k − v‖² = e kᵀ)  or  −v_t (dot: ∇ −⟨W k, v⟩ = −v kᵀ)
-    S ← θ_t S − β_t e_t k_tᵀ,     M ← α_t M + S
-    y_t = M q_t (read token)  or  M_a q_t (read chunk)
-
-Channel-wise decay (``retention: {name: decay, channel_wise: true}``, α_t ∈ [0, 1]^{D_k}, gates ``[B, T, H, D_k]``;
-``retention.py::scale_weights`` scales the last = key axis): P ← P ⊙ α_t is a ``[D_k]`` vector per head and
-
-    W_a = M_a (after_step)  or  M_a Diag(P) (before_step),  so e_t = M_a (P ⊙ k_t) − v_t (ℓ2, before_step)
-    M ← M Diag(α_t) + S
-
-(the other lines unchanged; the state's ``chunk_alpha`` is ``[B, H, D_k]``).
-
-The state (M, S, M_a, P) and the position are inputs and outputs, so a sequence of calls of one token each equals
-one call over all of them (the decoding use): nothing restarts at a call boundary unless a chunk starts there.
-
-Pieces:
-
-- :func:`momentum_recurrent_reference`: these equations in plain torch, token by token (the reference of the kernel
-  and the recompute of its backward);
-- ``_fused_momentum_kernel``: one program per (value block × batch·head), sequential over T, the program's rows of
-  M, S, M_a (``[BV, D_k]`` each) and P (channel-wise: a ``[BK]`` vector, constexpr ``CHANNEL``) in fp32
-  registers; it writes y_t per token and the final state once. Rows of the memory evolve independently (e_t's
-  row i depends only on row i of M_a), so splitting D_v is exact. No ``tl.dot``: every step is rank-1 (outer
-  products and row reductions).
-- backward (:func:`fused_recurrent_momentum_backward`; the forward saves only its inputs): the forward kernel is
-  re-run storing every token's pre-step M_{t−1}, S_{t−1}, anchor M_a and P̃_t (P before α_t), then
-  ``_fused_momentum_bwd_kernel`` (value block × batch·head, reverse over t) carries dM, dS, dM_a (∂L/∂ the state
-  after token t, from the final states' gradients) and the block's share of dP:
-
-      read:   dM += dy qᵀ, dq = M_tᵀ dy   (read chunk: dM_a += dy qᵀ, dq = M_aᵀ dy)
-      dS += dM;   dθ = ⟨dS, S_{t−1}⟩;   de = −β dS k;   dβ = −eᵀ dS k;   dv = −de;   dk = −β dSᵀ e [+ c M_aᵀ de]
-      [ℓ2] dM_a += c de kᵀ;   [ℓ2, before_step] dP += de · (M_a k);   dα = ⟨dM, M_{t−1}⟩ + dP P̃
-      dM ← α dM,  dS ← θ dS,  dP ← α dP;   at a chunk start dM += dM_a, dM_a ← 0, dP ← 0
-
-  (c = P_t before_step, else 1); after the first token the carried dM, dS, dM_a, dP are the initial state's
-  gradients. Channel-wise (c = P_t, a ``[D_k]`` vector, before_step, else 1; dP and dα are ``[D_k]`` per head):
-
-      e = M_a (c ⊙ k) − v;   dk = −β dSᵀ e [+ c ⊙ (M_aᵀ de)];   [ℓ2] dM_a += de (c ⊙ k)ᵀ
-      [ℓ2, before_step] dP += k ⊙ (M_aᵀ de);   dα_j = Σ_i dM_ij (M_{t−1})_ij + dP_j P̃_j   (per key channel j)
-      dM ← dM Diag(α),  dP ← dP ⊙ α   (the rest as above)
-
-  (the read token recompute M_t = M_{t−1} Diag(α) + S_t). The sums over D_v (dq, dk, dβ, dθ, dα, dP) are written
-  per value block and added in torch. Memory: three ``[B, T, H, D_v, D_k]`` fp32 buffers (decoding-sized calls;
-  about what the torch fallback's autograd keeps).
-  ``BACKWARD = "torch"`` (``ATLASLAB_MOMENTUM_BACKWARD=torch``, shared with the chunk kernel) instead runs autograd
-  through :func:`momentum_recurrent_reference` recomputed (≥ fp32) from the saved inputs.
-- :class:`FusedRecurrentMomentumFunction`: the kernel forward with that backward.
-- :func:`memorize_fused_recurrent_momentum`: the ``MODES``-signature engine ``memorize(mode="triton")`` dispatches
-  to (:func:`spec_reason`; ``select_kernel`` picks it for ``fused_recurrent``, and for ``auto`` on short calls,
-  short calls that start mid-chunk, and specs the chunk kernel does not take); it updates the
-  :class:`MemoryState` exactly as the torch engines do.
-
-Status: tested only under ``TRITON_INTERPRET=1`` on CPU (``tests/test_triton_momentum_recurrent.py``: outputs, final
-states and every input gradient vs ``memorize(mode="recurrent")`` in float64, b = 1 and 4, both placements, ℓ2 and
-dot, read token and chunk, per-head and channel-wise decay (one key channel at α ≈ 0.05), RMS-error ratio ~2e-7 in
-fp32; the op with a cached state entering mid-chunk and several value blocks, both backwards; decoding one token
-per call equals one call); nothing has run on a GPU and nothing is tuned (one config: ``num_warps=4``, 8 in the
-backward at D_k ≥ 128; three ``[BV, BK]`` fp32 states per program with BV·BK ≤ 2048, seven in the backward with
-BV·BK ≤ 1024 above the 16-row floor). Compiled for sm_90 without a GPU
-(``bench/compile_sm90.py``).
+One program per (value block × batch·head) keeps its rows of M, S and M_a in fp32 registers over the sequence
+(rows evolve independently, so splitting D_v is exact; every step is rank-1, no ``tl.dot``). The backward
+re-runs the forward storing the pre-step states, then one reverse sweep (``_fused_momentum_bwd_kernel``); the
+sums over D_v are added in torch. Reference: :func:`.naive.momentum_recurrent_reference` (docs/kernels.md#momentum,
+with the backward's equations). ``BACKWARD = "torch"`` (``ATLASLAB_MOMENTUM_BACKWARD=torch``) runs autograd
+through the reference instead.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Optional, Tuple
 
 import torch
 
-from atlaslab.kernels.triton.chunk_momentum import MAX_D, check_args as _check_momentum_args, linear_momentum_reason
-from atlaslab.kernels.triton.fused_recurrent import _pow2
-from atlaslab.kernels.triton.reference import _upcast
+from atlaslab.kernels.momentum.naive import check_recurrent_args, momentum_recurrent_reference
+from atlaslab.kernels.utils import pow2, reference_backward
 
 try:
     import triton
@@ -93,75 +25,11 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
-PLACEMENTS = ("before_step", "after_step")
 #: fp32 elements of each state block one program holds: three in the forward (M, S, M_a), seven in the backward
 #: (dM, dS, dM_a, M_{t−1}, S_{t−1}, M_a, M_t); sized so that neither spills registers on sm_90 at D_k = 128
 #: (``bench/compile_sm90.py``)
 STATE_BLOCK = 2048
 STATE_BLOCK_BWD = 1024
-
-
-def check_args(q, k, v, beta, theta, alpha, m0, s0, a0, p0, position, chunk_size, bias, placement, read) -> None:
-    """Validate shapes and options (see :func:`fused_recurrent_momentum`); channel-wise α (``[B, T, H, D_k]``) goes
-    with a ``[B, H, D_k]`` Π α."""
-    channel = p0.dim() == 3
-    _check_momentum_args(q=q, k=k, v=v, beta=beta, theta=theta, alpha=None if channel else alpha, m0=m0, s0=s0,
-                         chunk_size=chunk_size, bias=bias, read=read)
-    if channel and alpha is not None and tuple(alpha.shape) != tuple(q.shape):
-        raise ValueError(f"alpha (channel-wise): expected [B, T, H, D_k] = {list(q.shape)}, got {list(alpha.shape)}")
-    if tuple(a0.shape) != tuple(m0.shape):
-        raise ValueError(f"initial_anchor: expected [B, H, D_v, D_k] = {list(m0.shape)}, got {list(a0.shape)}")
-    want = (q.shape[0], q.shape[2]) + ((q.shape[3],) if channel else ())
-    if tuple(p0.shape) != want:
-        raise ValueError(f"initial_chunk_alpha: expected {'[B, H, D_k]' if channel else '[B, H]'} = {list(want)}, "
-                         f"got {list(p0.shape)}")
-    if placement not in PLACEMENTS:
-        raise ValueError(f"placement must be one of {PLACEMENTS}; got '{placement}'")
-    if int(position) < 0:
-        raise ValueError(f"position must be ≥ 0, got {position}")
-    if max(q.shape[-1], v.shape[-1]) > MAX_D:
-        raise ValueError(f"fused_recurrent_momentum: needs D_k, D_v ≤ {MAX_D}; got {q.shape[-1]}, {v.shape[-1]}")
-
-
-# ------------------------------------------------------------------------------------------ torch reference
-
-def momentum_recurrent_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
-                                 theta: torch.Tensor, alpha: Optional[torch.Tensor], m0: torch.Tensor,
-                                 s0: torch.Tensor, a0: torch.Tensor, p0: torch.Tensor, *, position: int,
-                                 chunk_size: int, bias: str = "l2", placement: str = "after_step",
-                                 read: str = "token"):
-    """The module docstring's token equations in plain torch (differentiable).
-
-    Args: as :func:`fused_recurrent_momentum`. Returns ``(o [B, T, H, D_v], M_T, S_T, M_a [B, H, D_v, D_k],
-    P [B, H] or, channel-wise, [B, H, D_k])``. Channel-wise α (``[B, T, H, D_k]``) acts on the
-    key axis: M ← M Diag(α_t) + S, and ``before_step`` takes the gradient at M_a Diag(P).
-    """
-    check_args(q, k, v, beta, theta, alpha, m0, s0, a0, p0, position, chunk_size, bias, placement, read)
-    b = int(chunk_size)
-    before = placement == "before_step" and alpha is not None
-    channel = p0.dim() == 3
-    M, S, A, P = m0, s0, a0, p0
-    outs = []
-    for t in range(q.shape[1]):
-        if (int(position) + t) % b == 0:
-            A, P = M, torch.ones_like(P)
-        q_t, k_t, v_t = q[:, t], k[:, t], v[:, t]                               # [B, H, D]
-        if alpha is not None:
-            P = P * alpha[:, t]
-        if bias == "l2" and channel:
-            e = torch.einsum("bhvk,bhk->bhv", A, P * k_t if before else k_t) - v_t   # (M_a Diag(P)) k_t − v_t
-        elif bias == "l2":
-            pred = torch.einsum("bhvk,bhk->bhv", A, k_t)
-            e = (P.unsqueeze(-1) * pred if before else pred) - v_t
-        else:
-            e = -v_t
-        S = theta[:, t, :, None, None] * S - (beta[:, t, :, None] * e).unsqueeze(-1) * k_t.unsqueeze(-2)
-        if alpha is not None:
-            M = (alpha[:, t, :, None, :] if channel else alpha[:, t, :, None, None]) * M
-        M = M + S
-        outs.append(torch.einsum("bhvk,bhk->bhv", M if read == "token" else A, q_t))
-    o = torch.stack(outs, 1) if outs else v.new_zeros(v.shape)
-    return o, M, S, A, P
 
 
 # ------------------------------------------------------------------------------------------ Triton kernel
@@ -393,8 +261,8 @@ if triton is not None:
 
 def _blocks(K: int, V: int, elements: int = STATE_BLOCK) -> Tuple[int, int]:
     """(BK, BV): all of D_k, and value rows so that one state block holds ≤ ``elements`` fp32 (≥ 16 rows)."""
-    BK = _pow2(K, 16)
-    return BK, min(_pow2(V, 16), max(16, elements // BK))
+    BK = pow2(K, 16)
+    return BK, min(pow2(V, 16), max(16, elements // BK))
 
 
 def fused_recurrent_momentum_forward(q, k, v, beta, theta, alpha, m0, s0, a0, p0, *, position: int,
@@ -406,7 +274,7 @@ def fused_recurrent_momentum_forward(q, k, v, beta, theta, alpha, m0, s0, a0, p0
     (``[B, T, H, D_v, D_k]`` fp32 each) and P̃_t (``[B, T, H]``, channel-wise ``[B, T, H, D_k]``; P before α_t):
     ``(outputs, states)``.
     """
-    check_args(q, k, v, beta, theta, alpha, m0, s0, a0, p0, position, chunk_size, bias, placement, read)
+    check_recurrent_args(q, k, v, beta, theta, alpha, m0, s0, a0, p0, position, chunk_size, bias, placement, read)
     B, T, H, K = q.shape
     V = v.shape[-1]
     q, k, v, beta, theta, m0, s0, a0, p0 = (x.contiguous() for x in (q, k, v, beta, theta, m0, s0, a0, p0))
@@ -500,17 +368,8 @@ class FusedRecurrentMomentumFunction(torch.autograd.Function):
             got = fused_recurrent_momentum_backward(*saved, do, dmt, dst, dat, dpt, **ctx.opts)
             grads = [g if n else None for g, n in zip(got, need)]
         elif any(need):
-            with torch.enable_grad():
-                inputs = [_upcast(x).detach().requires_grad_(n) if x is not None else None
-                          for x, n in zip(saved, need)]
-                outs = momentum_recurrent_reference(*inputs, **ctx.opts)
-                pairs = [(y, g) for y, g in zip(outs, (do, dmt, dst, dat, dpt)) if g is not None and y.requires_grad]
-                leaves = [i for i, (x, n) in enumerate(zip(inputs, need)) if x is not None and n]
-                got = torch.autograd.grad([y for y, _ in pairs], [inputs[i] for i in leaves],
-                                          [g.to(y.dtype) for y, g in pairs], allow_unused=True) if pairs else \
-                    [None] * len(leaves)
-            for i, g in zip(leaves, got):
-                grads[i] = (torch.zeros_like(saved[i]) if g is None else g).to(saved[i].dtype)
+            grads = reference_backward(momentum_recurrent_reference, saved, need, (do, dmt, dst, dat, dpt),
+                                       **ctx.opts)
         return (*grads, None, None, None, None, None)
 
 
@@ -546,51 +405,5 @@ def fused_recurrent_momentum(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                                                 bias, placement, read)
 
 
-# ------------------------------------------------------------------------------------------ dispatch + engine
-
-def spec_reason(parts, chunk_size: int) -> Optional[str]:
-    """None when the token-by-token momentum kernel computes ``parts`` at semantic chunk ``chunk_size`` exactly, else
-    why not: :func:`.chunk_momentum.linear_momentum_reason` with channel-wise decay allowed, at any b ≥ 1."""
-    if chunk_size < 1:
-        return f"chunk_size b = {chunk_size} (b ≥ 1)"
-    return linear_momentum_reason(parts, channel_wise_ok=True)
-
-
-def memorize_fused_recurrent_momentum(q, k, v, parts, gates, chunk_size, state, block_size: int = 64,
-                                      **engine_options):
-    """``MODES``-signature engine: ``q, k: [B, T, H, D_k]``, ``v: [B, T, H, D_v]`` → ``([B, T, H, D_v], state)``.
-
-    Continues from ``state`` at any position (mid-chunk included) and updates weights, momentum, anchor,
-    ``chunk_alpha`` (Π α over the current chunk so far), ``chunk_lr`` (zero: momentum GD keeps no Σ η), the (empty,
-    c = 1) window history and ``position`` exactly as ``memorize_recurrent``. ``block_size`` and ``engine_options``
-    concern the torch engines (a T = 0 call goes to ``chunked`` with them).
-    """
-    from atlaslab.memory.state import keep_history, with_history
-
-    b, T = int(chunk_size), q.shape[1]
-    if T == 0:
-        from atlaslab.engines.chunked import memorize_chunked
-        return memorize_chunked(q, k, v, parts, gates, b, state, block_size=block_size, **engine_options)
-    state = dataclasses.replace(state)
-    fm, ret = parts.feature_map, parts.retention
-    alpha = gates.retention if (ret.uses_alpha and gates.retention is not None) else None
-    placement = ret.placement if alpha is not None else "after_step"
-    beta = gates.lr * gates.window                    # c = 1: the window gate scales the step
-    W = state.weights["W"]
-    anchor = state.anchor["W"] if state.anchor is not None else W
-    o, M, S, A, P = fused_recurrent_momentum(fm(q), fm(k), v, beta, gates.momentum, alpha, W, state.momentum["W"],
-                                             anchor, state.chunk_alpha, position=state.position, chunk_size=b,
-                                             bias=parts.spec.attentional_bias.name, placement=placement,
-                                             read=parts.read)
-    state.weights, state.momentum, state.anchor = {"W": M}, {"W": S}, {"W": A}
-    state.chunk_alpha = P if alpha is not None else torch.ones_like(state.chunk_alpha)
-    state.chunk_lr = torch.zeros_like(state.chunk_lr)
-    keep_history(state, parts.window.history(), *with_history(state, k, v, gates))
-    state.position += T
-    return o, state
-
-
-memorize_fused_recurrent_momentum.kernel = "fused_recurrent_momentum"
-
-__all__ = ["FusedRecurrentMomentumFunction", "fused_recurrent_momentum", "fused_recurrent_momentum_forward",
-           "memorize_fused_recurrent_momentum", "momentum_recurrent_reference", "spec_reason"]
+__all__ = ["FusedRecurrentMomentumFunction", "fused_recurrent_momentum", "fused_recurrent_momentum_backward",
+           "fused_recurrent_momentum_forward"]

@@ -1,66 +1,12 @@
-"""Fused Newton–Schulz for batches of small matrices (Muon; ATLAS Eq.32-33; docs/concepts/memory.md#newton-schulz).
+"""Fused Newton–Schulz for batches of small matrices (Muon's quintic), forward and backward in Triton.
 
-One Triton program per matrix: the whole (transposed-if-tall) matrix X ``[R, C]`` (R ≤ C) lives in
-registers / shared memory for all ``steps`` iterations, so the batch costs one launch and one read + one
-write of each matrix, instead of 3 × ``steps`` batched-matmul launches with their intermediates in HBM.
-
-    X_0 = S / (‖S‖_F + ε)   (transposed when rows > cols)
-    k times:  A = X Xᵀ;  X ← aX + (bA + cA²) X        (a, b, c) = Muon's quintic (3.4445, −4.7750, 2.0315)
-    Y = σ X_k  (transposed back; σ = √max(1, rows/cols) with ``shape_factor``, else 1)
-
-Backward (``_ns_bwd_kernel``, one program per matrix, as the forward). When the input needs a gradient the
-forward kernel also writes the iterates X_0 … X_{k−1} (fp32, padded ``[BR, BC]`` tiles: k · R · C floats per
-matrix) and n = ‖S‖_F; the backward kernel walks the steps in reverse. Derivation, with ⟨U, V⟩ = tr(UᵀV), Ḡ
-the incoming gradient of X_{i+1} = aX + B X, A = X Xᵀ, B = bA + cA² (A, B symmetric):
-
-    dX_{i+1} = a dX + B dX + (b dA + c(dA A + A dA)) X,      dA = dX Xᵀ + X dXᵀ
-    ⟨Ḡ, B dX⟩ = ⟨B Ḡ, dX⟩
-    ⟨Ḡ, (b dA + c dA A + c A dA) X⟩ = ⟨M_A, dA⟩ with M_A = bM + c(MA + AM), M = Ḡ Xᵀ   (A = Aᵀ)
-    ⟨M_A, dX Xᵀ + X dXᵀ⟩ = ⟨(M_A + M_Aᵀ) X, dX⟩,  M_A + M_Aᵀ = bP + c(PA + AP),  P = M + Mᵀ
-    ⇒  Ḡ_i = aḠ + B Ḡ + (bP + c(PA + AP)) X_i
-
-starting from Ḡ_k = σ · dY (in the wide view: the tall case only reads / writes through transposed strides,
-which is the reference's ``mT``). The normalisation X_0 = S / (n + ε), n = ‖S‖_F, with dn = ⟨S, dS⟩ / n:
-
-    dX_0 = dS / (n + ε) − S ⟨S, dS⟩ / (n (n + ε)²)   ⇒   dS̄ = Ḡ_0 / (n + ε) − X_0 ⟨X_0, Ḡ_0⟩ / n
-
-(the second term dropped when n = 0, as torch's norm backward does). Padding stays zero through every
-product (the padded rows / columns of X, Ḡ, A, B, P are zero). The backward multiplies fp32 operands whatever the
-input dtype (TF32 or IEEE as :func:`.precision.dot_precision` chooses: TF32 for fp16 / bf16 inputs), as the torch fallback (autograd of the reference on ``S.float()``)
-does. ``BACKWARD = "torch"`` (or ``ATLASLAB_NS_BACKWARD=torch`` at import) switches the backward to that
-fallback: the reference recomputed under ``enable_grad`` and differentiated with ``torch.autograd.grad``.
-
-Staged backward (``_ns_bwd_staged_kernel``, padded R × C > ``STAGED_TILE`` = 64 × 128, i.e. 128 × 128 and 64 × 256).
-Holding X, Ḡ, A, B, P in one program needs more shared memory than an sm_90 block has there (328,704 B at
-128 × 128 and 279,552 B at 64 × 256 with TF32, over 232,448 B; ``bench/compile_sm90.py``), so this variant keeps
-only row blocks of ``BM`` rows (``staged_rows``: BR / 2, at most 32) in registers and streams the products through an
-fp32 workspace in global memory (L2-resident: 2 · BR · BC + 2 · BR² floats per program, 256 KB at 128 × 128).
-Each reverse step, for the row blocks r of rows r·BM … (r+1)·BM − 1 (X = X_i and Ḡ = Ḡ_{i+1} read from memory):
-
-    stage 1:  A[r] = X[r] Xᵀ,  M[r] = Ḡ[r] Xᵀ                                       → workspace A, M
-    stage 2:  P[r] = M[r] + (Mᵀ)[r]                                                 → workspace P
-    stage 3:  B[r] = bA[r] + c A[r] A,   Q[r] = bP[r] + c(P[r] A + A[r] P)   (= (bP + c(PA + AP))[r])
-              Ḡ_i[r] = aḠ[r] + B[r] Ḡ + Q[r] X                                     → the other Ḡ buffer
-
-the same equations as above, row block by row block ((UV)[r] = U[r] V). A CTA barrier (``tl.debug_barrier``)
-separates the stages, since a stage reads whole matrices that every thread of the program wrote in the previous
-one. Ḡ ping-pongs between two buffers (Ḡ_{i+1} is read whole while Ḡ_i is written); M lives in the buffer that
-receives Ḡ_i, dead before stage 3 writes it. The normalisation's ⟨X_0, Ḡ_0⟩ sums over the row blocks before dS is
-written. One launch for the batch: ``staged_programs`` programs (one per SM on a GPU) each loop over matrices
-pid, pid + nprog, … with their own workspace, so the workspace does not grow with the batch. The largest products
-per program are [BM, BC] × [BC, BR] and [BM, BR] × [BR, BC] (vs [BR, BR] × [BR, BC] in the one-program kernel);
-compiled for sm_90 with 8 warps, BM = 32 asks for 115,712 B (IEEE) / 103,424 B (TF32) of shared memory at
-128 × 128 and 132,096 B at 64 × 256 (BM = 64: 148,480 B and more register spills; BM = 16: less shared memory,
-but each of its 8 row blocks reloads the whole A, P, Ḡ, X). The saved iterates and the workspace are whole padded
-tiles, so their loads and stores need no mask (only dY / dS, at the matrix's own shape, are masked). Smaller
-tiles keep ``_ns_bwd_kernel``.
-
-Limits: padded R × C ≤ 128 × 128 (``supports``); larger matrices stay on the torch path. fp32 inputs use
-IEEE-fp32 dots unless torch's float32 matmul precision (or ``allow_tf32=True``) allows TF32; fp16/bf16
-inputs are multiplied in their own precision with fp32 accumulation in the forward, as Muon usually runs.
-Status: forward and both backward kernels tested under ``TRITON_INTERPRET=1`` only (``tests/test_triton.py``,
-``tests/test_triton_ns.py``; the staged one also at small tiles with ``STAGED_TILE`` lowered) and compiled for
-sm_90 (``bench/compile_sm90.py``); never run on a GPU, so their speed is unmeasured.
+One program per matrix: the whole (transposed-if-tall) matrix lives in registers / shared memory for all steps, so
+the batch costs one launch and one read and write of each matrix instead of 3 × ``steps`` batched matmuls. When the
+input needs a gradient the forward also saves the iterates, and ``_ns_bwd_kernel`` walks them in reverse; above
+``STAGED_TILE`` (padded 128 × 128, 64 × 256) one program would need more shared memory than an sm_90 block has, so
+``_ns_bwd_staged_kernel`` keeps row blocks in registers and streams the products through a global workspace
+(docs/kernels.md#newton-schulz gives the adjoint equations). Limits: padded R × C ≤ 128 × 128 (:func:`supports`).
+``BACKWARD = "torch"`` (``ATLASLAB_NS_BACKWARD=torch``) runs autograd through :func:`.naive.newton_schulz` instead.
 """
 from __future__ import annotations
 
@@ -70,10 +16,9 @@ from typing import Optional
 
 import torch
 
-from atlaslab.kernels.newton_schulz import MUON_COEFFICIENTS
-from atlaslab.kernels.newton_schulz import newton_schulz as newton_schulz_torch
-from atlaslab.kernels.triton.fallback import with_torch_fallback
-from atlaslab.kernels.triton.precision import dot_precision
+from atlaslab.kernels.newton_schulz.naive import MUON_COEFFICIENTS
+from atlaslab.kernels.newton_schulz.naive import newton_schulz as newton_schulz_torch
+from atlaslab.kernels.utils import dot_precision, pow2, reference_backward, with_torch_fallback
 
 try:
     import triton
@@ -104,7 +49,7 @@ STAGED_PROGRAMS: Optional[int] = None
 
 def staged(rows: int, cols: int) -> bool:
     """True when the backward of ``[rows, cols]`` matrices takes the staged kernel (padded tile > ``STAGED_TILE``)."""
-    return _pad(min(rows, cols)) * _pad(max(rows, cols)) > STAGED_TILE
+    return pow2(min(rows, cols)) * pow2(max(rows, cols)) > STAGED_TILE
 
 
 def staged_rows(br: int) -> int:
@@ -120,16 +65,12 @@ def staged_programs(n: int, device: torch.device) -> int:
     return max(1, min(n, int(cap)))
 
 
-def _pad(n: int) -> int:
-    return max(16, 1 << (int(n) - 1).bit_length())   # tl.dot needs every side ≥ 16
-
-
 def supports(s: torch.Tensor) -> bool:
     """True when ``s: [..., rows, cols]`` fits the kernel (dtype, tile size)."""
     if s.dim() < 2 or s.dtype not in DTYPES or s.numel() == 0:
         return False
     r, c = sorted(s.shape[-2:])
-    return _pad(r) * _pad(c) <= MAX_TILE and _pad(c) <= MAX_SIDE
+    return pow2(r) * pow2(c) <= MAX_TILE and pow2(c) <= MAX_SIDE
 
 
 if triton is not None:
@@ -301,7 +242,7 @@ def _launch_forward(s, steps, eps, coefficients, shape_factor, allow_tf32, save)
     R, C, sr, sc = _geometry(rows, cols, x)
     a, b, c = (float(z) for z in coefficients)
     scale = math.sqrt(max(1.0, rows / cols)) if shape_factor else 1.0
-    BR, BC = _pad(R), _pad(C)
+    BR, BC = pow2(R), pow2(C)
     nsave = max(int(steps), 1)
     if save:
         xs = torch.empty(n, nsave, BR, BC, device=s.device, dtype=torch.float32)
@@ -334,7 +275,7 @@ def newton_schulz_backward(grad_out: torch.Tensor, saved, s_shape, s_dtype, step
     R, C, sr, sc = _geometry(rows, cols, dy)
     a, b, c = (float(z) for z in coefficients)
     scale = math.sqrt(max(1.0, rows / cols)) if shape_factor else 1.0
-    BR, BC = _pad(R), _pad(C)
+    BR, BC = pow2(R), pow2(C)
     precision = dot_precision(s_dtype, allow_tf32)
     if n and staged(rows, cols):
         nprog = staged_programs(n, dy.device)
@@ -372,11 +313,7 @@ class _NewtonSchulz(torch.autograd.Function):
         s, *saved = ctx.saved_tensors
 
         def torch_path():
-            with torch.enable_grad():
-                s_ = (s.float() if s.dtype in (torch.float16, torch.bfloat16) else s).detach().requires_grad_(True)
-                y = newton_schulz_torch(s_, *ctx.args)
-                (grad_s,) = torch.autograd.grad(y, s_, grad_out.to(y.dtype))
-            return grad_s.to(s.dtype)
+            return reference_backward(lambda x: (newton_schulz_torch(x, *ctx.args),), (s,), (True,), (grad_out,))[0]
 
         def kernel():
             return newton_schulz_backward(grad_out, saved, *ctx.s_meta, *ctx.args, allow_tf32=ctx.allow_tf32)
@@ -386,7 +323,7 @@ class _NewtonSchulz(torch.autograd.Function):
 
 def newton_schulz(s: torch.Tensor, steps: int = 5, eps: float = 1e-7, coefficients=MUON_COEFFICIENTS,
                   shape_factor: bool = False, allow_tf32: Optional[bool] = None) -> torch.Tensor:
-    """Drop-in for :func:`atlaslab.kernels.newton_schulz.newton_schulz` on a fused Triton kernel.
+    """Drop-in for :func:`.naive.newton_schulz` on a fused Triton kernel.
 
     Args:
         s: ``[..., rows, cols]`` matrices (fp32 / fp16 / bf16; padded min(rows, cols) × max ≤ 128 × 128).

@@ -1,164 +1,24 @@
-"""Chunked Triton forward and backward of a LINEAR memory trained by momentum GD at semantic chunk size b > 1 (Titans
-with a matrix memory), its plain torch reference, and the ``memorize`` engine that uses them.
+"""Chunk-parallel Triton forward and backward of a linear memory trained by momentum GD at semantic chunk size
+2 ≤ b ≤ 64 (Titans with a matrix memory), per-head or channel-wise decay, either placement, ``cu_seqlens`` natively.
 
-Semantics (docs/concepts/memory.md: training chunk, retention placement, inner optimizer; Titans §3.2 Eq.16-18):
-memory linear, ℓ2 or dot-product bias, inner optimizer ``momentum``, retention none, per-head scalar decay or
-channel-wise decay (per key channel; below) with either placement, Omega window c = 1, read ``token`` or ``chunk``. One head's memory M and momentum S are
-``[D_v, D_k]``; per token s of a chunk that starts from the anchor M_a = M_{t'} (and momentum S_a), with step
-β_s = η_s γ_s (learning rate × the c = 1 window gate), momentum gate θ_s, kept fraction α_s (1 without retention)
-and the chunk-local cumulative product P_s = Π_{τ=t'}^{s} α_τ:
-
-    e_s = M_a k_s − v_s       (ℓ2, after_step: the gradient at M_a)
-    e_s = P_s M_a k_s − v_s   (ℓ2, before_step: the gradient at the decayed anchor W_a = P_s M_a)
-    e_s = −v_s                (dot, either placement: the gradient does not depend on M)
-    S_s = θ_s S_{s−1} − β_s e_s k_sᵀ,      M_s = α_s M_{s−1} + S_s
-
-Unrolled over the chunk (the TTT / Titans dual form; ``_dual_segment`` in ``engines/chunked.py``), with
-Θ_s = Π_{τ≤s} θ_τ and the decay matrices D_α[s, r] = Π_{τ=r+1}^{s} α_τ, D_θ[r, i] = Π_{τ=i+1}^{r} θ_τ
-(r ≥ i, else 0):
-
-    S_s = Θ_s S_a − Σ_{i≤s} D_θ[s, i] β_i e_i k_iᵀ
-    M_s = P_s M_a + Q_s S_a + Σ_{i≤s} A[s, i] e_i k_iᵀ,      Q = D_α Θ,   A = −D_α D_θ diag(β)
-
-(the placement changes only e), so a read needs no per-position matrix:
-
-    read token:  y_s = P_s (M_a q_s) + Q_s (S_a q_s) + Σ_{i≤s} A[s, i] (k_i·q_s) e_i
-    read chunk:  y_s = M_a q_s
-
-and the next chunk starts from M_L, S_L (L = the chunk's last real token; the last chunk may be partial).
-Decay products are formed in log space as exp(g_s − g_r) on the causal part only (α, θ clamped at the smallest
-positive normal, as :func:`.reference.log_decay`, so a gate of exactly 0 gets no gradient), so no ratio overflows.
-
-Channel-wise decay (``retention: {name: decay, channel_wise: true}``; α_t ∈ [0, 1]^{D_k}, gates
-``[B, T, H, D_k]``). The definition (``recurrent.py``, as ``fused_recurrent_momentum.py``): P_s = Π_{τ=t'}^{s} α_τ is
-a [D_k] vector, e_s = M_a k_s − v_s (after_step) or (M_a Diag(P_s)) k_s − v_s = M_a (P_s ⊙ k_s) − v_s (before_step),
-S_s = θ_s S_{s−1} − β_s e_s k_sᵀ (θ stays a per-head scalar) and M_s = M_{s−1} Diag(α_s) + S_s. Unrolling M with
-D_α[s, r] = Π_{τ=r+1}^{s} α_τ (now a [D_k] vector, acting on the key axis) gives
-
-    M_s = M_a Diag(P_s) + S_a Diag(Q_s) + Σ_{i≤s} e_i (k_i ⊙ A[s, i, :])ᵀ,
-    Q_s = Σ_{r≤s} Θ_r D_α[s, r],     A[s, i, c] = −β_i C_s[i, c],   C_s[i, c] = Σ_{r=i}^{s} D_θ[r, i] D_α[s, r]_c
-
-(S_s as above), so the reads and the chunk-end step become
-
-    read token:  y_s = M_a (P_s ⊙ q_s) + S_a (Q_s ⊙ q_s) + Σ_{i≤s} W[s, i] e_i,   W[s, i] = Σ_c A[s, i, c] k_ic q_sc
-    M_L = M_a Diag(P_L) + S_a Diag(Q_L) + Σ_i e_i (k_i ⊙ a_end_i)ᵀ,   a_end_i = A[L, i, :]  (a [D_k] row per token)
-
-— the scalar form with P, Q, a_end per key channel, and W in place of A ⊙ (q kᵀ). Unlike GLA's single decay, the
-coefficient of a write inside a chunk is the double sum C (momentum is a second recurrence between the write and
-the memory), which does not split into a factor of s times a factor of i: folding Diag(Π α) into k and q (k ⊙ e^{−g},
-q ⊙ e^{g}) would need C_s = e^{g_s} ⊙ (F_s − F_{i−1}) Θ_i^{−1} with F_s = Σ_{r≤s} Θ_r e^{−g_r}, whose e^{−g} and Θ^{−1}
-overflow fp32 once a channel forgets fast (α = 0.05: e^{−g} > 1e38 after 30 tokens) and whose difference cancels. The
-kernels instead carry C over the chunk's rows, C_s = C_{s−1} Diag(α_s) + D_θ[s, :] ⊗ 1 ([b, D_k], every factor ≤ 1,
-every exponent ≤ 0), which is exact at any decay (a channel whose Π α underflows simply contributes 0), and form
-
-- a_end = −β ⊙ (D_θᵀ E), E[r, c] = D_α[L, r]_c = e^{g_Lc − g_rc} (r ≤ L) — one ``tl.dot``, no loop;
-- Q_s = α_s ⊙ Q_{s−1} + Θ_s and (read token) W[s, :] = −β ⊙ ((C_s ⊙ k) q_s), row by row in ``_mom_cw_coef_kernel``
-  (O(b² D_k) per chunk on CUDA cores, W stored as ``[B, T, H, BT]`` like A ⊙ q kᵀ);
-
-and the state / output / reverse-sweep kernels (``CHANNEL`` constexpr) read P, Q, a_end ``[B, T, H, D_k]``:
-e = (k ⊙ P) M_aᵀ − v, M ← M Diag(P_L) + S Diag(Q_L) + eᵀ (k ⊙ a_end), y = (q ⊙ P) M_aᵀ + (q ⊙ Q) S_aᵀ + W e.
-
-Channel-wise backward: the state sweep is the scalar one with the per-channel factors (dE = Wᵀ dO + (k ⊙ a_end) dMᵀ
-+ s_end ⊙ (k dSᵀ); dM ← dM Diag(P_L) + dOᵀ (q ⊙ P) + [ℓ2] dEᵀ (k [⊙ P]); dS ← dM Diag(Q_L) + Θ_L dS + dOᵀ (q ⊙ Q));
-the per-chunk grad kernel forms dq, dk, dv without the W terms and the coefficient gradients dP, dQ, d a_end
-(``[B, T, H, D_k]``), dΘ_L, d s_end and G = dO eᵀ (dA[s, i, c] = G[s, i] k_ic q_sc — b × D_k per token, never
-stored); then ``_mom_cw_gate_kernel`` maps them to the inputs in the same loops. With Â_s[i, c] = −β_i dA[s, i, c]
-and the log-decay rule (a factor e^{x_s − x_r} sends its gradient to the later end with +, the earlier with −, and
-d log α_τ = Σ_{s≥τ} dg_s, a reverse cumsum within the chunk):
-
-    forward over s (carrying C_s):  dq_s += Σ_i G[s, i] A[s, i, :] ⊙ k_i,  dk_i += G[s, i] A[s, i, :] ⊙ q_s,
-                                    dβ_i −= G[s, i] Σ_c C_s k q_s,  dg_s += q_s ⊙ dq_s^W,  dg_θ,i −= Σ_c Â_s C_s
-    reverse over r (carrying B_r = Â_r + B_{r+1} Diag(α_{r+1}) and R_r = dQ_r + α_{r+1} ⊙ R_{r+1}):
-                                    dg_r −= Θ_r R_r + Σ_i D_θ[r, i] B_r[i, :],  dg_θ,r += Σ_c (same)
-    closed form (dots):             the a_end terms (Â = −β ⊙ d a_end at s = L; its B_r = Â ⊙ E_r), P (dg += dP ⊙ P),
-                                    Q (dg += dQ ⊙ Q), Θ_L, s_end = −β D_θ[L, :]
-
-then d log α = revcumsum(dg), d log θ = revcumsum(dg_θ), dα = d log α / α and dθ = d log θ / θ (0 below the
-smallest normal, where the forward clamps, as :func:`_log_gate`). No torch autograd and no [b, b, D_k] tensor.
-
-Limits (channel-wise): the loops cost O(b² D_k) per chunk and head in the coefficient and gate kernels on CUDA cores
-(b serial steps of [b, D_k] element-wise work; fla's sub-chunked GLA products would put part of this on tensor cores;
-not done), on top of the scalar path's work; the gate kernel holds ~4 [BT, BK] fp32 blocks (C, B, k, dk) per
-program, the coefficient kernel 2, and the state sweeps' extra [BT, BK] operands (P, Q, k ⊙ a_end) need shared
-memory: compiled for sm_90, every channel-wise build at b ≤ 32 (D_k = 64, 128; fp32 and fp16) fits, but at b = 64 and
-D_k = 128 ``_mom_bwd_state_kernel`` asks for up to 409 KiB (over the 227 KiB of a block; the scalar kernels' worst at
-b = 64 is 241 KiB), so :func:`spec_reason` takes channel-wise decay only at b ≤ ``MAX_CHANNEL_CHUNK`` = 32 (the
-value block is halved channel-wise for the same reason; row sub-blocks in the sweeps would lift this, not done); every factor is ≤ 1 so nothing overflows, and a channel whose Π α underflows fp32 inside a
-chunk gives exactly the float64 answer's negligible contribution; the torch reference (and the
-``ATLASLAB_MOMENTUM_BACKWARD=torch`` fallback through it) forms the [b, b, D_k] coefficient per chunk, O(T·b·D_k)
-memory per head — a reference, not a fast path. Tested only under the interpreter.
-
-Variable-length batches (``cu_seqlens [N + 1]``, N sequences packed as ``[1, total_T, H, D]``) run natively, as the
-delta-rule chunk kernels do (:mod:`.chunk`, whose chunk tables and ``_chunk_span`` / ``_sequence_span`` jit helpers
-are imported here): every sequence is its own call — M, S restart from its own initial state ``[N, H, D_v, D_k]``,
-its semantic chunks start at its first token (b-token chunks never cross a sequence boundary; its last one may be
-partial) — the per-chunk kernels run over all chunks of all sequences in ONE launch (the table (sequence, chunk
-within it) gives each program its rows), the sequential kernels run one program per value block × sequence × head,
-and the final states ``M_T, S_T`` and anchors are ``[N, H, D_v, D_k]``. Chunk-state tensors are ``[NC, H, V, K]``
-(NC = all chunks). Without ``cu_seqlens`` the same kernels see B equal sequences of T tokens.
-
-Pieces:
-
-- :func:`momentum_chunk_reference`: exactly these equations in plain torch, one chunk at a time (the reference of
-  the kernels, and the recompute of their backward);
-- Triton forward, three kernels as in fla's chunk ops (``chunk.py``):
-  1. ``_mom_coef_kernel`` (one program per chunk × head, all chunks of all sequences in parallel): g_α, g_θ
-     (chunk-local cumsums of log α, log θ), D_α, D_θ, A = −D_α (D_θ diag β) by one ``tl.dot``, P, Θ, Q, the
-     chunk-end rows a_end = A[L, :] and s_end = −D_θ[L, :] β, and (read token) the intra-chunk read matrix
-     A ⊙ (q kᵀ);
-  2. ``_mom_state_kernel`` (one program per value block × sequence·head, sequential over its chunks): carries
-     (M, S), stores every chunk-start pair, forms e = k M_aᵀ − v (before_step: P ⊙ (k M_aᵀ) − v; one matmul per
-     chunk) and steps M ← P_L M + Q_L S + (a_end ⊙ e)ᵀ k,  S ← Θ_L S + (s_end ⊙ e)ᵀ k;
-  3. ``_mom_out_kernel`` (value block × chunk × head, parallel):
-     y = P ⊙ (q M_aᵀ) + Q ⊙ (q S_aᵀ) + (A ⊙ q kᵀ) e, or q M_aᵀ for read chunk.
-  Intermediates are fp32; their dots take :func:`.precision.dot_precision` (TF32 for half-precision inputs).
-- backward (:func:`chunk_momentum_backward`; nothing but the inputs is saved by the forward):
-  1. stages 1–2 are re-run (coefficients, A, e and the chunk-start states M_a, S_a);
-  2. ``_mom_bwd_state_kernel`` (value block × sequence·head, reverse over its chunks) carries dM, dS = ∂L/∂(chunk-end
-     M, S) from the final-state gradients (plus the anchor output's at the last chunk start):
-     dE = (A ⊙ q kᵀ)ᵀ dO + a_end ⊙ (k dMᵀ) + s_end ⊙ (k dSᵀ);
-     dM ← P_L dM + (P ⊙ dO)ᵀ q + [ℓ2] dEᵀ k  (read chunk: dOᵀ q instead of the P term; before_step: (P ⊙ dE)ᵀ k,
-     since ∂e_s/∂M_a = P_s k_sᵀ);
-     dS ← Q_L dM + Θ_L dS [+ (Q ⊙ dO)ᵀ q, read token];  the last pair is the initial M's and S's gradient;
-  3. ``_mom_bwd_grad_kernel`` (chunk × head, parallel, a loop over value blocks): with G = dO eᵀ,
-     dq = P ⊙ (dO M_a) + Q ⊙ (dO S_a) + (G ⊙ A) k,  dk = (G ⊙ A)ᵀ q + [ℓ2] dE M_a + a_end ⊙ (e dM) + s_end ⊙ (e dS),
-     dv = −dE, and the coefficients' gradients dP, dQ, dΘ_L, d a_end, d s_end, dA = G ⊙ q kᵀ; before_step (ℓ2):
-     the dE M_a term of dk is scaled by P and dP gains the e path, dP_s += dE_s · (M_a k_s) = rowsum(k ⊙ dE M_a);
-  4. **torch**: autograd through :func:`chunk_coefficients` (stage 1 in torch, all chunks at once, O(T·b) work and
-     no memory-sized tensor) maps the coefficients' gradients to dβ, dθ, dα (so dP's e path reaches dα there).
-  Channel-wise decay: ``_mom_cw_coef_kernel`` replaces stage 1 (forward and recompute), the other kernels take
-  ``CHANNEL``, and ``_mom_cw_gate_kernel`` (chunk × head, parallel) replaces step 4: it adds the W terms to dq, dk
-  and forms dβ, dθ, dα itself (see "Channel-wise backward" above).
-  ``BACKWARD = "torch"`` (or ``ATLASLAB_MOMENTUM_BACKWARD=torch``) instead recomputes
-  :func:`momentum_chunk_reference` (≥ fp32) under ``enable_grad`` and differentiates it with autograd (the
-  reference backward, kept as a fallback).
-- :func:`memorize_chunk_momentum`: the ``MODES``-signature engine ``memorize(mode="triton")`` dispatches to for
-  this spec (:func:`spec_reason`); it updates the :class:`MemoryState` exactly as the torch engines do. A call that
-  starts mid-chunk (``state.position % b ≠ 0``) finishes the open chunk on the torch ``chunked`` engine and runs the
-  kernels from the next chunk boundary on.
-
-Status: tested only under ``TRITON_INTERPRET=1`` on CPU (``tests/test_triton_momentum.py``: outputs, states and every
-input gradient vs the float64 token loop, both placements, RMS-error ratio ~1e-7 in fp32;
-``tests/test_triton_momentum_channel.py``: channel-wise decay the same ways — engine vs ``memorize(mode="recurrent")``,
-op vs the float64 reference, chained calls, ``cu_seqlens``, a key channel at α ≈ 0.05, and one whose Π α underflows
-fp32 within a b = 32 chunk — RMS-error ratio ≤ 2e-6, typically ~2e-7;
-``tests/test_triton_momentum_varlen.py``: packed sequences vs each sequence alone, launches counted); nothing has run
-on a GPU and nothing is tuned (one config, ``num_warps=4``; the backward grad kernel holds a few [BT, BK] and
-[BT, BT] fp32 accumulators per program, which for D_k = 256 may need a smaller value block or split kernels, as fla
-does).
+The TTT / Titans dual form per chunk (:func:`.naive.momentum_chunk_reference`; docs/kernels.md#momentum): the
+coefficient kernel (P, Θ, Q, A and the chunk-end rows; ``_mom_cw_coef_kernel`` channel-wise), the state sweep
+and the output, as the delta rule's stages. The backward re-runs stages 1–2, sweeps the chunks in reverse for the
+state gradients, forms dq, dk, dv and the coefficients' gradients per chunk, and maps those to the gates by
+autograd through :func:`chunk_coefficients` (channel-wise: ``_mom_cw_gate_kernel`` in the same loops, since the
+momentum coefficient there is a double sum that would overflow if factored). ``BACKWARD = "torch"``
+(``ATLASLAB_MOMENTUM_BACKWARD=torch``) runs autograd through the reference instead.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Optional, Tuple
 
 import torch
 
-from atlaslab.kernels.triton.chunk import _Layout, prepare_chunk_indices
-from atlaslab.kernels.triton.reference import packed_sequences
-from atlaslab.kernels.triton.fallback import with_torch_fallback
-from atlaslab.kernels.triton.precision import dot_precision
+from atlaslab.kernels.momentum.naive import MAX_D, check_args, momentum_chunk_reference
+from atlaslab.kernels.utils import (ChunkLayout, dot_precision, log_gate, pow2, prepare_chunk_indices,
+                                    reference_backward, with_torch_fallback)
 
 try:
     import triton
@@ -167,159 +27,14 @@ except ImportError:  # pragma: no cover
     triton = None
 
 if triton is not None:
-    from atlaslab.kernels.triton.chunk import _chunk_span, _sequence_span
+    from atlaslab.kernels.delta_rule.chunk import chunk_span, sequence_span
 
-MAX_D = 256
 #: largest semantic chunk b the kernels take (the coefficient kernel holds [b, b] blocks in registers)
 MAX_CHUNK = 64
 #: largest b the dispatch gives the kernels with channel-wise decay: at b = 64 and D_k = 128 the channel-wise state
 #: sweeps ask for more shared memory than an sm_90 block has (up to 409 KiB fp32 / 313 KiB fp16 in
 #: ``_mom_bwd_state_kernel``); every build at b ≤ 32 fits (``bench/compile_sm90.py``)
 MAX_CHANNEL_CHUNK = 32
-BIASES = ("l2", "dot")
-READS = ("token", "chunk")
-PLACEMENTS = ("after_step", "before_step")
-
-
-def _pow2(n: int, floor: int = 16) -> int:
-    return max(floor, 1 << (int(n) - 1).bit_length())
-
-
-def _log_gate(x: torch.Tensor) -> torch.Tensor:
-    """log x, x clamped at the smallest positive normal (so log is finite; no gradient below it)."""
-    return x.clamp_min(torch.finfo(x.dtype).tiny).log()
-
-
-def _upcast(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    if x is None:
-        return None
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-
-
-def check_args(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read, placement="after_step",
-               cu_seqlens=None) -> int:
-    """Validate shapes and options (see :func:`chunk_momentum`); → N, the number of sequences (B, or the packed
-    sequences of ``cu_seqlens``)."""
-    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"expected q, k: [B, T, H, D_k] and v: [B, T, H, D_v]; got q {list(q.shape)}, "
-                         f"k {list(k.shape)}, v {list(v.shape)}")
-    for name, g in (("beta", beta), ("theta", theta), ("alpha", alpha)):
-        if g is not None and g.shape != q.shape[:3] and not (name == "alpha" and g.shape == q.shape):
-            want = f"{list(q.shape[:3])}" + (f" or (channel-wise) {list(q.shape)}" if name == "alpha" else "")
-            raise ValueError(f"{name}: expected {want}, got {list(g.shape)}")
-    B, T, H, K = q.shape
-    N = packed_sequences(cu_seqlens, B, T)
-    want = (N, H, v.shape[-1], K)
-    for name, x in (("initial_state", m0), ("initial_momentum", s0)):
-        if tuple(x.shape) != want:
-            raise ValueError(f"{name}: expected [N, H, D_v, D_k] = {list(want)}, got {list(x.shape)}")
-    if bias not in BIASES or read not in READS or placement not in PLACEMENTS:
-        raise ValueError(f"bias must be one of {BIASES}, read one of {READS} and placement one of {PLACEMENTS}; "
-                         f"got '{bias}', '{read}', '{placement}'")
-    if int(chunk_size) < 1:
-        raise ValueError(f"chunk_size must be ≥ 1, got {chunk_size}")
-    return N
-
-
-# ------------------------------------------------------------------------------------------ torch reference
-
-def momentum_chunk_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
-                             theta: torch.Tensor, alpha: Optional[torch.Tensor], m0: torch.Tensor,
-                             s0: torch.Tensor, *, chunk_size: int, bias: str = "l2", read: str = "token",
-                             placement: str = "after_step", cu_seqlens: Optional[torch.Tensor] = None
-                             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The module docstring's chunk equations in plain torch, one chunk at a time (differentiable).
-
-    Args: as :func:`chunk_momentum`. Returns ``(o [B, T, H, D_v], M_T, S_T, M_anchor)``, the three states
-    ``[N, H, D_v, D_k]``; ``M_anchor`` is the memory at the start of the last chunk (the initial memory for an
-    empty sequence). With ``cu_seqlens`` every packed sequence is run alone (its own initial state, its chunks
-    from its first token).
-    """
-    check_args(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read, placement, cu_seqlens)
-    opts = dict(chunk_size=chunk_size, bias=bias, read=read, placement=placement)
-    if cu_seqlens is not None:
-        bounds = cu_seqlens.tolist()
-        pieces = [momentum_chunk_reference(
-            q[:, s:e], k[:, s:e], v[:, s:e], beta[:, s:e], theta[:, s:e],
-            alpha[:, s:e] if alpha is not None else None, m0[n:n + 1], s0[n:n + 1], **opts)
-            for n, (s, e) in enumerate(zip(bounds[:-1], bounds[1:]))]
-        return tuple(torch.cat([p[i] for p in pieces], 1 if i == 0 else 0) for i in range(4))
-    b, T = int(chunk_size), q.shape[1]
-    before = placement == "before_step" and alpha is not None and bias == "l2"
-    if alpha is not None and alpha.dim() == 4:
-        return _channel_reference(q, k, v, beta, theta, alpha, m0, s0, b, bias, read, before)
-    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))                        # [B, H, T, D]
-    lb = beta.transpose(1, 2)
-    lt = _log_gate(theta).transpose(1, 2)
-    la = _log_gate(alpha).transpose(1, 2) if alpha is not None else torch.zeros_like(lt)
-    M, S, anchor, outs = m0, s0, m0, []
-    for t0 in range(0, T, b):
-        sl = slice(t0, min(T, t0 + b))
-        qc, kc, vc, bc = qh[:, :, sl], kh[:, :, sl], vh[:, :, sl], lb[:, :, sl]
-        L = qc.shape[2]
-        ga, gt = la[:, :, sl].cumsum(-1), lt[:, :, sl].cumsum(-1)               # log P, log Θ
-        upper = torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1)
-        D_a = (ga.unsqueeze(-1) - ga.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
-        D_t = (gt.unsqueeze(-1) - gt.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
-        P, Th = ga.exp(), gt.exp()
-        Q = (D_a @ Th.unsqueeze(-1)).squeeze(-1)                                # Q = D_α Θ
-        A = -(D_a @ (D_t * bc.unsqueeze(-2)))                                   # A = −D_α D_θ diag(β)
-        if bias == "l2":
-            u = kc @ M.mT                                                       # M_a k_i
-            e = (P.unsqueeze(-1) * u if before else u) - vc                     # e_i = (P_i) M_a k_i − v_i
-        else:
-            e = -vc
-        y = qc @ M.mT
-        if read == "token":
-            y = P.unsqueeze(-1) * y + Q.unsqueeze(-1) * (qc @ S.mT) + (A * (qc @ kc.mT)) @ e
-        outs.append(y)
-        anchor = M
-        a_end = A[:, :, -1]                                                     # [B, H, L]
-        s_end = -D_t[:, :, -1] * bc
-        M, S = (P[:, :, -1, None, None] * M + Q[:, :, -1, None, None] * S + (a_end.unsqueeze(-1) * e).mT @ kc,
-                Th[:, :, -1, None, None] * S + (s_end.unsqueeze(-1) * e).mT @ kc)
-    o = torch.cat(outs, 2).transpose(1, 2) if outs else v.new_zeros(v.shape)
-    return o, M, S, anchor
-
-
-def _channel_reference(q, k, v, beta, theta, alpha, m0, s0, b, bias, read, before):
-    """:func:`momentum_chunk_reference` for channel-wise α ``[B, T, H, D_k]`` (one dense batch): the module
-    docstring's channel-wise chunk equations with the [b, b, D_k] coefficient C formed pairwise in log space
-    (every exponent ≤ 0). Memory O(T·b·D_k) per head (a reference and fallback, not a fast path)."""
-    T = q.shape[1]
-    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))                        # [B, H, T, D]
-    lb = beta.transpose(1, 2)                                                  # [B, H, T]
-    lt = _log_gate(theta).transpose(1, 2)
-    la = _log_gate(alpha).transpose(1, 2)                                      # [B, H, T, K]
-    M, S, anchor, outs = m0, s0, m0, []
-    for t0 in range(0, T, b):
-        sl = slice(t0, min(T, t0 + b))
-        qc, kc, vc, bc = qh[:, :, sl], kh[:, :, sl], vh[:, :, sl], lb[:, :, sl]
-        L = qc.shape[2]
-        ga, gt = la[:, :, sl].cumsum(-2), lt[:, :, sl].cumsum(-1)              # log P [B, H, L, K], log Θ
-        upper = torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1)
-        D_a = (ga.unsqueeze(-2) - ga.unsqueeze(-3)).masked_fill(upper[:, :, None], float("-inf")).exp()  # [s, r, K]
-        D_t = (gt.unsqueeze(-1) - gt.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()             # [r, i]
-        P, Th = ga.exp(), gt.exp()
-        Q = torch.einsum("bhsrc,bhr->bhsc", D_a, Th)                           # Q_s = Σ_r Θ_r D_α[s, r]
-        A = -torch.einsum("bhsrc,bhri->bhsic", D_a, D_t) * bc[:, :, None, :, None]   # A[s, i, c] = −β_i C_s[i, c]
-        if bias == "l2":
-            e = (kc * P if before else kc) @ M.mT - vc                         # M_a (P_s ⊙ k_s) − v_s
-        else:
-            e = -vc
-        if read == "token":
-            W = torch.einsum("bhsic,bhic,bhsc->bhsi", A, kc, qc)               # Σ_c A[s, i, c] k_ic q_sc
-            y = (qc * P) @ M.mT + (qc * Q) @ S.mT + W @ e
-        else:
-            y = qc @ M.mT
-        outs.append(y)
-        anchor = M
-        a_end = A[:, :, -1]                                                     # [B, H, L, K]
-        s_end = -D_t[:, :, -1] * bc
-        M, S = (M * P[:, :, -1, None, :] + S * Q[:, :, -1, None, :] + e.mT @ (kc * a_end),
-                Th[:, :, -1, None, None] * S + (s_end.unsqueeze(-1) * e).mT @ kc)
-    o = torch.cat(outs, 2).transpose(1, 2) if outs else v.new_zeros(v.shape)
-    return o, M, S, anchor
 
 
 # ------------------------------------------------------------------------------------------ Triton kernels
@@ -336,7 +51,7 @@ if triton is not None:
         ``[B, T, H, BT]``."""
         i_c = tl.program_id(0)            # all chunks of all sequences in one launch
         i_h = tl.program_id(1)
-        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
+        i_t, bos, T = chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
         o_i = tl.arange(0, BT)
         o_t = i_t * b + o_i
         m_t = (o_i < b) & (o_t < T)
@@ -410,7 +125,7 @@ if triton is not None:
         storing Q ``[B, T, H, K]`` and (read token) the read row W[s, :] = −β ⊙ ((C_s ⊙ k) q_s) ``[B, T, H, BT]``."""
         i_c = tl.program_id(0)
         i_h = tl.program_id(1)
-        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)
+        i_t, bos, T = chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
         m_k = o_k < K
@@ -453,7 +168,7 @@ if triton is not None:
         i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
         i_n = i_bh // H
         i_h = i_bh % H
-        bos, T, NT, boc = _sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
+        bos, T, NT, boc = sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
         NT = (T + b - 1) // b             # chunks of b tokens (the helper counts BT-token ones)
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
@@ -529,7 +244,7 @@ if triton is not None:
         i_v = tl.program_id(0)
         i_c = tl.program_id(1)
         i_h = tl.program_id(2)
-        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)
+        i_t, bos, T = chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
@@ -585,7 +300,7 @@ if triton is not None:
         i_bh = tl.program_id(1)
         i_n = i_bh // H
         i_h = i_bh % H
-        bos, T, NT, boc = _sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
+        bos, T, NT, boc = sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
         NT = (T + b - 1) // b
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
@@ -687,7 +402,7 @@ if triton is not None:
         into ``da``."""
         i_c = tl.program_id(0)
         i_h = tl.program_id(1)
-        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)
+        i_t, bos, T = chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
         m_k = o_k < K
@@ -822,7 +537,7 @@ if triton is not None:
         reverse cumsums of the log-decay gradients within the chunk."""
         i_c = tl.program_id(0)
         i_h = tl.program_id(1)
-        i_t, bos, T = _chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)
+        i_t, bos, T = chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
         m_k = o_k < K
@@ -915,17 +630,17 @@ def _forward_stages(q, k, v, beta, theta, alpha, m0, s0, *, b: int, bias: str, r
                     placement: str = "after_step", cu_seqlens=None, store_a: bool = False) -> dict:
     """Stages 1–2 on contiguous inputs → fp32 ``p, qc, th, aend, send [B, T, H]``, ``aq`` / ``a [B, T, H, BT]``
     (read token / ``store_a``), ``e [B, T, H, V]``, ``hm, hs [NC, H, V, K]`` (chunk-start M, S of every chunk of
-    every sequence), ``mt, st [N, H, V, K]`` and the chunk ``layout`` (:class:`.chunk._Layout` over b-token chunks:
+    every sequence), ``mt, st [N, H, V, K]`` and the chunk ``layout`` (:class:`atlaslab.kernels.utils.ChunkLayout` over b-token chunks:
     B dense sequences of T tokens, or the packed sequences of ``cu_seqlens``). One launch per stage either way."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    BT, BK, BVV = _pow2(b), _pow2(K), _pow2(V)
+    BT, BK, BVV = pow2(b), pow2(K), pow2(V)
     # two [BV, BK] fp32 states live in the state kernels; channel-wise, their [BT, BK] coefficient blocks (P, Q,
     # k ⊙ a_end) take the room of half of them (sm_90 shared memory at b = 64, bench/compile_sm90.py)
     BV = min(BVV, max(16, (2048 if _channel(alpha) else 4096) // BK))
-    lay = _Layout(B, T, b, cu_seqlens, q)     # the chunk table counts b-token chunks
-    lth = _log_gate(theta.float()).contiguous()
-    la = _log_gate(alpha.float()).contiguous() if alpha is not None else None
+    lay = ChunkLayout(B, T, b, cu_seqlens, q)     # the chunk table counts b-token chunks
+    lth = log_gate(theta.float()).contiguous()
+    la = log_gate(alpha.float()).contiguous() if alpha is not None else None
     f32 = {"dtype": torch.float32, "device": q.device}
     channel = _channel(alpha)
     st = {name: torch.empty(B, T, H, *((K,) if channel and name in ("p", "qc", "aend") else ()), **f32)
@@ -1044,8 +759,8 @@ def chunk_coefficients(beta: torch.Tensor, theta: torch.Tensor, alpha: Optional[
         return x[valid].reshape(B, T, H, *x.shape[3:])
 
     lb = chunks(beta)
-    gt = chunks(_log_gate(theta)).cumsum(-1)
-    ga = chunks(_log_gate(alpha)).cumsum(-1) if alpha is not None else torch.zeros_like(gt)
+    gt = chunks(log_gate(theta)).cumsum(-1)
+    ga = chunks(log_gate(alpha)).cumsum(-1) if alpha is not None else torch.zeros_like(gt)
     upper = torch.ones(b, b, dtype=torch.bool, device=beta.device).triu(1)
     D_a = (ga.unsqueeze(-1) - ga.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
     D_t = (gt.unsqueeze(-1) - gt.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
@@ -1133,7 +848,7 @@ def chunk_momentum_backward(q, k, v, beta, theta, alpha, m0, s0, do, dmt, dst, d
 
 
 def _from_log_grad(dlog: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """∂L/∂x from ∂L/∂ log x, with log x = log max(x, tiny) as :func:`_log_gate` (no gradient below tiny)."""
+    """∂L/∂x from ∂L/∂ log x, with log x = log max(x, tiny) as :func:`atlaslab.kernels.utils.log_gate` (no gradient below tiny)."""
     xf = x.float()
     tiny = torch.finfo(xf.dtype).tiny
     return torch.where(xf >= tiny, dlog / xf.clamp_min(tiny), torch.zeros_like(dlog)).to(x.dtype)
@@ -1177,18 +892,8 @@ class ChunkMomentumFunction(torch.autograd.Function):
 
 
 def _torch_backward(saved, need, grads_out, opts):
-    """The reference backward: autograd of :func:`momentum_chunk_reference`, recomputed (≥ fp32)."""
-    grads = [None] * 8
-    with torch.enable_grad():
-        inputs = [_upcast(x).detach().requires_grad_(n) if x is not None else None for x, n in zip(saved, need)]
-        outs = momentum_chunk_reference(*inputs, **opts)
-        leaves = [i for i, (x, n) in enumerate(zip(inputs, need)) if x is not None and n]
-        pairs = [(o, g) for o, g in zip(outs, grads_out) if g is not None]
-        got = torch.autograd.grad([o for o, _ in pairs], [inputs[i] for i in leaves],
-                                  [g.to(o.dtype) for o, g in pairs], allow_unused=True)
-    for i, g in zip(leaves, got):
-        grads[i] = (torch.zeros_like(saved[i]) if g is None else g).to(saved[i].dtype)
-    return grads
+    """The reference backward: autograd of :func:`.naive.momentum_chunk_reference`, recomputed (≥ fp32)."""
+    return reference_backward(momentum_chunk_reference, saved, need, grads_out, **opts)
 
 
 def chunk_momentum(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, theta: torch.Tensor,
@@ -1212,7 +917,7 @@ def chunk_momentum(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
         cu_seqlens: ``[N + 1]`` offsets of N sequences packed as B = 1, or None. Run natively (one launch per
             stage over all chunks of all sequences); each sequence is its own call (states and semantic chunks
             restart at its first token; an empty sequence returns its initial states).
-        allow_tf32: True / False: fp32 dots in TF32 / IEEE; None: :func:`.precision.dot_precision` chooses.
+        allow_tf32: True / False: fp32 dots in TF32 / IEEE; None: :func:`atlaslab.kernels.utils.dot_precision` chooses.
 
     Returns:
         ``o: [B, T, H, D_v]``, the final memory M_T and momentum S_T, and the memory at the start of the last chunk
@@ -1222,90 +927,5 @@ def chunk_momentum(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
                                        int(chunk_size), bias, read, placement, cu_seqlens, allow_tf32)
 
 
-# ------------------------------------------------------------------------------------------ dispatch + engine
-
-def linear_momentum_reason(parts, channel_wise_ok: bool = False) -> Optional[str]:
-    """None when ``parts`` is a spec the momentum kernels (this chunk kernel and the token-by-token one in
-    ``fused_recurrent_momentum.py``) compute exactly, semantic chunk aside, else the first reason they do not:
-    linear memory, ℓ2 or dot bias, momentum GD, no retention, per-head scalar decay or (``channel_wise_ok``, which
-    both kernels now pass) channel-wise decay, either placement, Omega window c = 1, read token or chunk,
-    head dims ≤ MAX_D."""
-    s, ret = parts.spec, parts.retention
-    bias = s.attentional_bias.name
-    checks = [
-        (s.memory.name == "linear", f"memory '{s.memory.name}' (momentum kernels: linear)"),
-        (not parts.kernel_trick, "the exp kernel trick"),
-        (bias in BIASES, f"attentional bias '{bias}' (momentum kernels: l2, dot)"),
-        (s.inner_optimizer.name == "momentum", f"inner optimizer '{s.inner_optimizer.name}' (momentum)"),
-        (s.retention.name in ("none", "decay"), f"retention '{s.retention.name}' (none, decay)"),
-        (channel_wise_ok or not getattr(ret, "channel_wise", False),
-         "channel-wise decay (momentum chunk kernel: per-head scalar)"),
-        (parts.window.size == 1, f"window size {parts.window.size} (c = 1)"),
-        (parts.read in READS, f"read '{parts.read}'"),
-        (max(parts.feature_map.out_dim, parts.value_dim) <= MAX_D, f"head dims > {MAX_D}"),
-    ]
-    return next((why for ok, why in checks if not ok), None)
-
-
-def spec_reason(parts, chunk_size: int) -> Optional[str]:
-    """None when the momentum chunk kernel computes ``parts`` at semantic chunk ``chunk_size`` exactly, else why not:
-    :func:`linear_momentum_reason` with channel-wise decay allowed, and 2 ≤ b ≤ MAX_CHUNK (before_step with the ℓ2
-    bias takes the gradients at P_s M_a, channel-wise at M_a Diag(P_s)); channel-wise decay only at b ≤
-    MAX_CHANNEL_CHUNK (sm_90 shared memory; the token kernel takes larger b)."""
-    if not 2 <= chunk_size <= MAX_CHUNK:
-        return f"chunk_size b = {chunk_size} (momentum chunk kernel: 2 ≤ b ≤ {MAX_CHUNK})"
-    why = linear_momentum_reason(parts, channel_wise_ok=True)
-    if why is None and getattr(parts.retention, "channel_wise", False) and chunk_size > MAX_CHANNEL_CHUNK:
-        why = (f"chunk_size b = {chunk_size} with channel-wise decay (momentum chunk kernel: b ≤ {MAX_CHANNEL_CHUNK}, "
-               f"sm_90 shared memory)")
-    return why
-
-
-def memorize_chunk_momentum(q, k, v, parts, gates, chunk_size, state, block_size: int = 64, **engine_options):
-    """``MODES``-signature engine: ``q, k: [B, T, H, D_k]``, ``v: [B, T, H, D_v]`` → ``([B, T, H, D_v], state)``.
-
-    Updates weights, momentum, anchor, ``chunk_alpha`` (Π α over the last chunk), ``chunk_lr``, the (empty, c = 1)
-    window history and ``position`` exactly as the torch engines. A call that starts mid-chunk runs its first
-    piece (up to the next chunk boundary) on the torch ``chunked`` engine (``engine_options`` go there), then the
-    kernels. ``block_size`` is unused (the kernels' block is the semantic chunk b).
-    """
-    from atlaslab.engines.chunked import memorize_chunked
-    from atlaslab.memory.state import keep_history, with_history
-    from atlaslab.memory.state import split_time
-
-    b, T = int(chunk_size), q.shape[1]
-    if T == 0:
-        return memorize_chunked(q, k, v, parts, gates, b, state, block_size=block_size, **engine_options)
-    outputs = []
-    if state.position % b:
-        n0 = min(T, b - state.position % b)
-        (q0, k0, v0, g0), (q, k, v, gates) = split_time([n0, T - n0], q, k, v, gates)
-        y, state = memorize_chunked(q0, k0, v0, parts, g0, b, state, block_size=block_size, **engine_options)
-        outputs.append(y)
-        if q.shape[1] == 0:
-            return y, state
-    state = dataclasses.replace(state)
-    T = q.shape[1]
-    fm, ret = parts.feature_map, parts.retention
-    alpha = gates.retention if (ret.uses_alpha and gates.retention is not None) else None
-    beta = gates.lr * gates.window                    # c = 1: the window gate scales the step
-    o, M, S, anchor = chunk_momentum(fm(q), fm(k), v, beta, gates.momentum, alpha, state.weights["W"],
-                                     state.momentum["W"], chunk_size=b, bias=parts.spec.attentional_bias.name,
-                                     read=parts.read, placement=ret.placement)
-    state.weights, state.momentum, state.anchor = {"W": M}, {"W": S}, {"W": anchor}
-    last = T - (-(-T // b) - 1) * b                  # real tokens of the last chunk
-    if alpha is not None:
-        state.chunk_alpha = alpha[:, T - last:].prod(1)
-    else:
-        state.chunk_alpha = torch.ones_like(state.chunk_alpha)
-    state.chunk_lr = torch.zeros_like(state.chunk_lr)
-    keep_history(state, parts.window.history(), *with_history(state, k, v, gates))
-    state.position += T
-    outputs.append(o)
-    return torch.cat(outputs, 1), state
-
-
-memorize_chunk_momentum.kernel = "chunk_momentum"
-
-__all__ = ["ChunkMomentumFunction", "chunk_momentum", "chunk_momentum_forward", "memorize_chunk_momentum",
-           "momentum_chunk_reference", "spec_reason"]
+__all__ = ["ChunkMomentumFunction", "chunk_coefficients", "chunk_momentum", "chunk_momentum_backward",
+           "chunk_momentum_forward"]

@@ -1,0 +1,170 @@
+"""Token-by-token Triton kernel for linear memory with the (gated) delta rule or the Hebbian rule.
+
+For inference / decoding with a cached state (fla's ``fused_recurrent``): one program per (value block,
+sequence, head) keeps its rows of the state S ``[BV, D_k]`` in registers over the whole sequence and writes
+only o_t (and S_T at the end). The rules are those of :mod:`.naive` (l2 or dot bias, GD with step β_t,
+per-head scalar or per-key-channel decay α_t placed ``before_step`` or ``after_step``, window c = 1, ``read``
+token or chunk).
+The state rows of a delta-rule memory evolve independently (S ← S(αI − βkkᵀ) + βvkᵀ acts on the right), so
+splitting D_v across programs is exact.
+
+Variable-length batches: ``cu_seqlens [N + 1]`` packs N sequences into B = 1; the state restarts from
+``initial_state[n]`` (or zero) at each boundary.
+
+Backward: :class:`FusedRecurrentFunction` runs the chunk backward kernels (:func:`.chunk.chunk_backward`, the same
+rule's exact gradients); with ``chunk.BACKWARD == "torch"`` (``ATLASLAB_CHUNK_BACKWARD=torch``) it recomputes the
+exact torch chunk form (:func:`.naive.delta_rule_chunk`) under ``enable_grad`` and differentiates it instead.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from atlaslab.kernels.delta_rule.naive import check_args, delta_rule_chunk
+from atlaslab.kernels.utils import pow2, reference_backward
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+MAX_DK = 256
+
+
+if triton is not None:
+
+    @triton.jit
+    def _fused_recurrent_kernel(q, k, v, beta, alpha, h0, o, ht, cu_seqlens, T, H: tl.constexpr,
+                                K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                                HAS_ALPHA: tl.constexpr, CHANNEL: tl.constexpr, HAS_H0: tl.constexpr,
+                                STORE_FINAL: tl.constexpr,
+                                IS_L2: tl.constexpr, BEFORE: tl.constexpr, READ_TOKEN: tl.constexpr,
+                                IS_VARLEN: tl.constexpr):
+        i_v = tl.program_id(0)
+        i_nh = tl.program_id(1)
+        i_n = i_nh // H
+        i_h = i_nh % H
+        if IS_VARLEN:
+            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+            eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+            length = eos - bos
+        else:
+            bos = i_n.to(tl.int64) * T
+            length = T
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k = o_k < K
+        m_v = o_v < V
+        m_h = m_v[:, None] & m_k[None, :]
+        state_offs = i_nh.to(tl.int64) * V * K + o_v[:, None] * K + o_k[None, :]
+        h = tl.zeros([BV, BK], dtype=tl.float32)
+        if HAS_H0:
+            h += tl.load(h0 + state_offs, mask=m_h, other=0.0).to(tl.float32)
+        for t in range(0, length):
+            row = (bos + t) * H + i_h                       # flat (token, head) index of [B, T, H, ...]
+            b_q = tl.load(q + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_k = tl.load(k + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_v = tl.load(v + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+            b_beta = tl.load(beta + row).to(tl.float32)
+            if not READ_TOKEN:
+                b_o = tl.sum(h * b_q[None, :], axis=1)
+            if HAS_ALPHA:
+                if CHANNEL:   # S Diag(α_t): scales the key columns
+                    b_a = tl.load(alpha + row * K + o_k, mask=m_k, other=1.0).to(tl.float32)[None, :]
+                else:
+                    b_a = tl.load(alpha + row).to(tl.float32)
+                if BEFORE:
+                    h = h * b_a
+            if IS_L2:
+                err = b_v - tl.sum(h * b_k[None, :], axis=1)   # v − S k  (S decayed already when BEFORE)
+                upd = b_beta * err
+            else:
+                upd = b_beta * b_v
+            if HAS_ALPHA:
+                if not BEFORE:
+                    h = h * b_a
+            h += upd[:, None] * b_k[None, :]
+            if READ_TOKEN:
+                b_o = tl.sum(h * b_q[None, :], axis=1)
+            tl.store(o + row * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+        if STORE_FINAL:
+            tl.store(ht + state_offs, h.to(ht.dtype.element_ty), mask=m_h)
+
+
+def fused_recurrent_forward(q, k, v, beta, alpha=None, initial_state=None, *, bias="l2", placement="before_step",
+                            read="token", cu_seqlens=None, output_final_state=True):
+    """The kernel alone (no autograd); arguments as :func:`fused_recurrent_delta_rule`."""
+    N = check_args(q, k, v, beta, alpha, initial_state, bias, placement, read, cu_seqlens)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if K > MAX_DK:
+        raise ValueError(f"fused_recurrent: D_k = {K} > {MAX_DK} does not fit one program's state rows")
+    q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
+    alpha = alpha.contiguous() if alpha is not None else None
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    o = torch.empty_like(v)
+    ht = torch.empty(N, H, V, K, dtype=torch.float32, device=q.device) if output_final_state else None
+    BK = pow2(K, 16)
+    BV = min(pow2(V, 16), max(16, 8192 // BK))       # ≤ 8K fp32 state elements per program
+    grid = (triton.cdiv(V, BV), N * H)
+    dummy = q   # never read: the constexpr flags skip the loads
+    _fused_recurrent_kernel[grid](
+        q, k, v, beta, alpha if alpha is not None else dummy, h0 if h0 is not None else dummy, o,
+        ht if ht is not None else dummy, cu_seqlens if cu_seqlens is not None else dummy, T,
+        H=H, K=K, V=V, BK=BK, BV=BV, HAS_ALPHA=alpha is not None, CHANNEL=alpha is not None and alpha.dim() == 4,
+        HAS_H0=h0 is not None,
+        STORE_FINAL=ht is not None, IS_L2=bias == "l2", BEFORE=placement == "before_step",
+        READ_TOKEN=read == "token", IS_VARLEN=cu_seqlens is not None, num_warps=4)
+    if ht is not None:
+        ht = ht.to(initial_state.dtype if initial_state is not None else q.dtype)
+    return o, ht
+
+
+class FusedRecurrentFunction(torch.autograd.Function):
+    """Kernel forward; backward on the chunk backward kernels (or autograd of the torch chunk form, recomputed)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, beta, alpha, initial_state, bias, placement, read, cu_seqlens):
+        ctx.save_for_backward(q, k, v, beta, alpha, initial_state)
+        ctx.opts = dict(bias=bias, placement=placement, read=read, cu_seqlens=cu_seqlens)
+        return fused_recurrent_forward(q, k, v, beta, alpha, initial_state, bias=bias, placement=placement,
+                                       read=read, cu_seqlens=cu_seqlens)
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        saved = ctx.saved_tensors
+        need = ctx.needs_input_grad[:6]
+        from atlaslab.kernels.delta_rule import chunk
+        if chunk.BACKWARD != "torch":   # the chunk backward kernels compute the same rule's gradients
+            T = saved[0].shape[1]
+            grads = chunk.chunk_backward(*saved, do, dht, chunk_size=min(64, max(16, T)), **ctx.opts)
+            return (*[g if n else None for g, n in zip(grads, need)], None, None, None, None)
+        grads = reference_backward(delta_rule_chunk, saved, need, (do, dht), chunk_size=64, **ctx.opts)
+        return (*grads, None, None, None, None)
+
+
+def fused_recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                               alpha: Optional[torch.Tensor] = None, initial_state: Optional[torch.Tensor] = None,
+                               *, bias: str = "l2", placement: str = "before_step", read: str = "token",
+                               cu_seqlens: Optional[torch.LongTensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Linear-memory delta / Hebbian rule, token by token on one fused Triton kernel.
+
+    Args:
+        q, k: ``[B, T, H, D_k]`` queries and keys (featurised already; ℓ2-normalised keys keep the delta rule stable).
+        v: ``[B, T, H, D_v]`` values.
+        beta: ``[B, T, H]`` step size β_t = η_t γ_t.
+        alpha: ``[B, T, H]`` kept fraction α_t of the per-head decay, ``[B, T, H, D_k]`` channel-wise decay
+            (S ← S Diag(α_t), GLA-style), or None (no retention).
+        initial_state: ``[N, H, D_v, D_k]`` state to continue from (N = B, or the number of sequences with
+            ``cu_seqlens``), or None (zeros).
+        bias: ``"l2"`` (delta rule) or ``"dot"`` (Hebbian / linear attention).
+        placement: ``"before_step"`` (Gated DeltaNet: gradient at α_t S_{t−1}) or ``"after_step"``.
+        read: ``"token"`` (o_t = S_t q_t) or ``"chunk"`` (o_t = S_{t−1} q_t, the b = 1 chunk read).
+        cu_seqlens: ``[N + 1]`` int offsets of packed sequences (B = 1), or None.
+
+    Returns:
+        ``o: [B, T, H, D_v]`` (dtype of v) and the final state ``[N, H, D_v, D_k]``.
+    """
+    return FusedRecurrentFunction.apply(q, k, v, beta, alpha, initial_state, bias, placement, read, cu_seqlens)
