@@ -33,7 +33,7 @@ def test_list_all_kinds_and_presets(capsys):
 def test_list_one_kind_with_a_pattern(capsys):
     rc, out, _ = run(capsys, "list", "mixer")
     assert rc == 0 and out.splitlines()[0] == "mixer:"
-    assert {line.split()[0] for line in out.splitlines()[1:]} == {"attention", "memory", "swa"}
+    assert {line.split()[0] for line in out.splitlines()[1:]} == {"attention", "forgetting_attention", "memory", "swa"}
     rc, out, _ = run(capsys, "list", "preset", "--pattern", "titans*")
     assert {line.split()[0] for line in out.splitlines()[1:]} == {"titans", "titans_mac", "titans_mag", "titans_mal"}
     rc, _, err = run(capsys, "list", "mixers")
@@ -103,6 +103,11 @@ def expected_state(cfg):
                 fixed += _kv(m["window"], m["num_heads"], hd)
             else:
                 per_token += _kv(1, m["num_heads"], hd)
+            continue
+        if name == "forgetting_attention":                             # KV cache + log f per token, token shifts
+            h, hd = m["num_heads"], m["head_dim"] or d // m["num_heads"]
+            per_token += _kv(1, h, hd) + h
+            fixed += (m["k_shift"] + m["v_shift"]) * h * hd
             continue
         mem, mem_tok = _memory_layer_state(m, d)
         if name == "memory":
