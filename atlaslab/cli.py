@@ -12,6 +12,7 @@ Configuration errors print one line (``error: mixers.atlas.memory.inner_optimize
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable, Dict, List, Optional
 
@@ -146,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    # like `python -m`: a user's parts module in the current folder imports by its dotted name (``my_parts.x``)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

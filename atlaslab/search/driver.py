@@ -181,7 +181,8 @@ class RaySession:
             ray.init(address=self.address, **kw)
         else:
             os.environ.pop("RAY_ADDRESS", None)
-            ray.init(num_cpus=self.num_cpus or os.cpu_count() or 1, num_gpus=self.num_gpus, **kw)
+            # "local": a new Ray of our own, never one a leftover /tmp/ray/ray_current_cluster points at
+            ray.init(address="local", num_cpus=self.num_cpus or os.cpu_count() or 1, num_gpus=self.num_gpus, **kw)
         self.started = True
         return self
 
