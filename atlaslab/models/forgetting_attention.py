@@ -30,7 +30,7 @@ from torch import nn
 from atlaslab.engines import memorize
 from atlaslab.engines.packed import check_cu_seqlens, sequence_positions
 from atlaslab.memory.spec import build_memory
-from atlaslab.models.attention import AttentionConfig, apply_rope, attention_mask, rope_angles
+from atlaslab.models.attention import Attention, AttentionConfig, apply_rope, attention_mask, rope_angles
 from atlaslab.registry import ConfigError, check_choice, register
 
 FORMS = ("attention", "memory")
@@ -112,26 +112,14 @@ def forget_bias(log_f: torch.Tensor, allowed: Optional[torch.Tensor]) -> torch.T
 
 
 @register("mixer", "forgetting_attention")
-class ForgettingAttention(nn.Module):
+class ForgettingAttention(Attention):
     """Forgetting Attention (FoX): softmax attention with a data-dependent forget gate per head."""
 
     Config = ForgettingAttentionConfig
-    #: takes packed variable-length batches (``cu_seqlens``)
-    takes_packed = True
 
     def __init__(self, cfg: ForgettingAttentionConfig, d_model: int):
-        super().__init__()
-        self.cfg, self.d_model = cfg, d_model
-        H = cfg.num_heads
-        if cfg.head_dim is None and d_model % H:
-            raise ConfigError("num_heads", f"d_model {d_model} is not divisible by num_heads {H}; set head_dim.",
-                              value=H)
-        self.num_heads, self.head_dim = H, cfg.head_dim or d_model // H
-        D = self.head_dim
-        self.q_proj = nn.Linear(d_model, H * D, bias=cfg.bias)
-        self.k_proj = nn.Linear(d_model, H * D, bias=cfg.bias)
-        self.v_proj = nn.Linear(d_model, H * D, bias=cfg.bias)
-        self.o_proj = nn.Linear(H * D, d_model, bias=cfg.bias)
+        super().__init__(cfg, d_model)          # the q, k, v, o projections and the head layout
+        H, D = self.num_heads, self.head_dim
         self.f_proj = nn.Linear(d_model, H, bias=True)
         with torch.no_grad():
             self.f_proj.bias.fill_(cfg.forget_bias_init)
