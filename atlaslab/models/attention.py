@@ -56,6 +56,14 @@ def attention_mask(T: int, window: Optional[int] = None, prefix: int = 0, device
     return allowed
 
 
+def head_layout(d_model: int, num_heads: int, head_dim: Optional[int]) -> int:
+    """The head dimension: ``head_dim``, else ``d_model // num_heads`` (a ConfigError if that does not divide)."""
+    if head_dim is None and d_model % num_heads:
+        raise ConfigError("num_heads", f"d_model {d_model} is not divisible by num_heads {num_heads}; set head_dim.",
+                          value=num_heads)
+    return head_dim or d_model // num_heads
+
+
 # --------------------------------------------------------------------------------------------------
 # mixers
 # --------------------------------------------------------------------------------------------------
@@ -86,10 +94,7 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg, self.d_model = cfg, d_model
         H = cfg.num_heads
-        if cfg.head_dim is None and d_model % H:
-            raise ConfigError("num_heads", f"d_model {d_model} is not divisible by num_heads {H}; set head_dim.",
-                              value=H)
-        self.num_heads, self.head_dim = H, cfg.head_dim or d_model // H
+        self.num_heads, self.head_dim = H, head_layout(d_model, H, cfg.head_dim)
         D = self.head_dim
         self.q_proj = nn.Linear(d_model, H * D, bias=cfg.bias)
         self.k_proj = nn.Linear(d_model, H * D, bias=cfg.bias)
@@ -167,4 +172,4 @@ class SlidingWindowAttention(Attention):
 
 
 __all__ = ["Attention", "AttentionConfig", "SWAConfig", "SlidingWindowAttention", "apply_rope", "attention_mask",
-           "rope_angles"]
+           "head_layout", "rope_angles"]

@@ -41,6 +41,7 @@ from atlaslab.engines import MODES, memorize, read_memory
 from atlaslab.engines import initial_state as fresh_memory_state
 from atlaslab.engines.packed import check_cu_seqlens, sequence_positions, stack_states
 from atlaslab.memory.spec import MemoryParts, MemorySpec, resolve_memory_spec
+from atlaslab.models.attention import head_layout
 from atlaslab.registry import ConfigError, PartConfig, check_range, register
 
 GATES = ("lr", "retention", "momentum", "window", "delta")
@@ -286,10 +287,7 @@ class MemoryLayer(nn.Module):
         super().__init__()
         self.cfg, self.d_model = cfg, d_model
         H = cfg.num_heads
-        if cfg.head_dim is None and d_model % H:
-            raise ConfigError("num_heads", f"d_model {d_model} is not divisible by num_heads {H}; set head_dim.",
-                              value=H)
-        Dk = cfg.head_dim or d_model // H
+        Dk = head_layout(d_model, H, cfg.head_dim)
         Dv = cfg.value_dim or Dk
         self.num_heads, self.head_dim, self.value_dim = H, Dk, Dv
         spec = cfg.memory_spec()

@@ -172,6 +172,19 @@ def _plt():
     return plt
 
 
+def _save_line_plot(fig, ax, path: Path, xlabel: str, ylabel: str, title: str, **legend) -> Path:
+    """Label, grid and legend a line plot, write it to ``path`` and close it."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(**legend)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+    return path
+
+
 def plot_bars(rows: Sequence[Mapping[str, Any]], metric: str, path: Path, title: str) -> Optional[Path]:
     rows = [r for r in rows if r.get(metric) is not None]
     if not rows:
@@ -254,15 +267,8 @@ def plot_state(rows: Sequence[Mapping[str, Any]], metric: str, path: Path) -> Op
         ax.errorbar([x for x, _, _ in pts], [y for _, y, _ in pts], yerr=[e for _, _, e in pts], marker="o",
                     ms=4, capsize=3, label=name, color=f"C{i % 10}")
     ax.set_xscale("log")
-    ax.set_xlabel("recurrent state (scalars per sequence)")
-    ax.set_ylabel(metric)
-    ax.set_title(f"{metric} vs state size", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save_line_plot(fig, ax, path, "recurrent state (scalars per sequence)", metric, f"{metric} vs state size",
+                           fontsize=7)
 
 
 def plot_curves(rows: Sequence[Mapping[str, Any]], records: Sequence[Mapping[str, Any]], metric: str,
@@ -287,15 +293,7 @@ def plot_curves(rows: Sequence[Mapping[str, Any]], records: Sequence[Mapping[str
     if not drawn:
         plt.close(fig)
         return None
-    ax.set_xlabel("step")
-    ax.set_ylabel(metric)
-    ax.set_title(f"learning curves ({metric})", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save_line_plot(fig, ax, path, "step", metric, f"learning curves ({metric})", fontsize=6, ncol=2)
 
 
 def plot_lengths(rows: Sequence[Mapping[str, Any]], name: str, path: Path) -> Optional[Path]:
@@ -309,15 +307,8 @@ def plot_lengths(rows: Sequence[Mapping[str, Any]], name: str, path: Path) -> Op
         ax.errorbar(Ls, [r["lengths"][L][0] for L in Ls], yerr=[r["lengths"][L][1] or 0.0 for L in Ls],
                     marker="o", capsize=2, label=r["row"][:40], color=f"C{i % 10}")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("evaluation length (tokens)")
-    ax.set_ylabel(f"test {name}")
-    ax.set_title(f"{name} vs evaluation length", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save_line_plot(fig, ax, path, "evaluation length (tokens)", f"test {name}", f"{name} vs evaluation length",
+                           fontsize=6, ncol=2)
 
 
 def plot_search(records: Sequence[Mapping[str, Any]], metric: str, space_keys: Sequence[str],

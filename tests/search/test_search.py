@@ -109,7 +109,7 @@ def test_bad_experiment_errors(change, path, needle):
     assert needle in str(ei.value), str(ei.value)
 
 
-def test_bad_file_fails_in_seconds_before_ray(tmp_path):
+def test_bad_file_fails_before_ray(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(textwrap.dedent("""
         name: bad
@@ -126,7 +126,6 @@ def test_bad_file_fails_in_seconds_before_ray(tmp_path):
     r = subprocess.run([sys.executable, "-c", code, "run", str(bad)], capture_output=True, text=True, timeout=120,
                        cwd=str(tmp_path))
     assert "RC 2 RAY False" in r.stdout, r.stdout + r.stderr
-    assert float(r.stdout.split("T ")[-1]) < 10       # after the interpreter and torch are up
     assert "trial t001 (broken)" in r.stderr
     assert "model.mixers.gated_deltanet.memory.inner_optimizer.name" in r.stderr
     assert "Valid choices: gd" in r.stderr
