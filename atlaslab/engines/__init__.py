@@ -20,7 +20,7 @@ from atlaslab.engines.triton import memorize_triton
 
 #: Engines that compute ``memorize``; each must match the ``recurrent`` reference.
 MODES = {"recurrent": memorize_recurrent, "chunked": memorize_chunked,
-         "triton": memorize_triton}   # opt-in Triton kernels; falls back to chunked (kernels/triton)
+         "triton": memorize_triton}   # opt-in Triton kernels; falls back to chunked (engines/triton.py)
 
 
 def memorize(
