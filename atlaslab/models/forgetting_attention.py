@@ -31,7 +31,7 @@ from atlaslab.engines import memorize
 from atlaslab.engines.packed import check_cu_seqlens, sequence_positions
 from atlaslab.memory.spec import build_memory
 from atlaslab.models.attention import Attention, AttentionConfig, apply_rope, attention_mask, rope_angles
-from atlaslab.registry import ConfigError, check_choice, register
+from atlaslab.registry import ConfigError, check_choice, check_range, register
 
 FORMS = ("attention", "memory")
 
@@ -65,8 +65,7 @@ class ForgettingAttentionConfig(AttentionConfig):
         check_choice("form", self.form, FORMS)
         check_choice("mode", self.mode, ("chunked", "recurrent"))
         check_choice("output_gate_act", self.output_gate_act, ("sigmoid", "swish"))
-        if self.chunk_size < 1:
-            raise ConfigError("chunk_size", f"must be ≥ 1, got {self.chunk_size}.", value=self.chunk_size)
+        check_range("chunk_size", self.chunk_size, 1, None)
 
 
 class HeadRMSNorm(nn.Module):

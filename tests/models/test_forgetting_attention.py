@@ -96,7 +96,7 @@ def test_token_shift_is_a_per_head_interpolation_with_the_previous_token():
     assert torch.allclose(shifted[:, 3], a[:, 3, :, None] * k[:, 2] + (1 - a[:, 3, :, None]) * k[:, 3])
 
 
-def test_presets_build_and_learn_a_step():
+def test_presets_build_and_backpropagate():
     for name, extra in (("fox", {}), ("fox_pro", PRO)):
         cfg = load_preset(name, ["d_model=16", "mixers.fox.num_heads=2"])
         assert all(cfg.mixers.fox[k] == v for k, v in extra.items())
