@@ -8,14 +8,17 @@ A preset file is a model config (:class:`atlaslab.models.lm.LMConfig`): ``vocab_
 (``key.path=value``, values parsed as YAML: ``mixers.x.memory.memory={name: linear, init: zeros}``) or a
 nested dict, applied in order. Changing a part's ``name`` drops the fields the new part does not have
 (``…memory.memory.name=linear`` on an ``mlp`` memory drops ``depth``, ``expansion``, …), and a mapping with a
-different ``name`` replaces the node instead of merging into it. The result is validated as a whole; every
-error is a :class:`ConfigError` naming the dotted path.
+different ``name`` replaces the node instead of merging into it. A key segment may be a shell-style wildcard
+(``mixers.*.num_heads=8``, ``mixers.atl*.memory.chunk_size=4``): it stands for every key of the config, with
+its defaults filled in, that matches and has the rest of the path; a wildcard that matches nothing is an error.
+The result is validated as a whole; every error is a :class:`ConfigError` naming the dotted path.
 
 The preset folder is ``$ATLASLAB_PRESETS`` when set, else ``experiments/presets`` of the source tree.
 """
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import os
 from pathlib import Path
 from typing import Any, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
@@ -129,8 +132,55 @@ def _set(cfg: DictConfig, key: str, value: Any) -> None:
     OmegaConf.update(cfg, key, value, merge=True)
 
 
+WILDCARD_CHARS = "*?["
+
+
+def has_wildcard(key: str) -> bool:
+    return any(c in key for c in WILDCARD_CHARS)
+
+
+def _glob_keys(node: Any, parts: List[str], prefix: str = "") -> Iterable[str]:
+    if not parts:
+        yield prefix
+        return
+    head, rest = parts[0], parts[1:]
+    if has_wildcard(head):
+        if isinstance(node, Mapping):
+            for k in node:
+                if fnmatch.fnmatchcase(str(k), head):
+                    yield from _glob_keys(node[k], rest, f"{prefix}.{k}" if prefix else str(k))
+        return
+    key = f"{prefix}.{head}" if prefix else head
+    if any(has_wildcard(p) for p in rest):
+        if isinstance(node, Mapping) and head in node:
+            yield from _glob_keys(node[head], rest, key)
+        return
+    yield ".".join([key] + rest)
+
+
+def _exists(node: Any, key: str) -> bool:
+    for p in key.split("."):
+        if not isinstance(node, Mapping) or p not in node:
+            return False
+        node = node[p]
+    return True
+
+
+def match_wildcard(resolved: Mapping[str, Any], key: str) -> List[str]:
+    """The concrete keys a wildcard ``key`` stands for in ``resolved`` (a resolved model config as a dict,
+    defaults filled in): every matching path that exists there, in the config's order."""
+    return [k for k in _glob_keys(resolved, key.split(".")) if _exists(resolved, k)]
+
+
+def changes_structure(key: str, value: Any) -> bool:
+    """Whether an override can add, remove or rename nodes (so wildcards must be matched anew after it)."""
+    return key.endswith(".name") or key.startswith("layers") or key.count(".") < 2 or \
+        (isinstance(value, Mapping) and "name" in value)
+
+
 def apply_overrides(cfg: DictConfig, overrides: Overrides = ()) -> DictConfig:
-    """Apply dotlist strings or a nested dict to ``cfg`` (in place, and returned)."""
+    """Apply dotlist strings or a nested dict to ``cfg`` (in place, and returned); wildcard keys are matched
+    against the config as it stands when they are applied."""
     if isinstance(overrides, Mapping):
         items = list(_flatten(overrides))
     elif isinstance(overrides, str):
@@ -138,10 +188,16 @@ def apply_overrides(cfg: DictConfig, overrides: Overrides = ()) -> DictConfig:
     else:
         items = [_parse_dotlist_item(o) for o in overrides]
     for key, value in items:
-        try:
-            _set(cfg, key, value)
-        except OmegaConfBaseException as exc:
-            raise ConfigError(key, f"cannot apply override ({str(exc).splitlines()[0]}).", value=value) from None
+        keys = [key]
+        if has_wildcard(key):
+            keys = match_wildcard(resolve_lm_config(cfg).to_dict(), key)
+            if not keys:
+                raise ConfigError(key, "this wildcard matches no key of the config.", value=value)
+        for k in keys:
+            try:
+                _set(cfg, k, value)
+            except OmegaConfBaseException as exc:
+                raise ConfigError(k, f"cannot apply override ({str(exc).splitlines()[0]}).", value=value) from None
     return cfg
 
 

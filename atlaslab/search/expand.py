@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import fnmatch
 import functools
 import hashlib
 import itertools
@@ -38,7 +37,7 @@ import torch.nn.init as init
 from omegaconf import DictConfig, OmegaConf
 
 from atlaslab.models.lm import LanguageModel, resolve_lm_config
-from atlaslab.models.presets import apply_overrides, preset_path
+from atlaslab.models.presets import apply_overrides, changes_structure, has_wildcard, match_wildcard, preset_path
 from atlaslab.registry import ConfigError, to_container
 from atlaslab.search.formatting import fmt_value, short_key
 from atlaslab.search.schema import ExperimentConfig, parse_override
@@ -166,33 +165,6 @@ def build_trial_config(exp: ExperimentConfig, setting: str, assignments: Sequenc
     return {"model": {"preset": preset, "overrides": [list(o) for o in model_ovs]}, "task": task, "train": train}
 
 
-def _glob_keys(node: Any, parts: List[str], prefix: str = "") -> Iterable[str]:
-    if not parts:
-        yield prefix
-        return
-    head, rest = parts[0], parts[1:]
-    if head == "*" or any(c in head for c in "*?["):
-        if isinstance(node, Mapping):
-            for k in node:
-                if fnmatch.fnmatchcase(str(k), head):
-                    yield from _glob_keys(node[k], rest, f"{prefix}.{k}" if prefix else str(k))
-        return
-    key = f"{prefix}.{head}" if prefix else head
-    if any(any(c in p for c in "*?[") for p in rest):
-        if isinstance(node, Mapping) and head in node:
-            yield from _glob_keys(node[head], rest, key)
-        return
-    yield ".".join([key] + rest)
-
-
-def _exists(node: Any, key: str) -> bool:
-    for p in key.split("."):
-        if not isinstance(node, Mapping) or p not in node:
-            return False
-        node = node[p]
-    return True
-
-
 @functools.lru_cache(maxsize=64)
 def _preset_resolved(path: str) -> Optional[Dict[str, Any]]:
     try:
@@ -224,14 +196,14 @@ def resolve_model_node(model_node: Mapping[str, Any], vocab_size: Optional[int] 
     # swaps a part or a node, then the current one
     resolved = _preset_resolved(str(path))
     for key, value, src in overrides:
-        if any(c in key for c in "*?["):
+        if has_wildcard(key):
             if resolved is None:
                 try:
                     resolved = resolve_lm_config(cfg).to_dict()
                 except ConfigError as exc:
                     exc.source = src
                     raise
-            keys = [k for k in _glob_keys(resolved, key.split(".")) if _exists(resolved, k)]
+            keys = match_wildcard(resolved, key)
         else:
             keys = [key]
         for k in keys:
@@ -240,8 +212,7 @@ def resolve_model_node(model_node: Mapping[str, Any], vocab_size: Optional[int] 
             except ConfigError as exc:
                 exc.source = src
                 raise
-            if k.endswith(".name") or k.startswith("layers") or k.count(".") < 2 or \
-                    (isinstance(value, Mapping) and "name" in value):
+            if changes_structure(k, value):
                 resolved = None
     try:
         resolved = resolve_lm_config(cfg)

@@ -145,6 +145,19 @@ def test_dotlist_and_dict_overrides():
     assert cfg2.mixers.titans.memory.memory.depth == 2          # a dict merges, it does not replace
 
 
+def test_wildcard_overrides_match_every_key_that_has_the_path():
+    """``mixers.*.x`` on a preset (``atlaslab train``/``show``, not only sweeps) sets x in every mixer that has
+    it, defaults included (``layer_norm`` is not in the omeganet file); a wildcard that matches nothing is an
+    error naming the key."""
+    cfg = load_preset("titans_mag", ["mixers.*.num_heads=2", "mixers.*.memory.memory.layer_norm=false"])
+    assert cfg.mixers.titans_mag.num_heads == 2 and cfg.mixers.titans_mag.memory.memory.layer_norm is False
+    cfg = load_preset("omeganet", {"mixers.*.memory.memory.layer_norm": False, "mixers.omega*.num_heads": 8})
+    assert cfg.mixers.omeganet.memory.memory.layer_norm is False and cfg.mixers.omeganet.num_heads == 8
+    with pytest.raises(ConfigError) as info:
+        load_preset("transformer", ["mixers.*.memory.chunk_size=4"])
+    assert info.value.path == "mixers.*.memory.chunk_size" and "matches no key" in str(info.value)
+
+
 def test_changing_a_part_name_drops_its_fields():
     cfg = load_preset("atlas", ["mixers.atlas.memory.memory.name=linear", "mixers.atlas.memory.inner_optimizer.name=gd"])
     assert dict(cfg.mixers.atlas.memory.memory) == {"name": "linear"}
