@@ -187,10 +187,13 @@ def apply_overrides(cfg: DictConfig, overrides: Overrides = ()) -> DictConfig:
         items = [_parse_dotlist_item(overrides)]
     else:
         items = [_parse_dotlist_item(o) for o in overrides]
+    resolved = None           # the config with its defaults, to match wildcards in; renewed after structural changes
     for key, value in items:
         keys = [key]
         if has_wildcard(key):
-            keys = match_wildcard(resolve_lm_config(cfg).to_dict(), key)
+            if resolved is None:
+                resolved = _with_defaults(cfg)
+            keys = match_wildcard(resolved, key)
             if not keys:
                 raise ConfigError(key, "this wildcard matches no key of the config.", value=value)
         for k in keys:
@@ -198,7 +201,18 @@ def apply_overrides(cfg: DictConfig, overrides: Overrides = ()) -> DictConfig:
                 _set(cfg, k, value)
             except OmegaConfBaseException as exc:
                 raise ConfigError(k, f"cannot apply override ({str(exc).splitlines()[0]}).", value=value) from None
+            if changes_structure(k, value):
+                resolved = None
     return cfg
+
+
+def _with_defaults(cfg: DictConfig) -> Mapping[str, Any]:
+    """``cfg`` as a dict with every default filled in; the file's own keys alone while it is not (yet) valid,
+    e.g. between two overrides that are only valid together."""
+    try:
+        return resolve_lm_config(cfg).to_dict()
+    except ConfigError:
+        return OmegaConf.to_container(cfg)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -153,6 +153,9 @@ def test_wildcard_overrides_match_every_key_that_has_the_path():
     assert cfg.mixers.titans_mag.num_heads == 2 and cfg.mixers.titans_mag.memory.memory.layer_norm is False
     cfg = load_preset("omeganet", {"mixers.*.memory.memory.layer_norm": False, "mixers.omega*.num_heads": 8})
     assert cfg.mixers.omeganet.memory.memory.layer_norm is False and cfg.mixers.omeganet.num_heads == 8
+    cfg = load_preset("atlas", ["mixers.*.memory.inner_optimizer.ns_granularity=chunk",   # valid only with the next
+                                "mixers.*.memory.read=chunk"])
+    assert cfg.mixers.atlas.memory.read == "chunk"
     with pytest.raises(ConfigError) as info:
         load_preset("transformer", ["mixers.*.memory.chunk_size=4"])
     assert info.value.path == "mixers.*.memory.chunk_size" and "matches no key" in str(info.value)
