@@ -7,6 +7,8 @@ then single steps (across a MAC segment start; beyond the Omega window c = 4 of 
 tolerance is 1e-9 of the largest logit (the decoders reproduce the forward to rounding, ~1e-15).
 """
 import functools
+import runpy
+from pathlib import Path
 
 import pytest
 import torch
@@ -221,3 +223,8 @@ def test_bad_ids_and_states_are_refused():
     state.layers.append(None)
     with pytest.raises(ValueError, match="layer states"):
         other.prefill(ids, state)
+
+
+def test_the_docs_example_runs(capsys):
+    runpy.run_path(str(Path(__file__).resolve().parents[2] / "docs" / "decoding_example.py"))
+    assert len(capsys.readouterr().out.splitlines()) == 4     # two rows of 16 tokens, greedy then sampled
