@@ -101,7 +101,7 @@ def _extend(cache: Optional[KVCache], k: torch.Tensor, v: torch.Tensor, pos: tor
     return torch.cat([cache.k, k], 2), torch.cat([cache.v, v], 2), torch.cat([cache.pos, pos])
 
 
-def _attend(attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """Softmax attention of ``q: [B, T, H, D]`` over ``k, v: [B, H, n, D]`` with a boolean (True = attend) or additive
     ``bias`` (``[T, n]`` or ``[B, H, T, n]``) → ``o: [B, T, H, D]``."""
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=bias)
@@ -129,7 +129,7 @@ def decode_attention(attn: Attention, x: torch.Tensor, state: Optional[KVCache],
     pos = _positions(start, T, x.device)
     q, k, v = attn.qkv(x, pos)
     k_all, v_all, pos_all = _extend(state, k, v, pos)
-    o = _attend(attn, q, k_all, v_all, _attention_mask(pos, pos_all, attn.window, prefix))
+    o = _attend(q, k_all, v_all, _attention_mask(pos, pos_all, attn.window, prefix))
     y = attn.o_proj(o.reshape(B, T, -1))
     length = start + T
     if attn.window is not None:
@@ -180,7 +180,7 @@ def decode_forgetting_attention(fox: ForgettingAttention, x: torch.Tensor, state
         k_all, v_all, pos_all = _extend(state.kv if state is not None else None, k, v, pos)
         c_all = torch.cat([state.log_f, c], -1) if state is not None else c
         bias = cumulative_bias(c, c_all, pos_all[None, :] <= pos[:, None]).to(q.dtype)
-        o = _attend(fox, q, k_all, v_all, bias)
+        o = _attend(q, k_all, v_all, bias)
         new.kv, new.log_f = KVCache(k_all, v_all, pos_all, start + T), c_all
     else:
         o, new.memory = memorize(q / math.sqrt(D), k, v, fox.parts, {"retention": log_f.exp()}, mode=fox.cfg.mode,
@@ -256,7 +256,8 @@ class MACState:
 
     memory: the memory written with every y so far; segment_memory: the memory as the current segment started, which
     all of that segment's reads h = M*(q(S)) see; q_cache: the read path's conv cache; kv: the segment's attention
-    cache over [P ‖ h ‖ S], ``pos`` holding each entry's index in the segment (−1 for P: always visible).
+    cache over [P ‖ h ‖ S], ``pos`` holding each entry's index in the segment (−1 for P: always visible) and
+    ``length`` the segment's tokens so far.
     """
 
     length: int = 0
@@ -282,15 +283,14 @@ def _mac_piece(block: MACBlock, s: torch.Tensor, state: MACState) -> torch.Tenso
     if block.cfg.read_tokens:
         h, state.q_cache = block.memory.read(s, state.segment_memory, state.q_cache)
         _, hk, hv = attn.qkv(h, n_p + j)
-        k_all, v_all, key_all = _extend(state.kv, hk, hv, j)
-        state.kv = KVCache(k_all, v_all, key_all, 0)
+        state.kv = KVCache(*_extend(state.kv, hk, hv, j), j0 + L)
         s_pos = n_p + C + j
     else:
         s_pos = n_p + j
     q, k, v = attn.qkv(s, s_pos)
     k_all, v_all, key_all = _extend(state.kv, k, v, j)
-    state.kv = KVCache(k_all, v_all, key_all, 0)
-    o = _attend(attn, q, k_all, v_all, key_all[None, :] <= j[:, None])
+    state.kv = KVCache(k_all, v_all, key_all, j0 + L)
+    o = _attend(q, k_all, v_all, key_all[None, :] <= j[:, None])
     y = attn.o_proj(o.reshape(B, L, -1))
     if block.uses_memory:
         m, state.memory = block.memory(y, state.memory, return_state=True)
@@ -320,11 +320,12 @@ def decode_mac(block: MACBlock, x: torch.Tensor, state: Optional[MACState]):
 # --------------------------------------------------------------------------------------------------
 @dataclass
 class LMState:
-    """A language model's decoding state: one state per layer (what its mixer's decoder returned) after ``length``
-    tokens."""
+    """A language model's decoding state: one state per layer (what its mixer's decoder returned) for ``batch``
+    sequences after ``length`` tokens."""
 
     layers: List[Any]
     length: int
+    batch: int
 
 
 def _check_ids(ids: torch.Tensor, what: str) -> None:
@@ -340,13 +341,16 @@ def prefill(model, input_ids: torch.Tensor, state: Optional[LMState] = None) -> 
     if state is not None and len(state.layers) != len(model.layers):
         raise ValueError(f"prefill: the state has {len(state.layers)} layer states, the model {len(model.layers)} "
                          f"layers (a state from another model?)")
+    if state is not None and state.batch != input_ids.shape[0]:
+        raise ValueError(f"prefill: the state holds {state.batch} sequences, input_ids has {input_ids.shape[0]}")
     layer_states = state.layers if state is not None else [None] * len(model.layers)
     x = model.embed(input_ids)
     new = []
     for key, layer, s in zip(model.layer_keys, model.layers, layer_states):
         x, s = layer.decode(x, s, where=f"mixers.{key}")
         new.append(s)
-    return model.head_logits(x), LMState(new, (state.length if state is not None else 0) + input_ids.shape[1])
+    length = (state.length if state is not None else 0) + input_ids.shape[1]
+    return model.head_logits(x), LMState(new, length, input_ids.shape[0])
 
 
 def step(model, token_ids: torch.Tensor, state: LMState) -> Tuple[torch.Tensor, LMState]:

@@ -20,6 +20,9 @@ embedding and rescales the logits by ``logit_scale`` (default ``d_model^-1/2``, 
 
 A model config is validated as a whole (:func:`resolve_lm_config`) before anything is built; every error is a
 :class:`ConfigError` naming the dotted path (``mixers.atlas.memory.inner_optimizer.name``).
+
+``prefill`` / ``step`` / ``generate`` decode token by token, each layer carrying its mixer's state
+(:mod:`atlaslab.models.decoding`, docs/decoding.md).
 """
 from __future__ import annotations
 

@@ -218,11 +218,12 @@ def test_bad_ids_and_states_are_refused():
         model.step(ids[:, :2], model.prefill(ids)[1])
     with pytest.raises(ValueError, match="step: needs the state"):
         model.step(ids[:, 0], None)
-    other, _, _ = case("deltanet")
     _, state = model.prefill(ids)
+    with pytest.raises(ValueError, match="the state holds 2 sequences, input_ids has 1"):
+        model.prefill(ids[:1], state)
     state.layers.append(None)
     with pytest.raises(ValueError, match="layer states"):
-        other.prefill(ids, state)
+        model.prefill(ids, state)
 
 
 def test_the_docs_example_runs(capsys):
