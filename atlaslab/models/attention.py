@@ -120,6 +120,20 @@ class Attention(nn.Module):
             sequence, positions = sequence_positions(check_cu_seqlens(cu_seqlens, B, T), x.device)
             mask = attention_mask(T, self.window, 0, x.device, sequence=sequence)
         H, D = self.num_heads, self.head_dim
+        q, k, v = (t.transpose(1, 2) for t in self.qkv(x, positions))   # [B, H, T, D]
+        if mask is None and self.window is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            if mask is None:
+                mask = attention_mask(T, self.window, prefix, x.device)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, H * D))
+
+    def qkv(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None):
+        """q, k, v ``[B, T, H, D_h]`` of ``x: [B, T, d_model]``: projected, RMS-normalised (``qk_norm``) and rotated
+        at ``positions: [T]`` (default 0..T−1); a KV cache stores k and v as returned here."""
+        B, T, _ = x.shape
+        H, D = self.num_heads, self.head_dim
         q = self.q_proj(x).view(B, T, H, D)
         k = self.k_proj(x).view(B, T, H, D)
         v = self.v_proj(x).view(B, T, H, D)
@@ -129,14 +143,7 @@ class Attention(nn.Module):
             pos = positions if positions is not None else torch.arange(T, device=x.device)
             cos, sin = rope_angles(pos, D, self.cfg.rope_base, x.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))           # [B, H, T, D]
-        if mask is None and self.window is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            if mask is None:
-                mask = attention_mask(T, self.window, prefix, x.device)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, H * D))
+        return q, k, v
 
     def state_size_per_token(self) -> int:
         """KV-cache scalars per context token: 2·H·D_h (grows without bound for causal attention)."""

@@ -83,15 +83,18 @@ class HeadRMSNorm(nn.Module):
 class TokenShift(nn.Module):
     """x̃_t = a_t x_{t−1} + (1 − a_t) x_t per head, a_t = σ(w_aᵀ u_t) from the layer input u (FoX Pro's shift).
 
-    ``sequence: [T]`` (packed batches) stops the shift at a sequence's first token, as at t = 0."""
+    ``sequence: [T]`` (packed batches) stops the shift at a sequence's first token, as at t = 0; ``prev: [B, 1, H, D]``
+    is x_{−1}, the last token before this call (decoding; default zeros)."""
 
     def __init__(self, d_model: int, num_heads: int):
         super().__init__()
         self.proj = nn.Linear(d_model, num_heads, bias=False)
 
-    def forward(self, x: torch.Tensor, u: torch.Tensor, sequence: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, u: torch.Tensor, sequence: Optional[torch.Tensor] = None,
+                prev: Optional[torch.Tensor] = None) -> torch.Tensor:
         a = torch.sigmoid(self.proj(u)).unsqueeze(-1)                       # [B, T, H, 1]
-        prev = F.pad(x, (0, 0, 0, 0, 1, 0))[:, :-1]                          # x_{t−1}, zeros at t = 0
+        first = prev if prev is not None else torch.zeros_like(x[:, :1])
+        prev = torch.cat([first, x[:, :-1]], 1)                              # x_{t−1}, zeros (or prev) at t = 0
         if sequence is not None:
             first = torch.ones_like(sequence, dtype=torch.bool)
             first[1:] = sequence[1:] != sequence[:-1]
@@ -103,11 +106,16 @@ def forget_bias(log_f: torch.Tensor, allowed: Optional[torch.Tensor]) -> torch.T
     """The additive score bias D ``[B, H, T, T]`` from ``log_f: [B, T, H]``: D_ij = Σ_{l=j+1..i} log f_l where
     ``allowed[i, j]`` (default: causal), −∞ elsewhere."""
     c = log_f.to(torch.promote_types(log_f.dtype, torch.float32)).cumsum(1).transpose(1, 2)   # [B, H, T], ≥ fp32
-    bias = c.unsqueeze(-1) - c.unsqueeze(-2)
     T = log_f.shape[1]
     if allowed is None:
         allowed = attention_mask(T, device=log_f.device)
-    return bias.masked_fill(~allowed, float("-inf"))
+    return cumulative_bias(c, c, allowed)
+
+
+def cumulative_bias(c_q: torch.Tensor, c_k: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """D_ij = c_i − c_j from the running sums c = Σ_{l≤t} log f_l of the queries (``c_q: [B, H, T]``) and the keys
+    (``c_k: [B, H, n]``), −∞ where ``allowed: [T, n]`` is False → ``[B, H, T, n]``."""
+    return (c_q.unsqueeze(-1) - c_k.unsqueeze(-2)).masked_fill(~allowed, float("-inf"))
 
 
 @register("mixer", "forgetting_attention")
@@ -132,17 +140,21 @@ class ForgettingAttention(Attention):
             if cfg.form == "memory" else None
 
     def project(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                sequence: Optional[torch.Tensor] = None):
-        """q, k, v ``[B, T, H, D]`` (shifted, normalised, rotated as configured) and log f ``[B, T, H]``."""
+                sequence: Optional[torch.Tensor] = None, shift_prev=None):
+        """q, k, v ``[B, T, H, D]`` (shifted, normalised, rotated as configured) and log f ``[B, T, H]``.
+
+        ``shift_prev``: ``(k, v)``, the raw projections ``[B, 1, H, D]`` of the token before ``x`` (decoding), which
+        the token shifts mix into the first token (default zeros)."""
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
         q = self.q_proj(x).view(B, T, H, D)
         k = self.k_proj(x).view(B, T, H, D)
         v = self.v_proj(x).view(B, T, H, D)
+        k_prev, v_prev = shift_prev if shift_prev is not None else (None, None)
         if self.k_shift is not None:
-            k = self.k_shift(k, x, sequence)
+            k = self.k_shift(k, x, sequence, k_prev)
         if self.v_shift is not None:
-            v = self.v_shift(v, x, sequence)
+            v = self.v_shift(v, x, sequence, v_prev)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.cfg.rope:
@@ -167,9 +179,13 @@ class ForgettingAttention(Attention):
         else:
             o, _ = memorize(q / math.sqrt(self.head_dim), k, v, self.parts, {"retention": log_f.exp()},
                             mode=self.cfg.mode, cu_seqlens=cu_seqlens)
+        return self.output(o, x)
+
+    def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Output norm, gate and projection: ``o: [B, T, H, D]`` (with the layer input ``x``) → ``[B, T, d_model]``."""
         if self.out_norm is not None:
             o = self.out_norm(o)
-        o = o.reshape(B, T, -1)
+        o = o.reshape(*o.shape[:2], -1)
         if self.g_proj is not None:
             g = self.g_proj(x)
             o = o * (torch.sigmoid(g) if self.cfg.output_gate_act == "sigmoid" else F.silu(g))
@@ -186,4 +202,4 @@ class ForgettingAttention(Attention):
 
 
 __all__ = ["FOX_MEMORY_SPEC", "ForgettingAttention", "ForgettingAttentionConfig", "HeadRMSNorm", "TokenShift",
-           "forget_bias"]
+           "cumulative_bias", "forget_bias"]

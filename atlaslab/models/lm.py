@@ -20,6 +20,9 @@ embedding and rescales the logits by ``logit_scale`` (default ``d_model^-1/2``, 
 
 A model config is validated as a whole (:func:`resolve_lm_config`) before anything is built; every error is a
 :class:`ConfigError` naming the dotted path (``mixers.atlas.memory.inner_optimizer.name``).
+
+``prefill`` / ``step`` / ``generate`` decode token by token, each layer carrying its mixer's state
+(:mod:`atlaslab.models.decoding`, docs/decoding.md).
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ from atlaslab.registry import (ConfigError, PartConfig, check_range, get_registr
                                validate_structured)
 from atlaslab.registry.errors import join_path
 from atlaslab.models import attention, blocks, forgetting_attention, layers  # noqa: F401  (register the mixers and blocks)
+from atlaslab.models import decoding
 from atlaslab.models.layers import RMSNorm
 
 MIXER_KINDS = ("mixer", "block")
@@ -180,9 +184,16 @@ class LMLayer(nn.Module):
             x = x + self.mixer(self.mixer_norm(x))
         else:
             x = x + self.mixer(self.mixer_norm(x), cu_seqlens=cu_seqlens)
-        if self.mlp is not None:
-            x = x + self.mlp(self.mlp_norm(x))
-        return x
+        return self._mlp(x)
+
+    def decode(self, x, state=None, where: str = "mixer"):
+        """The next tokens ``x: [B, T, d_model]`` from the mixer's decoding ``state`` → ``(x, state)``
+        (:func:`atlaslab.models.decoding.decode_mixer`)."""
+        y, state = decoding.decode_mixer(self.mixer, self.mixer_norm(x), state, where)
+        return self._mlp(x + y), state
+
+    def _mlp(self, x):
+        return x if self.mlp is None else x + self.mlp(self.mlp_norm(x))
 
 
 def build_mixer(kind: str, cfg: PartConfig, d_model: int, path: str = "") -> nn.Module:
@@ -233,10 +244,40 @@ class LanguageModel(nn.Module):
         x = self.embed(input_ids)
         for layer in self.layers:
             x = layer(x, cu_seqlens)
+        return self.head_logits(x)
+
+    def head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The last layer's output ``x: [B, T, d_model]`` → logits ``[B, T, vocab]`` (final norm, head, scale)."""
         x = self.norm(x)
         w = self.embed.weight if self.head is None else self.head.weight
         logits = x @ w.to(x.dtype).t()
         return logits if self.logit_scale == 1.0 else logits * self.logit_scale
+
+    # -- decoding (atlaslab.models.decoding) ----------------------------------------------------------
+    def prefill(self, input_ids: torch.Tensor, state: Optional[decoding.LMState] = None):
+        """Read ``input_ids: [B, T]`` and keep every layer's state: ``(logits [B, T, vocab], state)``.
+
+        The logits equal ``forward(input_ids)``; given the ``state`` of an earlier call, the tokens continue that
+        sequence (chained prefills equal one). Runs under ``torch.no_grad()``.
+        """
+        return decoding.prefill(self, input_ids, state)
+
+    def step(self, token_ids: torch.Tensor, state: decoding.LMState):
+        """Advance by one token per sequence, ``token_ids: [B]``: ``(logits [B, vocab], state)``, the logits
+        ``forward`` gives at that position of the whole sequence."""
+        return decoding.step(self, token_ids, state)
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                 top_k: Optional[int] = None, top_p: Optional[float] = None,
+                 generator: Optional[torch.Generator] = None, eos_token_id: Optional[int] = None) -> torch.Tensor:
+        """Continue ``input_ids: [B, T]`` by up to ``max_new_tokens`` tokens → ``[B, T + n]``, prompt included.
+
+        ``temperature`` 0 is greedy (argmax); above 0 tokens are drawn from softmax(logits / temperature), optionally
+        limited to the ``top_k`` most likely and to the nucleus of probability ``top_p``, with ``generator`` for
+        reproducible draws. A sequence that emits ``eos_token_id`` continues with it; generation stops early once
+        every sequence has. One prefill, then one step per token, under ``torch.no_grad()``.
+        """
+        return decoding.generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, generator, eos_token_id)
 
     def _check_packed(self, input_ids: torch.Tensor, cu_seqlens) -> None:
         """Refuse packed inputs early, naming the mixer that cannot take them."""
