@@ -3,7 +3,7 @@ that combine them (:mod:`.blocks`), the language model (:mod:`.lm`) and the name
 
 Importing this package registers every built-in mixer and block.
 """
-from atlaslab.models import attention, blocks, forgetting_attention, layers, lm  # noqa: F401
+from atlaslab.models import attention, blocks, forgetting_attention, lact, layers, lm  # noqa: F401
 from atlaslab.models.presets import build_model, list_presets, load_preset
 
 __all__ = ["build_model", "list_presets", "load_preset"]
