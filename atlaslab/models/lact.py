@@ -1,8 +1,8 @@
 """LaCT, large-chunk test-time training with sliding-window attention in the same layer (Zhang et al. 2025,
 "Test-Time Training Done Right", arXiv 2505.23884; docs/concepts/memory.md#lact).
 
-    x ─ W_QKV ─ (RMSNorm q, k) ─┬─ RoPE ─ SWA(q, k, v; window) ───────────────────────────────────────────┐
-                                └─ q, k ⊙ s + o ─ SiLU ─ ℓ2 per head ─ RoPE ─ memorize ─ RMSNorm ─ ⊙ silu(W_s x) ─ + ─ W_O
+    x ─ W_QKV ─ (RMSNorm q, k) ─┬─ RoPE ─ SWA(q, k, v; window) ─────────────────────────────────────┐
+                                └─ q, k ⊙ s + o ─ SiLU ─ ℓ2/head ─ RoPE ─ memorize ─ RMSNorm ─ ⊙ silu(W_s x) ─ + ─ W_O
     gates from x: γ_t = softplus(w_γ·x_t + b_γ) (the per-token step), θ_t = σ(w_θ·x_t + b_θ) (momentum)
 
 Both branches read the same q, k, v projections. The test-time-training branch is a memory of registered parts
@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,7 @@ from atlaslab.engines import MODES, memorize
 from atlaslab.memory.spec import MemoryParts, MemorySpec, resolve_memory_spec
 from atlaslab.models.attention import apply_rope, attention_mask, head_layout, rope_angles
 from atlaslab.models.layers import RMSNorm
-from atlaslab.registry import ConfigError, PartConfig, check_choice, check_range, register
+from atlaslab.registry import ConfigError, PartConfig, check_choice, check_range, register, to_container
 
 #: LaCT's fast-weight memory: SwiGLU fast weights, negative dot-product loss, one Muon step per chunk with LaCT's
 #: Newton–Schulz schedule (η = 1: the step size is the per-token γ inside the sum), weight norm, apply-then-update.
@@ -87,7 +87,7 @@ def chunk_mean_momentum(theta: torch.Tensor, b: int) -> torch.Tensor:
 class LaCTConfig(PartConfig):
     """The LaCT layer: SWA and a chunk-wise test-time-trained memory on shared q, k, v projections."""
 
-    memory: Any = field(default_factory=lambda: copy.deepcopy(LACT_MEMORY_SPEC))   # the fast-weight memory spec
+    memory: Any = field(default_factory=dict)   # the fast-weight memory spec, over LACT_MEMORY_SPEC (see memory_spec)
     num_heads: int = 4            # attention heads (head dim d_model / num_heads)
     ttt_heads: int = 2            # fast-weight heads (head dim d_model / ttt_heads): few and wide, as in LaCT
     window: int = 2048            # SWA window (the query itself included); LaCT pairs it with the chunk size
@@ -99,6 +99,7 @@ class LaCTConfig(PartConfig):
     silu: bool = True             # SiLU on the fast q, k, v
     base_lr: float = 1e-3         # γ at init: softplus(b_γ) = base_lr
     momentum_gate: bool = True    # learned θ_t (bias logit(inner_optimizer.momentum)); false: that constant
+                                  # (0: no momentum, S_n = G_n)
     output_scale: bool = True     # the TTT read ⊙ silu(W_s x), one scale per fast-weight head
     mode: str = "chunked"         # memorize engine of the TTT branch (recurrent | chunked | triton)
     checkpoint: bool = False      # chunked engine: recompute chunks in the backward pass
@@ -113,7 +114,17 @@ class LaCTConfig(PartConfig):
         self.memory_spec()   # validates; errors carry the path "memory.…"
 
     def memory_spec(self) -> MemorySpec:
-        return resolve_memory_spec(self.memory, path="memory")
+        """The memory node over :data:`LACT_MEMORY_SPEC`: a part node of the same name (or none) adds its fields to
+        LaCT's, one with another name replaces it, as do ``chunk_size`` and ``read``."""
+        node = copy.deepcopy(LACT_MEMORY_SPEC)
+        for key, value in (to_container(self.memory) or {}).items():
+            base = node.get(key)
+            same_part = isinstance(value, Mapping) and isinstance(base, Mapping) and \
+                value.get("name", base["name"]) == base["name"]
+            if same_part:
+                value = {**base, **value}
+            node[key] = value
+        return resolve_memory_spec(node, path="memory")
 
 
 @register("mixer", "lact")
@@ -176,8 +187,11 @@ class LaCTLayer(nn.Module):
     def gates(self, x: torch.Tensor) -> dict:
         """γ (``window``: the per-token step) and θ (``momentum``, LaCT's chunk mean), ``[B, T, ttt_heads]``."""
         gates = {"window": F.softplus(self.lr_proj(x))}
-        if self.momentum_proj is not None:
-            theta = torch.sigmoid(self.momentum_proj(x))
+        if self.parts.inner_optimizer.has_momentum:
+            if self.momentum_proj is not None:
+                theta = torch.sigmoid(self.momentum_proj(x))
+            else:
+                theta = gates["window"].new_full(gates["window"].shape, self.spec.inner_optimizer.momentum)
             muon_chunk = getattr(self.spec.inner_optimizer, "ns_granularity", "token") == "chunk"
             gates["momentum"] = chunk_mean_momentum(theta, self.spec.chunk_size) if muon_chunk else theta
         return gates
