@@ -18,6 +18,13 @@ In the parts' terms: ``gated_mlp`` (no residual, SiLU) + ``dot`` + ``muon`` (``n
 + ``weight_norm`` + ``read: chunk``, with the per-token step carried by the window gate γ (window c = 1) and θ̄
 by the momentum gate (:func:`chunk_mean_momentum`).
 
+LaCT's (paper and reference code): all of the above, with q/k RMSNorm optional, per-channel scale and offset of the
+fast q, k, RoPE on them in the attention's head layout, and the branches summed before W_O. Ours: one γ per head
+shared by the three matrices (LaCT learns one per matrix; under Muon only their ratios across tokens matter), the
+chunk-start norm as the weight norm's target (equal to LaCT's initial norm, eps a clamp), Xavier-normal initial
+fast weights (LaCT's 1/√fan_in at hidden = d), RMSNorm weights per head, no bf16; the layer takes no state between
+calls (docs/concepts/memory.md#lact has the table).
+
 Shapes: ``forward(x: [B, T, d_model]) -> [B, T, d_model]``; attention heads ``[B, T, num_heads, d_model /
 num_heads]``, fast-weight heads ``[B, T, ttt_heads, d_model / ttt_heads]``.
 """
