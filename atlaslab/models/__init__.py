@@ -1,5 +1,6 @@
 """Models built above the engines: attention and memory mixers (:mod:`.layers`, :mod:`.attention`,
-:mod:`.forgetting_attention`, :mod:`.lact`), the blocks that combine them (:mod:`.blocks`), the language model (:mod:`.lm`) and the named presets (:mod:`.presets`).
+:mod:`.forgetting_attention`, :mod:`.lact`), the blocks that combine them (:mod:`.blocks`), the language model
+(:mod:`.lm`) and the named presets (:mod:`.presets`).
 
 Importing this package registers every built-in mixer and block.
 """
