@@ -31,7 +31,6 @@ num_heads]``, fast-weight heads ``[B, T, ttt_heads, d_model / ttt_heads]``.
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
@@ -42,7 +41,7 @@ from torch import nn
 from atlaslab.engines import MODES, memorize
 from atlaslab.memory.spec import MemoryParts, MemorySpec, resolve_memory_spec
 from atlaslab.models.attention import apply_rope, attention_mask, head_layout, rope_angles
-from atlaslab.models.layers import RMSNorm
+from atlaslab.models.layers import RMSNorm, _logit, _softplus_inv
 from atlaslab.registry import ConfigError, PartConfig, check_choice, check_range, register, to_container
 
 #: LaCT's fast-weight memory: SwiGLU fast weights, negative dot-product loss, one Muon step per chunk with LaCT's
@@ -58,15 +57,6 @@ LACT_MEMORY_SPEC = {
     "chunk_size": 2048,
     "read": "chunk",
 }
-
-
-def _logit(p: float) -> float:
-    p = min(max(p, 1e-4), 1 - 1e-4)
-    return math.log(p / (1 - p))
-
-
-def _softplus_inv(y: float) -> float:
-    return y + math.log(-math.expm1(-y))
 
 
 def chunk_mean_momentum(theta: torch.Tensor, b: int) -> torch.Tensor:
