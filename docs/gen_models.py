@@ -166,7 +166,8 @@ def section(d: Dict[str, Any]) -> List[str]:
                else "") + " |", ""]
     for m in d["mixers"]:
         cfg = m["cfg"]
-        head = f", {m['heads']} heads of dimension {m['head_dim']}" if m["heads"] else ""
+        which = "memory heads" if (m["spec"] is not None and not isinstance(cfg, MemoryLayerConfig)) else "heads"
+        head = f", {m['heads']} {which} of dimension {m['head_dim']}" if m["heads"] else ""
         what = {"block": "block", "mixer": "layer" if m["spec"] is not None else "mixer"}.get(m["kind"], m["kind"])
         out += [f"Mixer `{m['key']}`: a `{cfg.name}` {what}{head}.", ""]
         out += ["| part | resolved config |", "|---|---|"]
@@ -176,10 +177,13 @@ def section(d: Dict[str, Any]) -> List[str]:
                 out.append(f"| {PART_LABELS[kind]} | {fmt_part(s[kind])} |")
             out.append(f"| training chunk b | {s['chunk_size']} |")
             out.append(f"| read | {s['read']} |")
-            gates = gate_notes(cfg)
-            out.append(f"| gates | {'; '.join(gates) if gates else 'defaults'} |")
+            if isinstance(cfg, MemoryLayerConfig):
+                gates = gate_notes(cfg)
+                out.append(f"| gates | {'; '.join(gates) if gates else 'defaults'} |")
+                base = {f.name for f in dataclasses.fields(MemoryLayerConfig)}
+            else:   # a mixer of its own around a memory (lact): its fields after the memory's parts
+                base = {"name", "memory", "mode"}
             out.append(f"| engine | `{cfg.mode}` |")
-            base = {f.name for f in dataclasses.fields(MemoryLayerConfig)}
             for f in dataclasses.fields(cfg):
                 if f.name in base:
                     continue
@@ -225,7 +229,8 @@ def render() -> str:
     lines += [summary_row(d) for d in descs]
     lines += ["", "c = Omega window (1 = online), b = training chunk size (1 = fully online). The mixer is named when "
               "it is not the plain memory layer: the blocks `mag`, `mal`, `mac` wrap the same memory with an "
-              "attention branch, and `attention`, `swa` are softmax attention.", ""]
+              "attention branch, `lact` pairs a memory with SWA on shared projections, and `attention`, `swa` are softmax "
+              "attention.", ""]
     for d in descs:
         lines += section(d)
     return "\n".join(lines).rstrip() + "\n"

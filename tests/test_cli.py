@@ -33,7 +33,8 @@ def test_list_all_kinds_and_presets(capsys):
 def test_list_one_kind_with_a_pattern(capsys):
     rc, out, _ = run(capsys, "list", "mixer")
     assert rc == 0 and out.splitlines()[0] == "mixer:"
-    assert {line.split()[0] for line in out.splitlines()[1:]} == {"attention", "forgetting_attention", "memory", "swa"}
+    mixers = {line.split()[0] for line in out.splitlines()[1:]}
+    assert mixers == {"attention", "forgetting_attention", "lact", "memory", "swa"}
     rc, out, _ = run(capsys, "list", "preset", "--pattern", "titans*")
     assert {line.split()[0] for line in out.splitlines()[1:]} == {"titans", "titans_mac", "titans_mag", "titans_mal"}
     rc, _, err = run(capsys, "list", "mixers")
@@ -108,6 +109,13 @@ def expected_state(cfg):
             h, hd = m["num_heads"], m["head_dim"] or d // m["num_heads"]
             per_token += _kv(1, h, hd) + h
             fixed += (m["k_shift"] + m["v_shift"]) * h * hd
+            continue
+        if name == "lact":                                             # fast weights (+ momentum) + SWA cache
+            h = m["ttt_heads"]
+            spec = m["memory"]
+            momentum = spec["inner_optimizer"]["name"] in ("momentum", "muon")
+            fixed += h * _fast_weights_per_head(spec["memory"], d // h, d // h) * (1 + momentum)
+            fixed += _kv(m["window"], m["num_heads"], d // m["num_heads"])
             continue
         mem, mem_tok = _memory_layer_state(m, d)
         if name == "memory":

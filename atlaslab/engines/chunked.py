@@ -10,7 +10,7 @@ so the whole chunk is computed at once (compute block = b):
    (docs/concepts/memory.md#window-spill);
 3. momentum and decay as parallel linear scans (``scan.py``); Muon's Newton–Schulz batched over positions;
 4. per-token reads y_s = M_s(φ(q_s)) batched over the chunk's positions (or the chunk-start state for
-   ``read: chunk``); mirror-map retentions apply Ψ at the chunk end, exactly as the reference.
+   ``read: chunk``); mirror-map retentions apply Ψ at the chunk end, projecting ones Π, exactly as the reference.
 
 Only one chunk's per-position weights ``[B, H, b, size(M)]`` exist at a time. Results equal
 ``recurrent`` (same state object, so calls chain and modes can be mixed).
@@ -23,8 +23,8 @@ Paths, in the order :func:`memorize_chunked` tries them:
   dual form, with every coefficient that does not depend on the memory (window, decay and momentum matrices)
   formed for all chunks at once (:func:`_dual_aligned`); per chunk only the gradient factors at the anchor,
   the reads and the chunk-end state remain;
-- everything else (Muon, mirror maps, before-step decay, implicit / multi-step GD, user memories without a
-  tape): one chunk at a time (:func:`_segment`).
+- everything else (Muon, mirror maps and projections, before-step decay, implicit / multi-step GD, user memories
+  without a tape): one chunk at a time (:func:`_segment`).
 """
 from __future__ import annotations
 
@@ -170,7 +170,7 @@ def uses_dual_form(parts: "MemoryParts", alpha) -> bool:
     """GD / momentum on a tape-capable memory with scalar decay (gradient at the chunk start)."""
     ret = parts.retention
     return (parts.memory.supports_tape and parts.inner_optimizer.cfg.name in ("gd", "momentum")
-            and not ret.mirror and not ret.channel_wise
+            and not ret.mirror and not ret.projects and not ret.channel_wise
             and not (ret.placement == "before_step" and alpha is not None))
 
 
@@ -377,15 +377,21 @@ def _segment(parts, state: MemoryState, gates: Gates, q, k, v, b: int, outputs: 
                 state.weights = ret.psi(state.dual)
             else:
                 state.weights = {n: ret.decay({n: state.weights[n]}, total)[n] + step[n] for n in step}
+            if ret.projects:
+                state.weights = ret.project_chunk(state.weights, state.anchor)
     else:
         a_scan = alpha if ret.uses_alpha else None
         M = scan_weights(state.weights, a_scan, U, ret.channel_wise)
+        last = None
         if ret.mirror:
             A = scan_weights(state.dual, a_scan, U, ret.channel_wise)
             state.dual = {n: a[:, :, -1] for n, a in A.items()}
             if end_of_chunk:
                 last = ret.psi(state.dual)
-                M = {n: torch.cat([M[n][:, :, :-1], last[n].unsqueeze(2)], 2) for n in M}
+        if ret.projects and end_of_chunk:
+            last = ret.project_chunk({n: m[:, :, -1] for n, m in M.items()}, state.anchor)
+        if last is not None:
+            M = {n: torch.cat([M[n][:, :, :-1], last[n].unsqueeze(2)], 2) for n in M}
         state.weights = {n: m[:, :, -1] for n, m in M.items()}
     state.chunk_alpha = chunk_alpha[:, :, -1]
 

@@ -11,7 +11,8 @@ For each token t (global position, chunk start t' = t − t mod b):
 3. gradient: g = Σ_i γ_i ∇_θ ℓ(W_a; φ(k_i), v_i) by a vector–Jacobian product through the memory;
 4. update: U_t from the inner optimizer (docs/concepts/memory.md#inner-optimizer); M_t = α_t M_{t−1} + U_t; for
    mirror-map retentions the dual A_t = α_t A_{t−1} + U_t and M_t ← Ψ(A_t) after each chunk's last token
-   (docs/concepts/memory.md#mirror-maps, Miras §5.4);
+   (docs/concepts/memory.md#mirror-maps, Miras §5.4); a projecting retention sets M_t ← Π(M_t; M_{t'}) after
+   each chunk's last token (docs/concepts/memory.md#weight-norm);
    chunk-granular Muon instead steps once at the chunk end, (Π α) M_{t'} − η̄ NS_k(S_end)
    (docs/concepts/memory.md#ns-granularity);
 5. read: y_t = M_t(φ(q_t)) (``read: token``, docs/concepts/memory.md#read-after-write) or M_{t'}(φ(q_t))
@@ -137,6 +138,8 @@ def _weights_step(parts: "MemoryParts", state: MemoryState, gates: Gates, t: int
             state.dual = _add(ret.decay(state.dual, alpha_t), update)
             if end_of_chunk:
                 state.weights = ret.psi(state.dual)
+    if ret.projects and end_of_chunk:
+        state.weights = ret.project_chunk(state.weights, state.anchor)
 
     read_weights = state.weights if parts.read == "token" else state.anchor
     return mem(read_weights, fm(q_t).unsqueeze(2)).squeeze(2)

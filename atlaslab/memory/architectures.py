@@ -39,6 +39,8 @@ class Memory(nn.Module):
     #: True when every fast weight is a matrix applied through :meth:`linear` (the engine may then pass
     #: per-position or dual-form weights, and read per-token gradients as rank-1 factors off a tape).
     supports_tape: bool = False
+    #: True when the initial fast weights start at zero (learned or not).
+    zero_init: bool = False
 
     def __init__(self, cfg: PartConfig, in_dim: int, out_dim: int, num_heads: int):
         super().__init__()
@@ -91,6 +93,7 @@ class LinearMemory(Memory):
 
     is_linear = True
     supports_tape = True
+    zero_init = True
 
     @dataclass
     class Config(PartConfig):
@@ -118,6 +121,7 @@ class DiagonalMemory(Memory):
     """
 
     matrix_valued = False
+    zero_init = True
 
     @dataclass
     class Config(PartConfig):

@@ -20,11 +20,15 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from atlaslab.kernels.newton_schulz import newton_schulz
+from atlaslab.kernels.newton_schulz import LACT_COEFFICIENTS, MUON_COEFFICIENTS, newton_schulz
 from atlaslab.memory.state import WindowProblem
 from atlaslab.registry import PartConfig, check_choice, check_range, register
 
 Weights = Dict[str, torch.Tensor]
+
+
+#: Newton–Schulz coefficients by name: one quintic for every step, or a per-step schedule.
+NS_COEFFICIENTS = {"muon": MUON_COEFFICIENTS, "lact": LACT_COEFFICIENTS}
 
 
 def _bcast(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -100,6 +104,7 @@ class Muon(InnerOptimizer):
     docs/concepts/memory.md#newton-schulz).
     ``ns_granularity: chunk`` (docs/concepts/memory.md#ns-granularity) takes one step per training chunk instead,
     M_{next chunk} = (Π α) M_{t'} − η̄ NS_k(S_end); it is causal only with ``read: chunk``.
+    ``ns_coefficients``: ``muon`` (one quintic for every step) or ``lact`` (the 5-step schedule of LaCT's code).
     """
 
     has_momentum = True
@@ -111,23 +116,31 @@ class Muon(InnerOptimizer):
         ns_eps: float = 1e-7
         shape_factor: bool = False        # multiply by √max(1, rows/cols) (Muon's; off in ATLAS)
         ns_granularity: str = "token"     # token | chunk
+        ns_coefficients: str = "muon"     # muon (3.4445, −4.7750, 2.0315) at every step | lact (a 5-step schedule)
 
         def check(self) -> None:
             super().check()
             check_range("ns_steps", self.ns_steps, 0, None)
             check_choice("ns_granularity", self.ns_granularity, ("token", "chunk"))
+            check_choice("ns_coefficients", self.ns_coefficients, tuple(NS_COEFFICIENTS))
+            n = len(NS_COEFFICIENTS[self.ns_coefficients])
+            if self.ns_coefficients != "muon" and self.ns_steps != n:
+                check_range("ns_steps", self.ns_steps, n, n,
+                            f"the '{self.ns_coefficients}' coefficients are a {n}-step schedule; must be in")
 
     def accumulate(self, g: Weights, momentum: Weights, theta: torch.Tensor) -> Weights:
         """S_t = θ_t S_{t−1} + g_t."""
         return {n: _bcast(theta, gi) * momentum[n] + gi for n, gi in g.items()}
 
     def orthogonalise(self, s: torch.Tensor) -> torch.Tensor:
-        """NS_k per matrix: the fused Triton kernel on CUDA when it applies, else the torch reference."""
+        """NS_k per matrix: the fused Triton kernel on CUDA when it applies, else the torch reference (always for
+        a per-step schedule, which the kernel does not take)."""
+        coefficients = NS_COEFFICIENTS[self.cfg.ns_coefficients]
         fn = newton_schulz
-        if s.is_cuda:   # (on CPU the kernel would only run in Triton's interpreter: far slower than torch)
-            from atlaslab.kernels.newton_schulz import select_newton_schulz
+        if s.is_cuda and self.cfg.ns_coefficients == "muon":   # (on CPU the kernel would only run in Triton's
+            from atlaslab.kernels.newton_schulz import select_newton_schulz   # interpreter: far slower than torch)
             fn = select_newton_schulz(s) or newton_schulz
-        return fn(s, self.cfg.ns_steps, self.cfg.ns_eps, shape_factor=self.cfg.shape_factor)
+        return fn(s, self.cfg.ns_steps, self.cfg.ns_eps, coefficients, shape_factor=self.cfg.shape_factor)
 
     def update(self, problem, anchor, momentum, lr, theta):
         s = self.accumulate(problem.grad(anchor), momentum, theta)

@@ -14,6 +14,11 @@ Two families:
   With training chunk size b, Ψ is applied at chunk ends (Miras §5.4): inside a chunk W moves by the same
   linear update as A, and after each chunk's last token W is reset to Ψ(A). b = 1 is the exact rule.
 
+- **Projections** (``projects``): no dual; after each chunk's last token the memory itself is projected,
+  W ← Π(W; W_{t'}) given the chunk-start state W_{t'} — LaCT's weight norm (Zhang et al. 2025, §3), which
+  rescales every row of every fast-weight matrix back to the norm it had (docs/concepts/memory.md#weight-norm).
+  A mirror map projects the running sum A (lazily); a projection restarts every chunk from the projected W.
+
 The gradient for the update U_t is always taken at the memory W (the primal weights).
 """
 from __future__ import annotations
@@ -58,6 +63,8 @@ class Retention(nn.Module):
     channel_wise: bool = False
     #: False when the retention gate α is meaningless for this rule.
     uses_alpha: bool = True
+    #: True for the retentions that project the memory itself at every chunk end (:meth:`project_chunk`).
+    projects: bool = False
 
     def __init__(self, cfg: PartConfig):
         super().__init__()
@@ -69,6 +76,10 @@ class Retention(nn.Module):
     def psi(self, dual: Weights) -> Weights:
         """Ψ: dual accumulator → memory weights (identity for the linear retentions)."""
         return dual
+
+    def project_chunk(self, weights: Weights, start: Weights) -> Weights:
+        """Π(W; W_{t'}): the memory after a chunk's last token, given the chunk-start state (identity here)."""
+        return weights
 
 
 @register("retention", "none")
@@ -204,3 +215,47 @@ class SigmoidBregman(_Mirror):
 
     def map(self, a):
         return torch.sigmoid(a)
+
+
+@register("retention", "weight_norm")
+class WeightNorm(Retention):
+    """LaCT's weight norm: each chunk's update, then every row rescaled to its chunk-start norm (LaCT §3).
+
+    See docs/concepts/memory.md#weight-norm. At every chunk end, for each fast-weight matrix W: [B, H, out, in]
+    and each row r (one output unit; ``axis: column`` normalises columns instead),
+
+        W_r ← W_r · ‖W_{t', r}‖ / max(‖W_r‖, eps)
+
+    with W_{t'} the chunk-start state. Every chunk starts at the norms of the learned initial memory, so this is
+    LaCT's "normalise, then restore the initial norm" (its reference code; the paper writes L2-Normalize), exact in
+    the norm because eps clamps instead of being added. A vector fast weight is normalised as a whole.
+    ``decay: true`` also decays before the projection, W ← Π(α W + U) (α ignored otherwise).
+    """
+
+    projects = True
+
+    @dataclass
+    class Config(PartConfig):
+        axis: str = "row"        # row (over the input axis, LaCT) | column (over the output axis)
+        eps: float = 1e-6
+        decay: bool = False      # also multiply by the α gate before the projection
+
+        def check(self) -> None:
+            check_choice("axis", self.axis, ("row", "column"))
+            check_range("eps", self.eps, 1e-30, None, "must be positive, in")
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.uses_alpha = cfg.decay
+
+    def decay(self, weights, alpha):
+        return scale_weights(weights, alpha, False) if self.uses_alpha else weights
+
+    def project_chunk(self, weights: Weights, start: Weights) -> Weights:
+        out = {}
+        for name, w in weights.items():
+            dim = -1 if (self.cfg.axis == "row" or w.dim() < 4) else -2
+            target = torch.linalg.vector_norm(start[name], dim=dim, keepdim=True)
+            norm = torch.linalg.vector_norm(w, dim=dim, keepdim=True).clamp_min(self.cfg.eps)
+            out[name] = w * (target / norm)
+        return out

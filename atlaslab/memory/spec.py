@@ -74,6 +74,14 @@ def _check_combination(spec: MemorySpec, path: str) -> None:
                           f"'{opt.name}' orthogonalises matrices, but memory '{spec.memory.name}' has "
                           f"vector-valued fast weights.", value=opt.name,
                           choices=[n for n in get_registry("inner_optimizer").names() if n != opt.name])
+    ret_cls = get_registry("retention").get(ret.name).cls
+    if getattr(ret_cls, "projects", False) and (getattr(mem_cls, "zero_init", False)
+                                                or getattr(spec.memory, "init", "learned") == "zeros"):
+        raise ConfigError(p("retention", "name"),
+                          f"'{ret.name}' keeps every row of the memory at its initial norm, but memory "
+                          f"'{spec.memory.name}' starts at zero (init: {getattr(spec.memory, 'init', 'learned')}), "
+                          "so it would stay zero; use an MLP memory with init: learned.", value=ret.name,
+                          choices=[n for n in get_registry("retention").names() if n != ret.name])
     if getattr(opt, "ns_granularity", "token") == "chunk" and spec.read != "chunk":
         raise ConfigError(p("inner_optimizer", "ns_granularity"),
                           "ns_granularity: chunk steps the memory once per chunk with a direction built from the "

@@ -40,7 +40,7 @@ from atlaslab.engines.packed import check_cu_seqlens
 from atlaslab.registry import (ConfigError, PartConfig, check_range, get_registry, resolve_part, to_container,
                                validate_structured)
 from atlaslab.registry.errors import join_path
-from atlaslab.models import attention, blocks, forgetting_attention, layers  # noqa: F401  (register the mixers and blocks)
+from atlaslab.models import attention, blocks, forgetting_attention, lact, layers  # noqa: F401  (register the mixers and blocks)
 from atlaslab.models import decoding
 from atlaslab.models.layers import RMSNorm
 

@@ -268,7 +268,7 @@ def tiny_overrides(cfg: Any, d_model: int = 16, num_heads: int = 2, vocab_size: 
             out.append(f"{p}.head_dim=null")
         if "memory" in node and chunk_size is not None and node["memory"].get("chunk_size", 1) > chunk_size:
             out.append(f"{p}.memory.chunk_size={chunk_size}")
-        if name == "swa":
+        if name in ("swa", "lact"):
             out.append(f"{p}.window={window}")
         if name in ("mag", "mal"):
             out.append(f"{p}.attention.window={window}")

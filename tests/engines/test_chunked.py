@@ -71,7 +71,7 @@ def test_chunked_equals_recurrent_over_windows(name, c):
     compare(build(spec), T=9, b=4)
 
 
-@pytest.mark.parametrize("name", ["titans", "atlas", "moneta", "atlas_pp_chunk", "gdn"])
+@pytest.mark.parametrize("name", ["titans", "atlas", "moneta", "atlas_pp_chunk", "gdn", "lact"])
 def test_streaming_and_mixed_modes_equal_one_call(name):
     parts = build(SPECS[name])
     q, k, v = random_qkv(B, 10, H, D)

@@ -39,6 +39,8 @@ def spec_with(kind, name):
         spec["memory"] = "mlp"
     if kind == "memory" and name in ("mlp", "mlp_ln", "gated_mlp"):
         spec["inner_optimizer"] = {"name": "gd", "lr": 0.5}
+    if kind == "retention" and name == "weight_norm":     # keeps the initial norms: needs a non-zero initial memory
+        spec["memory"] = "mlp"
     return spec
 
 
@@ -77,6 +79,10 @@ SPECS = {
                 "feature_map": {"name": "exp", "normalize": True}},
     "global_implicit": {"memory": "linear", "inner_optimizer": "implicit_gd", "window": "global"},
     "token_vs_chunk_read": {"memory": "mlp", "read": "chunk", "chunk_size": 4},
+    "weight_norm": {"memory": "mlp", "retention": "weight_norm", "inner_optimizer": "momentum", "chunk_size": 4},
+    "lact": {"memory": {"name": "gated_mlp", "expansion": 1, "activation": "silu", "residual": False},
+             "attentional_bias": "dot", "retention": "weight_norm", "read": "chunk", "chunk_size": 4,
+             "inner_optimizer": {"name": "muon", "lr": 1.0, "ns_granularity": "chunk", "ns_coefficients": "lact"}},
 }
 
 

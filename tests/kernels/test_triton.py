@@ -19,6 +19,7 @@ tk = require_triton()
 from atlaslab import memorize  # noqa: E402
 from atlaslab.memory import build_memory  # noqa: E402
 from atlaslab.kernels.newton_schulz import newton_schulz as ns_torch, orthogonalise, select_newton_schulz  # noqa: E402
+from atlaslab.kernels.newton_schulz import LACT_COEFFICIENTS  # noqa: E402
 from atlaslab.kernels.delta_rule.naive import delta_rule_chunk, delta_rule_recurrent  # noqa: E402
 from atlaslab.kernels.delta_rule.chunk import chunk_delta_rule  # noqa: E402
 from atlaslab.kernels.delta_rule.fused_recurrent import fused_recurrent_delta_rule  # noqa: E402
@@ -86,6 +87,9 @@ def test_newton_schulz_dispatch():
     assert select_newton_schulz(small.double()) is None             # fp64: torch path
     assert not ns_supports(torch.randn(1, 200, 300))                    # too large for one program
     assert select_newton_schulz(torch.randn(1, 200, 300)) is None
+    # a per-step schedule (LaCT's) runs the torch reference, which takes it; the kernel takes one (a, b, c)
+    scheduled = orthogonalise(small, coefficients=LACT_COEFFICIENTS)
+    assert torch.equal(scheduled, ns_torch(small, 5, 1e-7, LACT_COEFFICIENTS))
 
 
 # ------------------------------------------------------------------------------------- token-by-token kernel

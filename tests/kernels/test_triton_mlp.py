@@ -267,6 +267,8 @@ def test_select_mlp_step(monkeypatch):
         parts = build_memory(dict(spec, retention="decay"), 2, 8, 8)
         assert tk.mlp_reason(parts) is not None, why
         assert tk.select_mlp_step(parts, x) is None, why
+    weight_norm = build_memory({"memory": "mlp", "retention": "weight_norm"}, 2, 8, 8)   # LaCT's projection
+    assert "projecting" in tk.mlp_reason(weight_norm) and tk.select_mlp_step(weight_norm, x) is None
     monkeypatch.setenv(tk.FORCE_TORCH_ENV, "1")
     assert tk.select_mlp_step(_parts(), x) is None
 

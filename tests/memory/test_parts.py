@@ -83,3 +83,35 @@ def test_retention_maps():
     assert torch.allclose(kl.map(a).sum(-1), torch.full((1, 1, 2), 2.0, dtype=torch.float64))
     en = build_part("retention", {"name": "elastic_net", "threshold": 0.75})
     assert torch.equal(en.map(a), torch.tensor([[[[0.0, -1.25], [0.25, 0.0]]]], dtype=torch.float64))
+
+
+def test_weight_norm_rescales_every_row_to_its_chunk_start_norm():
+    """LaCT's weight norm: W_r · ‖W_{t', r}‖ / ‖W_r‖ per row (``axis: column``: per column; a vector as a whole)."""
+    g = torch.Generator().manual_seed(0)
+    start = {"W": torch.randn(2, 3, 4, 5, generator=g, dtype=torch.float64),
+             "w": torch.randn(2, 3, 5, generator=g, dtype=torch.float64)}
+    moved = {n: w + torch.randn(w.shape, generator=g, dtype=torch.float64) for n, w in start.items()}
+    rows = build_part("retention", {"name": "weight_norm"}).project_chunk(moved, start)
+    for i in range(4):
+        r = moved["W"][:, :, i]
+        assert torch.allclose(rows["W"][:, :, i], r / r.norm(dim=-1, keepdim=True)
+                              * start["W"][:, :, i].norm(dim=-1, keepdim=True))
+    assert torch.allclose(rows["w"], moved["w"] / moved["w"].norm(dim=-1, keepdim=True)
+                          * start["w"].norm(dim=-1, keepdim=True))
+    cols = build_part("retention", {"name": "weight_norm", "axis": "column"}).project_chunk(moved, start)
+    assert torch.allclose(cols["W"].norm(dim=-2), start["W"].norm(dim=-2))
+    assert not torch.allclose(cols["W"].norm(dim=-1), start["W"].norm(dim=-1))
+
+
+def test_newton_schulz_takes_a_per_step_schedule():
+    """A schedule uses triple i at step i (checked on wide and tall matrices against the iteration written out)."""
+    from atlaslab.kernels.newton_schulz import LACT_COEFFICIENTS, MUON_COEFFICIENTS, newton_schulz
+    s = torch.randn(3, 4, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x = s / (s.pow(2).sum((-2, -1), keepdim=True).sqrt() + 1e-7)
+    for a, b, c in LACT_COEFFICIENTS:
+        x = a * x + (b * (x @ x.mT) + c * (x @ x.mT) @ (x @ x.mT)) @ x
+    assert torch.allclose(newton_schulz(s, 5, 1e-7, LACT_COEFFICIENTS), x, atol=1e-12)
+    assert torch.allclose(newton_schulz(s.mT, 5, 1e-7, LACT_COEFFICIENTS), x.mT, atol=1e-12)
+    assert not torch.allclose(newton_schulz(s, 5, 1e-7, MUON_COEFFICIENTS), x, atol=1e-3)
+    with pytest.raises(ValueError, match="schedule of 5"):
+        newton_schulz(s, 3, 1e-7, LACT_COEFFICIENTS)

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
-from atlaslab.kernels.newton_schulz.naive import MUON_COEFFICIENTS, newton_schulz
+from atlaslab.kernels.newton_schulz.naive import LACT_COEFFICIENTS, MUON_COEFFICIENTS, is_schedule, newton_schulz
 from atlaslab.kernels.utils import available, device_ok, forced_torch
 
 
@@ -25,10 +25,12 @@ def select_newton_schulz(s: torch.Tensor) -> Optional[Callable]:
 
 def orthogonalise(s: torch.Tensor, steps: int = 5, eps: float = 1e-7, coefficients=None,
                   shape_factor: bool = False) -> torch.Tensor:
-    """Newton–Schulz on the fused kernel when :func:`select_newton_schulz` finds it, else the torch reference."""
+    """Newton–Schulz on the fused kernel when :func:`select_newton_schulz` finds it, else the torch reference
+    (always for a per-step schedule of coefficients: the kernel takes one (a, b, c))."""
     coefficients = MUON_COEFFICIENTS if coefficients is None else coefficients
-    fn = select_newton_schulz(s) or newton_schulz
+    fn = newton_schulz if is_schedule(coefficients) else (select_newton_schulz(s) or newton_schulz)
     return fn(s, steps, eps, coefficients, shape_factor)
 
 
-__all__ = ["MUON_COEFFICIENTS", "newton_schulz", "orthogonalise", "select_newton_schulz"]
+__all__ = ["LACT_COEFFICIENTS", "MUON_COEFFICIENTS", "is_schedule", "newton_schulz", "orthogonalise",
+           "select_newton_schulz"]
