@@ -65,7 +65,7 @@ class DPFP(FeatureMap):
     """Deterministic parameter-free projection of degree ν (DPFP; Schlag et al., ICML 2021, arXiv 2102.11174).
 
     r(x) = [relu(x), relu(−x)] ∈ R^{2d};  φ(x)_{2d(j−1)+i} = r_i(x) · r_{(i+j) mod 2d}(x),  i = 1..2d, j = 1..ν.
-    Output dim 2dν, every feature ≥ 0; no parameters. ARMT's map (ν = 3). ν ≤ 2d − 1 (beyond, products repeat).
+    Output dim 2dν, every feature ≥ 0; no parameters. ν ≤ 2d − 1 (beyond, products repeat); default 3, ARMT's.
     See docs/concepts/memory.md#dpfp-feature-map.
     """
 
@@ -73,7 +73,7 @@ class DPFP(FeatureMap):
 
     @dataclass
     class Config(PartConfig):
-        nu: int = 1
+        nu: int = 3
 
         def check(self) -> None:
             check_range("nu", self.nu, 1, 16)

@@ -24,7 +24,7 @@ Shapes: ``forward(x: [B, T, d_model]) -> [B, T, d_model]``; memory tensors ``[B,
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -45,7 +45,7 @@ class ARMTConfig(AttentionConfig):
     use_memory: bool = True            # false: no memory tokens, reads or writes (segment-local attention)
     memory_heads: int = 1              # H_m heads of A, z; each reads d_model / H_m channels
     key_dim: Optional[int] = None      # d_k per memory head before φ (default d_model / H_m)
-    feature_map: Any = field(default_factory=lambda: {"name": "dpfp", "nu": 3})   # a non-negative registered φ
+    feature_map: Any = "dpfp"          # a non-negative registered φ (a name or a node; DPFP's default ν is 3)
     correction: bool = True            # γ on the normaliser z (false: z ← z + Σ φ_i)
 
     def check(self) -> None:

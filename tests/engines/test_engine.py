@@ -77,6 +77,7 @@ SPECS = {
                 "feature_map": {"name": "exp", "normalize": True}},
     "global_implicit": {"memory": "linear", "inner_optimizer": "implicit_gd", "window": "global"},
     "token_vs_chunk_read": {"memory": "mlp", "read": "chunk", "chunk_size": 4},
+    "dpfp_delta": {"memory": "linear", "feature_map": {"name": "dpfp", "nu": 2}, "retention": "decay"},
 }
 
 
