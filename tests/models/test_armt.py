@@ -136,9 +136,9 @@ def x_batch(T=10, seed=1, requires_grad=False):
 
 
 def unit_features(shape, seed):
-    g = torch.Generator().manual_seed(seed)
-    phi = torch.rand(*shape, generator=g, dtype=F64) * (torch.rand(*shape, generator=g, dtype=F64) > 0.3)
-    return F.normalize(phi, dim=-1)
+    """Positive unit features, peaked (u⁶) so that keys overlap partly: the second write's γ = 1 − zᵀφ spans
+    clipped (0) and interior values."""
+    return F.normalize(torch.rand(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64) ** 6, dim=-1)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -153,6 +153,8 @@ def test_write_and_read_are_the_papers_equations(correction):
               torch.rand(B, N, Hm, generator=g, dtype=F64), unit_features((B, N, Hm, Fd), 2),
               torch.randn(B, N, Hm, Dv, generator=g, dtype=F64), torch.rand(B, N, Hm, generator=g, dtype=F64),
               unit_features((B, 5, Hm, Fd), 3)]
+    gamma = 1 - torch.einsum("bnhf,bmhf->bmh", leaves[0], leaves[3])          # the second write's γ before clipping
+    assert (gamma < 0).any() and ((gamma > 0.1) & (gamma < 0.9)).any()
     results = []
     for impl in ("atlaslab", "direct"):
         xs = [t.clone().requires_grad_(True) for t in leaves]
