@@ -64,7 +64,7 @@ class EluPlusOne(FeatureMap):
 class DPFP(FeatureMap):
     """Deterministic parameter-free projection of degree ν (DPFP; Schlag et al., ICML 2021, arXiv 2102.11174).
 
-    r(x) = [relu(x), relu(−x)] ∈ R^{2d};  φ(x)_{2d(j−1)+i} = r_i(x) · r_{(i+j) mod 2d}(x),  i = 1..2d, j = 1..ν.
+    r(x) = [relu(x), relu(−x)] ∈ R^{2d};  φ(x)_{2d(j−1)+i} = r_i(x) · r_{(i+j) mod 2d}(x),  i ≤ 2d, j ≤ ν.
     Output dim 2dν, every feature ≥ 0; no parameters. ν ≤ 2d − 1 (beyond, products repeat); default 3, ARMT's.
     See docs/concepts/memory.md#dpfp-feature-map.
     """

@@ -117,7 +117,7 @@ class ARMTBlock(Attention):
         return self.feature_map.out_dim
 
     def features(self, h: torch.Tensor, proj: nn.Linear) -> torch.Tensor:
-        """Unit features φ̂ = φ(W h) / ‖φ(W h)‖ per memory head: ``h: [B, n, d_model]`` → ``[B, n, H_m, F]``."""
+        """Unit features φ̂ = φ(W h) / ‖φ(W h)‖ per memory head, ``h: [B, n, d_model]`` → ``[B, n, H_m, F]``."""
         x = proj(h).view(*h.shape[:2], self.memory_heads, self.key_dim)
         return F.normalize(self.feature_map(x), dim=-1)
 

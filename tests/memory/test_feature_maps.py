@@ -11,7 +11,7 @@ from atlaslab.registry import ConfigError, build_part, get_registry
 
 
 def dpfp_direct(x: torch.Tensor, nu: int) -> torch.Tensor:
-    """φ_{2d(j−1)+i}(x) = r_i r_{(i+j) mod 2d}, r = [relu(x), relu(−x)], i = 0..2d−1, j = 1..ν, for ``x: [d]``."""
+    """φ_{2d(j−1)+i}(x) = r_i r_{(i+j) mod 2d}, r = [relu(x), relu(−x)], i < 2d, j ≤ ν, for ``x: [d]``."""
     r = [max(float(t), 0.0) for t in x] + [max(-float(t), 0.0) for t in x]
     n = len(r)
     return torch.tensor([r[i] * r[(i + j) % n] for j in range(1, nu + 1) for i in range(n)], dtype=torch.float64)

@@ -32,7 +32,7 @@ def dpfp(x: torch.Tensor, nu: int) -> torch.Tensor:
 
 
 def write_direct(A, z, phi, v, beta, correction=True):
-    """A ← A + Σ_i β_i (v_i − v̄_i) ⊗ φ_i, z ← z + Σ_i γ_i φ_i, every v̄_i, γ_i from the segment-start A, z.
+    """A ← A + Σ_i β_i (v_i − v̄_i) ⊗ φ_i, z ← z + Σ_i γ_i φ_i; every v̄_i, γ_i from the segment-start A, z.
 
     Layout of this reference: A ``[b][h]: [F, D_v]`` (key-major, as the paper writes v ⊗ φ transposed)."""
     A_new, z_new = A.clone(), z.clone()
