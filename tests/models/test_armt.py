@@ -306,6 +306,7 @@ def test_state_size_counts_A_z_and_one_segment_of_kv():
     ("mixers.armt.feature_map.nu=200", "mixers.armt.feature_map.nu"),
     ("mixers.armt.key_dim=1", "mixers.armt.feature_map.nu"),          # ν = 3 > 2·1 − 1, known at build time
     ("mixers.armt.memory_heads=3", "mixers.armt.memory_heads"),        # 64 is not divisible by 3
+    ("mixers.armt.mode=triton", "mixers.armt.mode"),                  # no engines: the memory is computed directly
 ])
 def test_validation_errors_name_the_dotted_path(override, path):
     with pytest.raises(ConfigError) as info:
