@@ -143,6 +143,12 @@ def summary_row(d: Dict[str, Any]) -> str:
                                                   "inner_optimizer")]
         c = s["window"].get("size") if s["window"]["name"] == "omega" else "∞"
         cells += [str(c), str(s["chunk_size"])]
+    elif d["mixers"][0]["cfg"].name == "armt":          # ARMT's associative memory is not a six-part memory spec
+        m = d["mixers"][0]["mixer"]
+        fm = m.feature_map.cfg if m.feature_map is not None else None
+        phi = (f"{fm.name} ν={fm.nu}" if fm.name == "dpfp" else fm.name) if fm is not None else "—"
+        cells = ["associative A, z" if fm is not None else "(segment attention)", "delta, normalised" if fm else "—",
+                 "none" if fm else "—", phi, "one step per segment" if fm else "—", "—", str(m.cfg.segment)]
     else:
         cells = ["(softmax attention)", "—", "—", "—", "—", "—", "—"]
     state = fmt_int(d["state"]) + (f" + {fmt_int(d['state_per_token'])}/token" if d["state_per_token"] else "")
@@ -198,6 +204,8 @@ def section(d: Dict[str, Any]) -> List[str]:
                 v = getattr(cfg, f.name)
                 if f.name == "head_dim" and v is None:
                     v = f"{m['head_dim']} (d_model / heads)"
+                if isinstance(v, dict) and "name" in v:
+                    v = fmt_part(v)
                 out.append(f"| {f.name} | {fmt_value(v)} |")
         out.append("")
     return out
@@ -229,8 +237,9 @@ def render() -> str:
     lines += [summary_row(d) for d in descs]
     lines += ["", "c = Omega window (1 = online), b = training chunk size (1 = fully online). The mixer is named when "
               "it is not the plain memory layer: the blocks `mag`, `mal`, `mac` wrap the same memory with an "
-              "attention branch, `lact` pairs a memory with SWA on shared projections, and `attention`, `swa` are softmax "
-              "attention.", ""]
+              "attention branch, `lact` pairs a memory with SWA on shared projections, `armt` is segment-local "
+              "attention with an associative memory written once per segment (its b column is the segment length), "
+              "and `attention`, `swa` are softmax attention.", ""]
     for d in descs:
         lines += section(d)
     return "\n".join(lines).rstrip() + "\n"

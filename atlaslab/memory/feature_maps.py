@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atlaslab.registry import PartConfig, check_choice, check_range, register
+from atlaslab.registry import ConfigError, PartConfig, check_choice, check_range, register
 
 
 class FeatureMap(nn.Module):
@@ -22,6 +22,8 @@ class FeatureMap(nn.Module):
 
     #: True when the map is only defined through its kernel k(q, k') = φ(q)ᵀφ(k') (φ* on a linear memory).
     kernel_trick: bool = False
+    #: True when every feature is ≥ 0, so every kernel value φ(q)ᵀφ(k') ≥ 0 (what a normalised read needs).
+    nonnegative: bool = False
 
     def __init__(self, cfg: PartConfig, in_dim: int):
         super().__init__()
@@ -48,12 +50,48 @@ class Identity(FeatureMap):
 class EluPlusOne(FeatureMap):
     """φ(x) = elu(x) + 1, the positive map of Katharopoulos et al. (linear transformers)."""
 
+    nonnegative = True
+
     @dataclass
     class Config(PartConfig):
         pass
 
     def forward(self, x):
         return F.elu(x) + 1.0
+
+
+@register("feature_map", "dpfp")
+class DPFP(FeatureMap):
+    """Deterministic parameter-free projection of degree ν (DPFP; Schlag et al., ICML 2021, arXiv 2102.11174).
+
+    r(x) = [relu(x), relu(−x)] ∈ R^{2d};  φ(x)_{2d(j−1)+i} = r_i(x) · r_{(i+j) mod 2d}(x),  i ≤ 2d, j ≤ ν.
+    Output dim 2dν, every feature ≥ 0; no parameters. ν ≤ 2d − 1 (beyond, products repeat); default 3, ARMT's.
+    See docs/concepts/memory.md#dpfp-feature-map.
+    """
+
+    nonnegative = True
+
+    @dataclass
+    class Config(PartConfig):
+        nu: int = 3
+
+        def check(self) -> None:
+            check_range("nu", self.nu, 1, 16)
+
+    def __init__(self, cfg, in_dim: int):
+        super().__init__(cfg, in_dim)
+        if cfg.nu > 2 * in_dim - 1:
+            raise ConfigError("nu", f"bad value {cfg.nu}: DPFP on {in_dim}-dim keys takes ν ≤ 2d − 1 = "
+                                    f"{2 * in_dim - 1}.", value=cfg.nu)
+
+    @property
+    def out_dim(self) -> int:
+        return 2 * self.in_dim * self.cfg.nu
+
+    def forward(self, x):
+        r = torch.cat([F.relu(x), F.relu(-x)], dim=-1)                            # [..., 2d]
+        shifted = torch.cat([r.roll(-j, dims=-1) for j in range(1, self.cfg.nu + 1)], dim=-1)  # r_{i+j}
+        return r.repeat(*([1] * (r.dim() - 1)), self.cfg.nu) * shifted
 
 
 def _monomials(dim: int, degree: int):

@@ -170,8 +170,11 @@ class MemoryParts(nn.Module):
             return get_registry(kind).get(getattr(spec, kind).name).cls
 
         fm_cls = cls("feature_map")
-        self.feature_map = (fm_cls(spec.feature_map, key_dim, kernel_trick=self.kernel_trick)
-                            if spec.feature_map.name == "exp" else fm_cls(spec.feature_map, key_dim))
+        try:   # a map that checks itself against the key dim (DPFP's ν) reports at <path>.feature_map
+            self.feature_map = (fm_cls(spec.feature_map, key_dim, kernel_trick=self.kernel_trick)
+                                if spec.feature_map.name == "exp" else fm_cls(spec.feature_map, key_dim))
+        except ConfigError as exc:
+            raise exc.prefixed(join_path(path, "feature_map")) from None
         feat = self.feature_map.out_dim
         try:
             self.memory = cls("memory")(spec.memory, feat, value_dim, num_heads)

@@ -252,7 +252,7 @@ def tiny_overrides(cfg: Any, d_model: int = 16, num_heads: int = 2, vocab_size: 
     """Dotlist overrides that shrink a model config (or preset name) for CPU tests and smoke runs.
 
     Sets the width, vocabulary and heads, the memories' training chunk b (only where it is > ``chunk_size``;
-    ``None`` leaves b alone), the SWA windows and the MAC segment size.
+    ``None`` leaves b alone), the SWA windows and the MAC and ARMT segment sizes.
     """
     if isinstance(cfg, str):
         cfg = load_preset(cfg)
@@ -276,6 +276,8 @@ def tiny_overrides(cfg: Any, d_model: int = 16, num_heads: int = 2, vocab_size: 
         if name == "mac":
             out.append(f"{p}.segment={segment}")
             out.append(f"{p}.attention.num_heads=null")
+        if name == "armt":
+            out.append(f"{p}.segment={segment}")
     return out
 
 

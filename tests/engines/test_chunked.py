@@ -117,6 +117,7 @@ LINEAR_ONLINE = {
                            "retention": {"name": "decay", "placement": "before_step", "channel_wise": True}},
     "hebbian_window": {"memory": "linear", "attentional_bias": "dot", "window": {"size": 2}, "retention": "decay"},
     "poly_delta": {"memory": "linear", "feature_map": {"name": "polynomial", "degree": 2}},
+    "dpfp_delta": SPECS["dpfp_delta"],
     "read_before_write": {"memory": "linear", "retention": "decay", "read": "chunk"},
 }
 

@@ -83,6 +83,7 @@ SPECS = {
     "lact": {"memory": {"name": "gated_mlp", "expansion": 1, "activation": "silu", "residual": False},
              "attentional_bias": "dot", "retention": "weight_norm", "read": "chunk", "chunk_size": 4,
              "inner_optimizer": {"name": "muon", "lr": 1.0, "ns_granularity": "chunk", "ns_coefficients": "lact"}},
+    "dpfp_delta": {"memory": "linear", "feature_map": {"name": "dpfp", "nu": 2}, "retention": "decay"},
 }
 
 

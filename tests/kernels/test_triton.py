@@ -164,6 +164,7 @@ SPECS = {
     "titans_linear_after_step": {"memory": "linear", "retention": "decay"},
     "gla_scalar_dot": {"memory": "linear", "attentional_bias": "dot", "retention": "decay",
                        "feature_map": "elu_plus_one"},
+    "deltanet_dpfp": {"memory": "linear", "feature_map": {"name": "dpfp", "nu": 1}},
 }
 
 
