@@ -22,8 +22,9 @@ LaCT's (paper and reference code): all of the above, with q/k RMSNorm optional, 
 fast q, k, RoPE on them in the attention's head layout, and the branches summed before W_O. Ours: one γ per head
 shared by the three matrices (LaCT learns one per matrix; under Muon only their ratios across tokens matter), the
 chunk-start norm as the weight norm's target (equal to LaCT's initial norm, eps a clamp), Xavier-normal initial
-fast weights (LaCT's 1/√fan_in at hidden = d), RMSNorm weights per head, no bf16; the layer takes no state between
-calls (docs/concepts/memory.md#lact has the table).
+fast weights (LaCT's 1/√fan_in at hidden = d), RMSNorm weights per head, no bf16 (docs/concepts/memory.md#lact has
+the table). ``forward`` takes no state; a sequence continues through the decoder (atlaslab/models/decoding.py), which
+holds each open chunk until it is whole, since its mean θ needs all of it.
 
 Shapes: ``forward(x: [B, T, d_model]) -> [B, T, d_model]``; attention heads ``[B, T, num_heads, d_model /
 num_heads]``, fast-weight heads ``[B, T, ttt_heads, d_model / ttt_heads]``.
