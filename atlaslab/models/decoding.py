@@ -347,7 +347,8 @@ def _lact_memory(layer: LaCTLayer, fq, fk, fv, gates: Dict[str, torch.Tensor], s
     are written by ONE memorize call from the chunk-start memory with the forward's gates (each chunk's true mean θ);
     that call also reads their new queries at the chunk-start weights (``read: chunk``). The tokens of a chunk still
     open read the memory after the last whole chunk (:func:`~atlaslab.engines.read_memory`) and wait in ``pending``.
-    A partial chunk thus never writes: in the forward as here, its reads see only the chunk-start weights.
+    A partial chunk thus never writes: in the forward as here, its reads see only the chunk-start weights. (Chunk
+    momentum comes with ``ns_granularity: chunk``, which the spec allows only with ``read: chunk``.)
     """
     B, T = fq.shape[:2]
     memory = state.memory if state is not None else initial_state(layer.parts, B, fq.dtype, fq.device)

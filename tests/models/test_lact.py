@@ -274,6 +274,16 @@ def test_decoding_equals_the_forward_at_any_split(variant, split, one_thread):
         assert state.memory.position == 13 and state.pending is None
 
 
+def test_decoding_gradients_equal_the_forwards(one_thread):
+    """Chained calls keep the graph: gradients of the input and every parameter equal the forward's, float64."""
+    layer = lact_layer(window=3)
+    x = torch.randn(1, 13, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(6), requires_grad=True)
+    leaves = [x, *layer.parameters()]
+    got, _ = decode_in_pieces(layer, x, SPLITS["3+6+steps"])
+    for g, want in zip(gradients(got, leaves), gradients(layer(x), leaves)):
+        assert rms_ratio(g, want) < TOL
+
+
 def test_a_partial_chunk_does_not_change_the_forward(one_thread):
     """Every prefix's forward equals the prefix of the full forward: a last partial chunk (whose mean θ averages only
     its own tokens) is never written, so its tokens read what they read in the longer sequence."""
