@@ -20,7 +20,10 @@ What each mixer carries (docs/decoding.md):
 - ``lmm`` / ``mag`` / ``mal``: the memory layer's state and the SWA cache; the persistent tokens P go in with the first
   call, as the forward prepends them;
 - ``mac``: the running memory, the memory at the current segment's start (which that segment's reads see), the read
-  path's conv cache and the segment's KV cache over [P ‖ h ‖ S].
+  path's conv cache and the segment's KV cache over [P ‖ h ‖ S];
+- ``lact``: the SWA cache; the fast-weight memory as the open chunk started (every query of the chunk reads it);
+  the open chunk's fast k, v and gates, written in one memorize call once the chunk is whole (its mean θ is known
+  only then).
 
 Decoders are found by the mixer's exact class (a subclass that changes ``forward`` must not inherit a decoder that
 no longer matches it): a user mixer opts in with a ``decode(x, state) -> (y, state)`` method or
@@ -38,10 +41,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atlaslab.engines import memorize
+from atlaslab.engines import MemoryState, initial_state, memorize, read_memory
 from atlaslab.models.attention import Attention, SlidingWindowAttention
 from atlaslab.models.blocks import LMMBlock, MACBlock, MAGBlock, MALBlock
 from atlaslab.models.forgetting_attention import ForgettingAttention, cumulative_bias
+from atlaslab.models.lact import LaCTLayer
 from atlaslab.models.layers import MemoryLayer
 
 Decoder = Callable[[nn.Module, torch.Tensor, Any], Tuple[torch.Tensor, Any]]
@@ -316,6 +320,83 @@ def decode_mac(block: MACBlock, x: torch.Tensor, state: Optional[MACState]):
 
 
 # --------------------------------------------------------------------------------------------------
+# LaCT: sliding-window attention + the chunk-wise fast-weight memory
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class LaCTState:
+    """The LaCT layer's state after ``length`` tokens.
+
+    kv: the SWA cache (k rotated at its position). memory: with :attr:`LaCTLayer.chunk_momentum`, the fast-weight
+    memory as the open chunk started, the weights W⁽ⁿ⁾ all its queries read; otherwise (causal per-token gates) the
+    running memory, which ``memorize`` continues mid-chunk by itself. pending: the open chunk's tokens not yet
+    written (chunk momentum only), ``{"k", "v": [B, n, H, D], "window", "momentum": [B, n, H]}`` with n < b, the
+    fast keys and values and each token's own γ_t and θ_t; None when the last chunk is whole.
+    """
+
+    length: int
+    kv: KVCache
+    memory: MemoryState
+    pending: Optional[Dict[str, torch.Tensor]] = None
+
+
+def _lact_memory(layer: LaCTLayer, fq, fk, fv, gates: Dict[str, torch.Tensor], state: Optional[LaCTState]):
+    """The fast-weight branch over the next tokens ``fq, fk, fv: [B, T, H, D]`` (``gates``: each token's own γ, θ
+    ``[B, T, H]``) → ``(o [B, T, H, D], memory, pending)``.
+
+    With chunk momentum the open chunk's tokens (pending + new) start at a chunk boundary, so the chunks they complete
+    are written by ONE memorize call from the chunk-start memory with the forward's gates (each chunk's true mean θ);
+    that call also reads their new queries at the chunk-start weights (``read: chunk``). The tokens of a chunk still
+    open read the memory after the last whole chunk (:func:`~atlaslab.engines.read_memory`) and wait in ``pending``.
+    A partial chunk thus never writes: in the forward as here, its reads see only the chunk-start weights. (Chunk
+    momentum comes with ``ns_granularity: chunk``, which the spec allows only with ``read: chunk``.)
+    """
+    B, T = fq.shape[:2]
+    memory = state.memory if state is not None else initial_state(layer.parts, B, fq.dtype, fq.device)
+    if not layer.chunk_momentum:                           # causal gates: memorize continues mid-chunk exactly
+        o, memory = memorize(fq, fk, fv, layer.parts, gates, mode=layer.cfg.mode, initial_state=memory)
+        return o, memory, None
+    old = state.pending if state is not None else None
+    n0 = old["k"].shape[1] if old is not None else 0
+    new = {"k": fk, "v": fv, **gates}
+    tokens = {name: torch.cat([old[name], t], 1) for name, t in new.items()} if old is not None else new
+    b = layer.spec.chunk_size
+    whole = (n0 + T) // b * b                              # tokens of the chunks this call completes
+    outs = []
+    if whole:
+        head = {name: t[:, :whole] for name, t in tokens.items()}
+        # the pending tokens' queries were read already: their keys stand in (what they read is dropped)
+        q = torch.cat([head["k"][:, :n0], fq[:, :whole - n0]], 1)
+        o, memory = memorize(q, head["k"], head["v"], layer.parts, layer.chunk_gates({g: head[g] for g in gates}),
+                             mode=layer.cfg.mode, initial_state=memory)
+        outs.append(o[:, n0:])
+    if whole < n0 + T:
+        outs.append(read_memory(layer.parts, memory, fq[:, max(whole - n0, 0):]))
+    pending = {name: t[:, whole:] for name, t in tokens.items()} if whole < n0 + T else None
+    return torch.cat(outs, 1), memory, pending
+
+
+@register_decoder(LaCTLayer)
+def decode_lact(layer: LaCTLayer, x: torch.Tensor, state: Optional[LaCTState]):
+    """LaCT over the next tokens ``x: [B, T, d_model]``: the SWA continued from its cache and the fast-weight branch
+    from the chunk-start memory and the open chunk (:func:`_lact_memory`), at the tokens' positions."""
+    if state is not None and not isinstance(state, LaCTState):
+        raise TypeError(f"lact decoder: state must be None (a new sequence) or the LaCTState a previous call "
+                        f"returned, got {type(state).__name__}")
+    B, T, _ = x.shape
+    start = state.length if state is not None else 0
+    pos = _positions(start, T, x.device)
+    q, k, v = layer.project(x)
+    qa, ka, va = layer.attention_heads(q, k, v, pos)
+    k_all, v_all, pos_all = _extend(state.kv if state is not None else None, ka, va, pos)
+    o_attn = _attend(qa, k_all, v_all, _attention_mask(pos, pos_all, layer.cfg.window, 0)).reshape(B, T, -1)
+    keep = pos_all > start + T - layer.cfg.window           # what a later query still sees: the last window − 1
+    kv = KVCache(k_all[:, :, keep], v_all[:, :, keep], pos_all[keep], start + T)
+    fq, fk, fv = layer.fast_qkv(q, k, v, pos)
+    o, memory, pending = _lact_memory(layer, fq, fk, fv, layer.token_gates(x), state)
+    return layer.output(o_attn, o, x), LaCTState(start + T, kv, memory, pending)
+
+
+# --------------------------------------------------------------------------------------------------
 # the language model
 # --------------------------------------------------------------------------------------------------
 @dataclass
@@ -430,5 +511,5 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: f
     return torch.cat(out, 1)
 
 
-__all__ = ["BlockState", "DECODERS", "FoXState", "KVCache", "LMState", "MACState", "decode_attention", "decode_mixer",
-           "generate", "prefill", "register_decoder", "sample", "step"]
+__all__ = ["BlockState", "DECODERS", "FoXState", "KVCache", "LMState", "LaCTState", "MACState", "decode_attention",
+           "decode_mixer", "generate", "prefill", "register_decoder", "sample", "step"]

@@ -22,8 +22,9 @@ LaCT's (paper and reference code): all of the above, with q/k RMSNorm optional, 
 fast q, k, RoPE on them in the attention's head layout, and the branches summed before W_O. Ours: one γ per head
 shared by the three matrices (LaCT learns one per matrix; under Muon only their ratios across tokens matter), the
 chunk-start norm as the weight norm's target (equal to LaCT's initial norm, eps a clamp), Xavier-normal initial
-fast weights (LaCT's 1/√fan_in at hidden = d), RMSNorm weights per head, no bf16; the layer takes no state between
-calls (docs/concepts/memory.md#lact has the table).
+fast weights (LaCT's 1/√fan_in at hidden = d), RMSNorm weights per head, no bf16 (docs/concepts/memory.md#lact has
+the table). ``forward`` takes no state; a sequence continues through the decoder (atlaslab/models/decoding.py), which
+holds each open chunk until it is whole, since its mean θ needs all of it.
 
 Shapes: ``forward(x: [B, T, d_model]) -> [B, T, d_model]``; attention heads ``[B, T, num_heads, d_model /
 num_heads]``, fast-weight heads ``[B, T, ttt_heads, d_model / ttt_heads]``.
@@ -170,31 +171,58 @@ class LaCTLayer(nn.Module):
         cos, sin = rope_angles(positions, self.head_dim, self.cfg.rope_base, x.dtype)
         return apply_rope(x.view(*x.shape[:2], self.num_heads, self.head_dim), cos, sin)
 
+    def project(self, x: torch.Tensor):
+        """The shared projections ``x: [B, T, d_model]`` → q, k, v ``[B, T, d_model]`` (q, k RMSNormed with qk_norm)."""
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def attention_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        """The SWA's q, k, v ``[B, T, d_model]`` → ``[B, T, num_heads, head_dim]``, q and k rotated at ``positions: [T]``."""
+        shape = (*q.shape[:2], self.num_heads, self.head_dim)
+        if self.cfg.rope:
+            return self._rope(q, positions), self._rope(k, positions), v.reshape(shape)
+        return q.reshape(shape), k.reshape(shape), v.reshape(shape)
+
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Sliding-window softmax attention, ``[B, T, d_model]`` each → ``[B, T, d_model]``."""
         B, T, _ = q.shape
-        shape = (B, T, self.num_heads, self.head_dim)
-        if self.cfg.rope:
-            pos = torch.arange(T, device=q.device)
-            q, k = self._rope(q, pos), self._rope(k, pos)
-        q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.transpose(1, 2) for t in self.attention_heads(q, k, v, torch.arange(T, device=q.device)))
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(T, self.cfg.window, 0, q.device))
         return o.transpose(1, 2).reshape(B, T, -1)
 
-    def gates(self, x: torch.Tensor) -> dict:
-        """γ (``window``: the per-token step) and θ (``momentum``, LaCT's chunk mean), ``[B, T, ttt_heads]``."""
+    @property
+    def chunk_momentum(self) -> bool:
+        """Whether θ enters as each chunk's mean (:func:`chunk_mean_momentum`, under chunk-granular Muon): then the
+        momentum gate of a chunk's first token needs the whole chunk, which a decoder must wait for."""
+        return self.parts.inner_optimizer.has_momentum and \
+            getattr(self.spec.inner_optimizer, "ns_granularity", "token") == "chunk"
+
+    def token_gates(self, x: torch.Tensor) -> dict:
+        """Each token's own γ (``window``) and, with momentum, θ_t (``momentum``), ``[B, T, ttt_heads]``."""
         gates = {"window": F.softplus(self.lr_proj(x))}
         if self.parts.inner_optimizer.has_momentum:
             if self.momentum_proj is not None:
-                theta = torch.sigmoid(self.momentum_proj(x))
+                gates["momentum"] = torch.sigmoid(self.momentum_proj(x))
             else:
-                theta = gates["window"].new_full(gates["window"].shape, self.spec.inner_optimizer.momentum)
-            muon_chunk = getattr(self.spec.inner_optimizer, "ns_granularity", "token") == "chunk"
-            gates["momentum"] = chunk_mean_momentum(theta, self.spec.chunk_size) if muon_chunk else theta
+                gates["momentum"] = gates["window"].new_full(gates["window"].shape, self.spec.inner_optimizer.momentum)
         return gates
 
-    def fast_qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """The TTT branch's inputs from the shared projections: ``[B, T, d_model]`` → ``[B, T, ttt_heads, ttt_dim]``."""
+    def chunk_gates(self, gates: dict) -> dict:
+        """The memorize gates of whole chunks counted from the first token: θ becomes each chunk's mean
+        (:func:`chunk_mean_momentum`) where :attr:`chunk_momentum`, else the tokens' own gates."""
+        if not self.chunk_momentum:
+            return gates
+        return {**gates, "momentum": chunk_mean_momentum(gates["momentum"], self.spec.chunk_size)}
+
+    def gates(self, x: torch.Tensor) -> dict:
+        """γ (``window``: the per-token step) and θ (``momentum``, LaCT's chunk mean), ``[B, T, ttt_heads]``."""
+        return self.chunk_gates(self.token_gates(x))
+
+    def fast_qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: Optional[torch.Tensor] = None):
+        """The TTT branch's inputs from the shared projections: ``[B, T, d_model]`` → ``[B, T, ttt_heads, ttt_dim]``
+        (RoPE at ``positions: [T]``, default 0 … T − 1)."""
         B, T, _ = q.shape
         if self.cfg.qk_affine:
             q = q * self.qk_scale[0] + self.qk_offset[0]
@@ -204,23 +232,25 @@ class LaCTLayer(nn.Module):
         shape = (B, T, self.ttt_heads, self.ttt_dim)
         q, k = (F.normalize(t.reshape(shape), dim=-1, eps=1e-6) for t in (q, k))
         if self.cfg.ttt_rope:   # a rotation inside each attention head: the fast-weight heads keep unit norm
-            pos = torch.arange(T, device=q.device)
+            pos = torch.arange(T, device=q.device) if positions is None else positions
             q, k = (self._rope(t.reshape(B, T, -1), pos).reshape(shape) for t in (q, k))
         return q, k, v.reshape(shape)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x: [B, T, d_model]`` → ``[B, T, d_model]`` (chunks and RoPE positions count from x's first token)."""
-        B, T, _ = x.shape
-        q, k, v = self.qkv(x).chunk(3, dim=-1)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        o_attn = self.attention(q, k, v)
-        fq, fk, fv = self.fast_qkv(q, k, v)
-        o, _ = memorize(fq, fk, fv, self.parts, self.gates(x), mode=self.cfg.mode, checkpoint=self.cfg.checkpoint)
+    def output(self, o_attn: torch.Tensor, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """W_O(SWA + RMSNorm(TTT read) ⊙ silu(W_s x)): ``o_attn: [B, T, d_model]``, ``o: [B, T, ttt_heads, ttt_dim]``."""
         o = self.out_norm(o)
         if self.scale_proj is not None:
             o = o * F.silu(self.scale_proj(x)).unsqueeze(-1)
-        return self.o_proj(o_attn + o.reshape(B, T, -1))
+        return self.o_proj(o_attn + o.reshape(*x.shape[:2], -1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x: [B, T, d_model]`` → ``[B, T, d_model]`` (chunks and RoPE positions count from x's first token; to
+        continue a sequence token by token use :func:`atlaslab.models.decoding.decode_mixer`)."""
+        q, k, v = self.project(x)
+        o_attn = self.attention(q, k, v)
+        fq, fk, fv = self.fast_qkv(q, k, v)
+        o, _ = memorize(fq, fk, fv, self.parts, self.gates(x), mode=self.cfg.mode, checkpoint=self.cfg.checkpoint)
+        return self.output(o_attn, o, x)
 
     # -- accounting ---------------------------------------------------------------------------------
     def state_size_per_token(self) -> int:

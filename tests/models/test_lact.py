@@ -1,7 +1,8 @@
 """LaCT (Zhang et al. 2025, "Test-Time Training Done Right", §3): the memory update and the whole layer against a
 direct float64 implementation of the paper's equations written here (explicit SwiGLU gradients, the chunk loop,
 LaCT's 5-step Newton–Schulz, per-row renormalisation to the initial norms), on every engine; the chunk-mean
-momentum gate; validation; and that the preset learns the learning guard's tiny MQAR.
+momentum gate; token-by-token decoding at any split; validation; and that the preset learns the learning guard's
+tiny MQAR.
 """
 import math
 
@@ -12,6 +13,7 @@ from helpers import random_qkv, rms_ratio
 
 from atlaslab import memorize
 from atlaslab.memory import build_memory
+from atlaslab.models.decoding import LaCTState, decode_mixer
 from atlaslab.models.lact import LACT_MEMORY_SPEC, LaCTConfig, LaCTLayer, chunk_mean_momentum
 from atlaslab.models.presets import build_model, load_preset
 from atlaslab.registry import ConfigError, resolve_part
@@ -220,6 +222,93 @@ def test_state_size_counts_fast_weights_momentum_and_the_window_cache():
     fast = 2 * 3 * 8 * 8                                # 2 heads × (W1, W2, W3) of 8 × 8
     assert layer.state_size() == 2 * fast + 5 * 2 * 16   # + momentum; SWA keeps window × (k, v) × d_model
     assert layer.state_size_per_token() == 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# decoding: chained calls equal one forward
+# ---------------------------------------------------------------------------------------------------
+#: splits of T = 13 tokens (chunk 4: chunks 0–3, 4–7, 8–11 and a partial 12; window 3): mid-chunk prefills that
+#: complete one or two chunks at once, single steps across every chunk and window boundary, chunk-aligned pieces
+SPLITS = {"3+6+steps": (3, 6, 1, 1, 1, 1), "steps": (1,) * 13, "5+8": (5, 8), "aligned": (4, 4, 4, 1),
+          "2+7+4": (2, 7, 4), "whole": (13,)}
+#: chunk-mean θ (the preset's), on the recurrent engine, a constant θ, per-token gates (Muon's Newton–Schulz per
+#: token: memorize continues mid-chunk itself) with each read: the two decoding paths and the layer's switches
+DECODE_VARIANTS = {
+    "preset": {},
+    "recurrent": {"mode": "recurrent"},
+    "qk_norm_no_rope": {"qk_norm": True, "rope": False, "ttt_rope": False, "output_scale": False},
+    "constant_momentum": {"momentum_gate": False},
+    "ns_token_read_chunk": {"memory": dict(LACT_MEMORY_SPEC, chunk_size=4, inner_optimizer=dict(
+        LACT_MEMORY_SPEC["inner_optimizer"], ns_granularity="token"))},
+    "ns_token_read_token": {"memory": dict(LACT_MEMORY_SPEC, chunk_size=4, read="token", inner_optimizer=dict(
+        LACT_MEMORY_SPEC["inner_optimizer"], ns_granularity="token"))},
+}
+
+
+def decode_in_pieces(layer, x, sizes):
+    """Chained :func:`decode_mixer` calls over pieces of ``x`` of the given sizes → (outputs, final state)."""
+    state, outs, t = None, [], 0
+    for n in sizes:
+        y, state = decode_mixer(layer, x[:, t:t + n], state)
+        outs.append(y)
+        t += n
+    assert t == x.shape[1]
+    return torch.cat(outs, 1), state
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+@pytest.mark.parametrize("variant", list(DECODE_VARIANTS))
+def test_decoding_equals_the_forward_at_any_split(variant, split, one_thread):
+    """Prefills and steps that stop mid-chunk equal one forward, float64: each chunk is written once it is whole,
+    with its true mean θ, and every query of a chunk reads the chunk-start weights."""
+    layer = lact_layer(window=3, **DECODE_VARIANTS[variant])
+    x = torch.randn(2, 13, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        full = layer(x)
+        got, state = decode_in_pieces(layer, x, SPLITS[split])
+    assert rms_ratio(got, full) < TOL
+    assert state.length == 13 and state.kv.k.shape[2] == 2            # the SWA keeps window − 1 tokens
+    if layer.chunk_momentum:                                           # three whole chunks written, token 12 waits
+        assert state.memory.position == 12 and state.pending["k"].shape[1] == 1
+    else:
+        assert state.memory.position == 13 and state.pending is None
+
+
+def test_decoding_gradients_equal_the_forwards(one_thread):
+    """Chained calls keep the graph: gradients of the input and every parameter equal the forward's, float64."""
+    layer = lact_layer(window=3)
+    x = torch.randn(1, 13, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(6), requires_grad=True)
+    leaves = [x, *layer.parameters()]
+    got, _ = decode_in_pieces(layer, x, SPLITS["3+6+steps"])
+    for g, want in zip(gradients(got, leaves), gradients(layer(x), leaves)):
+        assert rms_ratio(g, want) < TOL
+
+
+def test_a_partial_chunk_does_not_change_the_forward(one_thread):
+    """Every prefix's forward equals the prefix of the full forward: a last partial chunk (whose mean θ averages only
+    its own tokens) is never written, so its tokens read what they read in the longer sequence."""
+    layer = lact_layer(window=3)
+    x = torch.randn(1, 13, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full = layer(x)
+        for t in range(1, 13):
+            assert rms_ratio(layer(x[:, :t]), full[:, :t]) < TOL, t
+
+
+def test_decoding_refuses_a_foreign_state():
+    layer = lact_layer()
+    x = torch.randn(1, 2, 16, dtype=torch.float64)
+    _, state = decode_mixer(layer, x)
+    assert isinstance(state, LaCTState)
+    with pytest.raises(TypeError, match="lact decoder: state must be None .* or the LaCTState"):
+        decode_mixer(layer, x, state.memory)
+
+
+def test_packed_sequences_are_refused_by_name():
+    """The layer takes no packed batches: the model says so, naming the mixer, before anything runs."""
+    model = build_model(load_preset("lact", ["d_model=16", "vocab_size=32", "mixers.lact.window=3"]))
+    with pytest.raises(ValueError, match=r"mixers\.lact: 'lact' does not take packed sequences"):
+        model(torch.zeros(1, 6, dtype=torch.long), cu_seqlens=[0, 2, 6])
 
 
 @pytest.mark.parametrize("override, path", [
