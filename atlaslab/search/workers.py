@@ -9,7 +9,7 @@ worker: it restores the trial's checkpoint, logs to MLflow and reports to Tune. 
     Tune trial (run_trial)                           Ray Train workers (rank 0 … N-1)
       checkpoint bytes ───── train_loop_config ────▶  each rank writes them into its own folder, resumes
       _Reporter (MLflow, tune.report) ◀── outbox ───  rank 0's callback: (metrics, step, checkpoint bytes)
-      "go" / "stop" ──────────────────── replies ──▶  rank 0's callback returns; "stop" ends every rank
+      "go" / "stop" / "gone" ─────────── replies ──▶  rank 0's callback returns; "stop" ends every rank
       final report ◀───────────────────── outbox ───  rank 0: the TrainResult and the last checkpoint
 
 Ray Train removes its workers' placement group when its run ends. When the trial is killed first (an
@@ -19,8 +19,9 @@ trial's next attempt (a resume, a retry) removes a group that is still there bef
 
 Rank 0's metrics are the only ones that leave the workers; its checkpoint travels as bytes through Ray's
 object store, so the workers need no storage shared with the trial. Reporting is synchronous (rank 0 waits
-for the reply), so a checkpoint Tune holds is the one of the step it reports, and a trial Tune stops (ASHA)
-stops its workers at their next report. A worker that raises fails the Ray Train run, which raises in the
+for the reply), so a checkpoint Tune holds is the one of the step it reports. When Tune stops a trial
+(ASHA), the trial answers "gone" before it exits: the workers finish at once, sending nothing more, and Ray
+Train releases their resources for the next trial. A worker that raises fails the Ray Train run, which raises in the
 trial: Tune records the trial as errored and retries it (``max_failures``) from its last checkpoint, as for
 one worker.
 """
@@ -107,7 +108,7 @@ def train_on_workers(trial: Mapping[str, Any], meta: Mapping[str, Any], work: Pa
     except BaseException:
         # Tune stopped the trial (SystemExit from tune.report) or reporting failed: end the workers too
         try:
-            replies.put("stop", timeout=5)
+            replies.put("gone", timeout=5)
         except Exception:
             pass
         raise
@@ -148,7 +149,7 @@ def worker_loop(config: Dict[str, Any]) -> None:
         digests = parallel.digests(result.model)
         if len(set(digests)) != 1:
             raise RuntimeError(f"the workers' parameters differ at the end of training (digests {digests})")
-        if relay is not None:
+        if relay is not None and not relay.gone:
             out = result.to_dict(history=True)
             out["model_info"] = {**out["model_info"], "workers": parallel.world_size,
                                  "param_digests": digests}
@@ -165,11 +166,16 @@ class _Relay:
     def __init__(self, outbox, replies, folder: Path, eval_split: str):
         self.outbox, self.replies, self.folder = outbox, replies, folder
         self.eval_prefix = eval_split + "/"
+        self.gone = False      # the trial stopped listening (Tune stopped it): finish without it
 
     def __call__(self, metrics: Dict[str, float], step: int) -> bool:
+        if self.gone:
+            return True
         evaluation = any(k.startswith(self.eval_prefix) for k in metrics)
         self.send("log", metrics, step, with_checkpoint=evaluation)
-        return self.replies.get() == "stop"
+        reply = self.replies.get()
+        self.gone = reply == "gone"
+        return reply != "go"
 
     def send(self, kind: str, payload: Any, step: int, with_checkpoint: bool) -> None:
         ckpt = self.folder / CHECKPOINT_NAME

@@ -156,3 +156,19 @@ def test_two_workers_interrupted_resumed_match_one_process(local_ray, tmp_path):
     assert good.info.status == "FINISHED" and good.data.tags["atlaslab.resumed"] == "true"
     assert [m.step for m in c.get_metric_history(good.info.run_id, "val/accuracy")] == [10, 20, 30, 40]
     assert by_key["t001"].info.status == "FAILED"
+
+
+@pytest.mark.slow
+def test_a_trial_asha_stops_releases_its_workers_for_the_next(local_ray, tmp_path):
+    """ASHA stops t001 at its first rung; its workers must finish and give their CPUs back, or t002 (which
+    needs all of them) never starts (this hung before the trial told its workers that it stopped listening)."""
+    from atlaslab.search.driver import run
+    exp = node(steps=20, grid={"variants": {"good": {}, "bad": {"train.lr": 1e-7}, "next": {"train.lr": 4e-3}}},
+               scheduler={"name": "asha", "grace_period": 10, "reduction_factor": 2},
+               metric="val/loss", mode="min")
+    s = run(prepare(node=exp), run_dir=tmp_path / "run", num_cpus=2, quiet=True)
+    recs = {r["key"]: r for r in json.loads((tmp_path / "run" / "results.json").read_text())}
+    assert s["status"] == "finished" and s["pruned"] == 1, s
+    assert recs["t001"]["status"] == "pruned" and recs["t001"]["metrics"]["step"] == 10
+    assert recs["t002"]["status"] == "completed" and recs["t002"]["metrics"]["step"] == 20
+    assert recs["t002"]["metrics"]["workers"] == 2
