@@ -33,6 +33,9 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")
 os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "2")     # experiment state: small, save it often
 os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+# trials on several workers run Ray Train's TorchTrainer inside a Tune trial, which needs Ray Train V2 (on by
+# default in recent Ray releases; earlier ones need the switch); the trials inherit it from a Ray started here
+os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "100")
 # Ray runs workers at niceness 15 by default, so on a shared machine any other process starves the trials;
 # trials are this program's main work (a local Ray started here only; a cluster keeps its own setting)

@@ -111,6 +111,7 @@ def reference(trial):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)      # a leaked placement group would keep the resumed trial waiting for its workers
 def test_two_workers_interrupted_resumed_match_one_process(local_ray, tmp_path):
     from ray.tune import Stopper
 
@@ -159,6 +160,7 @@ def test_two_workers_interrupted_resumed_match_one_process(local_ray, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_a_trial_asha_stops_releases_its_workers_for_the_next(local_ray, tmp_path):
     """ASHA stops t001 at its first rung; its workers must finish and give their CPUs back, or t002 (which
     needs all of them) never starts (this hung before the trial told its workers that it stopped listening)."""
