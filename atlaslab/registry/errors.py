@@ -48,6 +48,10 @@ class ConfigError(ValueError):
             msg += " Valid choices: " + ", ".join(str(c) for c in self.choices) + "."
         return msg
 
+    def __reduce__(self):
+        # picklable with its fields (Ray sends a worker's exception to the process that waits on it)
+        return (type(self), (self.path, self.reason, self.value, self.choices))
+
     def prefixed(self, prefix: str) -> "ConfigError":
         """The same error with ``prefix`` prepended to its path (for nested validation)."""
         if not prefix:

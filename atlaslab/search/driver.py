@@ -33,6 +33,9 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")
 os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "2")     # experiment state: small, save it often
 os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+# trials on several workers run Ray Train's TorchTrainer inside a Tune trial, which needs Ray Train V2 (on by
+# default in recent Ray releases; earlier ones need the switch); the trials inherit it from a Ray started here
+os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "100")
 # Ray runs workers at niceness 15 by default, so on a shared machine any other process starves the trials;
 # trials are this program's main work (a local Ray started here only; a cluster keeps its own setting)
@@ -201,11 +204,20 @@ def _trial_dirname(trial) -> str:
     return str(t["key"]) if t else str(trial.trial_id)
 
 
+#: what the Tune trial of a trial on several workers asks for: no CPU (it only coordinates its Ray Train
+#: workers, which ask for the trial's CPUs and GPUs), and memory, since Tune needs some resource
+COORDINATOR_MEMORY = 512 * 2**20
+
+
 def _trainable(exp: ExperimentConfig):
+    """``run_trial`` with the trial's resources (see :data:`COORDINATOR_MEMORY` for several workers)."""
     from ray import tune
-    res = {"cpu": float(exp.resources.cpus_per_trial)}
-    if exp.resources.gpus_per_trial:
-        res["gpu"] = float(exp.resources.gpus_per_trial)
+    if exp.resources.workers_per_trial > 1:
+        res = {"cpu": 0.0, "memory": COORDINATOR_MEMORY}
+    else:
+        res = {"cpu": float(exp.resources.cpus_per_trial)}
+        if exp.resources.gpus_per_trial:
+            res["gpu"] = float(exp.resources.gpus_per_trial)
     # a search trial builds its config from the sampled params with the experiment the driver validated
     fn = tune.with_parameters(run_trial, experiment=exp) if exp.kind == "search" else run_trial
     return tune.with_resources(fn, res)
@@ -409,8 +421,10 @@ def _tuner(p: Prepared, run_dir: Path, state: Dict[str, Any], resume: bool, num_
     from atlaslab.search.progress import Progress
     exp = p.exp
     tracking = state.get("tracking") or {}
+    r = exp.resources
     meta = {"name": exp.name, "kind": exp.kind, "metric": exp.metric, "mode": exp.mode,
-            "imports": exp.imports, "cpus_per_trial": exp.resources.cpus_per_trial, "tracking": tracking}
+            "imports": exp.imports, "cpus_per_trial": r.cpus_per_trial, "gpus_per_trial": r.gpus_per_trial,
+            "workers_per_trial": r.workers_per_trial, "tracking": tracking}
     p.trials_for_tune = [dict(t) for t in p.trials]   # type: ignore[attr-defined]
     progress = Progress(exp.name, exp.metric, exp.mode, tracking, "stderr" if quiet else "stdout", total)
     if resume:

@@ -69,6 +69,9 @@ class TrialConfigError(ConfigError):
     def _format(self) -> str:
         return f"trial {self.trial}: " + super()._format()
 
+    def __reduce__(self):
+        return (type(self), (self.trial, self.path, self.reason, self.value, self.choices))
+
     def prefixed(self, prefix: str) -> "TrialConfigError":  # pragma: no cover - not nested further
         return self
 
@@ -427,6 +430,11 @@ class Validator:
             tcfg = resolve_train_config(cfg["train"], "train")
         except ConfigError as exc:
             raise TrialConfigError.wrap(tid, exc) from None
+        workers = self.exp.resources.workers_per_trial
+        if tcfg.batch_size % workers:
+            raise TrialConfigError(tid, "train.batch_size", f"{tcfg.batch_size} does not split over the "
+                                   f"{workers} workers of resources.workers_per_trial: the global batch must be a "
+                                   f"multiple of it.", value=tcfg.batch_size)
         split, _, name = self.exp.metric.partition("/")
         valid_splits = [tcfg.eval_split, tcfg.test_split, "train"]
         if split not in valid_splits:

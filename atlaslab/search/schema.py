@@ -32,7 +32,7 @@
     mode: max
     max_concurrent: 2
     max_failures: 1                          # Ray retries of a trial that raised
-    resources: {cpus_per_trial: 1, gpus_per_trial: 0}
+    resources: {cpus_per_trial: 1, gpus_per_trial: 0, workers_per_trial: 1}   # >1: Ray Train workers (DDP)
     tracking: {uri: null, experiment: null}  # MLflow (default: sqlite in the run folder)
     report: {metrics: [test/accuracy]}
 
@@ -196,13 +196,23 @@ class SchedulerNode:
 
 @dataclass
 class ResourcesNode:
+    """What one trial takes. With ``workers_per_trial: N > 1`` the trial trains on N Ray Train workers (one
+    data-parallel process each) that share its CPUs evenly and have one GPU each (``gpus_per_trial`` 0 or N)."""
+
     cpus_per_trial: float = 1.0
     gpus_per_trial: float = 0.0
+    workers_per_trial: int = 1
 
     def check(self) -> None:
         if not self.cpus_per_trial > 0:
             raise ConfigError("cpus_per_trial", "must be > 0.", value=self.cpus_per_trial)
         check_range("gpus_per_trial", self.gpus_per_trial, 0.0, None)
+        check_range("workers_per_trial", self.workers_per_trial, 1, None)
+        n = self.workers_per_trial
+        if n > 1 and self.gpus_per_trial not in (0, n):
+            raise ConfigError("gpus_per_trial", f"a trial on {n} workers takes one GPU per worker: "
+                              f"gpus_per_trial must be 0 or {n} (workers_per_trial), got {self.gpus_per_trial!r}.",
+                              value=self.gpus_per_trial, choices=["0", str(n)])
 
 
 @dataclass

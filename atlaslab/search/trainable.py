@@ -10,6 +10,11 @@ reported or logged twice. The last report has ``final: 1`` and the trial's ``sta
 * ``diverged`` — a non-finite loss or gradient: reported (metric NaN, ``failed: 1``, ``message``) and
   marked FAILED in MLflow, without an exception, so Ray does not retry a deterministic failure.
 
+With ``resources.workers_per_trial > 1`` the loop runs on that many Ray Train workers
+(:mod:`atlaslab.search.workers`); this function still restores, logs, reports and checkpoints, from rank 0's
+metrics and checkpoints, and the final report adds ``workers`` and ``param_digests`` (one digest of the
+parameters per worker: they are the same).
+
 An exception (a bug, an out-of-memory) propagates: Ray retries it ``max_failures`` times from the last
 checkpoint and then records the trial as errored; its MLflow run is ended FAILED with the error.
 """
@@ -66,7 +71,11 @@ def run_trial(config: Dict[str, Any], experiment: Optional[ExperimentConfig] = N
             mlrun.log_config({k: v for k, v in trial.items() if k != "model_config"},
                              {"model": model.resolved.to_dict(), "task": task.info(), "train": tcfg.to_dict()})
         reporter = _Reporter(mlrun, work, tcfg, reported_step=restored, t_start=t_start)
-        result = train(model, task, tcfg, callback=reporter, checkpoint_dir=work)
+        if int(meta.get("workers_per_trial", 1)) > 1:
+            from atlaslab.search.workers import train_on_workers
+            result = train_on_workers(trial, meta, work, reporter)
+        else:
+            result = train(model, task, tcfg, callback=reporter, checkpoint_dir=work)
         final, status, tags = _final_result(result, meta, trial, reporter)
         if mlrun is not None:
             mlrun.log({k: v for k, v in final.items() if k in ("failed", "wall_time_s", "setup_s")}, result.steps)
@@ -189,6 +198,11 @@ def _final_result(result: TrainResult, meta: Mapping[str, Any], trial: Mapping[s
              "message": result.message, "failed": int(result.diverged), "wall_time_s": result.wall_time_s,
              "setup_s": reporter.setup_s, "t_start": reporter.t_start, "t_end": time.time(), "node_id": _node_id(),
              "num_parameters": info.get("num_parameters", 0), "state_size": info.get("state_size", 0)}
+    if result.resumed_from is not None:           # the step the loop resumed from (a restored trial)
+        final["resumed_from"] = result.resumed_from
+    if "workers" in result.model_info:           # trained on several Ray Train workers
+        final["workers"] = result.model_info["workers"]
+        final["param_digests"] = ",".join(result.model_info["param_digests"])
     if result.best:
         final["best_value"] = result.best.get("value")
         final["best_step"] = result.best.get("step")

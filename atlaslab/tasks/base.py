@@ -138,9 +138,17 @@ class TaskConfig(PartConfig):
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy (float32) over positions whose target is not IGNORE_INDEX."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                           ignore_index=IGNORE_INDEX)
+    """Mean cross-entropy over positions whose target is not IGNORE_INDEX, in float32 (float64 logits stay
+    float64, so equivalence tests in double precision see the loss in double precision too)."""
+    if logits.dtype != torch.float64:
+        logits = logits.float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX)
+
+
+def scored_tokens(targets: torch.Tensor) -> torch.Tensor:
+    """How many positions of ``targets`` are scored (not IGNORE_INDEX): the count :func:`cross_entropy`
+    averages over (a 0-d long tensor on ``targets``' device)."""
+    return (targets != IGNORE_INDEX).sum()
 
 
 class Task:
@@ -277,6 +285,12 @@ class Task:
         """Training loss: mean cross-entropy over ``batch.train_targets``."""
         return cross_entropy(logits, batch.train_targets)
 
+    def loss_weight(self, batch: Batch) -> torch.Tensor:
+        """How many terms :meth:`loss` averages over for ``batch`` (a 0-d tensor): the weight that makes the
+        losses of a batch's shards add up to the loss of the whole batch, ``Σ_r w_r·loss_r / Σ_r w_r``, as
+        data-parallel training needs. A task that overrides :meth:`loss` overrides this with it."""
+        return scored_tokens(batch.train_targets)
+
     # -- evaluation --------------------------------------------------------------------------------
     def slice_name(self, key: str, value: int) -> str:
         """The label of slice ``key = value`` in metric names (``kv_4``)."""
@@ -399,4 +413,5 @@ def resolve_task(node: Any, path: str = "task") -> PartConfig:
 
 
 __all__ = ["Batch", "CachedWrapperMixin", "ConfigError", "Example", "IGNORE_INDEX", "SPLITS", "Task",
-           "TaskConfig", "build_task", "cross_entropy", "make_rng", "resolve_task", "split_id", "stable_int"]
+           "TaskConfig", "build_task", "cross_entropy", "make_rng", "resolve_task", "scored_tokens", "split_id",
+           "stable_int"]

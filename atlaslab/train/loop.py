@@ -28,6 +28,9 @@
   with the same directory resumes from it (a finished run returns its stored result at once); a run
   killed at any point and resumed ends with the same metrics as an uninterrupted one (CPU, same seed).
   Resuming with different settings (other than ``RESUMABLE_CHANGES``) or a different task is an error.
+* Data parallelism (``parallel``, a :class:`~atlaslab.train.parallel.DataParallel`): the same loop in each
+  process of a ``torch.distributed`` group, each on its shard of the global batch, gradients averaged by
+  DDP; rank 0 alone evaluates, calls the callback and writes the checkpoint (see :mod:`atlaslab.train.parallel`).
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ from torch import nn
 from atlaslab.registry import ConfigError
 from atlaslab.tasks.base import Task, build_task
 from atlaslab.train.config import TrainConfig, config_diff, lr_at, resolve_train_config
+from atlaslab.train.parallel import DataParallel
 
 Callback = Callable[[Dict[str, float], int], Optional[bool]]
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -169,12 +173,14 @@ def _better(a: float, b: Optional[float], mode: str) -> bool:
 # the loop
 # --------------------------------------------------------------------------------------------------
 def train(model: nn.Module, task: Any, cfg: Any = None, callback: Optional[Callback] = None,
-          checkpoint_dir: Optional[Union[str, Path]] = None, **overrides: Any) -> TrainResult:
+          checkpoint_dir: Optional[Union[str, Path]] = None, parallel: Optional[DataParallel] = None,
+          **overrides: Any) -> TrainResult:
     """Train ``model`` on ``task`` with ``cfg`` (a TrainConfig, a mapping, or None for defaults; keyword
-    ``overrides`` apply on top). See the module docstring for data, metrics, early stopping and resume."""
+    ``overrides`` apply on top). See the module docstring for data, metrics, early stopping and resume;
+    ``parallel`` trains this process's shard of a data-parallel group."""
     cfg = resolve_train_config(cfg, **overrides)
     task = _token_task(task)
-    run = _Run.start(model, task, cfg, Path(checkpoint_dir) if checkpoint_dir is not None else None)
+    run = _Run.start(model, task, cfg, Path(checkpoint_dir) if checkpoint_dir is not None else None, parallel)
     if run.state["status"] != "running":          # a finished run: its stored result
         return run.result()
     run.t_start = time.time() - run.state["elapsed"]
@@ -223,9 +229,13 @@ class _Run:
     :func:`train` share, checkpoint and turn into the :class:`TrainResult`."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, task: Task, cfg: TrainConfig,
-                 device: torch.device, ckpt_dir: Optional[Path], task_info: Dict[str, Any]):
+                 device: torch.device, ckpt_dir: Optional[Path], task_info: Dict[str, Any],
+                 parallel: Optional[DataParallel] = None):
         self.module, self.optimizer, self.task, self.cfg = module, optimizer, task, cfg
         self.device, self.ckpt_dir, self.task_info = device, ckpt_dir, task_info
+        self.parallel = parallel
+        self.is_main = parallel is None or parallel.is_main
+        self.forward_module = module           # what training steps call (DDP around ``module`` when parallel)
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         self.model_info = {"num_parameters": num_parameters(module)}
         metric = cfg.early_stop_metric or task.primary_metric
@@ -240,10 +250,13 @@ class _Run:
         self.autocast_dtype = torch.bfloat16 if (cfg.precision == "bf16" and device.type == "cuda") else None
 
     @classmethod
-    def start(cls, model: nn.Module, task: Task, cfg: TrainConfig, ckpt_dir: Optional[Path]) -> "_Run":
+    def start(cls, model: nn.Module, task: Task, cfg: TrainConfig, ckpt_dir: Optional[Path],
+              parallel: Optional[DataParallel] = None) -> "_Run":
         """Set a run up: the device; the checkpoint in ``ckpt_dir`` checked and restored, or else torch's RNG
         seeded with ``cfg.seed`` (before the task wraps the model, so a task head is seeded too); the wrapped
-        module on the device and its optimiser."""
+        module on the device and its optimiser (and, data-parallel, in DDP once restored)."""
+        if parallel is not None:
+            parallel.check_batch_size(cfg.batch_size)
         device = resolve_device(cfg.device)
         ckpt = load_checkpoint(ckpt_dir, map_location="cpu") if ckpt_dir is not None else None
         task_info = task.info()
@@ -254,13 +267,15 @@ class _Run:
         module = task.wrap(model)
         module.to(device)
         module.train()
-        run = cls(module, make_optimizer(module, cfg), task, cfg, device, ckpt_dir, task_info)
+        run = cls(module, make_optimizer(module, cfg), task, cfg, device, ckpt_dir, task_info, parallel)
         if ckpt is not None:
             module.load_state_dict(ckpt["model"])
             run.optimizer.load_state_dict(ckpt["optimizer"])
             run.state = ckpt["state"]
             _set_rng_state(ckpt["rng"])
             run.resumed_from = run.state["step"]
+        if parallel is not None:
+            run.forward_module = parallel.wrap(module, device)
         return run
 
     def result(self) -> TrainResult:
@@ -275,8 +290,8 @@ class _Run:
                            model_info=self.model_info, model=self.module)
 
     def save(self) -> None:
-        """Write the checkpoint atomically (nothing without a checkpoint directory)."""
-        if self.ckpt_dir is None:
+        """Write the checkpoint atomically (nothing without a checkpoint directory, or on a rank other than 0)."""
+        if self.ckpt_dir is None or not self.is_main:
             return
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         self.state["elapsed"] = time.time() - self.t_start
@@ -285,12 +300,16 @@ class _Run:
                       "rng": _rng_state(), "state": self.state}, self.ckpt_dir / CHECKPOINT_NAME)
 
     def evaluate(self, split: str, lengths=None) -> Dict[str, float]:
-        """The task's metrics on ``split`` (under a forked RNG, so evaluating never shifts training)."""
+        """The task's metrics on ``split`` (under a forked RNG, so evaluating never shifts training);
+        data-parallel, rank 0 evaluates and every rank gets its metrics."""
         device = self.device
-        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device.type == "cuda" else []):
-            return self.task.evaluate(self.module, split=split, n_examples=self.cfg.eval_examples or None,
-                                      batch_size=self.eval_bs, lengths=lengths, device=device,
-                                      autocast_dtype=self.autocast_dtype)
+        metrics = None
+        if self.is_main:
+            with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device.type == "cuda" else []):
+                metrics = self.task.evaluate(self.module, split=split, n_examples=self.cfg.eval_examples or None,
+                                             batch_size=self.eval_bs, lengths=lengths, device=device,
+                                             autocast_dtype=self.autocast_dtype)
+        return metrics if self.parallel is None else self.parallel.broadcast(metrics)
 
 
 def _loop(run: _Run, callback: Optional[Callback]) -> None:
@@ -328,19 +347,25 @@ def _train_step(run: _Run) -> Optional[float]:
     loss or the gradient norm is not finite: the run is then ``diverged`` and the parameters are not updated."""
     cfg, task, state = run.cfg, run.task, run.state
     step = state["step"]
-    batch = task.batch("train", step, cfg.batch_size, seed=cfg.seed).to(run.device, non_blocking=True)
+    batch = task.batch("train", step, cfg.batch_size, seed=cfg.seed)
+    if run.parallel is not None:
+        batch = run.parallel.shard(batch)
+    batch = batch.to(run.device, non_blocking=True)
     lr = lr_at(cfg, step)
     for g in run.optimizer.param_groups:
         g["lr"] = lr
     with _autocast(cfg, run.device):
-        logits = run.module(batch.inputs)
+        logits = run.forward_module(batch.inputs)
     if not run.checked_shapes:
         if logits.shape[:2] != batch.inputs.shape or logits.shape[-1] < task.vocab_size:
             raise ValueError(f"the model maps tokens {tuple(batch.inputs.shape)} to {tuple(logits.shape)}; "
                              f"task {task.name} needs logits [B, T, ≥{task.vocab_size}]")
         run.checked_shapes = True
     loss = task.loss(logits, batch)
-    loss_v = float(loss.item())
+    if run.parallel is None:
+        loss_v = float(loss.item())
+    else:                                  # this shard's share of the global mean; loss_v: the global mean
+        loss, loss_v = run.parallel.global_loss(loss, task.loss_weight(batch), logits)
     if not math.isfinite(loss_v):
         state.update(status="diverged", diverged_at=step + 1, message=f"diverged at step {step + 1} (loss = {loss_v})")
         return None
@@ -396,7 +421,10 @@ def _emit(run: _Run, record: Dict[str, float], step: int, callback: Optional[Cal
     """Add ``record`` to the history and pass it to the callback; a callback returning True stops the run."""
     state = run.state
     state["history"].append({"step": step, **record})
-    if callback is not None and callback(dict(record), step) is True and state["status"] == "running":
+    stop = run.is_main and callback is not None and callback(dict(record), step) is True
+    if run.parallel is not None:           # every rank stops when rank 0's callback says so
+        stop = run.parallel.broadcast(stop)
+    if stop and state["status"] == "running":
         state["status"] = "stopped"
         state["message"] = f"stopped by the callback at step {step}"
 
@@ -404,7 +432,7 @@ def _emit(run: _Run, record: Dict[str, float], step: int, callback: Optional[Cal
 def _progress_bar(run: _Run):
     """A tqdm bar (``progress: always``, or ``auto`` on a terminal), else None."""
     cfg = run.cfg
-    if not (cfg.progress == "always" or (cfg.progress == "auto" and sys.stdout.isatty())):
+    if not run.is_main or not (cfg.progress == "always" or (cfg.progress == "auto" and sys.stdout.isatty())):
         return None
     from tqdm.auto import tqdm
     return tqdm(total=cfg.steps, initial=run.state["step"], desc=run.task.name, dynamic_ncols=True, file=sys.stdout)
@@ -434,7 +462,7 @@ def _finish(run: _Run, callback: Optional[Callback]) -> None:
                           for k, v in run.evaluate(cfg.test_split, cfg.test_lengths).items()})
         state["final"] = final
         state["history"].append({"step": state["step"], **final})
-        if callback is not None:
+        if callback is not None and run.is_main:
             callback(dict(final), state["step"])
     state["elapsed"] = time.time() - run.t_start
     run.save()

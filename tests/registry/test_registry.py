@@ -93,6 +93,18 @@ def test_incompatible_combinations_are_rejected(node, path, needle):
     assert err.value.choices
 
 
+def test_config_errors_survive_pickling():
+    """Ray pickles a worker's exception to the process waiting on it; the error must arrive whole."""
+    import pickle
+
+    from atlaslab.search.expand import TrialConfigError
+    for err in (ConfigError("train.device", "CUDA is not available.", value="cuda", choices=["auto", "cpu"]),
+                TrialConfigError("t001 (x)", "train.batch_size", "does not split.", value=6)):
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err) and str(back) == str(err)
+        assert (back.path, back.reason, back.value, back.choices) == (err.path, err.reason, err.value, err.choices)
+
+
 def test_dimension_checks_happen_at_build_with_a_path():
     # a residual MLP cannot add a 4-dim input to polynomial features of another size
     with pytest.raises(ConfigError) as err:
