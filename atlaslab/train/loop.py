@@ -25,7 +25,8 @@
 * Checkpoints (``checkpoint_dir``): ``checkpoint.pt`` is written atomically every
   ``checkpoint_interval`` steps and at the end, holding the module, the optimiser, the step, the RNG
   states, the partial metric accumulators, the history, the settings and the task's data cursor
-  (:meth:`~atlaslab.tasks.Task.data_state`, for a streamed corpus). Calling :func:`train` again
+  (:meth:`~atlaslab.tasks.Task.data_state`, for a streamed corpus), and the resolved model config of an
+  atlaslab language model (``model_config``, what :mod:`atlaslab.eval` rebuilds it from). Calling :func:`train` again
   with the same directory resumes from it (a finished run returns its stored result at once); a run
   killed at any point and resumed ends with the same metrics as an uninterrupted one (CPU, same seed).
   Resuming with different settings (other than ``RESUMABLE_CHANGES``) or a different task is an error.
@@ -144,6 +145,13 @@ def _save_atomic(obj: Any, path: Path) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     torch.save(obj, tmp)
     os.replace(tmp, path)
+
+
+def _model_config(module: nn.Module) -> Optional[Dict[str, Any]]:
+    """The resolved config of an atlaslab :class:`~atlaslab.models.LanguageModel` (what rebuilds it from a
+    checkpoint, e.g. for :mod:`atlaslab.eval`); None for another module."""
+    resolved = getattr(module, "resolved", None)
+    return resolved.to_dict() if hasattr(resolved, "to_dict") else None
 
 
 def load_checkpoint(checkpoint_dir: Union[str, Path], map_location: Any = "cpu") -> Optional[Dict[str, Any]]:
@@ -284,7 +292,8 @@ class _Run:
         self.state["elapsed"] = time.time() - self.t_start
         _save_atomic({"version": CHECKPOINT_VERSION, "config": self.cfg.to_dict(), "task": self.task_info,
                       "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                      "rng": _rng_state(), "state": self.state, "data": self.task.data_state()},
+                      "rng": _rng_state(), "state": self.state, "data": self.task.data_state(),
+                      "model_config": _model_config(self.module)},
                      self.ckpt_dir / CHECKPOINT_NAME)
 
     def evaluate(self, split: str, lengths=None) -> Dict[str, float]:
