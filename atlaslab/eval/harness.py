@@ -49,6 +49,8 @@ class AtlaslabLM(LM):
         elif tokenizer is None:
             raise ConfigError("model_args", "a model object needs its tokenizer.")
         self.model, self.tok = model, tokenizer
+        if device and str(device).startswith("cuda") and not torch.cuda.is_available():
+            device = "cpu"          # lm-eval's command line defaults to cuda, as its Hugging Face model does
         self._device = torch.device(device) if device else next(model.parameters()).device
         self.model.to(self._device)
         self.batch_size = 16 if str(batch_size).startswith("auto") else int(batch_size)
