@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
-from atlaslab.registry import ConfigError, check_range, validate_structured
+from atlaslab.registry import ConfigError, check_range, local_path, validate_structured
 from atlaslab.tasks.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
 
 PREFIX = "lm_eval"
@@ -60,7 +60,7 @@ class LMEvalConfig:
         check_range("max_length", self.max_length, 0, None)
         check_range("max_gen_toks", self.max_gen_toks, 1, None)
         check_range("bootstrap_iters", self.bootstrap_iters, 0, None)
-        if self.include_path and not Path(self.include_path).expanduser().is_dir():
+        if self.include_path and not Path(local_path(self.include_path)).is_dir():
             raise ConfigError("include_path", f"no such folder {self.include_path!r}.", value=self.include_path)
         if not self.builtin_tasks and not self.include_path:
             raise ConfigError("builtin_tasks", "with builtin_tasks: false, give include_path (the local tasks).",
@@ -75,7 +75,7 @@ def _require_lm_eval(path: str) -> None:
 def task_manager(include_path: str = "", builtin_tasks: bool = True):
     """lm-eval's task index: its own tasks (``builtin_tasks``) and the YAMLs under ``include_path``."""
     from lm_eval.tasks import TaskManager
-    return TaskManager(include_path=str(Path(include_path).expanduser()) if include_path else None,
+    return TaskManager(include_path=local_path(include_path) if include_path else None,
                        include_defaults=builtin_tasks)
 
 

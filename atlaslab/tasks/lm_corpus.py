@@ -48,7 +48,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import numpy as np
 import torch
 
-from atlaslab.registry import ConfigError, check_choice, check_range, register, resolve_part, to_container
+from atlaslab.registry import ConfigError, check_choice, check_range, local_path, register, resolve_part, to_container
 from atlaslab.tasks.base import Batch, Example, Task, TaskConfig, make_rng
 from atlaslab.tasks.packing import RowPacker, TokenStream
 from atlaslab.tasks.tokenizer import build_tokenizer
@@ -66,6 +66,15 @@ def _held_out_u(indices: np.ndarray) -> np.ndarray:
     return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
+def _local_files(data_files: Any) -> Any:
+    """``data_files`` with every file name made absolute (:func:`atlaslab.registry.local_path`)."""
+    if data_files is None or isinstance(data_files, str):
+        return local_path(data_files) if data_files else data_files
+    if isinstance(data_files, dict):
+        return {k: _local_files(v) for k, v in data_files.items()}
+    return [local_path(str(f)) for f in data_files]
+
+
 def _files(data_files: Any) -> List[str]:
     """Every file name in a ``data_files`` node (a string, a list, or a mapping split → either)."""
     if data_files is None:
@@ -78,7 +87,7 @@ def _files(data_files: Any) -> List[str]:
 
 
 def _is_saved_dataset(path: str) -> bool:
-    p = Path(os.path.expanduser(path))
+    p = Path(local_path(path))
     return p.is_dir() and ((p / "dataset_dict.json").is_file() or (p / "state.json").is_file())
 
 
@@ -112,11 +121,11 @@ class LMCorpus(Task):
             if not self.path:
                 raise ConfigError("path", "lm_corpus needs path: a builder over local files (with data_files), "
                                   "a save_to_disk folder or a hub name.", choices=list(BUILDERS))
-            files = _files(to_container(self.data_files))
+            files = _files(_local_files(to_container(self.data_files)))
             if self.path in BUILDERS and not files:
                 raise ConfigError("data_files", f"the '{self.path}' builder reads local files: give data_files.")
             for i, f in enumerate(files):
-                if not glob.glob(os.path.expanduser(f)) and "://" not in f:
+                if not glob.glob(f) and "://" not in f:
                     raise ConfigError("data_files", f"no file matches {f!r}.", value=f)
             check_choice("boundaries", self.boundaries, ("packed", "mask"))
             for name in ("val", "test"):
@@ -191,15 +200,17 @@ class LMCorpus(Task):
                               value=c.path) from None
         try:
             if _is_saved_dataset(c.path):
-                ds = datasets.load_from_disk(os.path.expanduser(c.path))
+                ds = datasets.load_from_disk(local_path(c.path))
                 if isinstance(ds, datasets.DatasetDict):
                     if split_name not in ds:
                         raise ConfigError("task.split", f"{c.path!r} has no split {split_name!r}.",
                                           value=split_name, choices=list(ds))
                     ds = ds[split_name]
                 return ds.to_iterable_dataset() if streaming else ds
-            ds = datasets.load_dataset(c.path, name=c.name or None, data_files=to_container(c.data_files) or None,
-                                       split=split_name, streaming=streaming, cache_dir=c.cache_dir or None)
+            path = local_path(c.path) if Path(local_path(c.path)).exists() else c.path   # a local folder, or a name
+            ds = datasets.load_dataset(path, name=c.name or None, data_files=_local_files(to_container(c.data_files)),
+                                       split=split_name, streaming=streaming,
+                                       cache_dir=local_path(c.cache_dir) if c.cache_dir else None)
         except ConfigError:
             raise
         except (ValueError, KeyError) as exc:

@@ -33,7 +33,7 @@ from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
-from atlaslab.registry import ConfigError, PartConfig, check_range, get_registry, register, resolve_part
+from atlaslab.registry import ConfigError, PartConfig, check_range, get_registry, local_path, register, resolve_part
 
 #: end-of-text tokens looked for (in this order) when an ``hf`` tokenizer's EOS is not named
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[SEP]")
@@ -201,12 +201,12 @@ class HFTokenizer(_TokenizersBackend):
             if self.backend not in ("auto", "tokenizers", "transformers"):
                 raise ConfigError("backend", f"bad value {self.backend!r}.", value=self.backend,
                                   choices=["auto", "tokenizers", "transformers"])
-            if not Path(os.path.expanduser(self.path)).exists():
+            if not Path(local_path(self.path)).exists():
                 raise ConfigError("path", f"no such file or directory {self.path!r}.", value=self.path)
 
     def __init__(self, cfg, **context):
         super().__init__(cfg, **context)
-        p = Path(os.path.expanduser(cfg.path))
+        p = Path(local_path(cfg.path))
         file = p if p.is_file() else p / "tokenizer.json"
         if cfg.backend == "transformers" or (cfg.backend == "auto" and not file.is_file()):
             self._load_transformers(p)
@@ -318,7 +318,7 @@ class LocalBPETokenizer(_TokenizersBackend):
                           "min_frequency": cfg.min_frequency, "val_fraction": cfg.val_fraction,
                           "test_fraction": cfg.test_fraction, "tokenizers": tokenizers.__version__}, sort_keys=True)
         digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-        root = Path(os.path.expanduser(cfg.cache_dir)) if cfg.cache_dir else cache_root()
+        root = Path(local_path(cfg.cache_dir)) if cfg.cache_dir else cache_root()
         self.path = root / f"bpe_{Path(cfg.corpus).stem}_{cfg.vocab_size}_{digest}.json"
         if self.path.is_file():
             tok = HFTok.from_file(str(self.path))

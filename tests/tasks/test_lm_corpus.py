@@ -49,11 +49,12 @@ def _node(data, **kw):
     return node
 
 
-def _tiny_lm(vocab_size, seed=0):
+def _tiny_lm(vocab_size, seed=0, memory=True):
     """Attention and a Gated-DeltaNet-style memory layer (short convolution included): both take packed rows."""
     torch.manual_seed(seed)
     return LanguageModel({
-        "vocab_size": vocab_size, "d_model": 16, "num_layers": 2, "layers": ["attn", "mem"],
+        "vocab_size": vocab_size, "d_model": 16, "num_layers": 2 if memory else 1,
+        "layers": ["attn", "mem"] if memory else ["attn"],
         "mixers": {"attn": {"name": "attention", "num_heads": 2},
                    "mem": {"name": "memory", "num_heads": 2, "memory": {
                        "memory": {"name": "linear"}, "attentional_bias": {"name": "l2"},
@@ -268,20 +269,20 @@ def test_a_resumed_run_sees_exactly_the_rows_it_had_not_seen(data, tmp_path, str
     """bpe_local end to end through the training loop: N steps, against N/2 + a kill + a resume of the rest."""
     node = _node(data, streaming=streaming, eval_examples=4, shuffle_buffer=16)
     cfg = dict(steps=8, batch_size=3, lr=1e-2, eval_interval=4, log_interval=1, checkpoint_interval=4, seed=1)
-    ref_model = Recorder(_tiny_lm(512))
+    ref_model = Recorder(_tiny_lm(512, memory=False))
     ref = train(ref_model, build_task(node), cfg)
     assert ref.metrics["train/loss"] < np.log(512) and {"test/loss", "test/ppl", "test/bpb"} <= set(ref.metrics)
 
     def kill_at_6(metrics, step):
         if step >= 6:
             raise Killed()
-    first = Recorder(_tiny_lm(512))
+    first = Recorder(_tiny_lm(512, memory=False))
     with pytest.raises(Killed):
         train(first, build_task(node), cfg, callback=kill_at_6, checkpoint_dir=tmp_path)
     starts = []
     texts = LMCorpus._texts
     monkeypatch.setattr(LMCorpus, "_texts", lambda self, ds, start=0: (starts.append(start), texts(self, ds, start))[1])
-    second = Recorder(_tiny_lm(512, seed=5))
+    second = Recorder(_tiny_lm(512, seed=5, memory=False))
     res = train(second, build_task(node), cfg, checkpoint_dir=tmp_path)
     assert res.resumed_from == 4 and len(first.seen) == 6 and len(second.seen) == 4
     for (x, cx), (y, cy) in zip(ref_model.seen, first.seen[:4] + second.seen):
@@ -289,3 +290,14 @@ def test_a_resumed_run_sees_exactly_the_rows_it_had_not_seen(data, tmp_path, str
     assert res.metrics == ref.metrics
     if streaming:                              # the cursor was restored, not the stream replayed from its start
         assert starts and starts[0] > 0
+
+
+def test_relative_paths_are_taken_from_the_experiment_folder(data, tmp_path, monkeypatch):
+    """Ray workers run in their trial folders; the driver's folder (ATLASLAB_BASE_DIR) anchors relative paths."""
+    monkeypatch.chdir(tmp_path)
+    node = _node(data, data_files="train.jsonl", tokenizer="byte", cache_dir="hf")
+    with pytest.raises(ConfigError, match=r"task\.data_files: no file matches"):
+        build_task(node)
+    monkeypatch.setenv("ATLASLAB_BASE_DIR", str(data))
+    task = build_task(node)
+    assert task.num_train_examples() > 0 and task.stream("train").num_documents > 80
