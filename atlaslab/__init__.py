@@ -7,7 +7,7 @@ and point into those pages.
 The package is built in floors, each importing only the ones below it:
 
     registry  →  kernels (GPU kernels)  →  memory (the six parts and their state)  →  engines (``memorize``)
-    →  models (layers, blocks, LM, presets)  →  tasks  →  train  →  search  →  cli
+    →  models (layers, blocks, LM, presets)  →  tasks  →  train  →  eval  →  search  →  cli
 """
 from atlaslab.memory import MemoryParts, MemorySpec, build_memory, resolve_memory_spec
 from atlaslab.engines import memorize

@@ -1,9 +1,10 @@
 """Component registries, structured configs and validation."""
-from atlaslab.registry.config import build_part, check_choice, check_range, resolve_part, to_container, validate_structured
+from atlaslab.registry.config import (build_part, check_choice, check_range, local_path, resolve_part, to_container,
+                                      validate_structured)
 from atlaslab.registry.errors import ConfigError
 from atlaslab.registry.registry import KINDS, REGISTRIES, Entry, PartConfig, Registry, get_registry, list_parts, register
 
 __all__ = [
     "ConfigError", "Entry", "KINDS", "PartConfig", "REGISTRIES", "Registry", "build_part", "check_choice",
-    "check_range", "get_registry", "list_parts", "register", "resolve_part", "to_container", "validate_structured",
+    "check_range", "get_registry", "local_path", "list_parts", "register", "resolve_part", "to_container", "validate_structured",
 ]

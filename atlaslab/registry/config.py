@@ -7,6 +7,8 @@ the bad value and the valid choices. Nothing is built and nothing runs before th
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 from typing import Any, Mapping, Tuple
 
 from omegaconf import DictConfig, OmegaConf
@@ -117,3 +119,19 @@ def check_range(field: str, value: Any, low: Any = None, high: Any = None, what:
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f"[{'-inf' if low is None else low}, {'inf' if high is None else high}]"
         raise ConfigError(field, f"bad value {value!r}: {what or 'must lie in'} {bounds}.", value=value)
+
+
+#: where relative user paths are resolved (the experiment driver sets it for Ray workers, which run in trial folders)
+BASE_DIR_ENV = "ATLASLAB_BASE_DIR"
+
+
+def local_path(path: str) -> str:
+    """A user-given file path: ``~`` expanded; a relative one taken from ``$ATLASLAB_BASE_DIR`` (the folder the
+    experiment was started from) or else the working folder. URLs (``scheme://``) are returned as they are."""
+    if not path or "://" in path:
+        return path
+    p = Path(os.path.expanduser(path))
+    if not p.is_absolute():
+        p = Path(os.environ.get(BASE_DIR_ENV) or os.getcwd()) / p
+    return str(p)
+

@@ -37,6 +37,7 @@ KINDS = (
     "mixer",
     "block",
     "task",
+    "tokenizer",
 )
 
 

@@ -46,6 +46,7 @@ os.environ.setdefault("DO_NOT_TRACK", "true")
 from omegaconf import OmegaConf
 
 from atlaslab.registry import ConfigError
+from atlaslab.registry.config import BASE_DIR_ENV
 from atlaslab.search import tracking as T
 from atlaslab.search.expand import Prepared, Validator, expand_grid, protocol_points, trial_from_params
 from atlaslab.search.formatting import fmt_value, human_count
@@ -177,6 +178,7 @@ class RaySession:
         pp = os.environ.get("PYTHONPATH", "")
         if cwd not in pp.split(os.pathsep):
             os.environ["PYTHONPATH"] = cwd + (os.pathsep + pp if pp else "")
+        os.environ[BASE_DIR_ENV] = cwd     # relative data / tokenizer / task paths (registry.local_path)
         if ray.is_initialized():
             return self
         kw = dict(include_dashboard=False, log_to_driver=False, configure_logging=True, logging_level="ERROR")

@@ -165,7 +165,10 @@ def build_trial_config(exp: ExperimentConfig, setting: str, assignments: Sequenc
     train["seed"] = int(seed)
     train["checkpoint_interval"] = 0       # checkpoints at evaluations: the points a trial reports to Tune
     train.setdefault("progress", "never")
-    return {"model": {"preset": preset, "overrides": [list(o) for o in model_ovs]}, "task": task, "train": train}
+    out = {"model": {"preset": preset, "overrides": [list(o) for o in model_ovs]}, "task": task, "train": train}
+    if ev.get("lm_eval"):
+        out["eval"] = {"lm_eval": copy.deepcopy(ev["lm_eval"])}
+    return out
 
 
 @functools.lru_cache(maxsize=64)

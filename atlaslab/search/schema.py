@@ -6,6 +6,7 @@
       overrides: {d_model: 32, "mixers.*.mode": chunked}     # mapping or dotlist; '*' matches every mixer
     task: {name: mqar, vocab_size: 64, seq_len: 32, num_kv_pairs: [4]}   # or tasks: {setting: node, ...}
     eval: {interval: 50, examples: 256, lengths: [32, 64]}               # → train.eval_interval, …
+                                             # + lm_eval: {tasks: [...], limit: 100}: lm-eval after training
     train: {steps: 300, batch_size: 32, lr: 3e-3}                        # atlaslab.train.TrainConfig
     seeds: [0, 1]
     grid:                                    # an ablation …
@@ -55,6 +56,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import atlaslab.tasks  # noqa: F401  (registers the tasks, whose names a missing task lists)
+from atlaslab.eval.lm_eval import LMEvalConfig, resolve_lm_eval
 from atlaslab.models.presets import list_presets
 from atlaslab.registry import (
                                ConfigError,
@@ -93,6 +95,7 @@ class EvalNode:
     examples: int = 0           # → train.eval_examples (0: the task's default)
     batch_size: int = 0         # → train.eval_batch_size
     lengths: List[int] = field(default_factory=list)   # → train.test_lengths (accuracy vs length)
+    lm_eval: Optional[LMEvalConfig] = None   # lm-eval tasks run after training (atlaslab.eval.lm_eval)
 
     def check(self) -> None:
         check_range("interval", self.interval, 0, None)
@@ -100,6 +103,11 @@ class EvalNode:
         check_range("batch_size", self.batch_size, 0, None)
         for i, L in enumerate(self.lengths):
             check_range(f"lengths.{i}", L, 2, None)
+        if self.lm_eval is not None:
+            try:
+                self.lm_eval.check()
+            except ConfigError as exc:
+                raise exc.prefixed("lm_eval") from None
 
 
 @dataclass
@@ -333,6 +341,8 @@ def validate_experiment(cfg: Any, source: str = "") -> ExperimentConfig:
         _validate_search(exp, raw_search, settings)
     else:
         _validate_grid(exp, raw_grid, settings)
+    if exp.eval.lm_eval is not None:          # lm-eval installed and every task known, before any trial
+        resolve_lm_eval(exp.eval.lm_eval, "eval.lm_eval")
     return exp
 
 

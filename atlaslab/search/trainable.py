@@ -4,7 +4,9 @@ Each evaluation of the shared training loop (:func:`atlaslab.train.train`) becom
 (the metrics plus ``step``) carrying a Ray checkpoint of the loop's ``checkpoint.pt``; every metrics call
 of the loop is logged to the trial's MLflow run. A restored or retried trial starts from its last Ray
 checkpoint: the loop resumes bit-for-bit (CPU), steps already reported to Tune or logged to MLflow are not
-reported or logged twice. The last report has ``final: 1`` and the trial's ``status``:
+reported or logged twice. With an ``eval.lm_eval`` node the trained model then runs those lm-eval tasks, whose
+metrics (``lm_eval/<task>/<metric>``) join the final report and the MLflow run. The last report has ``final: 1``
+and the trial's ``status``:
 
 * ``completed`` / ``early_stopped`` (the loop's threshold) — a finished trial;
 * ``diverged`` — a non-finite loss or gradient: reported (metric NaN, ``failed: 1``, ``message``) and
@@ -76,6 +78,11 @@ def run_trial(config: Dict[str, Any], experiment: Optional[ExperimentConfig] = N
             result = train_on_workers(trial, meta, work, reporter)
         else:
             result = train(model, task, tcfg, callback=reporter, checkpoint_dir=work)
+        lm_metrics = lm_eval_after_training(result, task, (trial["config"].get("eval") or {}).get("lm_eval"))
+        if lm_metrics:
+            result.metrics.update(lm_metrics)
+            if mlrun is not None:
+                mlrun.log(lm_metrics, result.steps)
         final, status, tags = _final_result(result, meta, trial, reporter)
         if mlrun is not None:
             mlrun.log({k: v for k, v in final.items() if k in ("failed", "wall_time_s", "setup_s")}, result.steps)
@@ -189,6 +196,15 @@ class _Reporter:
         _report(rep, self.work / CHECKPOINT_NAME if prev is not None else None, step)
 
 
+def lm_eval_after_training(result: TrainResult, task: Any, node: Optional[Mapping[str, Any]]) -> Dict[str, float]:
+    """The trial's ``eval.lm_eval`` metrics (``lm_eval/<task>/<metric>``) on the trained model: {} without the
+    node or when the run diverged."""
+    if not node or result.diverged or result.model is None:
+        return {}
+    from atlaslab.eval import run_lm_eval, tokenizer_for
+    return run_lm_eval(result.model, tokenizer_for(task.info()), node, max_length=task.seq_len)
+
+
 def _final_result(result: TrainResult, meta: Mapping[str, Any], trial: Mapping[str, Any],
                   reporter: _Reporter) -> Tuple[Dict[str, Any], str, Dict[str, str]]:
     """``(final report, MLflow status, MLflow tags)`` of a finished training run; a diverged one reports its
@@ -244,4 +260,4 @@ def _report(metrics: Dict[str, Any], ckpt_file: Optional[Path], step: int, final
         tune.report(clean, checkpoint=tune.Checkpoint.from_directory(d))
 
 
-__all__ = ["run_trial"]
+__all__ = ["lm_eval_after_training", "run_trial"]

@@ -77,22 +77,30 @@ def make_rng(*keys: int) -> np.random.Generator:
 
 @dataclass
 class Example:
-    """One generated sequence. Arrays are int64 of length T."""
+    """One generated sequence. Arrays are int64 of length T; ``segments`` (packed text rows): the offsets in
+    ``[0, T)`` where a document begins, ``0`` first (:mod:`atlaslab.tasks.packing`)."""
 
     inputs: np.ndarray
     targets: np.ndarray
     loss_targets: Optional[np.ndarray] = None
     meta: Dict[str, int] = field(default_factory=dict)
+    segments: Optional[np.ndarray] = None
 
 
 @dataclass
 class Batch:
-    """A batch of examples of one length. ``inputs``/``targets``/``loss_targets``: ``[B, T]`` long."""
+    """A batch of examples of one length. ``inputs``/``targets``/``loss_targets``: ``[B, T]`` long.
+
+    ``cu_seqlens`` (rows of packed documents): ``[N + 1]`` long offsets into the ``B · T`` tokens read as one
+    packed sequence ``[1, B · T]``, one entry per document segment of every row (row starts included); the model
+    then runs each segment as its own sequence (:func:`forward_batch`). It stays on the CPU (the offsets are
+    read as Python ints)."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
     loss_targets: Optional[torch.Tensor] = None
     meta: Dict[str, torch.Tensor] = field(default_factory=dict)
+    cu_seqlens: Optional[torch.Tensor] = None
 
     @property
     def train_targets(self) -> torch.Tensor:
@@ -102,7 +110,7 @@ class Batch:
     def to(self, device: Any, non_blocking: bool = False) -> "Batch":
         mv = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
         return Batch(mv(self.inputs), mv(self.targets), mv(self.loss_targets),
-                     {k: mv(v) for k, v in self.meta.items()})
+                     {k: mv(v) for k, v in self.meta.items()}, self.cu_seqlens)
 
     def __len__(self) -> int:
         return self.inputs.shape[0]
@@ -120,7 +128,23 @@ class Batch:
                 [e.targets if e.loss_targets is None else e.loss_targets for e in examples]).astype(np.int64))
         keys = sorted({k for e in examples for k in e.meta})
         meta = {k: torch.tensor([int(e.meta.get(k, -1)) for e in examples], dtype=torch.long) for k in keys}
-        return Batch(inputs, targets, loss_targets, meta)
+        cu_seqlens = None
+        if any(e.segments is not None for e in examples):
+            T = lengths.pop()
+            offsets = [b * T + np.asarray([0] if e.segments is None else e.segments, dtype=np.int64)
+                       for b, e in enumerate(examples)]
+            cu_seqlens = torch.from_numpy(np.concatenate(offsets + [np.asarray([len(examples) * T])]))
+        return Batch(inputs, targets, loss_targets, meta, cu_seqlens)
+
+
+def forward_batch(module: nn.Module, batch: Batch) -> torch.Tensor:
+    """``module``'s logits ``[B, T, V]`` for ``batch``: ``module(inputs)``, or, for packed rows (``cu_seqlens``),
+    the ``B · T`` tokens as one packed sequence ``module(inputs.view(1, B · T), cu_seqlens=…)`` so that no
+    document sees another."""
+    if batch.cu_seqlens is None:
+        return module(batch.inputs)
+    B, T = batch.inputs.shape
+    return module(batch.inputs.reshape(1, B * T), cu_seqlens=batch.cu_seqlens).view(B, T, -1)
 
 
 @dataclass
@@ -275,6 +299,15 @@ class Task:
         for first in range(0, n, batch_size):
             yield self.sample(split, range(first, min(n, first + batch_size)), length)
 
+    def data_state(self) -> Optional[Dict[str, Any]]:
+        """Where the training data stands, for tasks whose batches are not pure functions of the step (a streamed
+        corpus' cursor): plain containers the training loop stores in its checkpoint. None (the default): nothing
+        to store."""
+        return None
+
+    def load_data_state(self, state: Optional[Dict[str, Any]]) -> None:
+        """Restore what :meth:`data_state` returned (called when a run resumes from its checkpoint)."""
+
     # -- models ------------------------------------------------------------------------------------
     def wrap(self, model: nn.Module) -> nn.Module:
         """The module that is trained and evaluated for ``model`` (identity unless the task adds a head,
@@ -295,6 +328,11 @@ class Task:
     def slice_name(self, key: str, value: int) -> str:
         """The label of slice ``key = value`` in metric names (``kv_4``)."""
         return f"{key}_{value}"
+
+    def extra_totals(self, batch: Batch, mask: torch.Tensor) -> Dict[str, float]:
+        """Task-specific sums over one evaluation batch (``mask``: the scored positions), added into the totals
+        that :meth:`extra_metrics` receives."""
+        return {}
 
     def extra_metrics(self, totals: Dict[str, float]) -> Dict[str, float]:
         """Task-specific metrics from the accumulated totals (``nll``, ``tokens``, ...)."""
@@ -334,9 +372,9 @@ class Task:
             batch = batch.to(device)
             if autocast_dtype is not None and torch.device(device).type == "cuda":
                 with torch.autocast("cuda", dtype=autocast_dtype):
-                    logits = module(batch.inputs)
+                    logits = forward_batch(module, batch)
             else:
-                logits = module(batch.inputs)
+                logits = forward_batch(module, batch)
             logits = logits.float()
             tgt = batch.targets
             mask = tgt != IGNORE_INDEX
@@ -353,6 +391,8 @@ class Task:
             tot["correct"] += n_ok.sum().item()
             tot["examples"] += has.sum().item()
             tot["exact"] += exact.sum().item()
+            for k, v in self.extra_totals(batch, mask).items():
+                tot[k] += v
             for k in self.slice_keys:
                 vals = batch.meta[k].tolist()
                 for b, v in enumerate(vals):
@@ -413,5 +453,5 @@ def resolve_task(node: Any, path: str = "task") -> PartConfig:
 
 
 __all__ = ["Batch", "CachedWrapperMixin", "ConfigError", "Example", "IGNORE_INDEX", "SPLITS", "Task",
-           "TaskConfig", "build_task", "cross_entropy", "make_rng", "resolve_task", "scored_tokens", "split_id",
-           "stable_int"]
+           "TaskConfig", "build_task", "cross_entropy", "forward_batch", "make_rng", "resolve_task", "scored_tokens",
+           "split_id", "stable_int"]

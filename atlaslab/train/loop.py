@@ -24,7 +24,9 @@
   ``diverged`` and ``message = "diverged at step N (…)"``, without an exception.
 * Checkpoints (``checkpoint_dir``): ``checkpoint.pt`` is written atomically every
   ``checkpoint_interval`` steps and at the end, holding the module, the optimiser, the step, the RNG
-  states, the partial metric accumulators, the history and the settings. Calling :func:`train` again
+  states, the partial metric accumulators, the history, the settings and the task's data cursor
+  (:meth:`~atlaslab.tasks.Task.data_state`, for a streamed corpus), and the resolved model config of an
+  atlaslab language model (``model_config``, what :mod:`atlaslab.eval` rebuilds it from). Calling :func:`train` again
   with the same directory resumes from it (a finished run returns its stored result at once); a run
   killed at any point and resumed ends with the same metrics as an uninterrupted one (CPU, same seed).
   Resuming with different settings (other than ``RESUMABLE_CHANGES``) or a different task is an error.
@@ -48,7 +50,7 @@ import torch
 from torch import nn
 
 from atlaslab.registry import ConfigError
-from atlaslab.tasks.base import Task, build_task
+from atlaslab.tasks.base import Task, build_task, forward_batch
 from atlaslab.train.config import TrainConfig, config_diff, lr_at, resolve_train_config
 from atlaslab.train.parallel import DataParallel
 
@@ -147,6 +149,13 @@ def _save_atomic(obj: Any, path: Path) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     torch.save(obj, tmp)
     os.replace(tmp, path)
+
+
+def _model_config(module: nn.Module) -> Optional[Dict[str, Any]]:
+    """The resolved config of an atlaslab :class:`~atlaslab.models.LanguageModel` (what rebuilds it from a
+    checkpoint, e.g. for :mod:`atlaslab.eval`); None for another module."""
+    resolved = getattr(module, "resolved", None)
+    return resolved.to_dict() if hasattr(resolved, "to_dict") else None
 
 
 def load_checkpoint(checkpoint_dir: Union[str, Path], map_location: Any = "cpu") -> Optional[Dict[str, Any]]:
@@ -273,6 +282,7 @@ class _Run:
             run.optimizer.load_state_dict(ckpt["optimizer"])
             run.state = ckpt["state"]
             _set_rng_state(ckpt["rng"])
+            task.load_data_state(ckpt.get("data"))
             run.resumed_from = run.state["step"]
         if parallel is not None:
             run.forward_module = parallel.wrap(module, device)
@@ -297,7 +307,9 @@ class _Run:
         self.state["elapsed"] = time.time() - self.t_start
         _save_atomic({"version": CHECKPOINT_VERSION, "config": self.cfg.to_dict(), "task": self.task_info,
                       "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                      "rng": _rng_state(), "state": self.state}, self.ckpt_dir / CHECKPOINT_NAME)
+                      "rng": _rng_state(), "state": self.state, "data": self.task.data_state(),
+                      "model_config": _model_config(self.module)},
+                     self.ckpt_dir / CHECKPOINT_NAME)
 
     def evaluate(self, split: str, lengths=None) -> Dict[str, float]:
         """The task's metrics on ``split`` (under a forked RNG, so evaluating never shifts training);
@@ -355,7 +367,7 @@ def _train_step(run: _Run) -> Optional[float]:
     for g in run.optimizer.param_groups:
         g["lr"] = lr
     with _autocast(cfg, run.device):
-        logits = run.forward_module(batch.inputs)
+        logits = forward_batch(run.forward_module, batch)
     if not run.checked_shapes:
         if logits.shape[:2] != batch.inputs.shape or logits.shape[-1] < task.vocab_size:
             raise ValueError(f"the model maps tokens {tuple(batch.inputs.shape)} to {tuple(logits.shape)}; "

@@ -34,6 +34,15 @@ from atlaslab.registry import ConfigError
 from atlaslab.tasks.base import Batch
 
 
+def shard_cu_seqlens(cu_seqlens: Optional[torch.Tensor], rows: slice, seq_len: int) -> Optional[torch.Tensor]:
+    """The document offsets of rows ``rows`` of a packed batch (``cu_seqlens`` over its ``B · T`` tokens, every
+    row start included), rebased to the shard's first token; None stays None."""
+    if cu_seqlens is None:
+        return None
+    lo, hi = rows.start * seq_len, rows.stop * seq_len
+    return cu_seqlens[(cu_seqlens >= lo) & (cu_seqlens <= hi)] - lo
+
+
 class DataParallel:
     """This process's place in a data-parallel group (the default group unless ``group`` is given)."""
 
@@ -63,7 +72,8 @@ class DataParallel:
         rows = slice(self.rank * b, (self.rank + 1) * b)
         lt = batch.loss_targets
         return Batch(batch.inputs[rows], batch.targets[rows], None if lt is None else lt[rows],
-                     {k: v[rows] for k, v in batch.meta.items()})
+                     {k: v[rows] for k, v in batch.meta.items()},
+                     shard_cu_seqlens(batch.cu_seqlens, rows, batch.inputs.shape[1]))
 
     def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
         """``module`` in ``DistributedDataParallel`` (which broadcasts rank 0's parameters and buffers first).

@@ -124,3 +124,13 @@ def test_a_two_rank_run_resumes_from_its_checkpoint(two_ranks):
         assert resumed["digests"] == full["digests"]
         assert all(torch.equal(resumed["state"][k], full["state"][k]) for k in full["state"])
     assert two_ranks[0]["resumed"]["history"] == two_ranks[0]["full"]["history"]
+
+
+def test_a_shard_keeps_its_rows_document_boundaries():
+    """Packed rows (lm_corpus): each rank's shard carries the offsets of its own rows' documents, rebased, so no
+    document sees another on any rank (row starts are always offsets)."""
+    from atlaslab.train.parallel import shard_cu_seqlens
+    cu = torch.tensor([0, 3, 4, 8, 10, 16, 24, 29, 32])         # 4 rows of 8 tokens
+    assert shard_cu_seqlens(cu, slice(0, 2), 8).tolist() == [0, 3, 4, 8, 10, 16]
+    assert shard_cu_seqlens(cu, slice(2, 4), 8).tolist() == [0, 8, 13, 16]
+    assert shard_cu_seqlens(None, slice(0, 2), 8) is None
