@@ -117,6 +117,13 @@ def expected_state(cfg):
             fixed += h * _fast_weights_per_head(spec["memory"], d // h, d // h) * (1 + momentum)
             fixed += _kv(m["window"], m["num_heads"], d // m["num_heads"])
             continue
+        if name == "armt":                                             # A, z per memory head + one segment's KV
+            hm = m["memory_heads"]
+            dk, fm = m["key_dim"] or d // hm, m["feature_map"]
+            feat = 2 * dk * fm.get("nu", 3) if fm["name"] == "dpfp" else dk
+            fixed += _kv(m["segment"], m["num_heads"], m["head_dim"] or d // m["num_heads"])
+            fixed += hm * feat * (d // hm + 1) if m["use_memory"] else 0
+            continue
         mem, mem_tok = _memory_layer_state(m, d)
         if name == "memory":
             fixed, per_token = fixed + mem, per_token + mem_tok
