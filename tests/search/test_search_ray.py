@@ -41,17 +41,6 @@ def tiny(name, steps=30, **extra):
     return node
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    import ray
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=True,
-             logging_level="ERROR")
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-
-
 def mlflow_runs(uri):
     from mlflow.tracking import MlflowClient
     c = MlflowClient(uri)

@@ -91,17 +91,6 @@ class InterruptAtStep:
         return False
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    import ray
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=True,
-             logging_level="ERROR")
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-
-
 def reference(trial):
     """The trial trained by one process, in this process, on the same global batch."""
     from atlaslab.search.trainable import _build
