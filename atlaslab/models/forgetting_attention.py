@@ -31,6 +31,7 @@ from atlaslab.engines import memorize
 from atlaslab.engines.packed import check_cu_seqlens, sequence_positions
 from atlaslab.memory.spec import build_memory
 from atlaslab.models.attention import Attention, AttentionConfig, apply_rope, attention_mask, rope_angles
+from atlaslab.models.layers import OUTPUT_GATE_ACTS, gated_head_output
 from atlaslab.registry import ConfigError, check_choice, check_range, register
 
 FORMS = ("attention", "memory")
@@ -64,7 +65,7 @@ class ForgettingAttentionConfig(AttentionConfig):
         super().check()
         check_choice("form", self.form, FORMS)
         check_choice("mode", self.mode, ("chunked", "recurrent"))
-        check_choice("output_gate_act", self.output_gate_act, ("sigmoid", "swish"))
+        check_choice("output_gate_act", self.output_gate_act, OUTPUT_GATE_ACTS)
         check_range("chunk_size", self.chunk_size, 1, None)
 
 
@@ -183,13 +184,7 @@ class ForgettingAttention(Attention):
 
     def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Output norm, gate and projection: ``o: [B, T, H, D]`` (with the layer input ``x``) → ``[B, T, d_model]``."""
-        if self.out_norm is not None:
-            o = self.out_norm(o)
-        o = o.reshape(*o.shape[:2], -1)
-        if self.g_proj is not None:
-            g = self.g_proj(x)
-            o = o * (torch.sigmoid(g) if self.cfg.output_gate_act == "sigmoid" else F.silu(g))
-        return self.o_proj(o)
+        return gated_head_output(o, x, self.out_norm, self.g_proj, self.o_proj, self.cfg.output_gate_act)
 
     def state_size_per_token(self) -> int:
         """KV cache plus the forget gate's log per context token: 2·H·D + H (grows like attention's)."""

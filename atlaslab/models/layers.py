@@ -49,6 +49,20 @@ GATE_FORMS = {"retention": ("sigmoid", "log_decay"), "other": ("sigmoid",)}
 OUTPUT_GATE_ACTS = ("sigmoid", "swish")
 
 
+def gated_head_output(o: torch.Tensor, x: torch.Tensor, out_norm: Optional[nn.Module], g_proj: Optional[nn.Module],
+                      o_proj: nn.Module, gate_act: str) -> torch.Tensor:
+    """A mixer's output head: per-head norm (``out_norm``, optional), output gate ``o ⊙ act(g_proj(x))`` (optional;
+    ``gate_act`` one of :data:`OUTPUT_GATE_ACTS`) and projection. ``o: [B, T, H, D_v]``, ``x: [B, T, d_model]`` (the
+    layer input) → ``[B, T, d_model]``."""
+    if out_norm is not None:
+        o = out_norm(o)
+    o = o.reshape(*o.shape[:2], -1)
+    if g_proj is not None:
+        g = g_proj(x)
+        o = o * (F.silu(g) if gate_act == "swish" else torch.sigmoid(g))
+    return o_proj(o)
+
+
 # --------------------------------------------------------------------------------------------------
 # small shared modules
 # --------------------------------------------------------------------------------------------------
@@ -375,13 +389,7 @@ class MemoryLayer(nn.Module):
 
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Per-head norm, output gate and projection: ``o: [B, T, H, D_v]`` → ``[B, T, d_model]``."""
-        if self.out_norm is not None:
-            o = self.out_norm(o)
-        o = o.reshape(*o.shape[:2], -1)
-        if self.g_proj is not None:
-            g = self.g_proj(x)
-            o = o * (F.silu(g) if self.cfg.output_gate_act == "swish" else torch.sigmoid(g))
-        return self.o_proj(o)
+        return gated_head_output(o, x, self.out_norm, self.g_proj, self.o_proj, self.cfg.output_gate_act)
 
     def initial_state(self, batch: int, dtype=None, device=None) -> MemoryLayerState:
         p = next(self.parameters())

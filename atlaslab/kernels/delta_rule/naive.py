@@ -186,6 +186,28 @@ def _chunk_channel_wise(qh, kh, vh, bh, lah, S, bias, placement, read, chunk_siz
     return torch.cat(outs, 2).transpose(1, 2), S
 
 
+def forward_sweep(chunks, stage, advance, S):
+    """The backward pass's forward sweep over chunks: ``stage(chunk, S_0)`` → the chunk's saved tensors ``c``, then
+    ``S ← advance(S, c)``. Returns the chunk-start states, the saved tensors and the final state."""
+    starts, cs = [], []
+    for sl in chunks:
+        c = stage(sl, S)
+        starts.append(S)
+        cs.append(c)
+        S = advance(S, c)
+    return starts, cs, S
+
+
+def reverse_sweep(chunks, cs, doh, retreat, dS):
+    """The reverse sweep: ``dS`` = ∂L/∂(each chunk's end state), from the last chunk back; ``retreat(dS, c, do_c)`` →
+    (dw of the chunk, dS of the previous chunk's end). Returns the chunk-end dS's, the dw's and ∂L/∂S_0."""
+    dSs, dws = [None] * len(chunks), [None] * len(chunks)
+    for i in reversed(range(len(chunks))):
+        dSs[i] = dS
+        dws[i], dS = retreat(dS, cs[i], doh[:, :, chunks[i]])
+    return dSs, dws, dS
+
+
 def delta_rule_chunk_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                               alpha: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
                               do: torch.Tensor, dht: Optional[torch.Tensor], *, bias: str = "l2",
@@ -268,29 +290,21 @@ def delta_rule_chunk_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         c.update(Pm=Pm, qk=qc @ kc.transpose(-1, -2))
         return c
 
-    # 1. forward sweep: chunk-start states
-    starts, cs = [], []
-    for sl in chunks:
-        c = stage(sl, S)
-        starts.append(S)
-        cs.append(c)
+    def advance(S, c):
         g_last = c["g"][..., -1:]
         decayed_w = (g_last - c["g"]).exp().unsqueeze(-1) * c["w"]
-        S = S * g_last.exp().unsqueeze(-1) + decayed_w.transpose(-1, -2) @ c["kc"]
-    # 2. reverse sweep: dS at each chunk end, dw per chunk
-    dS = dht if dht is not None else q.new_zeros(B, H, V, K)
-    dSs, dws = [None] * len(chunks), [None] * len(chunks)
-    for i in reversed(range(len(chunks))):
-        c, do_c = cs[i], doh[:, :, chunks[i]]
-        dSs[i] = dS
+        return S * g_last.exp().unsqueeze(-1) + decayed_w.transpose(-1, -2) @ c["kc"]
+
+    def retreat(dS, c, do_c):
         g, gl = c["g"], c["g"][..., -1:]
         P = c["Pm"] * c["qk"]
         dw = P.transpose(-1, -2) @ do_c + (gl - g).exp().unsqueeze(-1) * (c["kc"] @ dS.transpose(-1, -2))
-        dws[i] = dw
         dS = gl.exp().unsqueeze(-1) * dS + (c["gq"].exp().unsqueeze(-1) * do_c).transpose(-1, -2) @ c["qc"]
-        if bias == "l2":
-            dS = dS - dw.transpose(-1, -2) @ c["wk"]
-    dh0 = dS
+        return dw, (dS - dw.transpose(-1, -2) @ c["wk"] if bias == "l2" else dS)
+
+    # 1. forward sweep: chunk-start states; 2. reverse sweep: dS at each chunk end, dw per chunk
+    starts, cs, _ = forward_sweep(chunks, stage, advance, S)
+    dSs, dws, dh0 = reverse_sweep(chunks, cs, doh, retreat, dht if dht is not None else q.new_zeros(B, H, V, K))
     # 3. per chunk, in parallel
     dq, dk, dv, dbeta, dla = [], [], [], [], []
     for i, sl in enumerate(chunks):
@@ -373,25 +387,18 @@ def _channel_wise_backward(qh, kh, vh, bh, doh, lah, S, dht, *, bias, placement,
         c["P"] = decayed_dot(qc, kc, c["Pm3"])
         return c
 
-    starts, cs = [], []
-    for sl in chunks:
-        c = stage(sl, S)
-        starts.append(S)
-        cs.append(c)
+    def advance(S, c):
         gl = c["g"][..., -1:, :]
-        S = S * gl.exp() + c["w"].transpose(-1, -2) @ (c["kc"] * (gl - c["g"]).exp())
-    dS = dht if dht is not None else S.new_zeros(S.shape)
-    dSs, dws = [None] * len(chunks), [None] * len(chunks)
-    for i in reversed(range(len(chunks))):
-        c, do_c = cs[i], doh[:, :, chunks[i]]
-        dSs[i] = dS
+        return S * gl.exp() + c["w"].transpose(-1, -2) @ (c["kc"] * (gl - c["g"]).exp())
+
+    def retreat(dS, c, do_c):
         g, gl = c["g"], c["g"][..., -1:, :]
         dw = c["P"].transpose(-1, -2) @ do_c + (c["kc"] * (gl - g).exp()) @ dS.transpose(-1, -2)
-        dws[i] = dw
         dS = dS * gl.exp() + do_c.transpose(-1, -2) @ (c["qc"] * c["gq"].exp())
-        if bias == "l2":
-            dS = dS - dw.transpose(-1, -2) @ c["wk"]
-    dh0 = dS
+        return dw, (dS - dw.transpose(-1, -2) @ c["wk"] if bias == "l2" else dS)
+
+    starts, cs, _ = forward_sweep(chunks, stage, advance, S)
+    dSs, dws, dh0 = reverse_sweep(chunks, cs, doh, retreat, dht if dht is not None else S.new_zeros(S.shape))
     out = {n: [] for n in ("dq", "dk", "dv", "db", "dla")}
     for i, sl in enumerate(chunks):
         c, do_c, S0, dSn, dw = cs[i], doh[:, :, sl], starts[i], dSs[i], dws[i]
