@@ -373,9 +373,7 @@ def _execute(p: Prepared, run_dir: Path, state: Dict[str, Any], resume: bool, ra
             lap("mlflow_setup_wait_s")
             state["status"] = "running"
             _write_json(run_dir / "state.json", state)
-            tuner = _tuner(p, run_dir, state, resume, num_cpus, quiet, total, stop)
-            lap("tuner_setup_s")
-            results = tuner.fit()
+            results = _fit(p, run_dir, state, resume, num_cpus, quiet, total, stop, lap)
             lap("fit_s")
             records, interrupted = _collect_fit(p, results, run_dir, state, total)
             lap.restart()
@@ -439,6 +437,47 @@ def _tuner(p: Prepared, run_dir: Path, state: Dict[str, Any], resume: bool, num_
     if not quiet:
         print(f"[{exp.name}] {total} trials → {run_dir}  (MLflow: {tracking.get('uri', 'off')})", flush=True)
     return tuner
+
+
+CONTROLLER_RESTARTS = 3   # how often one run or resume restores Tune's experiment after a crash of Tune's controller
+
+
+def _fit(p: Prepared, run_dir: Path, state: Dict[str, Any], resume: bool, num_cpus: Optional[int], quiet: bool,
+         total: int, stop: Any, lap: "_Laps"):
+    """Fit the tuner and return Tune's results. When Tune's controller itself stops on an error of Ray's rather
+    than of a trial, the saved experiment is restored and fitted again (finished trials kept, the others continue
+    from their checkpoints), at most :data:`CONTROLLER_RESTARTS` times; each restart is recorded in
+    ``state["controller_restarts"]``. The case seen: Ray's memory monitor kills a trial's actor while it starts, and
+    Tune (2.60) raises the ``OutOfMemoryError`` out of ``fit`` instead of failing the trial, ending the sweep."""
+    for attempt in range(CONTROLLER_RESTARTS + 1):
+        tuner = _tuner(p, run_dir, state, resume or attempt > 0, num_cpus, quiet, total, stop)
+        lap("tuner_setup_s")
+        try:
+            return tuner.fit()
+        except RuntimeError as e:
+            cause = ray_system_error(e)
+            if cause is None or attempt == CONTROLLER_RESTARTS:
+                raise
+            error = f"{type(cause).__name__}: {str(cause).splitlines()[0][:300]}"
+            state.setdefault("controller_restarts", []).append({"time": time.time(), "error": error})
+            _write_json(run_dir / "state.json", state)
+            print(f"[{p.exp.name}] Tune stopped on an error of Ray's, not of a trial ({error}); restoring the "
+                  f"experiment ({attempt + 1}/{CONTROLLER_RESTARTS})", file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def ray_system_error(e: BaseException) -> Optional[BaseException]:
+    """The Ray system error (``ray.exceptions.RayError``, not a trial's own ``RayTaskError``) that ``e`` was raised
+    from, if any: what Tune's controller wraps in ``RuntimeError("Caught unexpected exception: …")``."""
+    from ray.exceptions import RayError, RayTaskError
+    seen = set()
+    cur: Optional[BaseException] = e.__cause__
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, RayError) and not isinstance(cur, RayTaskError):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__
+    return None
 
 
 def _collect_fit(p: Prepared, results, run_dir: Path, state: Mapping[str, Any], total: int):

@@ -204,6 +204,59 @@ def test_interrupted_experiment_resumes_every_trial_once(local_ray, tmp_path):
         assert steps == list(range(50, recs[key]["metrics"]["step"] + 1, 50)), (key, steps)   # none twice
 
 
+def fail_one_actor_task_with_a_ray_error(monkeypatch, flag, tune_dir):
+    """Once a trial's final result is on disk, the next actor task that resolves fails instead with a
+    ``ray.exceptions.OutOfMemoryError``, through Ray's own handler: what happens when Ray's memory monitor kills a
+    trial's actor. Tune (2.60) then raises ``RuntimeError("Caught unexpected exception: …")`` out of ``fit``;
+    before the driver restored the experiment on such an error, this ended the whole sweep."""
+    from ray.air.execution._internal.actor_manager import RayActorManager
+    from ray.exceptions import OutOfMemoryError
+    resolved = RayActorManager._actor_task_resolved
+
+    def resolve_or_fail(self, tracked_actor_task, result):
+        if not flag.exists() and any('"final": 1' in f.read_text() for f in Path(tune_dir).rglob("result.json")):
+            flag.write_text("fired")
+            return self._actor_task_failed(tracked_actor_task, OutOfMemoryError("1 worker(s) were killed due to "
+                                                                                "the node running low on memory."))
+        return resolved(self, tracked_actor_task, result)
+
+    monkeypatch.setattr(RayActorManager, "_actor_task_resolved", resolve_or_fail)
+
+
+def test_sweep_survives_a_crash_of_tunes_controller_on_a_ray_error(local_ray, tmp_path, monkeypatch):
+    node = tiny("oom", steps=100, grid={"variants": {"A": {}, "B": {"train.steps": 250}, "C": {}}},
+                max_concurrent=2)
+    node["eval"]["interval"] = 50
+    run_dir = tmp_path / "run"
+    fail_one_actor_task_with_a_ray_error(monkeypatch, tmp_path / "f", run_dir / "ray" / "tune")
+    s = run(prepare(node=node), run_dir=run_dir, num_cpus=2, quiet=True)
+    assert (tmp_path / "f").exists()                                  # the error was raised
+    state = json.loads((run_dir / "state.json").read_text())
+    assert [r["error"].split(":")[0] for r in state["controller_restarts"]] == ["OutOfMemoryError"]
+    assert s["status"] == "finished" and s["completed"] == 3 and s["failed"] == 0
+    recs = {r["key"]: r for r in json.loads((run_dir / "results.json").read_text())}
+    assert recs["t001"]["metrics"]["step"] == 250
+    _, parents, children = mlflow_runs(state["tracking"]["uri"])
+    assert len(parents) == 1 and sorted(r.data.tags["atlaslab.trial_key"] for r in children) == ["t000", "t001", "t002"]
+
+
+def test_only_rays_own_errors_restore_the_experiment():
+    from ray.exceptions import OutOfMemoryError, RayTaskError
+
+    from atlaslab.search.driver import ray_system_error
+    oom = OutOfMemoryError("killed")
+    try:
+        raise RuntimeError("Caught unexpected exception") from oom
+    except RuntimeError as e:
+        assert ray_system_error(e) is oom
+    assert ray_system_error(RuntimeError("a bug of ours")) is None
+    task_error = RayTaskError("train", "Traceback …", ValueError("a trial's own error"))
+    try:
+        raise RuntimeError("wrapped") from task_error
+    except RuntimeError as e:
+        assert ray_system_error(e) is None
+
+
 def descendants(pid):
     """Pids of every live descendant of ``pid`` (through /proc)."""
     children = {}
