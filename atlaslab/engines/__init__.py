@@ -15,6 +15,7 @@ from atlaslab.engines.packed import (CuSeqlens, check_cu_seqlens, memorize_packe
                                      stack_states)
 from atlaslab.engines import recurrent as _recurrent
 from atlaslab.engines.recurrent import initial_state, memorize_recurrent, read_memory
+from atlaslab.memory.spec import MemoryParts, build_memory
 from atlaslab.memory.state import GATE_NAMES, Gates, MemoryState, normalise_gates
 from atlaslab.engines.triton import memorize_triton
 
@@ -72,8 +73,6 @@ def memorize(
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"memorize: expected q, k: [B, T, H, D_k] and v: [B, T, H, D_v]; got "
                          f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
-    from atlaslab.memory.spec import MemoryParts, build_memory
-
     B, T, H, Dk = q.shape
     parts = spec if isinstance(spec, MemoryParts) else build_memory(spec, H, Dk, v.shape[-1])
     if (parts.num_heads, parts.key_dim, parts.value_dim) != (H, Dk, v.shape[-1]):

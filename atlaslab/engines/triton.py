@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from atlaslab.engines import chunked
+from atlaslab.engines import packed
 from atlaslab.engines.chunked import memorize_chunked
 from atlaslab.kernels.utils import (FORCE_TORCH_ENV, available, device_ok, forced_torch, interpreting,
                                     triton_importable, with_torch_fallback)
@@ -410,7 +411,6 @@ def _finish_sequences(parts, states, offsets, k, v, gates, weights, momentum=Non
 
 def _run_packed(kind: str, q, k, v, parts, gates, chunk_size: int, states, offsets, block_size: int):
     """Run one packed call on the ``kind`` kernel with ``cu_seqlens`` → ``(o, N final states)``."""
-    from atlaslab.engines import packed
     cu = torch.tensor(offsets, device=q.device, dtype=torch.long)
     fm, ret = parts.feature_map, parts.retention
     alpha = gates.retention if (ret.uses_alpha and gates.retention is not None) else None
@@ -464,8 +464,7 @@ def memorize_triton_packed(q, k, v, parts, gates, chunk_size, states, offsets, b
         return None
 
     def per_sequence():
-        from atlaslab.engines.packed import memorize_packed
-        return memorize_packed(q, k, v, parts, gates, chunk_size, states, offsets, memorize_chunked,
+        return packed.memorize_packed(q, k, v, parts, gates, chunk_size, states, offsets, memorize_chunked,
                                block_size=block_size, **engine_options)
     return with_torch_fallback(
         lambda: _run_packed(kind, q, k, v, parts, gates, chunk_size, states, offsets, block_size),

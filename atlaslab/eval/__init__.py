@@ -8,7 +8,7 @@
 nothing else here does). ``python -m atlaslab.eval run --model atlaslab --model_args checkpoint=DIR --tasks …``
 is lm-eval's own command line with that class registered. This floor sits between ``train`` and ``search``.
 """
-from atlaslab.eval.lm_eval import (LMEvalConfig, load_trained, lm_eval_metrics, resolve_lm_eval, run_lm_eval,
-                                   tokenizer_for)
+from atlaslab.eval.checkpoint import load_trained, tokenizer_for
+from atlaslab.eval.lm_eval import LMEvalConfig, lm_eval_metrics, resolve_lm_eval, run_lm_eval
 
 __all__ = ["LMEvalConfig", "lm_eval_metrics", "load_trained", "resolve_lm_eval", "run_lm_eval", "tokenizer_for"]

@@ -29,7 +29,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from atlaslab.eval.lm_eval import load_trained
+from atlaslab.eval.checkpoint import load_trained
 from atlaslab.registry import ConfigError
 
 

@@ -20,7 +20,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from atlaslab.kernels.newton_schulz import LACT_COEFFICIENTS, MUON_COEFFICIENTS, newton_schulz
+from atlaslab.kernels.newton_schulz import LACT_COEFFICIENTS, MUON_COEFFICIENTS, newton_schulz, select_newton_schulz
 from atlaslab.memory.state import WindowProblem
 from atlaslab.registry import PartConfig, check_choice, check_range, register
 
@@ -138,8 +138,7 @@ class Muon(InnerOptimizer):
         coefficients = NS_COEFFICIENTS[self.cfg.ns_coefficients]
         fn = newton_schulz
         if s.is_cuda and self.cfg.ns_coefficients == "muon":   # (on CPU the kernel would only run in Triton's
-            from atlaslab.kernels.newton_schulz import select_newton_schulz   # interpreter: far slower than torch)
-            fn = select_newton_schulz(s) or newton_schulz
+            fn = select_newton_schulz(s) or newton_schulz      # interpreter: far slower than torch)
         return fn(s, self.cfg.ns_steps, self.cfg.ns_eps, coefficients, shape_factor=self.cfg.shape_factor)
 
     def update(self, problem, anchor, momentum, lr, theta):

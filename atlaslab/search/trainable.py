@@ -34,13 +34,14 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
-from atlaslab.models.presets import build_model
-from atlaslab.search.expand import Validator, model_config, trial_from_params
+from atlaslab.eval import run_lm_eval, tokenizer_for
+from atlaslab.search.build import build_trial
+from atlaslab.search.expand import Validator, trial_from_params
 from atlaslab.search.schema import ExperimentConfig
 from atlaslab.search.space import decode_params
 from atlaslab.search.tracking import TrialRun
-from atlaslab.tasks.base import build_task
-from atlaslab.train.config import TrainConfig, resolve_train_config
+from atlaslab.search.workers import train_on_workers
+from atlaslab.train.config import TrainConfig
 from atlaslab.train.loop import CHECKPOINT_NAME, TrainResult, train
 
 CKPT_META = "atlaslab_trial.json"
@@ -68,13 +69,12 @@ def run_trial(config: Dict[str, Any], experiment: Optional[ExperimentConfig] = N
     mlrun = _child_run(meta, trial)
     status, tags = "FAILED", {}
     try:
-        task, tcfg, model = _build(trial)
+        task, tcfg, model = build_trial(trial)
         if mlrun is not None:
             mlrun.log_config({k: v for k, v in trial.items() if k != "model_config"},
                              {"model": model.resolved.to_dict(), "task": task.info(), "train": tcfg.to_dict()})
         reporter = _Reporter(mlrun, work, tcfg, reported_step=restored, t_start=t_start)
         if int(meta.get("workers_per_trial", 1)) > 1:
-            from atlaslab.search.workers import train_on_workers
             result = train_on_workers(trial, meta, work, reporter)
         else:
             result = train(model, task, tcfg, callback=reporter, checkpoint_dir=work)
@@ -151,19 +151,6 @@ def _child_run(meta: Mapping[str, Any], trial: Mapping[str, Any]) -> Optional[Tr
                     run_name=f"{trial['key']} {trial['label']}"[:200])
 
 
-def _build(trial: Mapping[str, Any]) -> Tuple[Any, TrainConfig, torch.nn.Module]:
-    """``(task, train config, model)`` of a trial, the model seeded with the training seed. The model is the
-    one the driver validated (``trial["model_config"]``); a trial recorded before trials carried it (a run
-    folder of an older version, resumed) builds it from its preset and overrides."""
-    cfg = trial["config"]
-    task = build_task(cfg["task"])
-    tcfg = resolve_train_config(cfg["train"], "train")
-    torch.manual_seed(tcfg.seed)
-    mcfg = trial.get("model_config")
-    model = build_model(mcfg if mcfg is not None else model_config(cfg["model"], task.vocab_size))
-    return task, tcfg, model
-
-
 class _Reporter:
     """The training loop's callback: every metrics call to MLflow; every evaluation after the first one (but
     the last, which the final report carries) to Tune with the checkpoint of that step, unless a restored trial
@@ -201,7 +188,6 @@ def lm_eval_after_training(result: TrainResult, task: Any, node: Optional[Mappin
     node or when the run diverged."""
     if not node or result.diverged or result.model is None:
         return {}
-    from atlaslab.eval import run_lm_eval, tokenizer_for
     return run_lm_eval(result.model, tokenizer_for(task.info()), node, max_length=task.seq_len)
 
 

@@ -35,7 +35,11 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Mapping
 
-from atlaslab.train.loop import CHECKPOINT_NAME, TrainResult
+import torch
+
+from atlaslab.search.build import build_trial
+from atlaslab.train.loop import CHECKPOINT_NAME, TrainResult, train
+from atlaslab.train.parallel import DataParallel
 
 #: seconds the trial waits for a message before it checks that the workers are still running
 POLL_S = 0.5
@@ -124,12 +128,7 @@ def worker_loop(config: Dict[str, Any]) -> None:
     """One Ray Train worker: build the trial's task and model, resume from the checkpoint sent (if any), train
     its shard; rank 0 relays its metrics, its checkpoints and its result to the trial."""
     import ray.train
-    import torch
     from ray.util import get_current_placement_group
-
-    from atlaslab.search.trainable import _build
-    from atlaslab.train.loop import train
-    from atlaslab.train.parallel import DataParallel
 
     for mod in config["imports"]:
         __import__(mod)
@@ -139,7 +138,7 @@ def worker_loop(config: Dict[str, Any]) -> None:
     try:
         if config["checkpoint"] is not None:
             _write_atomic(folder / CHECKPOINT_NAME, config["checkpoint"])
-        task, tcfg, model = _build(config["trial"])
+        task, tcfg, model = build_trial(config["trial"])
         relay = _Relay(config["outbox"], config["replies"], folder, tcfg.eval_split) if rank == 0 else None
         pg = get_current_placement_group()
         if relay is not None and pg is not None:

@@ -20,6 +20,7 @@ memory learner instead of a token model.
     batch = task.batch("train", step=0, batch_size=64, seed=0)
     metrics = task.evaluate(model, split="test", lengths=[64, 128])
 """
+from atlaslab.registry import get_registry
 from atlaslab.tasks.base import (IGNORE_INDEX, SPLITS, Batch, Example, Task, TaskConfig, build_task, cross_entropy, make_rng,
                                  resolve_task)
 from atlaslab.tasks.babilong import BABILong
@@ -38,7 +39,6 @@ from atlaslab.tasks.niah import SNIAH
 
 def list_tasks(pattern: str = "*") -> list:
     """Registered task names matching a wildcard."""
-    from atlaslab.registry import get_registry
     return get_registry("task").list(pattern)
 
 

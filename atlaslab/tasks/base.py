@@ -440,7 +440,6 @@ class CachedWrapperMixin:
 
 def build_task(node: Any, path: str = "task") -> Task:
     """Validate a task node (``{name: mqar, ...}``, a name, or a task Config) and build the task."""
-    from atlaslab import tasks as _tasks  # noqa: F401  (make sure every built-in task is registered)
     if isinstance(node, Task):
         return node
     return build_part("task", node, path)
@@ -448,7 +447,6 @@ def build_task(node: Any, path: str = "task") -> Task:
 
 def resolve_task(node: Any, path: str = "task") -> PartConfig:
     """Validate a task node without building it (a ConfigError names the dotted path)."""
-    from atlaslab import tasks as _tasks  # noqa: F401
     return resolve_part("task", node, path)
 
 

@@ -34,6 +34,7 @@ from typing import Any, List, Optional, Sequence
 import numpy as np
 
 from atlaslab.registry import ConfigError, PartConfig, check_range, get_registry, local_path, register, resolve_part
+from atlaslab.tasks.corpus import corpus_splits, load_corpus
 
 #: end-of-text tokens looked for (in this order) when an ``hf`` tokenizer's EOS is not named
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[SEP]")
@@ -277,7 +278,6 @@ def train_local_bpe(corpus: str, vocab_size: int, min_frequency: int = 2, val_fr
     """A byte-level BPE (GPT-2's pre-tokenisation, ``<|endoftext|>`` = id 0) trained on the train split of
     ``corpus`` (:func:`atlaslab.tasks.corpus.corpus_splits`): a ``tokenizers.Tokenizer``."""
     from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers, trainers
-    from atlaslab.tasks.corpus import corpus_splits
     text = corpus_splits(corpus, val_fraction, test_fraction)["train"]
     paragraphs = [p for p in text.split("\n\n") if p.strip()]
     tok = HFTok(models.BPE())
@@ -312,7 +312,6 @@ class LocalBPETokenizer(_TokenizersBackend):
         super().__init__(cfg, **context)
         import tokenizers
         from tokenizers import Tokenizer as HFTok
-        from atlaslab.tasks.corpus import load_corpus
         corpus = load_corpus(cfg.corpus)
         key = json.dumps({"corpus_sha256": corpus.sha256, "vocab_size": cfg.vocab_size,
                           "min_frequency": cfg.min_frequency, "val_fraction": cfg.val_fraction,

@@ -239,13 +239,13 @@ def test_a_trial_builds_the_model_the_driver_validated(tmp_path):
     import shutil
 
     from atlaslab.models.presets import preset_path
-    from atlaslab.search.trainable import _build
+    from atlaslab.search.build import build_trial
     preset = tmp_path / "gdn.yaml"
     shutil.copy(preset_path("gated_deltanet"), preset)
     p = prepare(node=_exp(model={"preset": str(preset), "overrides": {"d_model": 16, "mixers.*.num_heads": 2}}))
     trial = json.loads(json.dumps(p.trials[0]))
     preset.write_text("mixers: {gated_deltanet: {name: no_such_mixer}}\n")
-    task, tcfg, model = _build(trial)
+    task, tcfg, model = build_trial(trial)
     assert model.num_parameters() == trial["info"]["num_parameters"]
     assert model.state_size(task.seq_len) == trial["info"]["state_size"]
     assert trial["model_config"]["d_model"] == 16 and tcfg.steps == 20

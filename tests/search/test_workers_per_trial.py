@@ -93,9 +93,9 @@ class InterruptAtStep:
 
 def reference(trial):
     """The trial trained by one process, in this process, on the same global batch."""
-    from atlaslab.search.trainable import _build
+    from atlaslab.search.build import build_trial
     from atlaslab.train import train
-    task, tcfg, model = _build(trial)
+    task, tcfg, model = build_trial(trial)
     return train(model, task, tcfg)
 
 

@@ -21,6 +21,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from atlaslab.kernels.delta_rule import chunk
 from atlaslab.kernels.delta_rule.naive import check_args, delta_rule_chunk
 from atlaslab.kernels.utils import pow2, reference_backward
 
@@ -136,7 +137,6 @@ class FusedRecurrentFunction(torch.autograd.Function):
     def backward(ctx, do, dht):
         saved = ctx.saved_tensors
         need = ctx.needs_input_grad[:6]
-        from atlaslab.kernels.delta_rule import chunk
         if chunk.BACKWARD != "torch":   # the chunk backward kernels compute the same rule's gradients
             T = saved[0].shape[1]
             grads = chunk.chunk_backward(*saved, do, dht, chunk_size=min(64, max(16, T)), **ctx.opts)

@@ -14,6 +14,7 @@ import torch
 
 from atlaslab.kernels.delta_rule.fused_recurrent import MAX_DK
 from atlaslab.kernels.utils import pow2
+from atlaslab.kernels.window_rule.chunk import window_backward
 from atlaslab.kernels.window_rule.naive import check_window_args
 
 try:
@@ -131,7 +132,6 @@ class FusedWindowFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        from atlaslab.kernels.window_rule.chunk import window_backward
         grads = window_backward(ctx.saved_tensors, ctx.needs_input_grad[:6], do, dht, ctx.opts, 64)
         return (*grads, None, None, None, None)
 
