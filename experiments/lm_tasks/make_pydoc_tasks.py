@@ -5,7 +5,9 @@
 
 Every item comes from the **test** split of the shipped ``pydoc`` corpus (:func:`atlaslab.tasks.corpus.corpus_pieces`
 with val / test fractions 0.05 / 0.2, those of the experiment's ``lm_corpus`` task and ``bpe_local`` tokenizer): text
-that neither the tokenizer nor the language model ever trains on. The build is a pure function of that text (no clock, no global RNG), so the
+that neither the tokenizer nor the language model ever trains on. pydoc repeats short sentences across topics, so
+an item is also dropped when its scored text (a passage's last words, a context with its true next sentence) occurs
+in the training text. The build is a pure function of that text (no clock, no global RNG), so the
 same Python (the same corpus SHA-256, recorded in the manifest) always gives the same bytes.
 
 Three tasks, stand-ins for three kinds of ATLAS Table 2 column (same lm-eval request types and metrics):
@@ -38,6 +40,7 @@ VAL_FRACTION, TEST_FRACTION = 0.05, 0.2  # the split of lm_table2_cpu.yaml's tas
 DATA = Path(__file__).resolve().parent / "data"
 TASKS = ("pydoc_ppl", "pydoc_lastword", "pydoc_nextsent")
 CONTEXT_WORDS = 80                       # at most this many words of context before a last word
+TAIL_WORDS = 12                          # a passage whose last 12 words are in the training text is dropped
 MIN_CONTEXT_WORDS = 15
 DISTRACTORS = 3
 SEED = 20250531
@@ -54,6 +57,17 @@ _SENT_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
 def held_out_pieces() -> Sequence[str]:
     """The corpus' test pieces (see the module docstring)."""
     return corpus_pieces(CORPUS, VAL_FRACTION, TEST_FRACTION)["test"]
+
+
+def training_text() -> str:
+    """The train split's text, whitespace-normalised: what an item must not be found in (pydoc repeats short
+    sentences across topics, so a held-out paragraph can still share a sentence with the training text)."""
+    return " ".join(" ".join(corpus_pieces(CORPUS, VAL_FRACTION, TEST_FRACTION)["train"]).split())
+
+
+def lastword_tail(text: str) -> str:
+    """The last ``TAIL_WORDS`` words of a passage: its target in the words just before it."""
+    return " ".join(text.split()[-TAIL_WORDS:])
 
 
 def prose_blocks(piece: str) -> List[str]:
@@ -79,11 +93,11 @@ def _is_prose(sentence: str) -> bool:
     return 5 <= len(words) <= 60 and alpha >= 0.85 * len(words) and not any(c in sentence for c in "=<>{}[]|\\")
 
 
-def lastword_items(blocks: Sequence[str]) -> List[Dict[str, str]]:
+def lastword_items(blocks: Sequence[str], train: str) -> List[Dict[str, str]]:
     """LAMBADA-style passages: for each sentence of a prose block with at least ``MIN_CONTEXT_WORDS`` words of the
     block before its last word, that last word is the target when it has 3+ letters, is no stop word and occurs,
     case-folded, in the ``CONTEXT_WORDS`` words before it. ``text`` is those words and the target (without its
-    punctuation); whatever followed is cut off."""
+    punctuation); whatever followed is cut off. A passage whose tail is in the ``train`` text is dropped."""
     items = []
     for block in blocks:
         words = block.split()
@@ -93,20 +107,21 @@ def lastword_items(blocks: Sequence[str]) -> List[Dict[str, str]]:
             if i < MIN_CONTEXT_WORDS or not _WORD.match(core) or core.lower() in STOP_WORDS:
                 continue
             context = words[max(0, i - CONTEXT_WORDS):i]
-            if core.lower() in {w.strip(".,;:!?()’'\"").lower() for w in context}:
-                items.append({"text": " ".join(context + [core])})
+            text = " ".join(context + [core])
+            if core.lower() in {w.strip(".,;:!?()’'\"").lower() for w in context} and lastword_tail(text) not in train:
+                items.append({"text": text})
     return items
 
 
-def nextsent_items(blocks: Sequence[str]) -> List[Dict[str, object]]:
-    """HellaSwag-style items: each pair of consecutive prose sentences of a block gives a context (the first)
-    and four endings (the second, and the second sentence of three other pairs chosen by a seeded RNG), in an
-    order that RNG draws; ``label`` is the index of the true ending."""
+def nextsent_items(blocks: Sequence[str], train: str) -> List[Dict[str, object]]:
+    """HellaSwag-style items: each pair of consecutive prose sentences of a block that is not in the ``train`` text
+    gives a context (the first) and four endings (the second, and the second sentence of three other pairs chosen
+    by a seeded RNG), in an order that RNG draws; ``label`` is the index of the true ending."""
     pairs = []
     for block in blocks:
         sents = [s.strip() for s in _SENT_END.split(block)]
         for a, b in zip(sents, sents[1:]):
-            if _is_prose(a) and _is_prose(b):
+            if _is_prose(a) and _is_prose(b) and f"{a} {b}" not in train:
                 pairs.append((a, b))
     rng = np.random.default_rng(SEED)
     items = []
@@ -121,11 +136,11 @@ def nextsent_items(blocks: Sequence[str]) -> List[Dict[str, object]]:
 
 def build() -> Dict[str, List[dict]]:
     """Task name → its documents (JSON-ready), from the held-out pieces."""
-    pieces = held_out_pieces()
+    pieces, train = held_out_pieces(), training_text()
     blocks = [b for p in pieces for b in prose_blocks(p)]
     return {"pydoc_ppl": [{"text": p} for p in pieces],
-            "pydoc_lastword": lastword_items(blocks),
-            "pydoc_nextsent": nextsent_items(blocks)}
+            "pydoc_lastword": lastword_items(blocks, train),
+            "pydoc_nextsent": nextsent_items(blocks, train)}
 
 
 def render(docs: Dict[str, List[dict]]) -> Dict[str, bytes]:
