@@ -2,7 +2,8 @@
 validates with its two site paths pointed at local stand-ins and expands into the Table 2 trials (models, size,
 token budget, lm-eval tasks and metrics, resources); its header's 1.3B command gives the 1.3B block; without the
 site's data it stops at the field to edit. The local lm-eval tasks regenerate byte for byte, hold no training
-text, load through lm-eval, and their loader refuses data built from another corpus."""
+text, load through lm-eval, and their loader refuses data built from another corpus. The CPU variant, cut to one
+model and two steps, runs end to end through Ray (slow)."""
 import importlib.util
 import json
 import re
@@ -191,3 +192,28 @@ def test_lm_eval_indexes_and_loads_the_local_tasks_and_the_loader_refuses_anothe
     (other / "data" / "MANIFEST.json").write_text(json.dumps(manifest))
     with pytest.raises(RuntimeError, match=re.escape("make_pydoc_tasks.py")):
         get_task_dict(["pydoc_lastword"], task_manager(str(other), False))
+
+
+# --------------------------------------------------------------------------------------------------
+# the CPU variant, end to end (two steps, one model)
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.slow       # ~35 s on 2 busy cores: Ray's start, a trial worker, the tokenizer, three lm-eval tasks
+@pytest.mark.timeout(600)
+def test_the_cpu_variant_runs_end_to_end_and_reports_the_table2_columns(local_ray, tmp_path):
+    from omegaconf import OmegaConf
+
+    from atlaslab.search.driver import run
+    node = OmegaConf.to_container(OmegaConf.load(CPU))
+    node["grid"] = {"variants": {"Gated DeltaNet": {"model.preset": "gated_deltanet"}}}
+    node["train"].update(steps=2, warmup_steps=0)
+    node["eval"]["lm_eval"].update(limit=4, include_path=str(LM_TASKS))
+    node["task"]["tokenizer"]["cache_dir"] = str(tmp_path / "tok")
+    node["task"]["eval_examples"] = 4
+    s = run(prepare(node=node), run_dir=tmp_path / "run", num_cpus=2, quiet=True)
+    assert s["status"] == "finished" and s["completed"] == 1, s
+    metrics = json.loads((tmp_path / "run" / "results.json").read_text())[0]["metrics"]
+    cols = node["report"]["metrics"]
+    assert all(isinstance(metrics.get(m), float) for m in cols), sorted(metrics)
+    avg = sum(metrics[m] for m in node["report"]["averages"]["Avg"]) / 2
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "| variant | word ppl (≈ Wiki) | Δ |" in report and f"| {avg:.3f} |" in report
