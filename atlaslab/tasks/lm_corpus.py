@@ -300,7 +300,7 @@ class LMCorpus(Task):
         self._check_field(ds.column_names)
         texts = ds[c.text_field] if len(ds) else []
         keep = np.arange(len(texts))
-        if split == "train" or carved:
+        if (split == "train" and not c.corpus) or carved:   # a shipped corpus' train split is all train
             keep = keep[self._assign(keep) == split]
         if split == "train" and c.shuffle:
             keep = keep[make_rng(0x5EED, c.seed).permutation(len(keep))]
