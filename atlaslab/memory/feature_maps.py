@@ -5,6 +5,7 @@ Learnable pieces (the polynomial coefficients a_i) are outer-loop parameters of 
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -94,14 +95,16 @@ class DPFP(FeatureMap):
         return r.repeat(*([1] * (r.dim() - 1)), self.cfg.nu) * shifted
 
 
+@functools.lru_cache(maxsize=32)
 def _monomials(dim: int, degree: int):
-    """Multi-indices of total degree ``degree`` as index tuples and their √(|β|!/β!) scalings."""
-    combos = list(itertools.combinations_with_replacement(range(dim), degree))
+    """Multi-indices of total degree ``degree`` as index tuples and their √(|β|!/β!) scalings (cached: every layer
+    of a model asks for the same ones)."""
+    combos = tuple(itertools.combinations_with_replacement(range(dim), degree))
     scales = []
     for combo in combos:
         counts = [combo.count(j) for j in set(combo)]
         scales.append(math.sqrt(math.factorial(degree) / math.prod(math.factorial(c) for c in counts)))
-    return combos, scales
+    return combos, tuple(scales)
 
 
 def polynomial_dim(dim: int, degree: int) -> int:

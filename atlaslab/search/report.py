@@ -5,7 +5,9 @@ with ``protocol`` (MAD) the row is the best (lr, weight decay) by the mean of ``
 the chosen point is printed. Deltas are against the baseline row of the same setting and axis values
 (``grid.baseline``, default the first variant). Parameter count and recurrent-state size (scalars per
 sequence at the task's length, zoology's ``state_size``) come from the validated models. Failed trials
-(diverged, errored) are listed with their reason and left out of the means.
+(diverged, errored) are listed with their reason and left out of the means. ``report.averages`` adds columns
+that are each trial's mean of other metrics (ATLAS Table 2's "Avg" of its accuracy columns), averaged over seeds
+like the rest; ``report.labels`` names the columns.
 
     atlaslab report RUN_DIR      # rewrites report.md, report.csv, trials.csv, plots/*.png
 """
@@ -45,14 +47,33 @@ def _better(a: float, b: Optional[float], mode: str) -> bool:
 
 
 def report_metrics(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]) -> List[str]:
+    """The table's metric columns: ``report.metrics`` (default: ``metric`` and its test twin), then each
+    ``report.averages`` column not listed there."""
     if exp.report.metrics:
-        return list(exp.report.metrics)
-    split, _, name = exp.metric.partition("/")
+        out = list(exp.report.metrics)
+    else:
+        split, _, name = exp.metric.partition("/")
+        out = []
+        test = f"test/{name}"
+        if any(test in r.get("metrics", {}) for r in records) and split != "test":
+            out.append(test)
+        out.append(exp.metric)
+    return out + [a for a in exp.report.averages if a not in out]
+
+
+def with_averages(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]) -> List[Mapping[str, Any]]:
+    """``records`` with each ``report.averages`` column added to every record's metrics: the mean of the listed
+    metrics for that trial (absent when the trial lacks one of them), so seeds then average it as any metric."""
+    if not exp.report.averages:
+        return list(records)
     out = []
-    test = f"test/{name}"
-    if any(test in r.get("metrics", {}) for r in records) and split != "test":
-        out.append(test)
-    out.append(exp.metric)
+    for r in records:
+        metrics = dict(r.get("metrics") or {})
+        for name, parts in exp.report.averages.items():
+            vals = [_num(metrics.get(m)) for m in parts]
+            if vals and all(v is not None for v in vals):
+                metrics[name] = sum(vals) / len(vals)
+        out.append({**r, "metrics": metrics})
     return out
 
 
@@ -67,6 +88,7 @@ def steps_to(record: Mapping[str, Any], metric: str, threshold: float, mode: str
 
 def aggregate(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]) -> List[Dict[str, Any]]:
     """Report rows (grid): one per (setting, variant, axis values); seeds averaged, protocol maximised."""
+    records = with_averages(exp, records)
     metrics = report_metrics(exp, records)
     groups: "OrderedDict[str, List[Mapping[str, Any]]]" = OrderedDict()
     for r in records:
@@ -411,6 +433,7 @@ def write_report(run_dir: Path, exp: ExperimentConfig, records: Sequence[Mapping
     """Write report.md, report.csv, trials.csv and plots/ into ``run_dir``; returns report.md's path."""
     run_dir = Path(run_dir)
     state = state or {}
+    records = with_averages(exp, records)
     plots = run_dir / "plots"
     plots.mkdir(exist_ok=True)
     metrics = report_metrics(exp, records)
@@ -496,7 +519,7 @@ def _results_table(exp: ExperimentConfig, rows: Sequence[Mapping[str, Any]], met
     reach = exp.report.steps_to
     head = (["setting"] if multi else []) + ["variant"]
     for m in metrics:
-        head += [m, "Δ"]
+        head += [exp.report.labels.get(m, m), "Δ"]
     if reach is not None:
         head.append(f"steps to {fmt_value(reach)}")
     head += ["params", "state"] + (["best lr / wd"] if proto else []) + ["seeds ok"]
@@ -568,7 +591,8 @@ def _search_section(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]],
     ok.sort(key=lambda r: _num(r["metrics"].get(exp.metric)), reverse=rev)
     keys = list(exp.space)
     lines = ["## Trials (best first)", ""]
-    head = ["trial"] + [short_key(k) for k in keys] + list(metrics) + ["steps", "status", "params", "state"]
+    head = (["trial"] + [short_key(k) for k in keys] + [exp.report.labels.get(m, m) for m in metrics]
+            + ["steps", "status", "params", "state"])
     table = []
     for r in ok + [r for r in records if r not in ok]:
         table.append([r["key"]] + [fmt_value(r["params"][k]) if k in r["params"] else "—" for k in keys]
@@ -633,4 +657,4 @@ def report_from_dir(run_dir: Path, refresh: bool = False) -> Path:
     return write_report(run_dir, exp, records, state)
 
 
-__all__ = ["aggregate", "mad_scores", "report_from_dir", "report_metrics", "write_report"]
+__all__ = ["aggregate", "mad_scores", "report_from_dir", "report_metrics", "with_averages", "write_report"]

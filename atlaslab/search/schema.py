@@ -35,7 +35,10 @@
     max_failures: 1                          # Ray retries of a trial that raised
     resources: {cpus_per_trial: 1, gpus_per_trial: 0, workers_per_trial: 1}   # >1: Ray Train workers (DDP)
     tracking: {uri: null, experiment: null}  # MLflow (default: sqlite in the run folder)
-    report: {metrics: [test/accuracy]}
+    report:
+      metrics: [test/accuracy]
+      averages: {Avg: [lm_eval/piqa/acc, lm_eval/arc_easy/acc]}    # a column: each trial's mean of these
+      labels: {lm_eval/piqa/acc: PIQA}                              # column headers
 
 Dotted keys (grid axes, variants, search space) address the trial config: ``model.preset``,
 ``model.<path>`` (a preset override, e.g. ``model.mixers.atlas.memory.window.size``; ``*`` matches every mixer
@@ -238,6 +241,19 @@ class ReportNode:
     plots: bool = True
     mad_score: bool = False            # with several settings: best per setting, mean per task, then over tasks
     steps_to: Optional[float] = None   # add a column: first evaluation step with `metric` ≥ this (≤ when min)
+    averages: Dict[str, List[str]] = field(default_factory=dict)   # column name → metrics it is each trial's mean of
+    labels: Dict[str, str] = field(default_factory=dict)           # metric (or average) → its column header
+
+    def check(self) -> None:
+        for name, parts in self.averages.items():
+            if not parts:
+                raise ConfigError(f"averages.{name}", "an average needs at least one metric.", value=[])
+            if name in parts:
+                raise ConfigError(f"averages.{name}", "an average cannot list itself.", value=name)
+            for i, m in enumerate(parts):
+                if m in self.averages:
+                    raise ConfigError(f"averages.{name}.{i}", "an average is of metrics, not of other averages.",
+                                      value=m)
 
 
 @dataclass
@@ -268,7 +284,7 @@ class ExperimentConfig:
     space: Dict[str, ParamNode] = field(default_factory=dict)   # filled from search.space (validated)
 
     def check(self) -> None:
-        for name in ("eval", "protocol", "scheduler", "resources"):
+        for name in ("eval", "protocol", "scheduler", "resources", "report"):
             try:
                 getattr(self, name).check()
             except ConfigError as exc:

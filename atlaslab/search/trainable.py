@@ -15,7 +15,8 @@ and the trial's ``status``:
 With ``resources.workers_per_trial > 1`` the loop runs on that many Ray Train workers
 (:mod:`atlaslab.search.workers`); this function still restores, logs, reports and checkpoints, from rank 0's
 metrics and checkpoints, and the final report adds ``workers`` and ``param_digests`` (one digest of the
-parameters per worker: they are the same).
+parameters per worker: they are the same). The lm-eval tasks then run on rank 0, on its device, where the trained
+model is (this function only coordinates and holds no model), and come back with its final result.
 
 An exception (a bug, an out-of-memory) propagates: Ray retries it ``max_failures`` times from the last
 checkpoint and then records the trial as errored; its MLflow run is ended FAILED with the error.
@@ -34,8 +35,8 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
-from atlaslab.eval import run_lm_eval, tokenizer_for
-from atlaslab.search.build import build_trial
+from atlaslab.eval.lm_eval import PREFIX as LM_EVAL_PREFIX
+from atlaslab.search.build import build_trial, lm_eval_after_training, lm_eval_node
 from atlaslab.search.expand import Validator, trial_from_params
 from atlaslab.search.schema import ExperimentConfig
 from atlaslab.search.space import decode_params
@@ -75,14 +76,14 @@ def run_trial(config: Dict[str, Any], experiment: Optional[ExperimentConfig] = N
                              {"model": model.resolved.to_dict(), "task": task.info(), "train": tcfg.to_dict()})
         reporter = _Reporter(mlrun, work, tcfg, reported_step=restored, t_start=t_start)
         if int(meta.get("workers_per_trial", 1)) > 1:
-            result = train_on_workers(trial, meta, work, reporter)
+            result = train_on_workers(trial, meta, work, reporter)      # rank 0 ran the lm-eval tasks, if any
+            lm_metrics = {k: v for k, v in result.metrics.items() if k.startswith(LM_EVAL_PREFIX + "/")}
         else:
             result = train(model, task, tcfg, callback=reporter, checkpoint_dir=work)
-        lm_metrics = lm_eval_after_training(result, task, (trial["config"].get("eval") or {}).get("lm_eval"))
-        if lm_metrics:
+            lm_metrics = lm_eval_after_training(result, task, lm_eval_node(trial))
             result.metrics.update(lm_metrics)
-            if mlrun is not None:
-                mlrun.log(lm_metrics, result.steps)
+        if lm_metrics and mlrun is not None:
+            mlrun.log(lm_metrics, result.steps)
         final, status, tags = _final_result(result, meta, trial, reporter)
         if mlrun is not None:
             mlrun.log({k: v for k, v in final.items() if k in ("failed", "wall_time_s", "setup_s")}, result.steps)
@@ -183,14 +184,6 @@ class _Reporter:
         _report(rep, self.work / CHECKPOINT_NAME if prev is not None else None, step)
 
 
-def lm_eval_after_training(result: TrainResult, task: Any, node: Optional[Mapping[str, Any]]) -> Dict[str, float]:
-    """The trial's ``eval.lm_eval`` metrics (``lm_eval/<task>/<metric>``) on the trained model: {} without the
-    node or when the run diverged."""
-    if not node or result.diverged or result.model is None:
-        return {}
-    return run_lm_eval(result.model, tokenizer_for(task.info()), node, max_length=task.seq_len)
-
-
 def _final_result(result: TrainResult, meta: Mapping[str, Any], trial: Mapping[str, Any],
                   reporter: _Reporter) -> Tuple[Dict[str, Any], str, Dict[str, str]]:
     """``(final report, MLflow status, MLflow tags)`` of a finished training run; a diverged one reports its
@@ -246,4 +239,4 @@ def _report(metrics: Dict[str, Any], ckpt_file: Optional[Path], step: int, final
         tune.report(clean, checkpoint=tune.Checkpoint.from_directory(d))
 
 
-__all__ = ["lm_eval_after_training", "run_trial"]
+__all__ = ["lm_eval_after_training", "lm_eval_node", "run_trial"]

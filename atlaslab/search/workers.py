@@ -10,7 +10,8 @@ worker: it restores the trial's checkpoint, logs to MLflow and reports to Tune. 
       checkpoint bytes ───── train_loop_config ────▶  each rank writes them into its own folder, resumes
       _Reporter (MLflow, tune.report) ◀── outbox ───  rank 0's callback: (metrics, step, checkpoint bytes)
       "go" / "stop" / "gone" ─────────── replies ──▶  rank 0's callback returns; "stop" ends every rank
-      final report ◀───────────────────── outbox ───  rank 0: the TrainResult and the last checkpoint
+      final report ◀───────────────────── outbox ───  rank 0: the TrainResult (with the metrics of the trial's
+                                                       eval.lm_eval tasks, run on rank 0) and the last checkpoint
 
 Ray Train removes its workers' placement group when its run ends. When the trial is killed first (an
 interrupted sweep), the group stays reserved until the driver's job ends, because Ray Train's own cleaner
@@ -37,7 +38,7 @@ from typing import Any, Dict, Mapping
 
 import torch
 
-from atlaslab.search.build import build_trial
+from atlaslab.search.build import build_trial, lm_eval_after_training, lm_eval_node
 from atlaslab.train.loop import CHECKPOINT_NAME, TrainResult, train
 from atlaslab.train.parallel import DataParallel
 
@@ -149,6 +150,8 @@ def worker_loop(config: Dict[str, Any]) -> None:
         if len(set(digests)) != 1:
             raise RuntimeError(f"the workers' parameters differ at the end of training (digests {digests})")
         if relay is not None and not relay.gone:
+            # the trained model is here (and on this rank's device), not in the trial: score lm-eval tasks now
+            result.metrics.update(lm_eval_after_training(result, task, lm_eval_node(config["trial"])))
             out = result.to_dict(history=True)
             out["model_info"] = {**out["model_info"], "workers": parallel.world_size,
                                  "param_digests": digests}

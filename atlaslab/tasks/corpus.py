@@ -116,8 +116,10 @@ def _pieces(doc: str, size: int, seen: set) -> List[str]:
 
 
 @functools.lru_cache(maxsize=16)
-def corpus_splits(name: str = "pydoc", val_fraction: float = 0.05, test_fraction: float = 0.05) -> Dict[str, str]:
-    """``{"train": text, "val": text, "test": text}``: disjoint text of the corpus (see module doc)."""
+def corpus_pieces(name: str = "pydoc", val_fraction: float = 0.05,
+                  test_fraction: float = 0.05) -> Dict[str, Tuple[str, ...]]:
+    """``{"train": pieces, "val": pieces, "test": pieces}``: the corpus' pieces (whole paragraphs, about
+    :data:`PIECE_BYTES` each) of each split, in corpus order (see module doc); documents for a corpus task."""
     corpus = load_corpus(name)
     pieces: List[Tuple[int, int, str]] = []
     seen: set = set()
@@ -141,12 +143,18 @@ def corpus_splits(name: str = "pydoc", val_fraction: float = 0.05, test_fraction
             have += len(pieces[i][2])
     for i in it:
         assign[i] = "train"
-    out = {s: "\n".join(pieces[i][2] for i in range(len(pieces)) if assign.get(i, "train") == s)
+    out = {s: tuple(pieces[i][2] for i in range(len(pieces)) if assign.get(i, "train") == s)
            for s in ("train", "val", "test")}
-    for s, text in out.items():
-        if not text:
+    for s, split_pieces in out.items():
+        if not split_pieces:
             raise ConfigError("corpus", f"corpus {name!r} is too small to give a non-empty {s} split.", value=name)
     return out
+
+
+@functools.lru_cache(maxsize=16)
+def corpus_splits(name: str = "pydoc", val_fraction: float = 0.05, test_fraction: float = 0.05) -> Dict[str, str]:
+    """``{"train": text, "val": text, "test": text}``: disjoint text of the corpus (see module doc)."""
+    return {s: "\n".join(p) for s, p in corpus_pieces(name, val_fraction, test_fraction).items()}
 
 
 @functools.lru_cache(maxsize=16)
@@ -172,4 +180,4 @@ def corpus_words(name: str = "pydoc") -> Tuple[str, ...]:
     return tuple(sorted(words))
 
 
-__all__ = ["BUILTIN", "Corpus", "corpus_bytes", "corpus_sentences", "corpus_splits", "corpus_words", "load_corpus"]
+__all__ = ["BUILTIN", "Corpus", "corpus_bytes", "corpus_pieces", "corpus_sentences", "corpus_splits", "corpus_words", "load_corpus"]

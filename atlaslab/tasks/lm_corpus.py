@@ -7,6 +7,9 @@ Sources (``path``, ``data_files``, ``name``, ``split``: the arguments of ``datas
 over local files (``json`` for jsonl, ``parquet``, ``arrow``, ``csv``, ``text``), a folder written by
 ``save_to_disk``, or a hub name on a machine with network. ``streaming: true`` reads corpora larger than memory
 document by document. ``datasets`` is imported only when data is first needed (validation needs none of it).
+Or ``corpus:`` a shipped corpus (:mod:`atlaslab.tasks.corpus`: ``pydoc``, ``gensim_lee``, a text file), read with
+no file to prepare: its pieces are the documents and its own train / val / test split is the task's, the one
+``bpe_local`` trains on (the fractions must then equal the tokenizer's, so neither ever sees held-out text).
 
 Splits: ``val_split`` / ``test_split`` name splits of the dataset (e.g. ``validation``); left empty, a fixed
 fraction of the train split's documents is held out instead, chosen by a hash of each document's index (the
@@ -50,6 +53,7 @@ import torch
 
 from atlaslab.registry import ConfigError, check_choice, check_range, local_path, register, resolve_part, to_container
 from atlaslab.tasks.base import Batch, Example, Task, TaskConfig, make_rng
+from atlaslab.tasks.corpus import corpus_pieces, load_corpus
 from atlaslab.tasks.packing import RowPacker, TokenStream
 from atlaslab.tasks.tokenizer import build_tokenizer
 
@@ -115,12 +119,16 @@ class LMCorpus(Task):
         shuffle_buffer: int = 10000   # streaming: documents in the shuffle buffer
         max_documents: int = 0        # 0: all; else only the first N documents of each source split
         cache_dir: str = ""           # datasets' cache ("": its default)
+        corpus: str = ""              # a shipped corpus (pydoc | gensim_lee | a text file) instead of path
 
         def check(self) -> None:
             super().check()
-            if not self.path:
+            if self.corpus:
+                self._check_corpus()
+            elif not self.path:
                 raise ConfigError("path", "lm_corpus needs path: a builder over local files (with data_files), "
-                                  "a save_to_disk folder or a hub name.", choices=list(BUILDERS))
+                                  "a save_to_disk folder or a hub name; or corpus: a shipped corpus.",
+                                  choices=list(BUILDERS) + ["corpus: pydoc"])
             files = _files(_local_files(to_container(self.data_files)))
             if self.path in BUILDERS and not files:
                 raise ConfigError("data_files", f"the '{self.path}' builder reads local files: give data_files.")
@@ -141,7 +149,23 @@ class LMCorpus(Task):
             if self.streaming and self.eval_examples == 0:
                 raise ConfigError("eval_examples", "a streamed corpus needs a number of evaluation rows (> 0).",
                                   value=0)
-            resolve_part("tokenizer", self.tokenizer, "tokenizer")
+            tok = resolve_part("tokenizer", self.tokenizer, "tokenizer")
+            if self.corpus and tok.name == "bpe_local" and tok.corpus == self.corpus:
+                for name in ("val_fraction", "test_fraction"):
+                    if getattr(tok, name) != getattr(self, name):
+                        raise ConfigError(name, f"the corpus' split must be the one the bpe_local tokenizer trains "
+                                          f"on, or held-out text shapes the vocabulary: set {name} equal to "
+                                          f"tokenizer.{name} ({getattr(tok, name)}).", value=getattr(self, name))
+
+        def _check_corpus(self) -> None:
+            """A shipped corpus: no dataset arguments beside it; its split is the task's (in memory)."""
+            for name, empty in (("path", ""), ("data_files", None), ("val_split", ""), ("test_split", "")):
+                if getattr(self, name) != empty:
+                    raise ConfigError(name, f"corpus: {self.corpus!r} is the source and brings its own split; "
+                                      f"drop {name}.", value=getattr(self, name))
+            if self.streaming:
+                raise ConfigError("streaming", "a shipped corpus is read in memory.", value=True)
+            load_corpus(self.corpus)     # an unknown name or a missing file: ConfigError at 'corpus'
 
     primary_metric = "loss"
     primary_mode = "min"
@@ -167,6 +191,8 @@ class LMCorpus(Task):
         out = dataclasses.asdict(self.cfg)
         out.update(vocab_size=self.vocab_size, eos_id=int(self.tokenizer.eos_id),
                    tokenizer_sha256=self.tokenizer.fingerprint)
+        if self.cfg.corpus:              # its text changes a little between Python versions (pydoc)
+            out["corpus_sha256"] = load_corpus(self.cfg.corpus).sha256
         return out
 
     # -- sources ------------------------------------------------------------------------------------
@@ -174,8 +200,8 @@ class LMCorpus(Task):
         """``(dataset split, carved)``: where ``split``'s documents come from, and whether they are the held-out
         fraction of the train split (else the whole dataset split, less what other splits carve from it)."""
         c = self.cfg
-        if split == "train":
-            return c.split, False
+        if split == "train" or c.corpus:
+            return (split if c.corpus else c.split), False
         own = getattr(c, f"{split}_split")
         return (own, False) if own else (c.split, True)
 
@@ -198,6 +224,9 @@ class LMCorpus(Task):
         except ImportError:
             raise ConfigError("task.path", "lm_corpus needs the datasets library (pip install 'atlaslab[data]').",
                               value=c.path) from None
+        if c.corpus:                     # a shipped corpus: its pieces of this split, in corpus order
+            docs = list(corpus_pieces(c.corpus, c.val_fraction, c.test_fraction)[split_name])
+            return datasets.Dataset.from_dict({c.text_field: docs[:c.max_documents or None]})
         try:
             if _is_saved_dataset(c.path):
                 ds = datasets.load_from_disk(local_path(c.path))
@@ -269,14 +298,14 @@ class LMCorpus(Task):
         self._check_field(ds.column_names)
         texts = ds[c.text_field] if len(ds) else []
         keep = np.arange(len(texts))
-        if split == "train" or carved:
+        if (split == "train" and not c.corpus) or carved:   # a shipped corpus' train split is all train
             keep = keep[self._assign(keep) == split]
         if split == "train" and c.shuffle:
             keep = keep[make_rng(0x5EED, c.seed).permutation(len(keep))]
         docs = (ids for _, ids in self._tokenize(str(texts[int(i)] or "") for i in keep))
         out = TokenStream.from_documents(docs, self.tokenizer.eos_id)
         if out.num_rows(2) == 0:
-            raise ConfigError("task", f"lm_corpus: the {split} split of {c.path!r} has no text (documents: "
+            raise ConfigError("task", f"lm_corpus: the {split} split of {c.corpus or c.path!r} has no text (documents: "
                               f"{len(keep)}); check text_field, the split names and the held-out fractions.")
         return out
 

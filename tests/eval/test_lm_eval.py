@@ -189,7 +189,7 @@ def test_run_lm_eval_on_local_tasks_reports_metrics_that_match_the_model(setup):
     bpb = -sum(_manual_rolling(model, tok, t, 32) for t in texts) / sum(len(t.encode()) for t in texts) / math.log(2)
     assert metrics["lm_eval/tiny_ppl/bits_per_byte"] == pytest.approx(bpb, rel=1e-5)
 
-    from atlaslab.search.trainable import lm_eval_after_training
+    from atlaslab.search.build import lm_eval_after_training
     assert lm_eval_after_training(result, task, None) == {}
     after = lm_eval_after_training(result, task, {**cfg, "tasks": ["tiny_cloze"]})
     assert after == {"lm_eval/tiny_cloze/acc": metrics["lm_eval/tiny_cloze/acc"]}

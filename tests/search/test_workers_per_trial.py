@@ -163,3 +163,42 @@ def test_a_trial_asha_stops_releases_its_workers_for_the_next(local_ray, tmp_pat
     assert recs["t001"]["status"] == "pruned" and recs["t001"]["metrics"]["step"] == 10
     assert recs["t002"]["status"] == "completed" and recs["t002"]["metrics"]["step"] == 20
     assert recs["t002"]["metrics"]["workers"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_two_worker_trial_runs_its_lm_eval_node_on_rank_0(local_ray, tmp_path):
+    """The trial process holds no model (its workers do): the eval.lm_eval tasks run on rank 0 and come back with
+    its result, to the report and to MLflow (before, they were skipped without a word). Their numbers are those of
+    the same trial trained by one process (float32: summation order differs)."""
+    pytest.importorskip("lm_eval")
+    pytest.importorskip("datasets")
+    from mlflow.tracking import MlflowClient
+
+    from atlaslab.eval import run_lm_eval, tokenizer_for
+    from atlaslab.search.driver import run
+
+    tok = {"name": "bpe_local", "vocab_size": 512, "val_fraction": 0.05, "test_fraction": 0.2,
+           "cache_dir": str(tmp_path / "tok")}
+    lm_eval = {"tasks": ["pydoc_lastword"], "limit": 8, "builtin_tasks": False,
+               "include_path": str(Path(__file__).resolve().parents[2] / "experiments" / "lm_tasks")}
+    exp = node(steps=6, model={"preset": "transformer", "overrides": {"d_model": 16, "mixers.*.num_heads": 2}},
+               task={"name": "lm_corpus", "corpus": "pydoc", "seq_len": 32, "val_fraction": 0.05,
+                     "test_fraction": 0.2, "eval_examples": 4, "tokenizer": tok},
+               eval={"interval": 3, "examples": 4, "lm_eval": lm_eval}, metric="val/loss", mode="min")
+    p = prepare(node=exp)
+    s = run(p, run_dir=tmp_path / "run", num_cpus=2, quiet=True)
+    assert s["status"] == "finished" and s["completed"] == 1, s
+    got = json.loads((tmp_path / "run" / "results.json").read_text())[0]["metrics"]
+    assert got["workers"] == 2
+    names = ("lm_eval/pydoc_lastword/perplexity", "lm_eval/pydoc_lastword/acc")
+    assert all(k in got for k in names), sorted(got)
+
+    ref = reference(p.trials[0])
+    want = run_lm_eval(ref.model, tokenizer_for(ref.task), lm_eval, max_length=32)
+    assert got[names[0]] == pytest.approx(want[names[0]], rel=1e-3) and got[names[1]] == want[names[1]]
+
+    state = json.loads((tmp_path / "run" / "state.json").read_text())
+    c = MlflowClient(state["tracking"]["uri"])
+    child = next(r for r in c.search_runs([state["tracking"]["experiment_id"]]) if "mlflow.parentRunId" in r.data.tags)
+    assert child.data.metrics[names[0]] == pytest.approx(got[names[0]])

@@ -301,3 +301,27 @@ def test_relative_paths_are_taken_from_the_experiment_folder(data, tmp_path, mon
     monkeypatch.setenv("ATLASLAB_BASE_DIR", str(data))
     task = build_task(node)
     assert task.num_train_examples() > 0 and task.stream("train").num_documents > 80
+
+
+def test_a_shipped_corpus_is_read_with_its_own_split_the_one_bpe_local_trains_on(data):
+    """corpus: pydoc — documents are the corpus' pieces, each split the corpus' own (the tokenizer's held-out
+    text is the task's); other sources, streaming and fractions other than the tokenizer's are refused."""
+    from atlaslab.tasks.corpus import corpus_pieces, load_corpus
+    tok = {"name": "bpe_local", "vocab_size": 512, "val_fraction": 0.05, "test_fraction": 0.2,
+           "cache_dir": str(data / "tok")}
+    node = {"name": "lm_corpus", "corpus": "pydoc", "seq_len": 64, "val_fraction": 0.05, "test_fraction": 0.2,
+            "eval_examples": 0, "tokenizer": tok, "shuffle": False}
+    task = build_task(node)
+    pieces = corpus_pieces("pydoc", 0.05, 0.2)
+    for split in ("train", "val", "test"):
+        want = TokenStream.from_documents(task.tokenizer.encode_batch(list(pieces[split])), task.tokenizer.eos_id)
+        assert np.array_equal(task.stream(split).tokens, want.tokens), split
+    assert task.info()["corpus_sha256"] == load_corpus("pydoc").sha256
+    cases = [({"path": "json"}, r"task\.path: corpus: 'pydoc' is the source.*drop path"),
+             ({"val_split": "validation"}, r"task\.val_split: .*drop val_split"),
+             ({"streaming": True}, r"task\.streaming: a shipped corpus is read in memory"),
+             ({"test_fraction": 0.1}, r"task\.test_fraction: .*set test_fraction equal to tokenizer\.test_fraction \(0\.2\)"),
+             ({"corpus": "no_such.txt"}, r"task\.corpus: no such corpus file")]
+    for kw, pattern in cases:
+        with pytest.raises(ConfigError, match=pattern):
+            build_task({**node, **kw})
