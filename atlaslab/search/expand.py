@@ -311,25 +311,25 @@ def row_label(variant: str, axes: Mapping[str, Any]) -> str:
     return " · ".join(parts) or "base"
 
 
-def _excluded(exp: ExperimentConfig, variant: str, axes: Mapping[str, Any]) -> bool:
-    """Whether a ``grid.exclude`` entry matches this variant × axis point (all of the entry's keys equal)."""
-    point = dict(axes, variant=variant)
-    return any(all(point.get(k) == v for k, v in entry.items()) for entry in exp.grid.exclude)
+def _excluded(exp: ExperimentConfig, variant: str, axes: Mapping[str, Any], seed: int) -> bool:
+    """Whether a ``grid.exclude`` entry matches this variant × axis point × seed (all of the entry's keys equal)."""
+    point = dict(axes, variant=variant, seed=seed)
+    return any(all(k in point and point[k] == v for k, v in entry.items()) for entry in exp.grid.exclude)
 
 
 def expand_grid(exp: ExperimentConfig) -> List[Dict[str, Any]]:
     """Every trial of a grid experiment: settings × variants × axes × protocol × seeds (in that order), less the
-    points ``grid.exclude`` names."""
+    points ``grid.exclude`` names (a variant, axis values and/or a seed)."""
     assert exp.grid is not None
     variants = exp.grid.variants or {"base": {}}
     trials = []
     for setting in exp.settings():
         for vname, vnode in variants.items():
             for axes in _axis_points(exp):
-                if _excluded(exp, vname, axes):
-                    continue
                 for proto in protocol_points(exp):
                     for seed in exp.seeds:
+                        if _excluded(exp, vname, axes, seed):
+                            continue
                         assignments = [(k, v, f"grid.variants.{vname}.{k}") for k, v in (vnode or {}).items()]
                         assignments += [(k, v, f"grid.axes.{k}") for k, v in axes.items()]
                         assignments += [(f"train.{k}", v, f"protocol.{k}") for k, v in proto.items()]

@@ -16,8 +16,9 @@
         "w/o Muon": {model.mixers.atlas.memory.inner_optimizer: {name: gd, lr: 0.1}}
         Titans: {model.preset: titans}
       axes: {model.mixers.atlas.memory.window.size: [1, 4]}
-      exclude:                               # points of variants × axes not to run (every key must match)
+      exclude:                               # points of variants × axes × seeds not to run (every key must match)
         - {variant: Titans, model.mixers.atlas.memory.window.size: 1}
+        - {variant: Titans, seed: 1}
       baseline: ATLAS
     protocol: {lr: [1e-4, 1e-3], weight_decay: [0.0, 0.1]}   # MAD: best over the mini-grid per row
     search:                                  # … or a search (never both)
@@ -118,7 +119,7 @@ class GridNode:
     mode: str = "cross"                                  # cross | zip (of the axes)
     axes: Dict[str, Any] = field(default_factory=dict)   # dotted key → list of values
     variants: Dict[str, Any] = field(default_factory=dict)   # name → {dotted key: value}
-    exclude: List[Dict[str, Any]] = field(default_factory=list)  # [{variant: name, <axis key>: value}, ...]
+    exclude: List[Dict[str, Any]] = field(default_factory=list)  # [{variant: name, <axis key>: value, seed: s}, ...]
     baseline: Optional[str] = None                       # the row deltas are measured against
 
     def check(self) -> None:
@@ -481,17 +482,18 @@ def _validate_grid(exp: ExperimentConfig, raw_grid: Any, settings: Sequence[str]
         g.variants[vname] = dict(vnode)
         for key in vnode:
             _check_key(key, f"grid.variants.{vname}.{key}", settings)
-    _check_exclude(g)
+    _check_exclude(g, exp.seeds)
     if g.baseline is not None and g.baseline not in g.variants:
         raise ConfigError("grid.baseline", f"no variant named '{g.baseline}'.", value=g.baseline,
                           choices=list(g.variants))
 
 
-def _check_exclude(g: GridNode) -> None:
-    """Each ``grid.exclude`` entry names a variant and/or axis values that exist, so a typo cannot silently
+def _check_exclude(g: GridNode, seeds: Sequence[int]) -> None:
+    """Each ``grid.exclude`` entry names a variant, axis values and/or a seed that exist, so a typo cannot silently
     exclude nothing."""
     if not isinstance(g.exclude, list):
-        raise ConfigError("grid.exclude", "a list of mappings ({variant: name, <axis key>: value}).", value=g.exclude)
+        raise ConfigError("grid.exclude", "a list of mappings ({variant: name, <axis key>: value, seed: s}).",
+                          value=g.exclude)
     for i, entry in enumerate(g.exclude):
         path = f"grid.exclude.{i}"
         if not isinstance(entry, Mapping) or not entry:
@@ -502,9 +504,13 @@ def _check_exclude(g: GridNode) -> None:
                 if value not in g.variants:
                     raise ConfigError(f"{path}.variant", f"no variant named {value!r}.", value=value,
                                       choices=list(g.variants))
+            elif key == "seed":
+                if value not in seeds:
+                    raise ConfigError(f"{path}.seed", f"{value!r} is not one of the experiment's seeds.", value=value,
+                                      choices=[str(s) for s in seeds])
             elif key not in g.axes:
-                raise ConfigError(f"{path}.{key}", "an exclusion matches 'variant' or a grid axis.", value=key,
-                                  choices=["variant"] + list(g.axes))
+                raise ConfigError(f"{path}.{key}", "an exclusion matches 'variant', a grid axis or 'seed'.", value=key,
+                                  choices=["variant"] + list(g.axes) + ["seed"])
             elif value not in g.axes[key]:
                 raise ConfigError(f"{path}.{key}", f"{value!r} is not a value of this axis.", value=value,
                                   choices=list(g.axes[key]))

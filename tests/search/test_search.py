@@ -409,3 +409,15 @@ def test_report_averages_are_each_trials_mean_then_the_seeds_mean_and_labels_nam
         with pytest.raises(ConfigError) as e:
             load_experiment(node=_exp(report={"averages": bad}))
         assert e.value.path == path
+
+
+def test_grid_exclude_by_seed_runs_a_variant_on_fewer_seeds():
+    node = _exp(seeds=[0, 1, 2], grid={"variants": {"A": {}, "B": {}},
+                                       "exclude": [{"variant": "B", "seed": 1}, {"variant": "B", "seed": 2}]})
+    trials = expand_grid(load_experiment(node=node))
+    assert [(t["variant"], t["seed"]) for t in trials] == [("A", 0), ("A", 1), ("A", 2), ("B", 0)]
+    assert [t["key"] for t in trials] == ["t000", "t001", "t002", "t003"]
+    node["grid"]["exclude"] = [{"variant": "B", "seed": 3}]
+    with pytest.raises(ConfigError) as e:
+        load_experiment(node=node)
+    assert "grid.exclude.0.seed" in str(e.value) and "0, 1, 2" in str(e.value)
