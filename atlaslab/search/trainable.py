@@ -239,4 +239,4 @@ def _report(metrics: Dict[str, Any], ckpt_file: Optional[Path], step: int, final
         tune.report(clean, checkpoint=tune.Checkpoint.from_directory(d))
 
 
-__all__ = ["lm_eval_after_training", "lm_eval_node", "run_trial"]
+__all__ = ["run_trial"]
