@@ -6,7 +6,8 @@ See docs/concepts/memory.md#memory-architecture (architectures) and docs/concept
 A memory is *functional*: its fast weights are a dict of tensors, one entry per weight matrix, each
 with leading dims ``[B, H]`` (one memory per sequence and head; batch elements never mix). The module
 itself holds only outer-loop parameters: the learned initial fast weights (``[H, ...]``, expanded over
-the batch) and, for the LayerNorm forms, the norm's affine parameters.
+the batch; ``[1, ...]`` with ``init: shared``, one value for every head) and, for the LayerNorm forms, the norm's
+affine parameters.
 
 Shapes: ``forward(weights, x)`` takes ``x: [B, H, N, d_in]`` and returns ``[B, H, N, d_out]``.
 """
@@ -26,7 +27,10 @@ from atlaslab.registry import ConfigError, PartConfig, check_choice, check_range
 Weights = Dict[str, torch.Tensor]
 
 ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu, "relu": F.relu, "tanh": torch.tanh}
-INITS = ("learned", "zeros")
+#: learned: one learned initial value per head (titans-pytorch's default, ``per_head_learned_parameters=True``);
+#: shared: one learned value for all heads of the layer (its ``per_head_learned_parameters=False``), H× fewer
+#: parameters: at 760M width an MLP memory's per-head initial weights would double the model; zeros: fixed zero.
+INITS = ("learned", "shared", "zeros")
 
 
 class Memory(nn.Module):
@@ -46,23 +50,30 @@ class Memory(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.in_dim, self.out_dim, self.num_heads = in_dim, out_dim, num_heads
-        self.learn_init = getattr(cfg, "init", "learned") == "learned"
+        self.init_mode = getattr(cfg, "init", "learned")
 
     # -- fast weights ----------------------------------------------------------------------------
     def shapes(self) -> Dict[str, tuple]:
         raise NotImplementedError
 
     def _register_initial(self, name: str, value: torch.Tensor) -> None:
-        """Initial fast weight of one matrix, ``[H, ...]``; a parameter when ``init: learned``."""
-        if self.learn_init:
+        """Initial fast weight of one matrix from ``value: [H, ...]``: a parameter ``[H, ...]`` (``init: learned``),
+        a parameter ``[1, ...]`` holding head 0's value (``shared``), or a zero buffer (``zeros``)."""
+        if self.init_mode == "learned":
             self.register_parameter(f"init_{name}", nn.Parameter(value))
+        elif self.init_mode == "shared":
+            self.register_parameter(f"init_{name}", nn.Parameter(value[:1].clone()))
         else:
             self.register_buffer(f"init_{name}", torch.zeros_like(value))
 
     def initial_weights(self, batch: int) -> Weights:
-        """The memory every sequence starts from: ``{name: [B, H, ...]}`` (shared learned init)."""
-        return {n: getattr(self, f"init_{n}").unsqueeze(0).expand(batch, *getattr(self, f"init_{n}").shape)
-                for n in self.shapes()}
+        """The memory every sequence starts from: ``{name: [B, H, ...]}``, the learned initial value expanded
+        over the batch (and over the heads with ``init: shared``)."""
+        out = {}
+        for n in self.shapes():
+            w0 = getattr(self, f"init_{n}")
+            out[n] = w0.unsqueeze(0).expand(batch, self.num_heads, *w0.shape[1:])
+        return out
 
     def state_size(self) -> int:
         """Scalars of fast weights per sequence (all heads): zoology's recurrent-state contract."""
@@ -97,7 +108,7 @@ class LinearMemory(Memory):
 
     @dataclass
     class Config(PartConfig):
-        init: str = "learned"  # learned | zeros (fixed zero initial memory)
+        init: str = "learned"  # learned (per head) | shared (one for all heads) | zeros (fixed zero initial memory)
 
         def check(self) -> None:
             check_choice("init", self.init, INITS)

@@ -191,7 +191,7 @@ class MemoryLayerConfig(PartConfig):
     memory: Any = field(default_factory=dict)   # the memory spec node (memory_spec.resolve_memory_spec)
     num_heads: int = 4
     head_dim: Optional[int] = None     # key/query dim per head; default d_model // num_heads
-    value_dim: Optional[int] = None    # value dim per head; default head_dim
+    value_dim: Optional[int] = None    # value dim per head; default d_model // num_heads (the heads tile d_model)
     conv: bool = True                  # depthwise causal conv on q, k, v
     conv_size: int = 4
     silu: bool = True                  # SiLU on q, k, v (after the conv)
@@ -302,7 +302,7 @@ class MemoryLayer(nn.Module):
         self.cfg, self.d_model = cfg, d_model
         H = cfg.num_heads
         Dk = head_layout(d_model, H, cfg.head_dim)
-        Dv = cfg.value_dim or Dk
+        Dv = head_layout(d_model, H, cfg.value_dim)
         self.num_heads, self.head_dim, self.value_dim = H, Dk, Dv
         spec = cfg.memory_spec()
         self.parts = MemoryParts(spec, H, Dk, Dv, path="memory")

@@ -65,6 +65,8 @@ SPECS = {
     "gdn": {"memory": "linear", "retention": {"name": "decay", "placement": "before_step"}},
     "gla": {"memory": "linear", "attentional_bias": "dot", "retention": {"name": "decay", "channel_wise": True}},
     "titans": {"memory": "mlp", "retention": "decay", "inner_optimizer": "momentum", "chunk_size": 4},
+    "titans_shared_init": {"memory": {"name": "mlp", "init": "shared"}, "retention": "decay",
+                           "inner_optimizer": "momentum", "chunk_size": 4},
     "atlas": {"memory": {"name": "mlp", "residual": False, "expansion": 1}, "feature_map": "polynomial",
               "retention": "decay",
               "inner_optimizer": "muon", "window": {"size": 3}, "chunk_size": 4},

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from atlaslab.memory import build_memory
-from atlaslab.registry import build_part
+from atlaslab.registry import ConfigError, build_part
 
 EXACT_BIASES = [
     {"name": "l2"},
@@ -63,6 +63,29 @@ def test_memory_shapes_and_learned_initial_weights():
     assert p.memory.shapes() == {"W1": (4, 16), "W2": (16, 4), "W3": (16, 4)}
     p = build_memory({"memory": "mlp_ln"}, 2, 4, 4)
     assert {"memory.ln_weight", "memory.ln_bias"} <= {n for n, _ in p.named_parameters()}
+
+
+def test_shared_initial_weights_are_one_learned_value_that_every_head_trains():
+    """``init: shared``: one ``[1, ...]`` parameter per fast-weight matrix, expanded over the heads; its gradient is
+    the sum of the per-head gradients of the same model with that value copied into every head."""
+    torch.manual_seed(0)
+    shared = build_memory({"memory": {"name": "mlp", "expansion": 2, "init": "shared"}}, 3, 4, 4).double()
+    per_head = build_memory({"memory": {"name": "mlp", "expansion": 2}}, 3, 4, 4).double()
+    assert shared.memory.init_W1.shape == (1, 8, 4) and per_head.memory.init_W1.shape == (3, 8, 4)
+    assert sum(p.numel() for p in per_head.parameters()) == 3 * sum(p.numel() for p in shared.parameters())
+    with torch.no_grad():
+        for n, p in per_head.named_parameters():
+            p.copy_(dict(shared.named_parameters())[n].expand_as(p))
+    w = shared.memory.initial_weights(2)
+    assert w["W1"].shape == (2, 3, 8, 4) and torch.equal(w["W1"][:, 0], w["W1"][:, 2])
+    x = torch.randn(2, 3, 5, 4, dtype=torch.float64)
+    shared.memory(w, x).pow(2).sum().backward()
+    per_head.memory(per_head.memory.initial_weights(2), x).pow(2).sum().backward()
+    for n, p in shared.named_parameters():
+        expected = dict(per_head.named_parameters())[n].grad.sum(0, keepdim=True)
+        assert expected.abs().sum() > 0 and torch.allclose(p.grad, expected), n
+    with pytest.raises(ConfigError, match="learned, shared, zeros"):
+        build_memory({"memory": {"name": "mlp", "init": "per_head"}}, 3, 4, 4)
 
 
 def test_gated_mlp_is_atlas_pp_equation_43():

@@ -329,3 +329,15 @@ def test_mlp_hidden_width_from_the_output_keeps_atlas_eq42_size():
     assert eq42.memory.shapes()["W2"] == (16, 64)
     with pytest.raises(ConfigError, match="hidden_from"):
         resolve_memory_spec({"memory": {"name": "mlp", "hidden_from": "middle"}})
+
+
+def test_a_narrower_key_leaves_the_values_at_d_model_over_heads():
+    """``head_dim`` sets what the feature map expands (keys and queries); the values keep d_model / heads unless
+    ``value_dim`` says otherwise (the LM-scale geometry of docs/concepts/memory.md#lm-scale-geometry)."""
+    layer = make("mixer", "memory", num_heads=H, head_dim=4, memory={"feature_map": {"name": "polynomial"}})
+    assert (layer.head_dim, layer.value_dim) == (4, DH)
+    assert layer.parts.memory.shapes()["W"] == (DH, math.comb(4 + 2, 2))        # φ_2 of a 4-dim key: 15 features
+    assert layer.k_proj.out_features == H * 4 and layer.v_proj.out_features == layer.o_proj.in_features == D
+    y = layer(x_batch())
+    assert y.shape == (B, T, D) and torch.isfinite(y).all()
+    assert make("mixer", "memory", num_heads=H, head_dim=4, value_dim=3).value_dim == 3

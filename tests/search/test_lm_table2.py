@@ -89,6 +89,26 @@ def test_the_gpu_protocol_expands_into_the_table2_trials(gpu):
     assert worker_resources({"workers_per_trial": 8, "gpus_per_trial": 8, "cpus_per_trial": r.cpus_per_trial})["GPU"] == 1
 
 
+#: the rows whose feature map expands the key: polynomial φ_2, Taylor φ*
+FEATURE_ROWS = ["DeepTransformers", "Dot", "SWDT", "DLA", "OmegaNet", "Atlas", "Atlas++", "Atlas (MAG)", "Atlas (MAL)"]
+
+
+def test_every_row_is_the_size_of_the_transformer_at_table2_width(gpu):
+    """At head dim 96 the feature-map rows would be 1.55G (Atlas) to 36G (the Taylor rows) parameters: their keys are
+    16-dim (153 features) and their values 96-dim, so every row stays near the Transformer++'s size and no memory
+    holds more than 2.5× Titans (LMM)'s fast weights per sequence."""
+    by_row = {t["row"]: t for t in gpu.trials}
+    base = by_row["Transformer++"]["info"]["num_parameters"]
+    titans = by_row["Titans (LMM)"]["info"]["state_size"]
+    for row, t in by_row.items():
+        assert t["info"]["num_parameters"] <= 1.1 * base, row
+        if row != "Transformer++":                                  # its state is the KV cache
+            assert t["info"]["state_size"] <= 2.5 * titans, row
+    for row in FEATURE_ROWS:
+        (mixer,) = _model(by_row[row])["mixers"].values()
+        assert mixer["head_dim"] == 16 and mixer.get("value_dim") is None, row     # values: d_model / heads
+
+
 def test_the_file_as_written_is_the_760m_block_and_its_headers_1_3b_command_the_1_3b_block(gpu, site):
     """The file's own size (24 blocks), then the command in its header (read from it, so it cannot drift) applied
     as CLI overrides."""
