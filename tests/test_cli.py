@@ -75,7 +75,7 @@ def _fast_weights_per_head(arch, feat, dv):
 def _memory_layer_state(m, d):
     h = m["num_heads"]
     dk = m["head_dim"] or d // h
-    dv = m["value_dim"] or dk
+    dv = m["value_dim"] or d // h
     spec = m["memory"]
     feat = _feature_dim(spec, dk)
     conv = (m["conv_size"] - 1) * h * (2 * dk + dv) if m["conv"] else 0

@@ -438,6 +438,10 @@ class Validator:
             raise TrialConfigError(tid, "train.batch_size", f"{tcfg.batch_size} does not split over the "
                                    f"{workers} workers of resources.workers_per_trial: the global batch must be a "
                                    f"multiple of it.", value=tcfg.batch_size)
+        try:
+            tcfg.check_micro_batch(workers)
+        except ConfigError as exc:
+            raise TrialConfigError.wrap(tid, exc) from None
         split, _, name = self.exp.metric.partition("/")
         valid_splits = [tcfg.eval_split, tcfg.test_split, "train"]
         if split not in valid_splits:

@@ -87,6 +87,15 @@ class Example:
     segments: Optional[np.ndarray] = None
 
 
+def row_cu_seqlens(cu_seqlens: Optional[torch.Tensor], rows: slice, seq_len: int) -> Optional[torch.Tensor]:
+    """The document offsets of rows ``rows`` of a packed batch (``cu_seqlens`` over its ``B · T`` tokens, every
+    row start included), rebased to the first token of those rows; None stays None."""
+    if cu_seqlens is None:
+        return None
+    lo, hi = rows.start * seq_len, rows.stop * seq_len
+    return cu_seqlens[(cu_seqlens >= lo) & (cu_seqlens <= hi)] - lo
+
+
 @dataclass
 class Batch:
     """A batch of examples of one length. ``inputs``/``targets``/``loss_targets``: ``[B, T]`` long.
@@ -114,6 +123,13 @@ class Batch:
 
     def __len__(self) -> int:
         return self.inputs.shape[0]
+
+    def rows(self, rows: slice) -> "Batch":
+        """Rows ``rows`` of the batch (``[B, T]`` → ``[b, T]``, meta ``[B]`` → ``[b]``), document offsets rebased."""
+        lt = self.loss_targets
+        return Batch(self.inputs[rows], self.targets[rows], None if lt is None else lt[rows],
+                     {k: v[rows] for k, v in self.meta.items()},
+                     row_cu_seqlens(self.cu_seqlens, rows, self.inputs.shape[1]))
 
     @staticmethod
     def stack(examples: Sequence[Example]) -> "Batch":

@@ -20,7 +20,8 @@ class TrainConfig:
     """Everything the training loop needs besides the model and the task."""
 
     steps: int = 1000                     # optimiser steps
-    batch_size: int = 64
+    batch_size: int = 64                  # rows a step (the global batch, split over the data-parallel workers)
+    micro_batch_size: int = 0             # rows per forward/backward pass on each worker (gradient accumulation); 0: all
     lr: float = 3e-3                      # peak learning rate (AdamW)
     min_lr_ratio: float = 0.0             # the schedule ends at lr · min_lr_ratio
     warmup_steps: int = 0                 # linear warm-up from 0
@@ -53,6 +54,8 @@ class TrainConfig:
     def check(self) -> None:
         check_range("steps", self.steps, 1, None)
         check_range("batch_size", self.batch_size, 1, None)
+        check_range("micro_batch_size", self.micro_batch_size, 0, None)
+        self.check_micro_batch(1, path="micro_batch_size")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ConfigError("lr", f"bad value {self.lr!r}: must be a positive number.", value=self.lr)
         check_range("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
@@ -80,11 +83,21 @@ class TrainConfig:
         check_range("checkpoint_interval", self.checkpoint_interval, 0, None)
         check_choice("progress", self.progress, ("auto", "always", "never"))
 
+    def check_micro_batch(self, workers: int, path: str = "train.micro_batch_size") -> None:
+        """Each of ``workers`` shards of the batch (``batch_size / workers`` rows) must split into micro-batches."""
+        rows = self.batch_size // workers
+        if self.micro_batch_size and rows % self.micro_batch_size:
+            per = f"the {rows} rows each of the {workers} workers trains on" if workers > 1 else \
+                f"the batch of {rows} rows"
+            raise ConfigError(path, f"{self.micro_batch_size} does not divide {per}: pick a divisor (0: no "
+                              f"accumulation).", value=self.micro_batch_size)
+
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
 
-    #: fields that may change between a run and its resumption (they do not change the result)
-    RESUMABLE_CHANGES = ("progress", "log_interval", "checkpoint_interval", "device")
+    #: fields that may change between a run and its resumption (they do not change the result; a micro-batch size
+    #: only up to rounding, so a preempted run may resume on a device with less memory)
+    RESUMABLE_CHANGES = ("progress", "log_interval", "checkpoint_interval", "device", "micro_batch_size")
 
 
 def resolve_train_config(node: Any = None, path: str = "train", **overrides: Any) -> TrainConfig:

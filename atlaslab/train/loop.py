@@ -213,7 +213,8 @@ def _check_checkpoint(ckpt: Mapping[str, Any], ckpt_dir: Path, cfg: TrainConfig,
     if ckpt.get("version") != CHECKPOINT_VERSION:
         raise ConfigError("checkpoint", f"{ckpt_dir / CHECKPOINT_NAME} has format version "
                           f"{ckpt.get('version')}, expected {CHECKPOINT_VERSION}.")
-    diff = config_diff(ckpt["config"], cfg.to_dict())
+    stored = {**TrainConfig().to_dict(), **ckpt["config"]}      # a field added since: its default
+    diff = config_diff(stored, cfg.to_dict())
     if diff:
         changes = "; ".join(f"{k}: {a!r} → {b!r}" for k, (a, b) in diff.items())
         raise ConfigError("train", f"the checkpoint in {ckpt_dir} was written with other settings ({changes}); "
@@ -266,6 +267,7 @@ class _Run:
         module on the device and its optimiser (and, data-parallel, in DDP once restored)."""
         if parallel is not None:
             parallel.check_batch_size(cfg.batch_size)
+            cfg.check_micro_batch(parallel.world_size)
         device = resolve_device(cfg.device)
         ckpt = load_checkpoint(ckpt_dir, map_location="cpu") if ckpt_dir is not None else None
         task_info = task.info()
@@ -356,33 +358,45 @@ def _loop(run: _Run, callback: Optional[Callback]) -> None:
 def _train_step(run: _Run) -> Optional[float]:
     """One optimiser step on the batch of the current step (learning rate from the schedule, clipped gradients);
     the loss and gradient norm go into the interval's accumulators. Returns the learning rate, or None when the
-    loss or the gradient norm is not finite: the run is then ``diverged`` and the parameters are not updated."""
-    cfg, task, state = run.cfg, run.task, run.state
+    loss or the gradient norm is not finite: the run is then ``diverged`` and the parameters are not updated.
+
+    The step's loss is the mean over the scored tokens of the whole (global) batch. With
+    ``train.micro_batch_size`` this process's rows go forward and backward that many at a time, each
+    micro-batch's mean loss scaled by its share of the scored tokens, so the accumulated gradient is the one
+    the whole batch gives in one pass (up to rounding)."""
+    cfg, task, state, parallel = run.cfg, run.task, run.state, run.parallel
     step = state["step"]
     batch = task.batch("train", step, cfg.batch_size, seed=cfg.seed)
-    if run.parallel is not None:
-        batch = run.parallel.shard(batch)
-    batch = batch.to(run.device, non_blocking=True)
+    if parallel is not None:
+        batch = parallel.shard(batch)
+    m = cfg.micro_batch_size or len(batch)
+    micro = [batch.rows(slice(i, i + m)) for i in range(0, len(batch), m)]
+    weights = [float(task.loss_weight(mb)) for mb in micro]
+    n = parallel.all_sum([sum(weights)])[0] if parallel is not None else sum(weights)
+    ranks = parallel.world_size if parallel is not None else 1     # DDP averages the ranks' gradients
     lr = lr_at(cfg, step)
     for g in run.optimizer.param_groups:
         g["lr"] = lr
-    with _autocast(cfg, run.device):
-        logits = forward_batch(run.forward_module, batch)
-    if not run.checked_shapes:
-        if logits.shape[:2] != batch.inputs.shape or logits.shape[-1] < task.vocab_size:
-            raise ValueError(f"the model maps tokens {tuple(batch.inputs.shape)} to {tuple(logits.shape)}; "
-                             f"task {task.name} needs logits [B, T, ≥{task.vocab_size}]")
-        run.checked_shapes = True
-    loss = task.loss(logits, batch)
-    if run.parallel is None:
-        loss_v = float(loss.item())
-    else:                                  # this shard's share of the global mean; loss_v: the global mean
-        loss, loss_v = run.parallel.global_loss(loss, task.loss_weight(batch), logits)
+    run.optimizer.zero_grad(set_to_none=True)
+    loss_sum, loss_v = 0.0, float("nan")
+    for i, (mb, w) in enumerate(zip(micro, weights)):
+        last = i == len(micro) - 1
+        no_sync = run.forward_module.no_sync() if (parallel is not None and not last) else contextlib.nullcontext()
+        with no_sync:
+            loss, logits = _micro_loss(run, mb.to(run.device, non_blocking=True))
+            if w > 0 and n > 0:
+                loss_sum += float(loss.detach()) * w
+                (loss * (ranks * w / n)).backward()
+                if len(micro) == 1 and parallel is None:
+                    loss_v = float(loss.detach())
+            else:                          # no scored token here: zero gradients (DDP's all-reduce still runs)
+                (logits.sum() * 0.0).backward()
+    if not (len(micro) == 1 and parallel is None):
+        total = parallel.all_sum([loss_sum])[0] if parallel is not None else loss_sum
+        loss_v = total / n if n > 0 else float("nan")
     if not math.isfinite(loss_v):
         state.update(status="diverged", diverged_at=step + 1, message=f"diverged at step {step + 1} (loss = {loss_v})")
         return None
-    run.optimizer.zero_grad(set_to_none=True)
-    loss.backward()
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
     gn = float(torch.nn.utils.clip_grad_norm_(run.params, max_norm))
     if not math.isfinite(gn):
@@ -396,6 +410,20 @@ def _train_step(run: _Run) -> Optional[float]:
     acc["grad_norm"] += gn
     acc["n"] += 1
     return lr
+
+
+def _micro_loss(run: _Run, batch) -> tuple:
+    """``(mean training loss, logits)`` of one (micro-)batch already on the device; the first call checks that
+    the model's logits fit the task."""
+    with _autocast(run.cfg, run.device):
+        logits = forward_batch(run.forward_module, batch)
+    task = run.task
+    if not run.checked_shapes:
+        if logits.shape[:2] != batch.inputs.shape or logits.shape[-1] < task.vocab_size:
+            raise ValueError(f"the model maps tokens {tuple(batch.inputs.shape)} to {tuple(logits.shape)}; "
+                             f"task {task.name} needs logits [B, T, ≥{task.vocab_size}]")
+        run.checked_shapes = True
+    return task.loss(logits, batch), logits
 
 
 def _train_metrics(run: _Run, step: int, lr: float) -> Dict[str, float]:

@@ -10,9 +10,11 @@ What :func:`atlaslab.train.train` does differently with ``parallel``:
   ``[B/N, T]``; there is no sampler and nothing to resume.
 * gradients: the module is wrapped in ``DistributedDataParallel``, which averages the gradients over the
   ranks (gloo on CPU, NCCL on GPU). Rank r's loss ``ℓ_r`` is a mean over its ``n_r`` scored tokens
-  (:meth:`Task.loss_weight`); it is scaled by ``N·n_r/n`` (``n = Σ n_r``, one all-reduce), so the averaged
-  gradient is exactly that of the global mean ``Σ_r n_r·ℓ_r / n``, the loss one process computes on the whole
-  batch, whatever the shards' token counts.
+  (:meth:`Task.loss_weight`); it is scaled by ``N·n_r/n`` (``n = Σ n_r``, one all-reduce before the forward
+  pass), so the averaged gradient is exactly that of the global mean ``Σ_r n_r·ℓ_r / n``, the loss one process
+  computes on the whole batch, whatever the shards' token counts. With ``train.micro_batch_size`` each
+  micro-batch of the shard is scaled the same way by its own token count and DDP all-reduces once, after the
+  last micro-batch's backward pass.
 * the logged loss is that global mean, the same on every rank, so every rank sees a divergence at the same
   step; the gradient norm is taken after the all-reduce, so clipping is the same everywhere too.
 * rank 0 alone evaluates (the metrics are broadcast, so every rank makes the same early-stop decision), calls
@@ -24,7 +26,7 @@ Parameters are then bitwise the same on every rank; :meth:`DataParallel.digests`
 from __future__ import annotations
 
 import hashlib
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,15 +34,6 @@ from torch import nn
 
 from atlaslab.registry import ConfigError
 from atlaslab.tasks.base import Batch
-
-
-def shard_cu_seqlens(cu_seqlens: Optional[torch.Tensor], rows: slice, seq_len: int) -> Optional[torch.Tensor]:
-    """The document offsets of rows ``rows`` of a packed batch (``cu_seqlens`` over its ``B · T`` tokens, every
-    row start included), rebased to the shard's first token; None stays None."""
-    if cu_seqlens is None:
-        return None
-    lo, hi = rows.start * seq_len, rows.stop * seq_len
-    return cu_seqlens[(cu_seqlens >= lo) & (cu_seqlens <= hi)] - lo
 
 
 class DataParallel:
@@ -69,11 +62,7 @@ class DataParallel:
     def shard(self, batch: Batch) -> Batch:
         """This rank's rows of the global batch (``[B, T]`` → ``[B/N, T]``, meta ``[B]`` → ``[B/N]``)."""
         b = len(batch) // self.world_size
-        rows = slice(self.rank * b, (self.rank + 1) * b)
-        lt = batch.loss_targets
-        return Batch(batch.inputs[rows], batch.targets[rows], None if lt is None else lt[rows],
-                     {k: v[rows] for k, v in batch.meta.items()},
-                     shard_cu_seqlens(batch.cu_seqlens, rows, batch.inputs.shape[1]))
+        return batch.rows(slice(self.rank * b, (self.rank + 1) * b))
 
     def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
         """``module`` in ``DistributedDataParallel`` (which broadcasts rank 0's parameters and buffers first).
@@ -87,19 +76,12 @@ class DataParallel:
         ids = [device] if device.type == "cuda" else None
         return DistributedDataParallel(module, device_ids=ids, process_group=self.group)
 
-    def global_loss(self, loss: torch.Tensor, weight: torch.Tensor, logits: torch.Tensor) -> Tuple[torch.Tensor, float]:
-        """``(what this rank back-propagates, the global loss)`` from this rank's mean loss over ``weight``
-        scored tokens: ``ℓ_r·N·n_r/n`` and ``Σ_r n_r·ℓ_r / n`` (see the module docstring). A shard with no
-        scored token back-propagates ``0·Σ logits``: zero gradients, and DDP's all-reduce still runs."""
-        w = float(weight)
-        stats = torch.tensor([w, float(loss.detach()) * w if w > 0 else 0.0], dtype=torch.float64,
-                             device=loss.device)
-        dist.all_reduce(stats, group=self.group)
-        n, total = stats.tolist()
-        value = total / n if n > 0 else float("nan")
-        if w > 0 and n > 0:
-            return loss * (self.world_size * w / n), value
-        return logits.sum() * 0.0, value
+    def all_sum(self, values: Sequence[float]) -> List[float]:
+        """Each of ``values`` summed over the ranks (one float64 all-reduce), e.g. the scored tokens of the global
+        batch and the sum of the ranks' ``n_r·ℓ_r``, from which the training step takes the global mean loss."""
+        t = torch.tensor(list(values), dtype=torch.float64, device=self._object_device())
+        dist.all_reduce(t, group=self.group)
+        return t.tolist()
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank (a picklable object)."""

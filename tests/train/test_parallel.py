@@ -4,7 +4,8 @@ Two processes (``torch.multiprocessing``, gloo over 127.0.0.1) train a tiny Gate
 mixture of 1 and 4 key-value pairs, so the two halves of a batch score different numbers of tokens: the
 loss weighting must make the averaged gradient that of the whole batch. Checked: both ranks end bitwise
 equal; parameters, last gradients and every logged metric match one process on the same global batch; a
-2-process run resumed from its step-3 checkpoint ends bitwise where the uninterrupted one did.
+2-process run resumed from its step-3 checkpoint ends bitwise where the uninterrupted one did. Gradient
+accumulation (``train.micro_batch_size``) gives the same training, in one process and on two ranks.
 """
 import os
 import shutil
@@ -68,7 +69,11 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         res2 = train(tiny_model(seed=7), task, TRAIN, checkpoint_dir=again, parallel=par)
         resumed = {"digests": par.digests(res2.model), "state": res2.model.state_dict(), "history": res2.history,
                    "resumed_from": res2.resumed_from}
-        torch.save({"full": full, "resumed": resumed}, os.path.join(out, f"rank{rank}.pt"))
+        with pytest.raises(ConfigError, match=r"train\.micro_batch_size: 8 does not divide the 4 rows each of the 2"):
+            train(tiny_model(), task, {**TRAIN, "micro_batch_size": 8}, parallel=par)
+        res3 = train(tiny_model(), task, {**TRAIN, "micro_batch_size": 2}, parallel=par)   # 2 micro-batches a rank
+        micro = {"digests": par.digests(res3.model), "state": res3.model.state_dict(), "history": res3.history}
+        torch.save({"full": full, "resumed": resumed, "micro": micro}, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -127,10 +132,38 @@ def test_a_two_rank_run_resumes_from_its_checkpoint(two_ranks):
 
 
 def test_a_shard_keeps_its_rows_document_boundaries():
-    """Packed rows (lm_corpus): each rank's shard carries the offsets of its own rows' documents, rebased, so no
-    document sees another on any rank (row starts are always offsets)."""
-    from atlaslab.train.parallel import shard_cu_seqlens
+    """Packed rows (lm_corpus): each rank's shard (and each micro-batch) carries the offsets of its own rows'
+    documents, rebased, so no document sees another on any rank (row starts are always offsets)."""
+    from atlaslab.tasks.base import row_cu_seqlens
     cu = torch.tensor([0, 3, 4, 8, 10, 16, 24, 29, 32])         # 4 rows of 8 tokens
-    assert shard_cu_seqlens(cu, slice(0, 2), 8).tolist() == [0, 3, 4, 8, 10, 16]
-    assert shard_cu_seqlens(cu, slice(2, 4), 8).tolist() == [0, 8, 13, 16]
-    assert shard_cu_seqlens(None, slice(0, 2), 8) is None
+    assert row_cu_seqlens(cu, slice(0, 2), 8).tolist() == [0, 3, 4, 8, 10, 16]
+    assert row_cu_seqlens(cu, slice(2, 4), 8).tolist() == [0, 8, 13, 16]
+    assert row_cu_seqlens(None, slice(0, 2), 8) is None
+
+
+def _assert_same_training(state, history, ref, tol=1e-10):
+    ref_state = ref.model.state_dict()
+    for k, v in state.items():
+        if v.is_floating_point():
+            assert rms_ratio(v, ref_state[k]) < tol, k
+    assert [h.keys() for h in history] == [h.keys() for h in ref.history]
+    for mine, theirs in zip(history, ref.history):
+        for k, v in theirs.items():
+            assert mine[k] == pytest.approx(v, rel=1e-9, abs=1e-12), (mine["step"], k)
+
+
+def test_gradient_accumulation_trains_as_the_whole_batch_does():
+    """Micro-batches of 1 and 2 rows, whose rows score different numbers of tokens: each micro-batch's mean loss is
+    weighted by its token share, so parameters and every logged metric match one pass over the batch of 8."""
+    ref = train(tiny_model(), build_task(TASK), TRAIN)
+    for m in (1, 2):
+        res = train(tiny_model(), build_task(TASK), {**TRAIN, "micro_batch_size": m})
+        _assert_same_training(res.model.state_dict(), res.history, ref)
+    with pytest.raises(ConfigError, match=r"train\.micro_batch_size: 3 does not divide the batch of 8 rows"):
+        train(tiny_model(), build_task(TASK), {**TRAIN, "micro_batch_size": 3})
+
+
+def test_two_ranks_accumulating_micro_batches_match_one_process(two_ranks):
+    ref = train(tiny_model(), build_task(TASK), TRAIN)
+    assert two_ranks[0]["micro"]["digests"] == two_ranks[1]["micro"]["digests"]
+    _assert_same_training(two_ranks[0]["micro"]["state"], two_ranks[0]["micro"]["history"], ref)

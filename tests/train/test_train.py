@@ -297,7 +297,8 @@ def test_linear_attention_recall_grows_with_state_size(one_thread):
         torch.manual_seed(0)
         model = build_model("linear_attention", ["vocab_size=32", "d_model=32", "num_layers=2",
                                                  "mixers.linear_attention.num_heads=1",
-                                                 f"mixers.linear_attention.head_dim={head_dim}"])
+                                                 f"mixers.linear_attention.head_dim={head_dim}",
+                                                 f"mixers.linear_attention.value_dim={head_dim}"])
         res = train(model, task, steps=150, batch_size=64, lr=3e-3, schedule="constant", warmup_steps=20,
                     eval_interval=0, seed=0, progress="never")
         acc[model.state_size()] = res.metrics["test/accuracy"]
