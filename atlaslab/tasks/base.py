@@ -324,6 +324,13 @@ class Task:
     def load_data_state(self, state: Optional[Dict[str, Any]]) -> None:
         """Restore what :meth:`data_state` returned (called when a run resumes from its checkpoint)."""
 
+    def shard_stream(self, rank: int, world: int) -> bool:
+        """Data-parallel training on ``world`` ranks: True when this task then reads only rank ``rank``'s share
+        of the training data, and ``batch("train", step, B / world, …)`` gives that rank's rows of the step (a
+        streamed corpus: each rank tokenises its own documents). False (the default): the batch of a step is a
+        pure function of the step, every rank builds the global batch and keeps its rows."""
+        return False
+
     # -- models ------------------------------------------------------------------------------------
     def wrap(self, model: nn.Module) -> nn.Module:
         """The module that is trained and evaluated for ``model`` (identity unless the task adds a head,

@@ -32,6 +32,9 @@ Order and resumption
     ``[s·B, (s+1)·B)`` of that stream. The task keeps a cursor (epoch, documents read, the packer's carried
     tokens) that the training loop stores in its checkpoint (:meth:`LMCorpus.data_state`), so a resumed run
     reads on from there; without one, the stream is replayed from its start up to the step asked for.
+    Data-parallel (:meth:`LMCorpus.shard_stream`), rank r of N tokenises and packs only documents i ≡ r (mod N)
+    of that stream, and its rows are its shards of the steps' batches: the global batch of a step is the ranks'
+    rows side by side, so it depends on N (in memory it does not). Each rank's cursor goes into the checkpoint.
 
 Metrics: ``loss`` (nats per token), ``ppl`` and next-token ``accuracy`` over every scored token, plus ``bpb``
 (bits per UTF-8 byte of the predicted tokens) when the tokenizer can say how many bytes each token is (byte,
@@ -179,6 +182,7 @@ class LMCorpus(Task):
         self._cursor: Optional[Dict[str, Any]] = None     # streaming: where the train rows stand
         self._saved: Optional[Dict[str, Any]] = None      # streaming: a cursor restored from a checkpoint
         self._rows: Optional[Iterator[Example]] = None
+        self._shard = (0, 1)                              # streaming, data-parallel: (rank, ranks)
         tb = self.tokenizer.token_bytes()
         self._token_bytes = None if tb is None else torch.from_numpy(tb)
 
@@ -344,8 +348,9 @@ class LMCorpus(Task):
         while True:
             produced = False
             start = cursor["docs"]
-            for n, doc in self._tokenize(self._texts(self._stream_source("train", cursor["epoch"], cursor["seed"]),
-                                                     start)):
+            texts = self._own_texts(self._texts(self._stream_source("train", cursor["epoch"], cursor["seed"]), start),
+                                    start)
+            for n, doc in self._tokenize(texts):
                 packer.push(doc)
                 cursor["docs"] = start + n
                 while packer.ready():
@@ -358,6 +363,24 @@ class LMCorpus(Task):
                 raise ConfigError("task", f"lm_corpus: the streamed train split of {self.cfg.path!r} gives no row "
                                   f"of {self.seq_len} tokens.")
             cursor.update(epoch=cursor["epoch"] + 1, docs=0)
+
+    def _own_texts(self, texts: Iterator[str], start: int) -> Iterator[str]:
+        """This rank's documents of the stream (from document ``start``): document i belongs to rank i mod N; the
+        others pass as blank texts, which the tokeniser skips, so every rank's cursor counts the same documents."""
+        rank, world = self._shard
+        if world == 1:
+            return texts
+        return (t if (start + j) % world == rank else "" for j, t in enumerate(texts))
+
+    def shard_stream(self, rank: int, world: int) -> bool:
+        """Streaming: each of ``world`` ranks reads the stream but tokenises and packs only its own documents
+        (document i is rank i mod ``world``'s), its rows its shard of every step; the cursor is per rank. In
+        memory: False (every rank holds the whole token stream, and a step's batch is a function of the step)."""
+        if not self.cfg.streaming:
+            return False
+        self._shard = (int(rank), int(world))
+        self._cursor = self._rows = None
+        return True
 
     def _stream_train_batch(self, step: int, batch_size: int, seed: int) -> Batch:
         first = int(step) * int(batch_size)
@@ -382,10 +405,16 @@ class LMCorpus(Task):
             return None
         c = self._cursor
         return {"seed": c["seed"], "epoch": c["epoch"], "docs": c["docs"], "row": c["row"],
-                "packer": c["packer"] or {"buffer": [], "starts": []}}
+                "packer": c["packer"] or {"buffer": [], "starts": []}, "shard": list(self._shard)}
 
     def load_data_state(self, state: Optional[Dict[str, Any]]) -> None:
         if state:
+            shard = tuple(state.get("shard", (0, 1)))
+            if shard != self._shard:
+                raise ConfigError("resources.workers_per_trial", f"the checkpoint's stream cursor is rank {shard[0]} "
+                                  f"of {shard[1]}'s (each rank reads its own documents), this process is rank "
+                                  f"{self._shard[0]} of {self._shard[1]}: resume with the same number of workers.",
+                                  value=self._shard[1])
             self._saved = dict(state)
 
     # -- the Task interface -------------------------------------------------------------------------

@@ -33,6 +33,8 @@
 * Data parallelism (``parallel``, a :class:`~atlaslab.train.parallel.DataParallel`): the same loop in each
   process of a ``torch.distributed`` group, each on its shard of the global batch, gradients averaged by
   DDP; rank 0 alone evaluates, calls the callback and writes the checkpoint (see :mod:`atlaslab.train.parallel`).
+  A task that reads its own share of the data on each rank (:meth:`~atlaslab.tasks.Task.shard_stream`: a streamed
+  corpus) gives each rank its rows directly, and the checkpoint holds every rank's data cursor.
 """
 from __future__ import annotations
 
@@ -258,6 +260,7 @@ class _Run:
         self.checked_shapes = False
         self.eval_bs = cfg.eval_batch_size or cfg.batch_size
         self.autocast_dtype = torch.bfloat16 if (cfg.precision == "bf16" and device.type == "cuda") else None
+        self.own_shards = False               # data-parallel: each rank reads its own training data (Task.shard_stream)
 
     @classmethod
     def start(cls, model: nn.Module, task: Task, cfg: TrainConfig, ckpt_dir: Optional[Path],
@@ -279,12 +282,13 @@ class _Run:
         module.to(device)
         module.train()
         run = cls(module, make_optimizer(module, cfg), task, cfg, device, ckpt_dir, task_info, parallel)
+        run.own_shards = parallel is not None and task.shard_stream(parallel.rank, parallel.world_size)
         if ckpt is not None:
             module.load_state_dict(ckpt["model"])
             run.optimizer.load_state_dict(ckpt["optimizer"])
             run.state = ckpt["state"]
             _set_rng_state(ckpt["rng"])
-            task.load_data_state(ckpt.get("data"))
+            task.load_data_state(_rank_data_state(ckpt.get("data"), parallel) if run.own_shards else ckpt.get("data"))
             run.resumed_from = run.state["step"]
         if parallel is not None:
             run.forward_module = parallel.wrap(module, device)
@@ -302,14 +306,20 @@ class _Run:
                            model_info=self.model_info, model=self.module)
 
     def save(self) -> None:
-        """Write the checkpoint atomically (nothing without a checkpoint directory, or on a rank other than 0)."""
-        if self.ckpt_dir is None or not self.is_main:
+        """Write the checkpoint atomically (nothing without a checkpoint directory, or on a rank other than 0).
+        Ranks that read their own data first gather their cursors to rank 0 (a collective: every rank calls this)."""
+        if self.ckpt_dir is None:
+            return
+        data = self.task.data_state()
+        if self.own_shards:
+            data = {"ranks": self.parallel.gather(data)}
+        if not self.is_main:
             return
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         self.state["elapsed"] = time.time() - self.t_start
         _save_atomic({"version": CHECKPOINT_VERSION, "config": self.cfg.to_dict(), "task": self.task_info,
                       "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                      "rng": _rng_state(), "state": self.state, "data": self.task.data_state(),
+                      "rng": _rng_state(), "state": self.state, "data": data,
                       "model_config": _model_config(self.module)},
                      self.ckpt_dir / CHECKPOINT_NAME)
 
@@ -324,6 +334,19 @@ class _Run:
                                              batch_size=self.eval_bs, lengths=lengths, device=device,
                                              autocast_dtype=self.autocast_dtype)
         return metrics if self.parallel is None else self.parallel.broadcast(metrics)
+
+
+def _rank_data_state(data: Optional[Dict[str, Any]], parallel: DataParallel) -> Optional[Dict[str, Any]]:
+    """This rank's data cursor from a checkpoint whose ranks each read their own data (``{"ranks": [...]}``)."""
+    if data is None:
+        return None
+    ranks = data.get("ranks") if isinstance(data, dict) else None
+    if ranks is None or len(ranks) != parallel.world_size:
+        had = "one process" if ranks is None else f"{len(ranks)} workers"
+        raise ConfigError("resources.workers_per_trial", f"the checkpoint's training data was read by {had}, each "
+                          f"worker its own share of the stream; resume with the same number of workers, not "
+                          f"{parallel.world_size}.", value=parallel.world_size)
+    return ranks[parallel.rank]
 
 
 def _loop(run: _Run, callback: Optional[Callback]) -> None:
@@ -366,9 +389,12 @@ def _train_step(run: _Run) -> Optional[float]:
     the whole batch gives in one pass (up to rounding)."""
     cfg, task, state, parallel = run.cfg, run.task, run.state, run.parallel
     step = state["step"]
-    batch = task.batch("train", step, cfg.batch_size, seed=cfg.seed)
-    if parallel is not None:
-        batch = parallel.shard(batch)
+    if run.own_shards:                     # this rank's rows, read from its own share of the stream
+        batch = task.batch("train", step, cfg.batch_size // parallel.world_size, seed=cfg.seed)
+    else:
+        batch = task.batch("train", step, cfg.batch_size, seed=cfg.seed)
+        if parallel is not None:
+            batch = parallel.shard(batch)
     m = cfg.micro_batch_size or len(batch)
     micro = [batch.rows(slice(i, i + m)) for i in range(0, len(batch), m)]
     weights = [float(task.loss_weight(mb)) for mb in micro]

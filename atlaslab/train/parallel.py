@@ -7,7 +7,10 @@ What :func:`atlaslab.train.train` does differently with ``parallel``:
 
 * data: rank r of N trains on rows ``[r·B/N, (r+1)·B/N)`` of the batch of every step. ``task.batch`` is a
   pure function of the step, so every rank builds the same global batch ``[B, T]`` and keeps its shard
-  ``[B/N, T]``; there is no sampler and nothing to resume.
+  ``[B/N, T]``; there is no sampler and nothing to resume. A task whose :meth:`Task.shard_stream` says so (a
+  streamed corpus) reads only its share of the data on each rank instead and builds only the rank's ``B/N``
+  rows; the checkpoint then keeps every rank's data cursor (gathered to rank 0), and a resumed run must have
+  the same N.
 * gradients: the module is wrapped in ``DistributedDataParallel``, which averages the gradients over the
   ranks (gloo on CPU, NCCL on GPU). Rank r's loss ``ℓ_r`` is a mean over its ``n_r`` scored tokens
   (:meth:`Task.loss_weight`); it is scaled by ``N·n_r/n`` (``n = Σ n_r``, one all-reduce before the forward
@@ -89,15 +92,19 @@ class DataParallel:
         dist.broadcast_object_list(box, src=self._global(0), group=self.group, device=self._object_device())
         return box[0]
 
+    def gather(self, obj: Any) -> List[Any]:
+        """Every rank's ``obj`` (picklable), in rank order, on every rank."""
+        out: List[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
     def digests(self, module: nn.Module) -> List[str]:
         """Every rank's digest of ``module``'s state (parameters and buffers, bitwise), in rank order."""
         h = hashlib.sha256()
         for name, t in sorted(module.state_dict().items()):
             h.update(name.encode())
             h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        out: List[Any] = [None] * self.world_size
-        dist.all_gather_object(out, h.hexdigest()[:16], group=self.group)
-        return [str(d) for d in out]
+        return [str(d) for d in self.gather(h.hexdigest()[:16])]
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
