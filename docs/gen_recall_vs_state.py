@@ -1,6 +1,6 @@
 """The recall-vs-state page's table rows and state plot from one or more run folders of the study.
 
-    python docs/gen_recall_vs_state.py runs/rvs_pass3 runs/rvs_pass2 runs/rvs2
+    python docs/gen_recall_vs_state.py docs/results/recall-vs-state/runs/rvs_atlas8
 
 Reads each folder's ``trials.csv`` (written by ``atlaslab run`` / ``resume`` / ``report``; ``atlaslab report RUN_DIR``
 writes it for a run that is still going or was stopped) and its ``trials.json``, and pools the
@@ -10,6 +10,11 @@ mean ± sample std of ``test/accuracy`` over its seeds; a trial that failed (e.g
 row has no finished seed, and is then shown with its message. Prints the Markdown table rows of
 docs/results/recall-vs-state.md and draws docs/results/recall-vs-state/state.png with the report's own
 :func:`atlaslab.search.report.plot_state`.
+
+The rows of the first three run folders (rvs2, rvs_pass2, rvs_pass3) come from ``recall-vs-state/rows.csv``, the
+values the page printed from them (mean, std and each seed's value to two decimals): those folders were not kept.
+A row that a folder given here also has is taken from the folder. Later passes keep their ``trials.csv`` and
+``trials.json`` under ``recall-vs-state/runs/``.
 """
 from __future__ import annotations
 
@@ -21,7 +26,9 @@ from pathlib import Path
 
 from atlaslab.search.report import plot_state
 
-OUT = Path(__file__).resolve().parent / "results" / "recall-vs-state" / "state.png"
+HERE = Path(__file__).resolve().parent / "results" / "recall-vs-state"
+OUT = HERE / "state.png"
+ARCHIVE = HERE / "rows.csv"
 METRIC = "test/accuracy"
 FINISHED = ("completed", "early_stopped")
 
@@ -45,34 +52,39 @@ def pool_trials(run_dirs):
     return {k: v for k, v in rows.items() if v["seeds"] or v["failed"]}
 
 
+def archived_rows():
+    """The rows of the run folders that were not kept: ``{row: {...}}`` as the page printed them."""
+    return {r["row"]: r for r in csv.DictReader(open(ARCHIVE))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("run_dirs", nargs="+")
+    ap.add_argument("run_dirs", nargs="*")
     run_dirs = ap.parse_args().run_dirs
     rows = pool_trials(run_dirs)
-    plot_rows = []
+    table = {}                 # row → (variant, state, mean, std, value text, seeds, folders)
+    for name, r in archived_rows().items():
+        std = float(r["std"]) if r["std"] else 0.0
+        value = r["mean"] + (f" ± {r['std']}" if r["std"] else "") + f" ({r['seeds']})"
+        table[name] = (r["variant"], int(r["state_size"]), float(r["mean"]), std, value, int(r["n"]), r["folders"])
     for name, r in rows.items():
-        vals = list(r["seeds"].values())
-        if vals:
-            plot_rows.append({"variant": r["variant"], "label": name, "setting": None, "state_size": r["state_size"],
-                              METRIC: statistics.mean(vals),
-                              METRIC + " std": statistics.stdev(vals) if len(vals) > 1 else 0.0})
-    # the models in the order the first pass lists them (the last folder), then those the later passes add
-    variants = list(dict.fromkeys(t["variant"] for run in reversed(run_dirs)
-                                  for t in json.loads((Path(run) / "trials.json").read_text())))
-    plot_rows.sort(key=lambda r: (variants.index(r["variant"]), r["state_size"]))
-    plot_state(plot_rows, METRIC, OUT)
-    order = sorted(rows, key=lambda n: (variants.index(rows[n]["variant"]), rows[n]["state_size"] or 0))
-    for name in order:
-        r = rows[name]
         vals = [r["seeds"][s] for s in sorted(r["seeds"])]
         if vals:
-            value = f"{statistics.mean(vals):.3f}" + (f" ± {statistics.stdev(vals):.3f}" if len(vals) > 1 else "")
+            mean, std = statistics.mean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0
+            value = f"{mean:.3f}" + (f" ± {std:.3f}" if len(vals) > 1 else "")
             value += " (" + ", ".join(f"{v:.2f}" for v in vals) + ")"
         else:
-            value = "; ".join(r["failed"])
-        size = f"{r['state_size']:,}" if r["state_size"] else "—"
-        print(f"| {name.replace(' · num_heads=', ' · ')} | {size} | {value} | {len(vals)} | {', '.join(sorted(r['folders']))} |")
+            mean, std, value = None, None, "; ".join(r["failed"])
+        table[name] = (r["variant"], r["state_size"], mean, std, value, len(vals), ", ".join(sorted(r["folders"])))
+    # the models in the order of the archive (the first passes), then those the later passes add
+    variants = list(dict.fromkeys(v[0] for v in table.values()))
+    order = sorted(table, key=lambda n: (variants.index(table[n][0]), table[n][1] or 0))
+    plot_state([{"variant": table[n][0], "label": n, "setting": None, "state_size": table[n][1], METRIC: table[n][2],
+                 METRIC + " std": table[n][3]} for n in order if table[n][2] is not None], METRIC, OUT)
+    for name in order:
+        variant, state, _, _, value, n, folders = table[name]
+        size = f"{state:,}" if state else "—"
+        print(f"| {name.replace(' · num_heads=', ' · ')} | {size} | {value} | {n} | {folders} |")
 
 
 if __name__ == "__main__":

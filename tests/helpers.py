@@ -122,3 +122,24 @@ def momentum_run(parts, data, dtype, mode, b, device):
     (q, k, v), gates, leaves = grad_leaves(parts, data, dtype, device)
     o, state = memorize(q, k, v, parts, gates, mode=mode, chunk_size=b)
     return o, state, torch.autograd.grad(momentum_state_loss(o, state), leaves)
+
+
+class Recorder(torch.nn.Module):
+    """A model that records the training inputs it is given: ``seen`` holds ``(ids, cu_seqlens)`` per call."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.seen = model, []
+
+    def forward(self, ids, cu_seqlens=None):
+        if self.training:
+            self.seen.append((ids.clone(), None if cu_seqlens is None else cu_seqlens.clone()))
+        return self.model(ids, cu_seqlens=cu_seqlens)
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for a torch.distributed group of test processes)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

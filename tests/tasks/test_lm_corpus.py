@@ -4,6 +4,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers import Recorder
 
 from atlaslab.models.lm import LanguageModel
 from atlaslab.registry import ConfigError
@@ -245,19 +246,6 @@ def test_config_errors_are_early_and_name_the_field(data):
         lm = LanguageModel({"vocab_size": 512, "d_model": 16, "num_layers": 1, "layers": ["mac"],
                             "mixers": {"mac": {"name": "mac", "segment": 8, "num_heads": 2}}})
         build_task(_node(data)).wrap(lm)
-
-
-class Recorder(torch.nn.Module):
-    """The model, recording the training inputs it is given."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model, self.seen = model, []
-
-    def forward(self, ids, cu_seqlens=None):
-        if self.training:
-            self.seen.append((ids.clone(), None if cu_seqlens is None else cu_seqlens.clone()))
-        return self.model(ids, cu_seqlens=cu_seqlens)
 
 
 class Killed(Exception):

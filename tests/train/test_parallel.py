@@ -9,12 +9,12 @@ accumulation (``train.micro_batch_size``) gives the same training, in one proces
 """
 import os
 import shutil
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import free_port
 
 from atlaslab.models.presets import build_model
 from atlaslab.registry import ConfigError
@@ -35,12 +35,6 @@ def tiny_model(seed: int = 0):
 
 def rms_ratio(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
@@ -82,7 +76,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
     # fork: the children inherit the imported modules (spawn would import torch and atlaslab again, ~10 s)
-    mp.start_processes(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True, start_method="fork")
+    mp.start_processes(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True, start_method="fork")
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

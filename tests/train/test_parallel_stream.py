@@ -10,12 +10,12 @@ import json
 import os
 import re
 import shutil
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import Recorder, free_port
 
 from atlaslab.models.lm import LanguageModel
 from atlaslab.registry import ConfigError
@@ -42,29 +42,10 @@ def _model():
                           "mixers": {"attn": {"name": "attention", "num_heads": 2}}})
 
 
-class Recorder(torch.nn.Module):
-    """The model, recording the training inputs it is given."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model, self.seen = model, []
-
-    def forward(self, ids, cu_seqlens=None):
-        if self.training:
-            self.seen.append(ids.clone())
-        return self.model(ids, cu_seqlens=cu_seqlens)
-
-
 def _documents(rows) -> set:
     """The document ids (``d017``) that the byte rows hold."""
-    text = bytes(int(t) for r in rows for t in r.reshape(-1) if int(t) < 256).decode("utf-8", "replace")
+    text = bytes(int(t) for r, _ in rows for t in r.reshape(-1) if int(t) < 256).decode("utf-8", "replace")
     return set(re.findall(r"d\d{3}", text))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, root: str) -> None:
@@ -110,7 +91,7 @@ def two_ranks(tmp_path_factory):
     with open(root / "train.jsonl", "w") as f:
         for i in range(60):
             f.write(json.dumps({"text": f"d{i:03d} " + "memory reads keys. " * (1 + i % 3)}) + "\n")
-    mp.start_processes(_worker, args=(2, _free_port(), str(root)), nprocs=2, join=True, start_method="fork")
+    mp.start_processes(_worker, args=(2, free_port(), str(root)), nprocs=2, join=True, start_method="fork")
     return root, [torch.load(root / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
@@ -119,7 +100,7 @@ def test_each_rank_trains_on_its_own_documents_and_tokenises_only_those(two_rank
     seen = [_documents(r["full"]["seen"]) for r in ranks]
     assert all(len(s) >= 3 for s in seen) and not seen[0] & seen[1]
     for r, s in zip(ranks, seen):
-        assert [x.shape for x in r["full"]["seen"]] == [(1, 2 * 24)] * TRAIN["steps"]   # 2 packed rows a step
+        assert [x.shape for x, _ in r["full"]["seen"]] == [(1, 2 * 24)] * TRAIN["steps"]   # 2 packed rows a step
         assert s <= {t[:4] for t in r["full"]["tokenised"]}                 # what it trained on, it tokenised
     tok = [set(r["full"]["tokenised"]) for r in ranks]
     assert tok[0] and tok[1] and not tok[0] & tok[1]                        # and no rank the other's documents
@@ -131,8 +112,8 @@ def test_the_ranks_stay_identical_and_a_resumed_run_sees_exactly_the_rows_it_had
     for r in ranks:
         resumed, full = r["resumed"], r["full"]
         assert resumed["resumed_from"] == 3 and len(resumed["seen"]) == 3
-        for a, b in zip(resumed["seen"], full["seen"][3:]):
-            assert torch.equal(a, b)
+        for (a, ca), (b, cb) in zip(resumed["seen"], full["seen"][3:]):
+            assert torch.equal(a, b) and torch.equal(ca, cb)
         assert resumed["digests"] == full["digests"]
 
 
