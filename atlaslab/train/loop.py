@@ -404,6 +404,7 @@ def _train_step(run: _Run) -> Optional[float]:
     for g in run.optimizer.param_groups:
         g["lr"] = lr
     run.optimizer.zero_grad(set_to_none=True)
+    one_pass = len(micro) == 1 and parallel is None     # the loss is the batch's own mean (no re-weighting)
     loss_sum, loss_v = 0.0, float("nan")
     for i, (mb, w) in enumerate(zip(micro, weights)):
         last = i == len(micro) - 1
@@ -413,11 +414,11 @@ def _train_step(run: _Run) -> Optional[float]:
             if w > 0 and n > 0:
                 loss_sum += float(loss.detach()) * w
                 (loss * (ranks * w / n)).backward()
-                if len(micro) == 1 and parallel is None:
+                if one_pass:
                     loss_v = float(loss.detach())
             else:                          # no scored token here: zero gradients (DDP's all-reduce still runs)
                 (logits.sum() * 0.0).backward()
-    if not (len(micro) == 1 and parallel is None):
+    if not one_pass:
         total = parallel.all_sum([loss_sum])[0] if parallel is not None else loss_sum
         loss_v = total / n if n > 0 else float("nan")
     if not math.isfinite(loss_v):
