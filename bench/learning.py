@@ -51,6 +51,17 @@ SETTINGS: Dict[str, Dict[str, Any]] = {
              "batch_size": 64, "lr": 3e-3, "warmup_steps": 20, "eval_interval": 25, "eval_examples": 256,
              "steps": 1500, "early_stop": 0.99},
 }
+#: LaCT's chunk (= its window) per setting: T / 4, so its fast weights carry the three earlier chunks (with a chunk
+#: of T every query would read the initial weights, LaCT applying a chunk's update only to later chunks)
+LACT_CHUNK = {"calibration": 16, "hard": 64}
+
+
+def preset_overrides(name: str, setting_name: str) -> List[str]:
+    """Overrides a preset runs with in a setting (LaCT's chunk and window, :data:`LACT_CHUNK`)."""
+    if name == "lact":
+        c = LACT_CHUNK[setting_name]
+        return [f"mixers.lact.window={c}", f"mixers.lact.memory.chunk_size={c}"]
+    return []
 DEFAULT_PRESETS = ["transformer", "gated_deltanet", "deltanet", "linear_attention", "titans", "atlas", "omeganet"]
 THRESHOLD = 0.9
 GOAL_FACTOR = 1.5
@@ -399,8 +410,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     refs = _names(args.refs, refs_mod.REFS)
     out = Path(args.out) if args.out else RESULTS / ("learning_cpu" if args.setting == "calibration"
                                                      else f"learning_{args.setting}_cpu")
+    c = LACT_CHUNK[args.setting]
     ref_kwargs = {"titans_neural_memory": {"chunk_size": args.titans_chunk},
-                  "fla_gated_deltanet": {"expand_v": args.gdn_expand_v}}
+                  "fla_gated_deltanet": {"expand_v": args.gdn_expand_v},
+                  "lact": {"chunk_size": c, "window": c}}
     previous = _previous_ref_runs(Path(str(out) + ".json")) if args.reuse else {}
     skipped, jobs = {}, []
     for name in refs:
@@ -410,7 +423,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             print(f"skip reference {name}: {why}", flush=True)
             continue
         jobs += [{"kind": "ref", "name": name, "seed": sd, "ref_kwargs": ref_kwargs.get(name, {})} for sd in seeds]
-    jobs += [{"kind": "preset", "name": name, "seed": sd} for name in presets for sd in seeds]
+    jobs += [{"kind": "preset", "name": name, "seed": sd, "overrides": preset_overrides(name, args.setting)}
+             for name in presets for sd in seeds]
     data = {"command": "python bench/learning.py" + (" " + shlex.join(argv) if argv else ""),
             "setting_name": args.setting, "setting": setting, "steps": steps, "seeds": seeds,
             "torch": torch.__version__, "python": platform.python_version(),

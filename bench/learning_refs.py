@@ -45,10 +45,10 @@ FLA_GDN_NAIVE = PEERS / "fla" / "ops" / "gated_delta_rule" / "naive.py"
 FLA_DELTA_NAIVE = PEERS / "fla" / "ops" / "delta_rule" / "naive.py"
 TITANS = PEERS / "titans_pytorch"
 
-REFS = ("softmax_transformer", "fla_gated_deltanet", "fla_deltanet", "titans_neural_memory")
+REFS = ("softmax_transformer", "fla_gated_deltanet", "fla_deltanet", "titans_neural_memory", "lact")
 #: which reference each preset is compared with
 PRESET_REF = {"transformer": "softmax_transformer", "gated_deltanet": "fla_gated_deltanet",
-              "deltanet": "fla_deltanet", "titans": "titans_neural_memory"}
+              "deltanet": "fla_deltanet", "titans": "titans_neural_memory", "lact": "lact"}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -304,6 +304,149 @@ class TitansMixer(nn.Module):
         return n + (self.conv.state_size() if self.conv is not None else 0)
 
 
+def _rope(x, base: float = 10000.0):
+    """Rotary embedding (half-split pairs, as fla's RotaryEmbedding) of ``x: [B, T, H, D]`` at positions 0 … T − 1."""
+    T, D = x.shape[1], x.shape[-1]
+    inv = base ** (-torch.arange(0, D, 2, dtype=torch.float32, device=x.device) / D)
+    ang = torch.arange(T, dtype=torch.float32, device=x.device)[:, None] * inv            # [T, D/2]
+    cos, sin = ang.cos()[None, :, None].to(x.dtype), ang.sin()[None, :, None].to(x.dtype)
+    a, b = x[..., :D // 2], x[..., D // 2:]
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], -1)
+
+
+def _lact_orthogonalise(g):
+    """Newton–Schulz as LaCT's ``zeropower_via_newtonschulz5`` (its five quintic coefficient triples, Frobenius
+    normalisation, the wide orientation), in float32 where LaCT runs it in bf16. ``g: [N, r, c]``."""
+    tall = g.shape[1] > g.shape[2]
+    x = g.transpose(1, 2) if tall else g
+    x = x / (x.norm(dim=(1, 2), keepdim=True) + 1e-7)
+    for a, b, c in ((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
+                    (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012)):
+        A = x @ x.transpose(1, 2)
+        x = a * x + (b * A + c * A @ A) @ x
+    return x.transpose(1, 2) if tall else x
+
+
+class LaCTMixer(nn.Module):
+    """The LaCT language layer as its authors' code builds it (``LaCTSWIGLULayer`` and
+    ``block_causal_lact_swiglu`` of github.com/a1600012888/LaCT, lact_llm), re-implemented here in plain PyTorch.
+
+    qkv (no bias) → [optional RMSNorm of q, k] → RoPE → sliding-window causal SDPA; the fast q, k: per-channel
+    scale and offset; q, k, v: SiLU; q, k: ℓ2 per fast-weight head, then the same RoPE in the attention head layout.
+    Fast weights per head W0, W2: [h, d] (std d^-1/2), W1: [d, h] (std h^-1/2), f(x) = W1 (silu(W0 x) ⊙ W2 x).
+    Three per-token step sizes per head, softplus(lr_proj x + softplus⁻¹(0.001)); momentum σ(m_proj x) averaged
+    over the chunk. Per chunk: read with the chunk-start weights, then the summed dot-product ascent direction
+    (each token × its step), momentum, Newton–Schulz (``use_muon``), W += ΔW, every row back to its initial norm;
+    the last chunk is read only. Output: RMSNorm per head (affine) ⊙ silu(ttt_scale_proj x), added to the attention
+    output, o_proj. Every nn.Linear of the layer is initialised as the authors' ``_init_weights``: N(0, 0.006²),
+    zero bias (so the TTT branch starts near zero, silu(≈ 0)). Defaults are its LaCTSWIGLUConfig's except
+    ``use_muon`` (the config's default is False; the paper's language models use Muon).
+    """
+
+    def __init__(self, d_model: int, num_heads: int = 4, fw_heads: int = 2, chunk_size: int = 16,
+                 window: int = 16, use_muon: bool = True, use_momentum: bool = True, qk_norm: bool = False,
+                 init_std: float = 0.006, base_lr: float = 1e-3, rope_base: float = 10000.0):
+        super().__init__()
+        self.H, self.hd = num_heads, d_model // num_heads
+        self.F, self.fd = fw_heads, d_model // fw_heads
+        self.chunk, self.window, self.use_muon, self.rope_base = chunk_size, window, use_muon, rope_base
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.q_norm = nn.RMSNorm(d_model, eps=1e-6) if qk_norm else None
+        self.k_norm = nn.RMSNorm(d_model, eps=1e-6) if qk_norm else None
+        self.o_proj = nn.Linear(d_model, d_model, bias=False)
+        d = self.fd
+        self.w0 = nn.Parameter(torch.randn(fw_heads, d, d) / math.sqrt(d))
+        self.w2 = nn.Parameter(torch.randn(fw_heads, d, d) / math.sqrt(d))
+        self.w1 = nn.Parameter(torch.randn(fw_heads, d, d) / math.sqrt(d))
+        self.lr_proj = nn.Linear(d_model, 3 * fw_heads)
+        self.base_lr_inv = base_lr + math.log(-math.expm1(-base_lr))
+        self.qk_scale = nn.Parameter(torch.ones(2, d_model))
+        self.qk_offset = nn.Parameter(torch.zeros(2, d_model))
+        self.ttt_scale_proj = nn.Linear(d_model, fw_heads)
+        self.ttt_norm = nn.RMSNorm(d, eps=1e-6)
+        self.momentum_proj = nn.Linear(d_model, fw_heads) if use_momentum else None
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=init_std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+
+    def _heads(self, x, n):                                  # [B, T, n·d] → [B·n, T, d]
+        B, T, C = x.shape
+        return x.view(B, T, n, C // n).transpose(1, 2).reshape(B * n, T, C // n)
+
+    def _swa(self, q, k, v):
+        B, T, C = q.shape
+        q, k, v = (t.view(B, T, self.H, self.hd) for t in (q, k, v))
+        q, k = _rope(q, self.rope_base), _rope(k, self.rope_base)
+        i = torch.arange(T, device=q.device)
+        allowed = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < self.window)
+        o = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=allowed)
+        return o.transpose(1, 2).reshape(B, T, C)
+
+    def _ttt(self, w0, w1, w2, q, k, v, lr0, lr1, lr2, momentum):
+        """Block-causal "apply, then update" over chunks; ``q, k, v: [N, T, d]``, lrs / momentum ``[N, T, 1]``."""
+        norms = [w.norm(dim=2, keepdim=True) for w in (w0, w1, w2)]
+        mom = [torch.zeros_like(w) for w in (w0, w1, w2)] if momentum is not None else None
+        T, b = q.shape[1], self.chunk
+        outs = []
+        for s in range(0, T, b):
+            e = min(s + b, T)
+            qi = q[:, s:e].transpose(1, 2)                                   # [N, d, n]
+            outs.append(torch.bmm(w1, F.silu(torch.bmm(w0, qi)) * torch.bmm(w2, qi)).transpose(1, 2))
+            if e == T:
+                break                                                        # the last chunk is read, not written
+            ki, vi = k[:, s:e].transpose(1, 2), v[:, s:e].transpose(1, 2)   # [N, d, n]
+            gate, up = torch.bmm(w0, ki), torch.bmm(w2, ki)
+            hidden = F.silu(gate) * up
+            dhidden = torch.bmm(w1.transpose(1, 2), vi)
+            sig = torch.sigmoid(gate)
+            dgate = dhidden * up * sig * (1 + gate * (1 - sig))             # through silu
+            dup = dhidden * F.silu(gate)
+            d1 = torch.bmm(vi, (hidden * lr1[:, s:e].transpose(1, 2)).transpose(1, 2))
+            d0 = torch.bmm(dgate, ki.transpose(1, 2) * lr0[:, s:e])
+            d2 = torch.bmm(dup, ki.transpose(1, 2) * lr2[:, s:e])
+            deltas = [d0, d1, d2]
+            if mom is not None:
+                m = momentum[:, s:e].mean(1, keepdim=True)                   # [N, 1, 1]
+                deltas = [dw + m * prev for dw, prev in zip(deltas, mom)]
+                mom = deltas
+            if self.use_muon:
+                deltas = [_lact_orthogonalise(dw) for dw in deltas]
+            w0, w1, w2 = (w + dw for w, dw in zip((w0, w1, w2), deltas))
+            w0, w1, w2 = (w / (w.norm(dim=2, keepdim=True) + 1e-5) * n for w, n in zip((w0, w1, w2), norms))
+        return torch.cat(outs, 1)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        o = self._swa(q, k, v)
+        fq, fk = q * self.qk_scale[0] + self.qk_offset[0], k * self.qk_scale[1] + self.qk_offset[1]
+        fq, fk, fv = F.silu(fq), F.silu(fk), F.silu(v)
+        fq, fk = (self._heads(t, self.F) for t in (fq, fk))
+        fq, fk = (t / (t.norm(dim=-1, keepdim=True) + 1e-5) for t in (fq, fk))
+        fq, fk = (_rope(t.view(B, self.F, T, self.fd).transpose(1, 2).reshape(B, T, self.H, self.hd),
+                        self.rope_base).reshape(B, T, C) for t in (fq, fk))   # rotated in the attention head layout
+        fq, fk, fv = (self._heads(t, self.F) for t in (fq, fk, fv))
+        lr = F.softplus(self.lr_proj(x) + self.base_lr_inv)                  # [B, T, 3·F]
+        lr0, lr1, lr2 = self._heads(lr, self.F).chunk(3, dim=-1)             # [B·F, T, 1] each
+        momentum = None
+        if self.momentum_proj is not None:
+            momentum = self._heads(torch.sigmoid(self.momentum_proj(x)), self.F)
+        w0, w1, w2 = (w.repeat(B, 1, 1) for w in (self.w0, self.w1, self.w2))
+        y = self._ttt(w0, w1, w2, fq, fk, fv, lr0, lr1, lr2, momentum)      # [B·F, T, d]
+        y = self.ttt_norm(y).view(B, self.F, T, self.fd)
+        y = y * F.silu(self.ttt_scale_proj(x)).transpose(1, 2).unsqueeze(-1)
+        return self.o_proj(o + y.transpose(1, 2).reshape(B, T, C))
+
+    def state_size(self, context: int) -> int:
+        """Fast weights (+ momentum) and the window's KV cache, as ``LaCTLayer.state_size``."""
+        fast = sum(w.numel() for w in (self.w0, self.w1, self.w2))
+        return fast * (2 if self.momentum_proj is not None else 1) + self.window * 2 * self.qkv.in_features
+
+
 # --------------------------------------------------------------------------------------------------
 # construction
 # --------------------------------------------------------------------------------------------------
@@ -318,6 +461,9 @@ DESCRIPTIONS = {
                     "gate, as fla DeltaNet's defaults) in a pre-LN LM; recurrence fla delta_rule_chunkwise (chunk 16)",
     "titans_neural_memory": "causal depthwise conv4 → titans-pytorch NeuralMemory(heads 4, dim_head 16, chunk_size 4, "
                             "else defaults) in a pre-LN LM",
+    "lact": "LaCT's language layer re-implemented from its authors' code (SWA + SwiGLU fast weights, 2 heads of 32, "
+            "Muon, momentum, weight norm, apply-then-update; chunk = window = 16; its N(0, 0.006²) Linear init) in a "
+            "pre-LN LM",
 }
 
 
@@ -335,6 +481,8 @@ def build_ref(name: str, vocab_size: int, d_model: int = 64, num_layers: int = 2
     if name == "fla_deltanet":
         kw = {"decay": False, "output_gate": False, "expand_v": 1.0, **kw}
         return RefLM(vocab_size, d_model, [FlaGatedDeltaNetMixer(d_model, **kw) for _ in range(num_layers)])
+    if name == "lact":
+        return RefLM(vocab_size, d_model, [LaCTMixer(d_model, **kw) for _ in range(num_layers)])
     return RefLM(vocab_size, d_model, [TitansMixer(d_model, **kw) for _ in range(num_layers)])
 
 
