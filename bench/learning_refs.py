@@ -22,6 +22,9 @@ Mixers:
   ``NeuralMemory`` (its defaults; dim 64, heads 4, dim_head 16, chunk_size 4; ``retrieved, state = mem(x)``).
   chunk_size 1 (its default, the smallest) costs ~12 s per training step at B = 64, T = 64 on one CPU core
   (4096 · 4 per-sample gradients through torch.func.vmap), 4 costs ~1 s, 16 ~0.3 s.
+- ``lact`` (:class:`LaCTMixer`): LaCT's language layer (SWA + SwiGLU fast weights trained per chunk with Muon,
+  momentum and the weight norm, "apply, then update") re-implemented from its authors' code, which is not a pip
+  package (github.com/a1600012888/LaCT, ``lact_llm``), with that code's initialisation of the layer.
 
 The fla / titans references need the peers installed in bench/.peers (``python bench/peers.py --install``);
 :func:`available` says whether a reference can be built (and why not). bench/.peers is appended to

@@ -2,7 +2,7 @@
 
 - every reference that is available builds, maps [2, 16] ids to finite [2, 16, V] logits, is causal, and
   trains 2 steps through atlaslab's ``train`` (the fla / titans references are skipped when bench/.peers
-  lacks them; the softmax Transformer always runs);
+  lacks them; the softmax Transformer and LaCT always run, LaCT with chunks of 4 so that its updates are read);
 - fla's two naive functions agree where they should (the delta rule = gated delta rule with g = 0; the
   chunk size does not change the result);
 - the summaries (steps-to-90, mean ± std, the ours / ref ratio and the goal) on hand-made histories;
@@ -36,7 +36,7 @@ V, T = 32, 16
 def _require(name):
     ok, why = refs.available(name)
     if not ok:
-        assert name != "softmax_transformer"
+        assert name not in ("softmax_transformer", "lact")
         pytest.skip(why)
 
 
@@ -45,7 +45,7 @@ def test_reference_builds_is_causal_and_trains(name, one_thread):
     _require(name)
     from atlaslab.train.loop import train
     torch.manual_seed(0)
-    kw = {"chunk_size": 4} if name == "titans_neural_memory" else {}
+    kw = {"titans_neural_memory": {"chunk_size": 4}, "lact": {"chunk_size": 4, "window": 4}}.get(name, {})
     model = refs.build_ref(name, V, d_model=16, num_layers=2, max_len=T, **kw)
     ids = torch.randint(0, V, (2, T))
     logits = model(ids)
@@ -170,3 +170,31 @@ def test_reuse_takes_only_matching_reference_runs(tmp_path):
     assert bl._job_key(job("fla_gated_deltanet", ref_kwargs={"expand_v": 1.0})) in prev
     assert bl._job_key({**job("softmax_transformer"), "steps": 100}) not in prev
     assert len(prev) == 2 and all(r["reused_from"] == "r.json, run started then" for r in prev.values())
+
+
+def test_lact_reference_update_is_the_tested_lact_rule():
+    """The reference layer's chunk loop (bench) equals the direct LaCT rule that atlaslab's layer is tested against
+    (tests/models/test_lact.py), float64, with momentum and Muon: so the LaCT parity compares two layers that
+    update their fast weights alike, and differ only in what surrounds that update (inits, step-size heads)."""
+    spec = importlib.util.spec_from_file_location("lact_tests", Path(__file__).parent / "models" / "test_lact.py")
+    lt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lt)
+    torch.manual_seed(0)
+    B, H, Tn, d, b = 2, 2, 12, 6, 4
+    mixer = refs.LaCTMixer(16, num_heads=2, fw_heads=H, chunk_size=b).double()
+    wg, wu = torch.randn(B, H, d, d, dtype=torch.float64), torch.randn(B, H, d, d, dtype=torch.float64)
+    wd = torch.randn(B, H, d, d, dtype=torch.float64)
+    q, k, v = (torch.randn(B, Tn, H, d, dtype=torch.float64) for _ in range(3))
+    q, k = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
+    lr = torch.rand(B, Tn, H, dtype=torch.float64) * 0.1
+    theta = torch.rand(B, Tn, H, dtype=torch.float64)
+    expected = lt.lact_direct(wg, wu, wd, q, k, v, lr, theta, b)                 # [B, Tn, H, d]
+
+    def flat(x):                                                               # [B, Tn, H, ...] → [B·H, Tn, ...]
+        return x.transpose(1, 2).reshape(B * H, Tn, *x.shape[3:])
+    lr_f = flat(lr.unsqueeze(-1))
+    out = mixer._ttt(wg.reshape(B * H, d, d), wd.reshape(B * H, d, d), wu.reshape(B * H, d, d),
+                     flat(q), flat(k), flat(v), lr_f, lr_f, lr_f, flat(theta.unsqueeze(-1)))
+    got = out.view(B, H, Tn, d).transpose(1, 2)
+    err = (got - expected).pow(2).mean().sqrt() / expected.pow(2).mean().sqrt()
+    assert err < 1e-4, err
