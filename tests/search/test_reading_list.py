@@ -18,7 +18,7 @@ PRESETS = {   # variant → preset, per task
 }
 TASKS = {"mqar": {"name": "mqar", "vocab_size": 128, "seq_len": 64, "num_kv_pairs": [4]},
          "sniah": {"name": "sniah", "variant": "passkey", "seq_len": 256}}
-TRAIN = {"mqar": {"batch_size": 64, "lr": 3e-3, "steps": 800, "early_stop_threshold": 0.99},
+TRAIN = {"mqar": {"batch_size": 64, "lr": 3e-3, "steps": 1600, "early_stop_threshold": 0.99},
          "sniah": {"batch_size": 16, "lr": 1e-3, "steps": 2000, "early_stop_threshold": 0.99}}
 FILES = {"mqar": "reading_list_mqar.yaml", "sniah": "reading_list_niah.yaml"}
 
