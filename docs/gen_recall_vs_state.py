@@ -1,6 +1,6 @@
 """The recall-vs-state page's table rows and state plot from one or more run folders of the study.
 
-    python docs/gen_recall_vs_state.py docs/results/recall-vs-state/runs/rvs_atlas8
+    python docs/gen_recall_vs_state.py [RUN_DIR ...]
 
 Reads each folder's ``trials.csv`` (written by ``atlaslab run`` / ``resume`` / ``report``; ``atlaslab report RUN_DIR``
 writes it for a run that is still going or was stopped) and its ``trials.json``, and pools the
@@ -11,10 +11,10 @@ row has no finished seed, and is then shown with its message. Prints the Markdow
 docs/results/recall-vs-state.md and draws docs/results/recall-vs-state/state.png with the report's own
 :func:`atlaslab.search.report.plot_state`.
 
-The rows of the first three run folders (rvs2, rvs_pass2, rvs_pass3) come from ``recall-vs-state/rows.csv``, the
-values the page printed from them (mean, std and each seed's value to two decimals): those folders were not kept.
-A row that a folder given here also has is taken from the folder. Later passes keep their ``trials.csv`` and
-``trials.json`` under ``recall-vs-state/runs/``.
+The rows of the first four run folders (rvs2, rvs_pass2, rvs_pass3, rvs_atlas8) come from
+``recall-vs-state/rows.csv``, the values the page printed from them (mean, std and each seed's value to two
+decimals): those folders were not kept. A row that a folder given here also has is taken from the folder. Later
+passes keep their ``trials.csv`` and ``trials.json`` under ``recall-vs-state/runs/``.
 """
 from __future__ import annotations
 
