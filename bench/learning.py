@@ -62,6 +62,8 @@ def preset_overrides(name: str, setting_name: str) -> List[str]:
         c = LACT_CHUNK[setting_name]
         return [f"mixers.lact.window={c}", f"mixers.lact.memory.chunk_size={c}"]
     return []
+
+
 DEFAULT_PRESETS = ["transformer", "gated_deltanet", "deltanet", "linear_attention", "titans", "atlas", "omeganet"]
 THRESHOLD = 0.9
 GOAL_FACTOR = 1.5
