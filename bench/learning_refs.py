@@ -465,8 +465,8 @@ DESCRIPTIONS = {
     "titans_neural_memory": "causal depthwise conv4 → titans-pytorch NeuralMemory(heads 4, dim_head 16, chunk_size 4, "
                             "else defaults) in a pre-LN LM",
     "lact": "LaCT's language layer re-implemented from its authors' code (SWA + SwiGLU fast weights, 2 heads of 32, "
-            "Muon, momentum, weight norm, apply-then-update; chunk = window = 16; its N(0, 0.006²) Linear init) in a "
-            "pre-LN LM",
+            "Muon, momentum, weight norm, apply-then-update; chunk = window = T/4, see the run's options; its "
+            "N(0, 0.006²) Linear init) in a pre-LN LM",
 }
 
 
