@@ -38,6 +38,7 @@ from atlaslab.models.attention import Attention, AttentionConfig, SlidingWindowA
 from atlaslab.models.layers import MemoryLayer, MemoryLayerConfig, RMSNorm
 
 BLOCK_GATES = ("sigmoid", "none")
+MAC_WRITES = ("output", "input")
 
 
 @dataclass
@@ -167,16 +168,22 @@ class MACConfig(BlockConfig):
     segment: int = 16          # C, tokens per segment
     read_tokens: bool = True   # prepend the memory read h = M*_{prev}(q(S)) to the attention context
     gate: str = "sigmoid"      # sigmoid | none (o = y: the attention output alone)
+    write: str = "output"      # output: M ← M(y), Titans Eq.24 | input: M ← M(S), the segment's tokens (titans-pytorch)
 
     def check(self) -> None:
         super().check()
         check_range("segment", self.segment, 1, None)
         check_choice("gate", self.gate, BLOCK_GATES)
+        check_choice("write", self.write, MAC_WRITES)
 
 
 @register("block", "mac")
 class MACBlock(_Block):
-    """Memory as context: per segment, attention over [P ‖ M*(q(S)) ‖ S], then M ← M(y) (Titans Eq.21-25)."""
+    """Memory as context: per segment, attention over [P ‖ M*(q(S)) ‖ S], then M ← M(y) (Titans Eq.21-25).
+
+    ``write="input"`` writes the segment's own tokens instead, M ← M(S), and gates y with M*(S): the choice of
+    titans-pytorch's MemoryAsContextTransformer, whose memory stores the layer input. A labelled variant, not the paper.
+    """
 
     Config = MACConfig
 
@@ -229,7 +236,7 @@ class MACBlock(_Block):
             positions = torch.tensor(pos, device=x.device)
             y = self.attn(seq, mask=self.segment_mask(L, x.device), positions=positions)[:, -L:]
             if self.uses_memory:
-                m, state = self.memory(y, state=state, return_state=True)
+                m, state = self.memory(s if self.cfg.write == "input" else y, state=state, return_state=True)
                 if self.cfg.gate != "none":
                     y = self.norm_y(y) * torch.sigmoid(self.norm_m(m))
             outs.append(y)
@@ -248,4 +255,4 @@ class MACBlock(_Block):
         return mem + kv
 
 
-__all__ = ["BlockAttention", "BlockConfig", "LMMBlock", "MACBlock", "MACConfig", "MAGBlock", "MAGConfig", "MALBlock"]
+__all__ = ["BlockAttention", "BlockConfig", "LMMBlock", "MAC_WRITES", "MACBlock", "MACConfig", "MAGBlock", "MAGConfig", "MALBlock"]

@@ -297,7 +297,7 @@ def _mac_piece(block: MACBlock, s: torch.Tensor, state: MACState) -> torch.Tenso
     o = _attend(q, k_all, v_all, key_all[None, :] <= j[:, None])
     y = attn.o_proj(o.reshape(B, L, -1))
     if block.uses_memory:
-        m, state.memory = block.memory(y, state.memory, return_state=True)
+        m, state.memory = block.memory(s if block.cfg.write == "input" else y, state.memory, return_state=True)
         if block.cfg.gate != "none":
             y = block.norm_y(y) * torch.sigmoid(block.norm_m(m))
     state.length += L
@@ -307,7 +307,8 @@ def _mac_piece(block: MACBlock, s: torch.Tensor, state: MACState) -> torch.Tenso
 @register_decoder(MACBlock)
 def decode_mac(block: MACBlock, x: torch.Tensor, state: Optional[MACState]):
     """Titans MAC over the next tokens, cut at segment boundaries: per segment, attention over
-    [P ‖ M*_{segment start}(q(S)) ‖ S] with the segment's cache, and the memory written with each output."""
+    [P ‖ M*_{segment start}(q(S)) ‖ S] with the segment's cache, and the memory written with each output
+    (or with each input token, ``write="input"``)."""
     old = state or MACState()
     state = MACState(old.length, old.memory, old.segment_memory, old.q_cache, old.kv)
     C, T = block.cfg.segment, x.shape[1]

@@ -37,6 +37,7 @@ VARIANTS = {
     "titans_mac/no_reads": ("titans_mac", "mixers.titans_mac.read_tokens=false"),
     "titans_mac/no_gate_no_persistent": ("titans_mac", "mixers.titans_mac.gate=none",
                                          "mixers.titans_mac.persistent_tokens=0"),
+    "titans_mac/write_input": ("titans_mac", "mixers.titans_mac.write=input"),
     "titans_mac/attention_only": ("titans_mac", "mixers.titans_mac.gate=none", "mixers.titans_mac.read_tokens=false"),
     "titans_mag/no_gate": ("titans_mag", "mixers.titans_mag.gate=none"),
     "titans/lmm_block": ("titans", "mixers.titans.name=lmm", "+mixers.titans.persistent_tokens=2"),

@@ -125,6 +125,7 @@ CAUSAL_CASES = [
     ("block", "mal", dict(memory=TITANS, persistent_tokens=2, attention={"window": 3})),
     ("block", "mac", dict(memory=TITANS, persistent_tokens=2, segment=4)),
     ("block", "mac", dict(memory=LINEAR_L2, segment=3, read_tokens=True, gate="none")),
+    ("block", "mac", dict(memory=TITANS, persistent_tokens=2, segment=4, write="input")),
 ]
 
 
@@ -161,6 +162,17 @@ def test_mac_reads_the_memory_written_by_earlier_segments():
     with torch.no_grad():
         a, b = mac(x), mac(x2)
     assert not torch.allclose(a[:, 4:], b[:, 4:])   # the second segment sees the first through memory
+
+
+@pytest.mark.parametrize("write", ["output", "input"])
+def test_mac_writes_the_memory_with_what_its_write_option_names(write):
+    """One segment, no reads: o = RMSNorm(y) ⊙ σ(RMSNorm(M*(z))) with z = y (Titans Eq.24-25) or z = x (input)."""
+    mac = make("block", "mac", memory=TITANS, num_heads=H, segment=T, read_tokens=False, write=write)
+    x = x_batch()
+    with torch.no_grad():
+        y = mac.attn(x, mask=mac.segment_mask(T))
+        m = mac.memory(x if write == "input" else y)
+        torch.testing.assert_close(mac(x), mac.norm_y(y) * torch.sigmoid(mac.norm_m(m)), rtol=1e-12, atol=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------------
