@@ -5,11 +5,12 @@
     python bench/learning.py --presets none --seeds 0     # the references alone
     python bench/learning.py --setting hard               # MQAR 16 pairs at T = 256
     python bench/learning.py --presets none --reuse       # re-run only references whose runs/options changed
+    python bench/learning.py --setting reading_list --presets titans_mac --refs titans_mac --parallel 2
 
 Every model, ours (``load_preset`` → ``LanguageModel``) or a reference (bench/learning_refs.py), is trained by
 atlaslab's own ``train`` with the same settings, so the batch of step s is the same for every model of a seed
 (a pure function of the seed and s) and every model is evaluated on the same validation set. Each
-(model, seed) run is a fresh interpreter with one torch thread; a run that fails, diverges or times out is
+(model, seed) run is a fresh interpreter with one torch thread (``--parallel N`` runs N at a time); a run that fails, diverges or times out is
 recorded as such and the bench goes on. The results (``<out>.json`` and ``<out>.md``, default
 bench/results/learning_cpu for ``calibration`` and bench/results/learning_hard_cpu for ``hard``) are rewritten
 after every run.
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -50,10 +52,14 @@ SETTINGS: Dict[str, Dict[str, Any]] = {
     "hard": {"vocab_size": 128, "seq_len": 256, "num_kv_pairs": 16, "d_model": 64, "num_layers": 2,
              "batch_size": 64, "lr": 3e-3, "warmup_steps": 20, "eval_interval": 25, "eval_examples": 256,
              "steps": 1500, "early_stop": 0.99},
+    # experiments/reading_list_mqar.yaml's MQAR and training (cosine over 1,600 steps, eval every 50 on 512)
+    "reading_list": {"vocab_size": 128, "seq_len": 64, "num_kv_pairs": 4, "d_model": 64, "num_layers": 2,
+                     "batch_size": 64, "lr": 3e-3, "warmup_steps": 20, "eval_interval": 50, "eval_examples": 512,
+                     "steps": 1600, "early_stop": 0.99, "schedule": "cosine"},
 }
 #: LaCT's chunk (= its window) per setting: T / 4, so its fast weights carry the three earlier chunks (with a chunk
 #: of T every query would read the initial weights, LaCT applying a chunk's update only to later chunks)
-LACT_CHUNK = {"calibration": 16, "hard": 64}
+LACT_CHUNK = {"calibration": 16, "hard": 64, "reading_list": 16}
 
 
 def preset_overrides(name: str, setting_name: str) -> List[str]:
@@ -87,7 +93,8 @@ def task_node(setting: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def train_config(setting: Dict[str, Any], seed: int, steps: int) -> Dict[str, Any]:
-    return {"steps": steps, "batch_size": setting["batch_size"], "lr": setting["lr"], "schedule": "constant",
+    return {"steps": steps, "batch_size": setting["batch_size"], "lr": setting["lr"],
+            "schedule": setting.get("schedule", "constant"),
             "warmup_steps": setting["warmup_steps"], "eval_interval": setting["eval_interval"],
             "eval_examples": setting["eval_examples"], "early_stop_metric": "accuracy",
             "early_stop_threshold": setting["early_stop"], "final_eval": False, "progress": "never",
@@ -278,7 +285,7 @@ def write_report(data: Dict[str, Any], out: Path) -> str:
              (f"Setting `{data['setting_name']}`: MQAR vocab {s['vocab_size']}, T = {s['seq_len']}, "
               f"{s['num_kv_pairs']} key-value pairs; d_model {s['d_model']}, {s['num_layers']} layers; batch "
               f"{s['batch_size']}, AdamW lr {s['lr']:g} (weight decay 0.1 on ≥2-D tensors, grad clip 1), "
-              f"linear warm-up {s['warmup_steps']} steps then constant; eval every {s['eval_interval']} steps on "
+              f"linear warm-up {s['warmup_steps']} steps then {s.get('schedule', 'constant')}; eval every {s['eval_interval']} steps on "
               f"{s['eval_examples']} validation examples; up to {data['steps']} steps, early stop at val accuracy "
               f"≥ {s['early_stop']}. Seeds {', '.join(map(str, data['seeds']))}. The same atlaslab `train` loop and "
               f"data for every model (the batch of step s depends only on the seed and s)."), "",
@@ -330,7 +337,8 @@ def write_report(data: Dict[str, Any], out: Path) -> str:
     if fails:
         lines += ["", "Failed runs: " + "; ".join(fails)]
     lines += ["", "## References", ""]
-    lines += [f"- `{n}`: {d}" for n, d in refs_mod.ref_info().items()]
+    ran = {n for k, n in models if k == "ref"}
+    lines += [f"- `{n}`: {d}" for n, d in refs_mod.ref_info().items() if n in ran] or ["- none in this run"]
     if data.get("ref_kwargs"):
         lines += ["", "Reference options of this run: " + "; ".join(
             f"{n}: {', '.join(f'{k}={v}' for k, v in kw.items())}" for n, kw in data["ref_kwargs"].items() if kw) + "."]
@@ -390,6 +398,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, help="max steps (default: the setting's)")
     ap.add_argument("--out", help="results prefix (default: bench/results/learning_cpu | learning_hard_cpu)")
+    ap.add_argument("--parallel", type=int, default=1, help="(model, seed) runs at a time, each its own process")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per (model, seed) run before it is killed")
     ap.add_argument("--titans-chunk", type=int, default=4, help="titans-pytorch NeuralMemory chunk_size")
     ap.add_argument("--gdn-expand-v", type=float, default=2.0,
@@ -433,7 +442,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
             "started": time.strftime("%Y-%m-%d %H:%M:%S"), "presets": presets, "refs": refs,
             "ref_kwargs": ref_kwargs, "skipped": skipped, "runs": []}
-    for i, job in enumerate(jobs, 1):
+    done: Dict[int, Dict[str, Any]] = {}
+    lock = threading.Lock()
+
+    def one(i: int, job: Dict[str, Any]) -> None:
         job = {**job, "setting": setting, "steps": steps}
         print(f"[{i}/{len(jobs)}] {job['kind']} {job['name']} seed {job['seed']}", flush=True)
         rec = previous.get(_job_key(job)) if job["kind"] == "ref" else None
@@ -446,8 +458,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
               + (f" ({rec.get('message')})" if rec.get("message") else "")
               + (f", final acc {m['final_accuracy']:.3f}, steps to 90%: {m['steps_to_90']}" if m["ok"] else ""),
               flush=True)
-        data["runs"].append(rec)
-        write_report(data, out)
+        with lock:                          # the report keeps the job order, whichever run ends first
+            done[i] = rec
+            data["runs"] = [done[k] for k in sorted(done)]
+            write_report(data, out)
+
+    with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
+        for f in [pool.submit(one, i, job) for i, job in enumerate(jobs, 1)]:
+            f.result()
     md = write_report(data, out)
     print(md)
     print(f"wrote {out}.json and {out}.md")

@@ -1,6 +1,6 @@
 """Independent reference models for bench/learning.py: each an ``nn.Module`` mapping ids ``[B, T]`` → logits ``[B, T, V]``.
 
-None of them uses atlaslab code. All share one plain LM shell (:class:`RefLM`):
+None of them uses atlaslab code. All but ``titans_mac`` share one plain LM shell (:class:`RefLM`):
 
     ids → nn.Embedding (PyTorch default init, N(0, 1)) [+ learned positions] → L × [ x += mixer(LN(x));
     x += GELU-MLP(LN(x)) (4×) ] → LayerNorm → untied nn.Linear head (default init)
@@ -25,6 +25,8 @@ Mixers:
 - ``lact`` (:class:`LaCTMixer`): LaCT's language layer (SWA + SwiGLU fast weights trained per chunk with Muon,
   momentum and the weight norm, "apply, then update") re-implemented from its authors' code, which is not a pip
   package (github.com/a1600012888/LaCT, ``lact_llm``), with that code's initialisation of the layer.
+- ``titans_mac`` (:class:`TitansMACRef`): titans-pytorch's whole ``MemoryAsContextTransformer`` (not in the shell
+  below: MAC is a whole model) at our ``titans_mac`` preset's sizes, 4 long-term memory tokens per segment.
 
 The fla / titans references need the peers installed in bench/.peers (``python bench/peers.py --install``);
 :func:`available` says whether a reference can be built (and why not). bench/.peers is appended to
@@ -48,10 +50,11 @@ FLA_GDN_NAIVE = PEERS / "fla" / "ops" / "gated_delta_rule" / "naive.py"
 FLA_DELTA_NAIVE = PEERS / "fla" / "ops" / "delta_rule" / "naive.py"
 TITANS = PEERS / "titans_pytorch"
 
-REFS = ("softmax_transformer", "fla_gated_deltanet", "fla_deltanet", "titans_neural_memory", "lact")
+REFS = ("softmax_transformer", "fla_gated_deltanet", "fla_deltanet", "titans_neural_memory", "lact", "titans_mac")
 #: which reference each preset is compared with
 PRESET_REF = {"transformer": "softmax_transformer", "gated_deltanet": "fla_gated_deltanet",
-              "deltanet": "fla_deltanet", "titans": "titans_neural_memory", "lact": "lact"}
+              "deltanet": "fla_deltanet", "titans": "titans_neural_memory", "lact": "lact",
+              "titans_mac": "titans_mac"}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -95,7 +98,9 @@ def available(name: str) -> Tuple[bool, str]:
         return False, f"unknown reference {name!r} (known: {', '.join(REFS)})"
     need = {"fla_gated_deltanet": [FLA_GDN_NAIVE, PEERS / "einops"],
             "fla_deltanet": [FLA_DELTA_NAIVE, PEERS / "einops"],
-            "titans_neural_memory": [TITANS, PEERS / "einops", PEERS / "tensordict", PEERS / "assoc_scan"]}
+            "titans_neural_memory": [TITANS, PEERS / "einops", PEERS / "tensordict", PEERS / "assoc_scan"],
+            "titans_mac": [TITANS, PEERS / "einops", PEERS / "tensordict", PEERS / "assoc_scan",
+                           PEERS / "hyper_connections", PEERS / "axial_positional_embedding"]}
     missing = [str(p.relative_to(HERE.parent)) for p in need.get(name, []) if not p.exists()]
     if missing:
         return False, f"not installed ({', '.join(missing)} missing): run python bench/peers.py --install"
@@ -307,6 +312,48 @@ class TitansMixer(nn.Module):
         return n + (self.conv.state_size() if self.conv is not None else 0)
 
 
+class TitansMACRef(nn.Module):
+    """titans-pytorch's whole ``MemoryAsContextTransformer`` (its own embedding, axial positions, hyper-connections
+    with 4 residual streams, segmented attention with persistent and long-term memory tokens, a ``NeuralMemory`` in
+    every layer, RMSNorm, untied head): ids ``[B, T]`` → logits ``[B, T, V]``. Not in the :class:`RefLM` shell,
+    because MAC is a whole model. Sizes as our ``titans_mac`` preset (segments of 16, 4 persistent tokens, 4 heads
+    of d_model / 4); 4 long-term memory tokens per segment (its train_mac.py example's count; its constructor's
+    default 0 turns the memory read into a residual add, not memory-as-context); everything else its defaults
+    (the NeuralMemory's chunk = segment + long-term tokens = 20)."""
+
+    def __init__(self, vocab_size: int, d_model: int = 64, num_layers: int = 2, segment: int = 16,
+                 persistent_tokens: int = 4, longterm_tokens: int = 4, num_heads: int = 4):
+        super().__init__()
+        _use_peers()
+        from titans_pytorch import MemoryAsContextTransformer
+        self.segment, self.longterm_tokens = segment, longterm_tokens
+        self.num_heads, self.head_dim = num_heads, d_model // num_heads
+        self.mac = MemoryAsContextTransformer(
+            num_tokens=vocab_size, dim=d_model, depth=num_layers, segment_len=segment,
+            num_persist_mem_tokens=persistent_tokens, num_longterm_mem_tokens=longterm_tokens,
+            dim_head=self.head_dim, heads=num_heads)
+        for mem in self.memories():               # the expanded-view initial weights, as in TitansMixer
+            params = mem.memory_model_parameters
+            for i in range(len(params)):
+                params[i] = nn.Parameter(params[i].detach().clone())
+
+    def memories(self):
+        return [layer[4] for layer in self.mac.layers if layer[4] is not None]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.mac(ids)
+
+    def state_size(self, context: int) -> int:
+        """Per layer: the memory MLP's weights and momenta (as :meth:`TitansMixer.state_size`) + the KV cache of one
+        attention window (segment + long-term tokens), 2·H·D_h per token; persistent tokens are parameters."""
+        kv = (self.segment + self.longterm_tokens) * 2 * self.num_heads * self.head_dim
+        total = 0
+        for mem in self.memories():
+            weights = sum(p.numel() for p in mem.memory_model_parameters)
+            total += weights * (1 + (mem.momentum_order if mem.to_momentum is not None else 0)) + kv
+        return total
+
+
 def _rope(x, base: float = 10000.0):
     """Rotary embedding (half-split pairs, as fla's RotaryEmbedding) of ``x: [B, T, H, D]`` at positions 0 … T − 1."""
     T, D = x.shape[1], x.shape[-1]
@@ -467,11 +514,14 @@ DESCRIPTIONS = {
     "lact": "LaCT's language layer re-implemented from its authors' code (SWA + SwiGLU fast weights, 2 heads of 32, "
             "Muon, momentum, weight norm, apply-then-update; chunk = window = T/4, see the run's options; its "
             "N(0, 0.006²) Linear init) in a pre-LN LM",
+    "titans_mac": "titans-pytorch MemoryAsContextTransformer (segments of 16, 4 persistent + 4 long-term memory "
+                  "tokens, 4 heads of 16, NeuralMemory in every layer, 4 hyper-connection streams, else defaults); "
+                  "its own embedding, axial positions and RMSNorm head",
 }
 
 
 def build_ref(name: str, vocab_size: int, d_model: int = 64, num_layers: int = 2, max_len: int = 256,
-              **kw) -> RefLM:
+              **kw) -> nn.Module:
     """The reference LM ``name`` (see :data:`REFS`); ``kw`` go to its mixer. Raises RuntimeError when its
     peer is not installed."""
     ok, why = available(name)
@@ -486,6 +536,8 @@ def build_ref(name: str, vocab_size: int, d_model: int = 64, num_layers: int = 2
         return RefLM(vocab_size, d_model, [FlaGatedDeltaNetMixer(d_model, **kw) for _ in range(num_layers)])
     if name == "lact":
         return RefLM(vocab_size, d_model, [LaCTMixer(d_model, **kw) for _ in range(num_layers)])
+    if name == "titans_mac":
+        return TitansMACRef(vocab_size, d_model, num_layers, **kw)
     return RefLM(vocab_size, d_model, [TitansMixer(d_model, **kw) for _ in range(num_layers)])
 
 

@@ -45,7 +45,8 @@ def test_reference_builds_is_causal_and_trains(name, one_thread):
     _require(name)
     from atlaslab.train.loop import train
     torch.manual_seed(0)
-    kw = {"titans_neural_memory": {"chunk_size": 4}, "lact": {"chunk_size": 4, "window": 4}}.get(name, {})
+    kw = {"titans_neural_memory": {"chunk_size": 4}, "lact": {"chunk_size": 4, "window": 4},
+          "titans_mac": {"segment": 4}}.get(name, {})
     model = refs.build_ref(name, V, d_model=16, num_layers=2, max_len=T, **kw)
     ids = torch.randint(0, V, (2, T))
     logits = model(ids)
@@ -143,6 +144,7 @@ def test_report(tmp_path):
     assert "| transformer | softmax_transformer | 0.900 | 150 ± 0 | 100 ± 0 | 1.50× | met |" in md
     assert "| atlas | ours | — | — | — | — | — | 0/1 | 0/1 |" in md and "atlas: seed 0: failed boom" in md
     assert "titans_neural_memory (not installed)" in md
+    assert "- `softmax_transformer`: pre-LN" in md and "- `fla_deltanet`" not in md   # the references run only
     saved = json.loads((tmp_path / "r.json").read_text())
     assert saved["comparison"]["transformer"]["ratio"] == pytest.approx(1.5)
     assert (tmp_path / "r.md").read_text() == md
@@ -152,6 +154,15 @@ def test_failed_run_is_recorded():
     job = {"kind": "preset", "name": "no_such_preset", "seed": 0, "setting": bl.SETTINGS["calibration"], "steps": 1}
     rec = bl.run_job(job, timeout=120, log=lambda *_: None)
     assert rec["status"] == "failed" and "no_such_preset" in rec["message"] and rec["history"] == []
+
+
+def test_parallel_runs_keep_the_job_order(tmp_path, capsys):
+    out = tmp_path / "p"
+    bl.main(["--presets", "none", "--refs", "softmax_transformer", "--seeds", "0,1,2", "--steps", "1",
+             "--parallel", "2", "--out", str(out)])
+    saved = json.loads(Path(str(out) + ".json").read_text())
+    assert [(r["name"], r["seed"]) for r in saved["runs"]] == [("softmax_transformer", s) for s in (0, 1, 2)]
+    assert all(r["status"] == "completed" and r["steps"] == 1 for r in saved["runs"])
 
 
 def test_reuse_takes_only_matching_reference_runs(tmp_path):
