@@ -31,7 +31,9 @@ Metrics (:meth:`Task.evaluate`, all floats)
     ``loss`` (mean cross-entropy in nats over scored tokens), ``accuracy`` (token accuracy over scored
     tokens), ``exact_match`` (fraction of examples with every scored token right), per-slice
     ``accuracy/<key>_<value>`` and ``exact_match/<key>_<value>`` for the task's :attr:`Task.slice_keys`,
-    plus task extras (``bpb``, ``ppl`` for language modelling). With ``lengths=[...]`` every key is prefixed
+    with ``eval_position_span = S > 0`` the token accuracy by position, ``accuracy/pos_<a>_<b>`` over the scored
+    positions ``a ≤ t < b`` of each span ``[a, a + S)`` that holds any (e.g. by segment of a segment-level
+    memory: which queries only the memory reaches), plus task extras (``bpb``, ``ppl`` for language modelling). With ``lengths=[...]`` every key is prefixed
     ``len_<L>/``. Names use only characters MLflow accepts.
 """
 from __future__ import annotations
@@ -170,11 +172,13 @@ class TaskConfig(PartConfig):
     seed: int = 0                 # fixes the task: fixed maps, val/test sets, a finite training set
     seq_len: int = 64             # training length T (evaluation may use other lengths)
     eval_examples: int = 512      # default size of the val/test sets (0: the task's own default)
+    eval_position_span: int = 0   # > 0: also accuracy/pos_<a>_<b> per span of this many positions (0: off)
 
     def check(self) -> None:
         check_range("seed", self.seed, 0, None)
         check_range("seq_len", self.seq_len, 2, None)
         check_range("eval_examples", self.eval_examples, 0, None)
+        check_range("eval_position_span", self.eval_position_span, 0, None)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -391,6 +395,8 @@ class Task:
         tot = defaultdict(float)
         slices: Dict[str, Dict[int, List[float]]] = {k: defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
                                                      for k in self.slice_keys}
+        span = self.cfg.eval_position_span
+        by_span = {"correct": torch.zeros(0, dtype=torch.float64), "tokens": torch.zeros(0, dtype=torch.float64)}
         for batch in self.eval_batches(split, n_examples, batch_size, length):
             batch = batch.to(device)
             if autocast_dtype is not None and torch.device(device).type == "cuda":
@@ -416,6 +422,8 @@ class Task:
             tot["exact"] += exact.sum().item()
             for k, v in self.extra_totals(batch, mask).items():
                 tot[k] += v
+            if span:
+                _add_by_span(by_span, correct, mask, span)
             for k in self.slice_keys:
                 vals = batch.meta[k].tolist()
                 for b, v in enumerate(vals):
@@ -435,8 +443,24 @@ class Task:
                 out[f"accuracy/{label}"] = ok / max(n, 1.0)
                 if self.report_exact_match:
                     out[f"exact_match/{label}"] = ex / max(ne, 1.0)
+        for i, (ok, n) in enumerate(zip(by_span["correct"].tolist(), by_span["tokens"].tolist())):
+            if n > 0:
+                out[f"accuracy/pos_{i * span}_{(i + 1) * span}"] = ok / n
         out.update(self.extra_metrics(dict(tot)))
         return out
+
+
+def _add_by_span(acc: Dict[str, torch.Tensor], correct: torch.Tensor, mask: torch.Tensor, span: int) -> None:
+    """Add one batch's right and scored tokens per span of ``span`` positions (``correct``, ``mask``: ``[B, T]``
+    bools) into ``acc["correct"]`` / ``acc["tokens"]`` (float64 ``[n_spans]``, grown as longer batches come)."""
+    n_spans = -(-correct.shape[1] // span)
+    where = (torch.arange(correct.shape[1], device=mask.device) // span).expand_as(mask)[mask].cpu()
+    right = torch.bincount(where, weights=correct[mask].double().cpu(), minlength=n_spans)
+    scored = torch.bincount(where, minlength=n_spans).double()
+    for key, add in (("correct", right), ("tokens", scored)):
+        if acc[key].numel() < n_spans:
+            acc[key] = torch.cat([acc[key], torch.zeros(n_spans - acc[key].numel(), dtype=torch.float64)])
+        acc[key][:n_spans] += add
 
 
 class CachedWrapperMixin:

@@ -363,6 +363,33 @@ def test_evaluate_metrics_slices_and_lengths():
         task.evaluate(uniform, lengths=[6])                   # no pair count fits 6 tokens
 
 
+def test_accuracy_by_position_span():
+    """``eval_position_span``: accuracy/pos_<a>_<b> equals a brute-force count over the test batches, for a
+    model right only before position 24 (so the span 16-32 is partly right), at T and at a longer length."""
+    task = task_of("mqar", random_non_queries=False, eval_position_span=16)
+    oracle = MQAROracle(task.vocab_size)
+    early = nn.Module()
+    early.forward = lambda ids: oracle(ids) * (torch.arange(ids.shape[1]) < 24).view(1, -1, 1)
+    for length, prefix in ((None, ""), (128, "len_128/")):
+        m = task.evaluate(early, split="test", lengths=None if length is None else [length])
+        right, total = {}, {}
+        for batch in task.eval_batches("test", None, 64, length):
+            pred = early(batch.inputs).argmax(-1)
+            for b, t in (batch.targets != IGNORE_INDEX).nonzero().tolist():
+                a = 16 * (t // 16)
+                total[a] = total.get(a, 0) + 1
+                right[a] = right.get(a, 0) + int(pred[b, t] == batch.targets[b, t])
+        spans = {k for k in m if "/pos_" in k}
+        assert spans == {f"{prefix}accuracy/pos_{a}_{a + 16}" for a in total}
+        for a in total:
+            assert m[f"{prefix}accuracy/pos_{a}_{a + 16}"] == pytest.approx(right[a] / total[a])
+        assert m[f"{prefix}accuracy/pos_0_16"] == 1.0 and 0 < m[f"{prefix}accuracy/pos_16_32"] < 1
+        assert max(a for a in total) >= 32 and m[f"{prefix}accuracy/pos_32_48"] == 0.0
+    assert not any("/pos_" in k for k in task_of("mqar").evaluate(oracle, split="test"))     # off by default
+    with pytest.raises(ConfigError, match="eval_position_span"):
+        task_of("mqar", eval_position_span=-1)
+
+
 def test_byte_lm_reports_bits_per_byte():
     task = task_of("byte_lm")
     uniform = nn.Module()
