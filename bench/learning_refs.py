@@ -318,8 +318,9 @@ class TitansMACRef(nn.Module):
     every layer, RMSNorm, untied head): ids ``[B, T]`` → logits ``[B, T, V]``. Not in the :class:`RefLM` shell,
     because MAC is a whole model. Sizes as our ``titans_mac`` preset (segments of 16, 4 persistent tokens, 4 heads
     of d_model / 4); 4 long-term memory tokens per segment (its train_mac.py example's count; its constructor's
-    default 0 turns the memory read into a residual add, not memory-as-context); everything else its defaults
-    (the NeuralMemory's chunk = segment + long-term tokens = 20)."""
+    default 0 turns the memory read into a residual add, not memory-as-context); everything else its defaults,
+    among them the NeuralMemory's: 1 head of d_model, MemoryMLP depth 2 × 4 inside LN + residual, momentum, step
+    size ≤ 1, and chunk = segment + long-term tokens = 20 (ours: 4 heads of 16, η ≤ 0.1, per-token updates)."""
 
     def __init__(self, vocab_size: int, d_model: int = 64, num_layers: int = 2, segment: int = 16,
                  persistent_tokens: int = 4, longterm_tokens: int = 4, num_heads: int = 4):
@@ -515,7 +516,8 @@ DESCRIPTIONS = {
             "Muon, momentum, weight norm, apply-then-update; chunk = window = T/4, see the run's options; its "
             "N(0, 0.006²) Linear init) in a pre-LN LM",
     "titans_mac": "titans-pytorch MemoryAsContextTransformer (segments of 16, 4 persistent + 4 long-term memory "
-                  "tokens, 4 heads of 16, NeuralMemory in every layer, 4 hyper-connection streams, else defaults); "
+                  "tokens, 4 heads of 16, NeuralMemory (1 head of 64, chunk 20) in every layer, 4 hyper-connection "
+                  "streams, else defaults); "
                   "its own embedding, axial positions and RMSNorm head",
 }
 
