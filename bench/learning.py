@@ -10,10 +10,10 @@
 Every model, ours (``load_preset`` → ``LanguageModel``) or a reference (bench/learning_refs.py), is trained by
 atlaslab's own ``train`` with the same settings, so the batch of step s is the same for every model of a seed
 (a pure function of the seed and s) and every model is evaluated on the same validation set. Each
-(model, seed) run is a fresh interpreter with one torch thread (``--parallel N`` runs N at a time); a run that fails, diverges or times out is
-recorded as such and the bench goes on. The results (``<out>.json`` and ``<out>.md``, default
-bench/results/learning_cpu for ``calibration`` and bench/results/learning_hard_cpu for ``hard``) are rewritten
-after every run.
+(model, seed) run is a fresh interpreter with one torch thread (``--parallel N`` runs N at a time); a run that
+fails, diverges or times out is recorded as such and the bench goes on. The results (``<out>.json`` and
+``<out>.md``, default bench/results/learning_<setting>_cpu, learning_cpu for ``calibration``) are rewritten after
+every run.
 
 Per model: final validation accuracy (the last evaluation) and the steps to 90% validation accuracy (the
 first evaluation at ≥ 0.9, so a multiple of the eval interval), mean ± std over the seeds (sample std, 0 for
@@ -285,7 +285,8 @@ def write_report(data: Dict[str, Any], out: Path) -> str:
              (f"Setting `{data['setting_name']}`: MQAR vocab {s['vocab_size']}, T = {s['seq_len']}, "
               f"{s['num_kv_pairs']} key-value pairs; d_model {s['d_model']}, {s['num_layers']} layers; batch "
               f"{s['batch_size']}, AdamW lr {s['lr']:g} (weight decay 0.1 on ≥2-D tensors, grad clip 1), "
-              f"linear warm-up {s['warmup_steps']} steps then {s.get('schedule', 'constant')}; eval every {s['eval_interval']} steps on "
+              f"linear warm-up {s['warmup_steps']} steps then {s.get('schedule', 'constant')}; eval every "
+              f"{s['eval_interval']} steps on "
               f"{s['eval_examples']} validation examples; up to {data['steps']} steps, early stop at val accuracy "
               f"≥ {s['early_stop']}. Seeds {', '.join(map(str, data['seeds']))}. The same atlaslab `train` loop and "
               f"data for every model (the batch of step s depends only on the seed and s)."), "",

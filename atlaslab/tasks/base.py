@@ -33,8 +33,8 @@ Metrics (:meth:`Task.evaluate`, all floats)
     ``accuracy/<key>_<value>`` and ``exact_match/<key>_<value>`` for the task's :attr:`Task.slice_keys`,
     with ``eval_position_span = S > 0`` the token accuracy by position, ``accuracy/pos_<a>_<b>`` over the scored
     positions ``a ≤ t < b`` of each span ``[a, a + S)`` that holds any (e.g. by segment of a segment-level
-    memory: which queries only the memory reaches), plus task extras (``bpb``, ``ppl`` for language modelling). With ``lengths=[...]`` every key is prefixed
-    ``len_<L>/``. Names use only characters MLflow accepts.
+    memory: which queries only the memory reaches), plus task extras (``bpb``, ``ppl`` for language modelling).
+    With ``lengths=[...]`` every key is prefixed ``len_<L>/``. Names use only characters MLflow accepts.
 """
 from __future__ import annotations
 
