@@ -278,6 +278,22 @@ class FlaGatedDeltaNetMixer(nn.Module):
         return self.H * self.dk * self.dv + sum(c.state_size() for c in (self.q_conv, self.k_conv, self.v_conv))
 
 
+def _materialise_initial_weights(mem: nn.Module) -> None:
+    """titans-pytorch quirk: with per_head_learned_parameters (its default) each initial memory weight of a
+    ``NeuralMemory`` is a Parameter over repeat(p, '... -> h ...'), an expanded view (stride 0 over heads), which
+    in-place optimiser updates (AdamW's decay) refuse. Materialise each as its own tensor (same values)."""
+    params = mem.memory_model_parameters
+    for i in range(len(params)):
+        params[i] = nn.Parameter(params[i].detach().clone())
+
+
+def neural_memory_state_size(mem: nn.Module) -> int:
+    """A ``NeuralMemory``'s state: its memory MLP's weights per head (``memory_model_parameters``, ``[heads, …]``)
+    and one momentum buffer of the same size per momentum order."""
+    weights = sum(p.numel() for p in mem.memory_model_parameters)
+    return weights * (1 + (mem.momentum_order if mem.to_momentum is not None else 0))
+
+
 class TitansMixer(nn.Module):
     """Depthwise causal conv (kernel 4, no activation; NeuralMemory has none of its own, and MQAR needs the
     key next to its value) → titans-pytorch ``NeuralMemory(dim, heads, dim_head, chunk_size)`` (all else
@@ -291,12 +307,7 @@ class TitansMixer(nn.Module):
         self.conv = CausalConv(d_model, conv_size, silu=False) if conv_size else None
         self.mem = NeuralMemory(dim=d_model, heads=num_heads, dim_head=d_model // num_heads, chunk_size=chunk_size,
                                 batch_size=batch_size)
-        # titans-pytorch quirk: with per_head_learned_parameters (its default) each initial memory weight is a
-        # Parameter over repeat(p, '... -> h ...'), an expanded view (stride 0 over heads), which in-place
-        # optimiser updates (AdamW's decay) refuse. Materialise each as its own tensor (same values).
-        params = self.mem.memory_model_parameters
-        for i in range(len(params)):
-            params[i] = nn.Parameter(params[i].detach().clone())
+        _materialise_initial_weights(self.mem)
 
     def forward(self, x):
         if self.conv is not None:
@@ -307,9 +318,7 @@ class TitansMixer(nn.Module):
     def state_size(self, context: int) -> int:
         """The memory MLP's weights per head (its ``memory_model_parameters``, ``[heads, …]``) and one momentum
         buffer of the same size per momentum order, + the conv cache."""
-        weights = sum(p.numel() for p in self.mem.memory_model_parameters)
-        n = weights * (1 + (self.mem.momentum_order if self.mem.to_momentum is not None else 0))
-        return n + (self.conv.state_size() if self.conv is not None else 0)
+        return neural_memory_state_size(self.mem) + (self.conv.state_size() if self.conv is not None else 0)
 
 
 class TitansMACRef(nn.Module):
@@ -333,10 +342,8 @@ class TitansMACRef(nn.Module):
             num_tokens=vocab_size, dim=d_model, depth=num_layers, segment_len=segment,
             num_persist_mem_tokens=persistent_tokens, num_longterm_mem_tokens=longterm_tokens,
             dim_head=self.head_dim, heads=num_heads)
-        for mem in self.memories():               # the expanded-view initial weights, as in TitansMixer
-            params = mem.memory_model_parameters
-            for i in range(len(params)):
-                params[i] = nn.Parameter(params[i].detach().clone())
+        for mem in self.memories():
+            _materialise_initial_weights(mem)
 
     def memories(self):
         return [layer[4] for layer in self.mac.layers if layer[4] is not None]
@@ -345,14 +352,10 @@ class TitansMACRef(nn.Module):
         return self.mac(ids)
 
     def state_size(self, context: int) -> int:
-        """Per layer: the memory MLP's weights and momenta (as :meth:`TitansMixer.state_size`) + the KV cache of one
+        """Per layer: the memory's weights and momenta (:func:`neural_memory_state_size`) + the KV cache of one
         attention window (segment + long-term tokens), 2·H·D_h per token; persistent tokens are parameters."""
         kv = (self.segment + self.longterm_tokens) * 2 * self.num_heads * self.head_dim
-        total = 0
-        for mem in self.memories():
-            weights = sum(p.numel() for p in mem.memory_model_parameters)
-            total += weights * (1 + (mem.momentum_order if mem.to_momentum is not None else 0)) + kv
-        return total
+        return sum(neural_memory_state_size(mem) + kv for mem in self.memories())
 
 
 def _rope(x, base: float = 10000.0):

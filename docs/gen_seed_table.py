@@ -12,16 +12,9 @@ from __future__ import annotations
 
 import argparse
 import csv
-import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence
 
-
-def mean_std(vals: Sequence[float]) -> Tuple[float, Optional[float]]:
-    """Mean and sample standard deviation (None for one value)."""
-    m = sum(vals) / len(vals)
-    if len(vals) < 2:
-        return m, None
-    return m, math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1))
+from atlaslab.search.report import _mean_std as mean_std     # the run reports' mean ± sample std
 
 
 def read_trials(paths: Sequence[str]) -> Dict[str, List[Dict[str, str]]]:
