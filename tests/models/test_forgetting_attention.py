@@ -113,3 +113,17 @@ def test_bad_fields_name_the_path_and_the_choices():
         load_preset("fox", ["mixers.fox.form=atention"])
     with pytest.raises(ConfigError, match=r"output_gate_act.*sigmoid, swish"):
         load_preset("fox", ["mixers.fox.output_gate_act=tanh"])
+
+
+def test_preset_forget_gate_reaches_across_a_niah_sequence_at_initialisation():
+    """The preset's forget-gate bias (6) keeps the first of 256 tokens in reach of the last at the start of
+    training: exp(Σ_{l=1..255} log f_l) ≥ 0.1 for unit-RMS inputs (the pre-norm hidden states). FoX's bias 0 gives
+    e^-177 and our earlier 3 gave about e^-14 there, and FoX then stays near guessing on S-NIAH at 256 bytes
+    (docs/results/reading-list.md#sniah)."""
+    torch.manual_seed(0)
+    model = build_model(load_preset("fox"))
+    x = torch.randn(4, 256, model.cfg.d_model)
+    for layer in model.layers:
+        _, _, _, log_f = layer.mixer.project(x)                      # [B, T, H]
+        reach = log_f[:, 1:].sum(1).exp()                             # weight of token 0 seen from token 255
+        assert reach.min() > 0.1, reach
