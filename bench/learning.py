@@ -5,6 +5,7 @@
     python bench/learning.py --presets none --seeds 0     # the references alone
     python bench/learning.py --setting hard               # MQAR 16 pairs at T = 256
     python bench/learning.py --presets none --reuse       # re-run only references whose runs/options changed
+    python bench/learning.py --reuse                      # add a preset: the unchanged runs are taken as they are
     python bench/learning.py --setting reading_list --presets titans_mac --refs titans_mac --parallel 2
 
 Every model, ours (``load_preset`` → ``LanguageModel``) or a reference (bench/learning_refs.py), is trained by
@@ -101,6 +102,18 @@ def train_config(setting: Dict[str, Any], seed: int, steps: int) -> Dict[str, An
             "log_interval": setting["eval_interval"], "device": "cpu", "seed": seed}
 
 
+def preset_config(job: Dict[str, Any]) -> Dict[str, Any]:
+    """A preset job's fully resolved model config (every default filled in), as JSON-plain containers: what
+    ``--reuse`` compares, so that a run is reused only while the preset, its overrides and the defaults are
+    unchanged."""
+    from atlaslab.models.lm import resolve_lm_config
+    from atlaslab.models.presets import load_preset
+    s = job["setting"]
+    cfg = load_preset(job["name"], [f"vocab_size={s['vocab_size']}", f"d_model={s['d_model']}",
+                                    f"num_layers={s['num_layers']}", *job.get("overrides", [])])
+    return json.loads(json.dumps(resolve_lm_config(cfg).to_dict()))
+
+
 def build_model(job: Dict[str, Any]):
     """(model, state size after T tokens) for a job ``{"kind": "preset" | "ref", "name", "setting", ...}``."""
     import torch
@@ -108,10 +121,7 @@ def build_model(job: Dict[str, Any]):
     torch.manual_seed(job["seed"])          # the model's init depends on the seed too
     if job["kind"] == "preset":
         from atlaslab.models.lm import LanguageModel
-        from atlaslab.models.presets import load_preset
-        cfg = load_preset(job["name"], [f"vocab_size={s['vocab_size']}", f"d_model={s['d_model']}",
-                                        f"num_layers={s['num_layers']}", *job.get("overrides", [])])
-        model = LanguageModel(cfg)
+        model = LanguageModel(preset_config(job))
     else:
         refs = _refs_module()
         model = refs.build_ref(job["name"], s["vocab_size"], s["d_model"], s["num_layers"], max_len=s["seq_len"],
@@ -139,6 +149,7 @@ def worker(job: Dict[str, Any]) -> Dict[str, Any]:
     r = train(model, task_node(job["setting"]), train_config(job["setting"], job["seed"], job["steps"]), callback=cb)
     return {"status": r.status, "message": r.message, "steps": r.steps, "wall_s": r.wall_time_s,
             "num_parameters": params, "state_size": state,
+            **({"model_config": preset_config(job)} if job["kind"] == "preset" else {}),
             "history": [{k: v for k, v in h.items() if k in ("step", "val/accuracy", "train/loss")}
                         for h in r.history if "val/accuracy" in h]}
 
@@ -364,20 +375,22 @@ def write_report(data: Dict[str, Any], out: Path) -> str:
 # --------------------------------------------------------------------------------------------------
 def _job_key(job: Dict[str, Any]) -> str:
     return json.dumps({"kind": job["kind"], "name": job["name"], "seed": job["seed"], "steps": job["steps"],
-                       "setting": job["setting"], "ref_kwargs": job.get("ref_kwargs") or {}}, sort_keys=True)
+                       "setting": job["setting"], "ref_kwargs": job.get("ref_kwargs") or {},
+                       "model_config": job.get("model_config")}, sort_keys=True)
 
 
-def _previous_ref_runs(path: Path) -> Dict[str, Dict[str, Any]]:
-    """The successful reference runs of an earlier results file, by job key (for ``--reuse``)."""
+def _previous_runs(path: Path) -> Dict[str, Dict[str, Any]]:
+    """The successful runs of an earlier results file, by job key (for ``--reuse``): every reference run, and the
+    preset runs that recorded their resolved model config (files older than that record retrain their presets)."""
     if not path.is_file():
         return {}
     old = json.loads(path.read_text())
     out = {}
     for r in old.get("runs", []):
-        if r.get("kind") != "ref" or r.get("status") == "failed":
+        if r.get("status") == "failed" or (r.get("kind") == "preset" and "model_config" not in r):
             continue
         key = _job_key({**r, "steps": old["steps"], "setting": old["setting"],
-                        "ref_kwargs": old.get("ref_kwargs", {}).get(r["name"], {})})
+                        "ref_kwargs": old.get("ref_kwargs", {}).get(r["name"], {}) if r.get("kind") == "ref" else {}})
         out[key] = {**r, "reused_from": r.get("reused_from") or f"{path.name}, run started {old.get('started')}"}
     return out
 
@@ -405,8 +418,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--gdn-expand-v", type=float, default=2.0,
                     help="fla GDN ref value head dim / key head dim (fla's default 2)")
     ap.add_argument("--reuse", action="store_true",
-                    help="take reference runs with the same name, seed, steps, setting and options from the "
-                         "existing <out>.json instead of training them again (marked 'reused' in the report)")
+                    help="take runs with the same name, seed, steps, setting and options (for presets: the same "
+                         "resolved model config) from the existing <out>.json instead of training them again "
+                         "(marked 'reused' in the report)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -426,7 +440,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ref_kwargs = {"titans_neural_memory": {"chunk_size": args.titans_chunk},
                   "fla_gated_deltanet": {"expand_v": args.gdn_expand_v},
                   "lact": {"chunk_size": c, "window": c}}
-    previous = _previous_ref_runs(Path(str(out) + ".json")) if args.reuse else {}
+    previous = _previous_runs(Path(str(out) + ".json")) if args.reuse else {}
     skipped, jobs = {}, []
     for name in refs:
         ok, why = refs_mod.available(name)
@@ -435,8 +449,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             print(f"skip reference {name}: {why}", flush=True)
             continue
         jobs += [{"kind": "ref", "name": name, "seed": sd, "ref_kwargs": ref_kwargs.get(name, {})} for sd in seeds]
-    jobs += [{"kind": "preset", "name": name, "seed": sd, "overrides": preset_overrides(name, args.setting)}
-             for name in presets for sd in seeds]
+    for name in presets:      # resolving the config here also rejects a bad preset before any run starts
+        job = {"kind": "preset", "name": name, "overrides": preset_overrides(name, args.setting), "setting": setting}
+        config = preset_config(job)
+        jobs += [{**job, "seed": sd, "model_config": config} for sd in seeds]
     data = {"command": "python bench/learning.py" + (" " + shlex.join(argv) if argv else ""),
             "setting_name": args.setting, "setting": setting, "steps": steps, "seeds": seeds,
             "torch": torch.__version__, "python": platform.python_version(),
@@ -449,7 +465,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     def one(i: int, job: Dict[str, Any]) -> None:
         job = {**job, "setting": setting, "steps": steps}
         print(f"[{i}/{len(jobs)}] {job['kind']} {job['name']} seed {job['seed']}", flush=True)
-        rec = previous.get(_job_key(job)) if job["kind"] == "ref" else None
+        rec = previous.get(_job_key(job))
         if rec is None:
             rec = run_job(job, args.timeout)
         else:

@@ -165,22 +165,44 @@ def test_parallel_runs_keep_the_job_order(tmp_path, capsys):
     assert all(r["status"] == "completed" and r["steps"] == 1 for r in saved["runs"])
 
 
-def test_reuse_takes_only_matching_reference_runs(tmp_path):
+def test_reuse_takes_only_matching_runs(tmp_path):
     s = bl.SETTINGS["calibration"]
-    old = {"steps": 600, "setting": s, "started": "then", "ref_kwargs": {"fla_gated_deltanet": {"expand_v": 1.0}},
+    preset = {"kind": "preset", "name": "transformer", "setting": s, "overrides": []}
+    config = bl.preset_config(preset)
+    old = {"steps": 600, "setting": s, "started": "then",
+           "ref_kwargs": {"fla_gated_deltanet": {"expand_v": 1.0}, "transformer": {"x": 1}},
            "runs": [{"kind": "ref", "name": "fla_gated_deltanet", "seed": 0, "status": "completed", "history": []},
                     {"kind": "ref", "name": "softmax_transformer", "seed": 0, "status": "completed", "history": []},
                     {"kind": "ref", "name": "softmax_transformer", "seed": 1, "status": "failed", "history": []},
-                    {"kind": "preset", "name": "transformer", "seed": 0, "status": "completed", "history": []}]}
+                    {"kind": "preset", "name": "transformer", "seed": 0, "status": "completed", "history": []},
+                    {"kind": "preset", "name": "transformer", "seed": 1, "status": "completed", "history": [],
+                     "model_config": config}]}
     (tmp_path / "r.json").write_text(json.dumps(old))
-    prev = bl._previous_ref_runs(tmp_path / "r.json")
+    prev = bl._previous_runs(tmp_path / "r.json")
     job = lambda name, seed=0, **kw: {"kind": "ref", "name": name, "seed": seed, "steps": 600, "setting": s, **kw}
     assert bl._job_key(job("softmax_transformer")) in prev                       # same everything
     assert bl._job_key(job("softmax_transformer", 1)) not in prev                # failed runs are run again
     assert bl._job_key(job("fla_gated_deltanet", ref_kwargs={"expand_v": 2.0})) not in prev   # other options
     assert bl._job_key(job("fla_gated_deltanet", ref_kwargs={"expand_v": 1.0})) in prev
     assert bl._job_key({**job("softmax_transformer"), "steps": 100}) not in prev
-    assert len(prev) == 2 and all(r["reused_from"] == "r.json, run started then" for r in prev.values())
+    # presets: only runs that recorded their resolved config, and only while it is the same
+    ours = lambda seed, cfg: {**preset, "seed": seed, "steps": 600, "model_config": cfg}
+    assert bl._job_key(ours(1, config)) in prev
+    assert bl._job_key(ours(0, config)) not in prev                               # recorded no config
+    changed = bl.preset_config({**preset, "overrides": ["init_std=0.5"]})
+    assert changed != config and bl._job_key(ours(1, changed)) not in prev
+    assert len(prev) == 3 and all(r["reused_from"] == "r.json, run started then" for r in prev.values())
+
+
+def test_preset_runs_record_their_config_and_are_reused(tmp_path):
+    out = tmp_path / "p"
+    argv = ["--presets", "transformer", "--refs", "none", "--seeds", "0", "--steps", "1", "--out", str(out)]
+    bl.main(argv)
+    first = json.loads(Path(str(out) + ".json").read_text())["runs"]
+    assert first[0]["model_config"]["d_model"] == bl.SETTINGS["calibration"]["d_model"]
+    bl.main(argv + ["--reuse"])
+    second = json.loads(Path(str(out) + ".json").read_text())["runs"]
+    assert second[0]["reused_from"].startswith("p.json") and second[0]["wall_s"] == first[0]["wall_s"]
 
 
 def test_lact_reference_update_is_the_tested_lact_rule():
