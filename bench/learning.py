@@ -114,14 +114,15 @@ def preset_config(job: Dict[str, Any]) -> Dict[str, Any]:
     return json.loads(json.dumps(resolve_lm_config(cfg).to_dict()))
 
 
-def build_model(job: Dict[str, Any]):
-    """(model, state size after T tokens) for a job ``{"kind": "preset" | "ref", "name", "setting", ...}``."""
+def build_model(job: Dict[str, Any], config: Optional[Dict[str, Any]] = None):
+    """(model, state size after T tokens) for a job ``{"kind": "preset" | "ref", "name", "setting", ...}``; a
+    preset is built from ``config`` (its :func:`preset_config`, resolved here when not given)."""
     import torch
     s = job["setting"]
     torch.manual_seed(job["seed"])          # the model's init depends on the seed too
     if job["kind"] == "preset":
         from atlaslab.models.lm import LanguageModel
-        model = LanguageModel(preset_config(job))
+        model = LanguageModel(config or preset_config(job))
     else:
         refs = _refs_module()
         model = refs.build_ref(job["name"], s["vocab_size"], s["d_model"], s["num_layers"], max_len=s["seq_len"],
@@ -135,7 +136,8 @@ def worker(job: Dict[str, Any]) -> Dict[str, Any]:
     torch.set_num_threads(1)
     from atlaslab.train.loop import train
     label = f"{job['name']} seed {job['seed']}"
-    model, state = build_model(job)
+    config = preset_config(job) if job["kind"] == "preset" else None
+    model, state = build_model(job, config)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     deadline = time.time() + job.get("budget_s", 1e9)
     t0 = time.time()
@@ -149,7 +151,7 @@ def worker(job: Dict[str, Any]) -> Dict[str, Any]:
     r = train(model, task_node(job["setting"]), train_config(job["setting"], job["seed"], job["steps"]), callback=cb)
     return {"status": r.status, "message": r.message, "steps": r.steps, "wall_s": r.wall_time_s,
             "num_parameters": params, "state_size": state,
-            **({"model_config": preset_config(job)} if job["kind"] == "preset" else {}),
+            **({"model_config": config} if config is not None else {}),
             "history": [{k: v for k, v in h.items() if k in ("step", "val/accuracy", "train/loss")}
                         for h in r.history if "val/accuracy" in h]}
 

@@ -170,6 +170,7 @@ def test_reuse_takes_only_matching_runs(tmp_path):
     preset = {"kind": "preset", "name": "transformer", "setting": s, "overrides": []}
     config = bl.preset_config(preset)
     old = {"steps": 600, "setting": s, "started": "then",
+           # a reference option under a preset's name must not reach the preset's key
            "ref_kwargs": {"fla_gated_deltanet": {"expand_v": 1.0}, "transformer": {"x": 1}},
            "runs": [{"kind": "ref", "name": "fla_gated_deltanet", "seed": 0, "status": "completed", "history": []},
                     {"kind": "ref", "name": "softmax_transformer", "seed": 0, "status": "completed", "history": []},
