@@ -20,6 +20,13 @@ small Llama-style LM in place of a mixer, so it reads from the pre-normed input,
 (learnable, not threaded through the whole stack) and are written from the block's residual (no MLP), and a
 partial segment is kept in the state (``pending``) so chained calls equal one call at any boundary.
 
+``memory_flow: through_stack`` is the authors' arrangement instead: one set of memory tokens joins each complete
+segment at the embedding and runs up the whole stack (every layer's attention and MLP), and each layer writes its
+A, z from the memory tokens' hidden state after the layer, its MLP included. So above the first layer a memory token
+has already read the segment. The loop is segment-major (every layer on segment 1, then segment 2, …), so it runs
+in the language model (:class:`ARMTStack`), not block by block; every layer of such a model must be an ``armt``
+block with ``through_stack`` and the same ``segment`` and ``memory_tokens``.
+
 Shapes: ``forward(x: [B, T, d_model]) -> [B, T, d_model]``; memory tensors ``[B, T, H_m, F]`` (F = φ's width).
 """
 from __future__ import annotations
@@ -33,7 +40,12 @@ from torch import nn
 
 from atlaslab.memory.associative import associative_read, associative_write
 from atlaslab.models.attention import Attention, AttentionConfig
-from atlaslab.registry import ConfigError, PartConfig, check_range, get_registry, register, resolve_part
+from atlaslab.registry import (ConfigError, PartConfig, check_choice, check_range, get_registry, register,
+                               resolve_part)
+
+#: where the memory tokens come from and what writes: ``per_layer`` (a learned constant per layer, written from the
+#: block's residual), ``through_stack`` (one set from the embedding up, written from each layer's output; the authors')
+MEMORY_FLOWS = ("per_layer", "through_stack")
 
 
 @dataclass
@@ -47,9 +59,15 @@ class ARMTConfig(AttentionConfig):
     key_dim: Optional[int] = None      # d_k per memory head before φ (default d_model / H_m)
     feature_map: Any = "dpfp"          # a non-negative registered φ (a name or a node; DPFP's default ν is 3)
     correction: bool = True            # γ on the normaliser z (false: z ← z + Σ φ_i)
+    memory_flow: str = "per_layer"     # per_layer | through_stack (the authors'; see the module doc)
 
     def check(self) -> None:
         super().check()
+        check_choice("memory_flow", self.memory_flow, MEMORY_FLOWS)
+        if self.memory_flow == "through_stack" and not self.use_memory:
+            raise ConfigError("memory_flow", "through_stack carries memory tokens up the stack, and use_memory: false "
+                                             "has none; use memory_flow: per_layer for segment-local attention.",
+                              value=self.memory_flow, choices=["per_layer"])
         check_range("segment", self.segment, 1, None)
         check_range("memory_tokens", self.memory_tokens, 1, None)
         check_range("memory_heads", self.memory_heads, 1, None)
@@ -109,7 +127,8 @@ class ARMTBlock(Attention):
         self.mem_v = nn.Linear(d_model, d_model, bias=False)
         nn.init.zeros_(self.mem_v.weight)        # the authors' init: the memory starts silent
         self.mem_beta = nn.Linear(d_model, Hm)
-        self.memory_tokens = nn.Parameter(torch.randn(cfg.memory_tokens, d_model))
+        if cfg.memory_flow == "per_layer":       # through_stack: the language model's ARMTStack holds them
+            self.memory_tokens = nn.Parameter(torch.randn(cfg.memory_tokens, d_model))
 
     # -- the associative memory -------------------------------------------------------------------------
     @property
@@ -143,6 +162,12 @@ class ARMTBlock(Attention):
                          torch.zeros(batch, Hm, Fd, dtype=dtype, device=device), pending)
 
     # -- the segment recurrence ---------------------------------------------------------------------------
+    def mix(self, h: torch.Tensor, A: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Read, then attend, over one segment's tokens ``h: [B, n, d_model]`` (memory tokens last, if any):
+        r = read(h), y = CausalAttn(h + r) → ``r + y`` for every token."""
+        r = self.read(h, A, z)
+        return r + super().forward(h + r)
+
     def segment_step(self, s: torch.Tensor, A: Optional[torch.Tensor], z: Optional[torch.Tensor], write: bool):
         """One segment ``s: [B, L, d_model]`` (L ≤ C) → (its outputs ``[B, L, d_model]``, A, z after it).
 
@@ -151,12 +176,10 @@ class ARMTBlock(Attention):
         if not self.cfg.use_memory:
             return super().forward(s), A, z      # segment-local causal attention
         h = torch.cat([s, self.memory_tokens.to(s.dtype).expand(s.shape[0], -1, -1)], 1) if write else s
-        r = self.read(h, A, z)
-        h = h + r
-        y = super().forward(h)                   # causal attention within [S ‖ M], positions 0..L+N−1
+        out = self.mix(h, A, z)                  # causal attention within [S ‖ M], positions 0..L+N−1
         if write:
-            A, z = self.write(h[:, L:] + y[:, L:], A, z)
-        return y[:, :L] + r[:, :L], A, z
+            A, z = self.write(h[:, L:] + out[:, L:], A, z)
+        return out[:, :L], A, z
 
     def decode(self, x: torch.Tensor, state: Optional[ARMTState] = None):
         """Token-by-token decoding (:mod:`atlaslab.models.decoding`): the chained forward, exact at any split. The
@@ -169,6 +192,9 @@ class ARMTBlock(Attention):
         ``state`` continues a previous call: A, z and the unfinished segment's inputs, whose outputs were already
         returned and are recomputed here (they see the same A, z); chained calls equal one call at any split.
         """
+        if self.cfg.memory_flow == "through_stack":
+            raise RuntimeError("an armt block with memory_flow: through_stack runs inside its language model "
+                               "(ARMTStack: every layer per segment), not on its own")
         B, T, _ = x.shape
         state = state if state is not None else self.initial_state(B, x.dtype, x.device)
         P, C = state.pending.shape[1], self.cfg.segment
@@ -195,4 +221,71 @@ class ARMTBlock(Attention):
         return self.memory_heads * self.num_features * (self.value_dim + 1) + kv
 
 
-__all__ = ["ARMTBlock", "ARMTConfig", "ARMTState"]
+class ARMTStack(nn.Module):
+    """The authors' ARMT arrangement over a language model's layers (``memory_flow: through_stack``).
+
+    Per complete segment S of C tokens: h = [embed(S) ‖ M] with one set of N learned memory tokens M, then for
+    each layer ℓ, with its A_ℓ, z_ℓ from the previous segments,
+
+        h ← h + mix_ℓ(RMSNorm(h)),   h ← h + MLP_ℓ(RMSNorm(h)),   A_ℓ, z_ℓ ← write_ℓ(h on the memory tokens)
+
+    (``mix`` = read, then segment-local attention; see :meth:`ARMTBlock.mix`). The segment's outputs are h on its
+    tokens. A last, partial segment takes no memory tokens and writes nothing. The state is one
+    :class:`ARMTState` per layer; all of them hold the same ``pending`` inputs (embeddings) of the unfinished
+    segment, recomputed with the next call, so chained calls equal one call at any split.
+    """
+
+    def __init__(self, memory_tokens: int, segment: int, d_model: int):
+        super().__init__()
+        self.segment = segment
+        self.memory_tokens = nn.Parameter(torch.randn(memory_tokens, d_model))
+
+    def forward(self, layers, x: torch.Tensor, states=None):
+        """``layers``: the LM's layers (``mixer_norm``, ``mixer`` an :class:`ARMTBlock`, ``_mlp``); ``x: [B, T,
+        d_model]`` the embeddings → (the last layer's outputs ``[B, T, d_model]``, one ARMTState per layer)."""
+        B, C = x.shape[0], self.segment
+        states = states or [layer.mixer.initial_state(B, x.dtype, x.device) for layer in layers]
+        P = states[0].pending.shape[1]
+        xs = torch.cat([states[0].pending, x], 1) if P else x
+        A, z, outs = [s.A for s in states], [s.z for s in states], []
+        for start in range(0, xs.shape[1], C):
+            s = xs[:, start:start + C]
+            L = s.shape[1]
+            write = L == C
+            h = torch.cat([s, self.memory_tokens.to(s.dtype).expand(B, -1, -1)], 1) if write else s
+            for i, layer in enumerate(layers):
+                h = layer._mlp(h + layer.mixer.mix(layer.mixer_norm(h), A[i], z[i]))
+                if write:
+                    A[i], z[i] = layer.mixer.write(h[:, L:], A[i], z[i])
+            outs.append(h[:, :L])
+        rest = xs[:, (xs.shape[1] // C) * C:]
+        return torch.cat(outs, 1)[:, P:], [ARMTState(a, b, rest) for a, b in zip(A, z)]
+
+
+def stack_config(layer_keys, mixers, path: str = "") -> Optional[ARMTConfig]:
+    """The shared config of a model whose layers use ``memory_flow: through_stack`` (None when none does).
+
+    ``layer_keys``: the mixer key of every layer; ``mixers``: key → (kind, resolved config). A ConfigError at
+    ``mixers.<key>.…`` unless every layer is such an ``armt`` block with one ``segment`` and ``memory_tokens``."""
+    keys = list(dict.fromkeys(layer_keys))
+    stacked = [k for k in keys if isinstance(mixers[k][1], ARMTConfig) and mixers[k][1].memory_flow == "through_stack"]
+    if not stacked:
+        return None
+    first = mixers[stacked[0]][1]
+    for key in keys:
+        cfg = mixers[key][1]
+        where = f"{path + '.' if path else ''}mixers.{key}"
+        if key not in stacked:
+            raise ConfigError(f"{where}.memory_flow" if isinstance(cfg, ARMTConfig) else f"{where}.name",
+                              f"mixers.{stacked[0]} carries its memory tokens through the stack "
+                              f"(memory_flow: through_stack), so every layer must be an armt block that does.",
+                              value=getattr(cfg, "memory_flow", cfg.name), choices=["through_stack"])
+        for f in ("segment", "memory_tokens"):
+            if getattr(cfg, f) != getattr(first, f):
+                raise ConfigError(f"{where}.{f}", f"the layers share one segment recurrence and one set of memory "
+                                                  f"tokens; mixers.{stacked[0]}.{f} is {getattr(first, f)}.",
+                                  value=getattr(cfg, f))
+    return first
+
+
+__all__ = ["ARMTBlock", "ARMTConfig", "ARMTStack", "ARMTState", "MEMORY_FLOWS", "stack_config"]

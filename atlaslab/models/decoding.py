@@ -427,10 +427,13 @@ def prefill(model, input_ids: torch.Tensor, state: Optional[LMState] = None) -> 
         raise ValueError(f"prefill: the state holds {state.batch} sequences, input_ids has {input_ids.shape[0]}")
     layer_states = state.layers if state is not None else [None] * len(model.layers)
     x = model.embed(input_ids)
-    new = []
-    for key, layer, s in zip(model.layer_keys, model.layers, layer_states):
-        x, s = layer.decode(x, s, where=f"mixers.{key}")
-        new.append(s)
+    if getattr(model, "armt_stack", None) is not None:       # ARMT through_stack: all layers per segment
+        x, new = model.armt_stack(model.layers, x, state.layers if state is not None else None)
+    else:
+        new = []
+        for key, layer, s in zip(model.layer_keys, model.layers, layer_states):
+            x, s = layer.decode(x, s, where=f"mixers.{key}")
+            new.append(s)
     length = (state.length if state is not None else 0) + input_ids.shape[1]
     return model.head_logits(x), LMState(new, length, input_ids.shape[0])
 

@@ -40,7 +40,7 @@ from atlaslab.engines.packed import check_cu_seqlens
 from atlaslab.registry import (ConfigError, PartConfig, check_range, get_registry, resolve_part, to_container,
                                validate_structured)
 from atlaslab.registry.errors import join_path
-from atlaslab.models import attention, blocks, forgetting_attention, lact, layers  # noqa: F401  (register the mixers and blocks)
+from atlaslab.models import armt, attention, blocks, forgetting_attention, lact, layers  # noqa: F401  (register the mixers and blocks)
 from atlaslab.models import decoding
 from atlaslab.models.layers import RMSNorm
 
@@ -152,7 +152,9 @@ def resolve_lm_config(node: Any, path: str = "") -> ResolvedLM:
         kind = mixer_kind(mnode.get("name"), join_path(mpath, "name"))
         mixers[key] = (kind, resolve_part(kind, mnode, mpath))
     cfg.mixers = {k: to_container(v) if not isinstance(v, str) else {"name": v} for k, v in cfg.mixers.items()}
-    return ResolvedLM(cfg, mixers)
+    resolved = ResolvedLM(cfg, mixers)
+    armt.stack_config(resolved.layer_keys(), mixers, path)     # ARMT's through_stack flow spans every layer
+    return resolved
 
 
 class SwiGLU(nn.Module):
@@ -221,6 +223,9 @@ class LanguageModel(nn.Module):
             kind, mcfg = self.resolved.mixers[key]
             mixer = build_mixer(kind, mcfg, c.d_model, f"mixers.{key}")
             self.layers.append(LMLayer(mixer, c.d_model, c.hidden() if c.mlp else None, c.norm_eps))
+        stack = armt.stack_config(self.layer_keys, self.resolved.mixers)
+        #: ARMT's authors' flow: one segment-major loop over all layers (None: the layers run one after another)
+        self.armt_stack = armt.ARMTStack(stack.memory_tokens, stack.segment, c.d_model) if stack else None
         self.norm = RMSNorm(c.d_model, c.norm_eps)
         if c.tie_embeddings:
             self.head = None
@@ -242,6 +247,8 @@ class LanguageModel(nn.Module):
         if cu_seqlens is not None:
             self._check_packed(input_ids, cu_seqlens)
         x = self.embed(input_ids)
+        if self.armt_stack is not None:
+            return self.head_logits(self.armt_stack(self.layers, x)[0])
         for layer in self.layers:
             x = layer(x, cu_seqlens)
         return self.head_logits(x)

@@ -57,62 +57,110 @@ def read_direct(A, z, phi):
     return out
 
 
+def phi_direct(block: ARMTBlock, W: torch.Tensor, vec: torch.Tensor, head: int) -> torch.Tensor:
+    """The unit feature φ̂ of memory head ``head`` of one hidden vector (DPFP, or elu + 1 when ν is absent)."""
+    Dk, fm = block.key_dim, block.feature_map
+    u = W[head * Dk:(head + 1) * Dk] @ vec
+    f = dpfp(u, fm.cfg.nu) if fm.cfg.name == "dpfp" else F.elu(u) + 1
+    return f / f.norm()
+
+
+def attend_direct(block: ARMTBlock, h: torch.Tensor) -> torch.Tensor:
+    """Causal softmax attention (no RoPE) of the block over one segment's rows ``h: [n, d_model]``."""
+    H, Dh, n = block.num_heads, block.head_dim, h.shape[0]
+    q, k, v = (getattr(block, f"{p}_proj").weight for p in "qkv")
+    out = torch.zeros(n, H * Dh, dtype=h.dtype)
+    for t in range(n):
+        for a in range(H):
+            sl = slice(a * Dh, (a + 1) * Dh)
+            s = torch.stack([(q[sl] @ h[t]) @ (k[sl] @ h[j]) / math.sqrt(Dh) for j in range(t + 1)])
+            w = torch.softmax(s, 0)
+            out[t, sl] = sum(w[j] * (v[sl] @ h[j]) for j in range(t + 1))
+    return out @ block.o_proj.weight.T
+
+
+def read_rows_direct(block: ARMTBlock, A, z, h: torch.Tensor) -> torch.Tensor:
+    """Aᵀφ̂(W_q h_t) / (zᵀφ̂ + ε) for every row of ``h``, memory heads concatenated (A per head ``[F, D_v]``)."""
+    Wq = block.mem_q.weight
+    return torch.stack([torch.cat([(A[a].T @ phi_direct(block, Wq, row, a)) / (z[a] @ phi_direct(block, Wq, row, a) + EPS)
+                                   for a in range(block.memory_heads)]) for row in h])
+
+
+def write_rows_direct(block: ARMTBlock, A, z, m: torch.Tensor):
+    """The memory tokens' rows ``m`` write A, z (lists over memory heads), every v̄, γ from the segment-start A, z."""
+    Wk, Wv, Dv = block.mem_k.weight, block.mem_v.weight, block.value_dim
+    Wb, bb = block.mem_beta.weight, block.mem_beta.bias
+    A0, z0 = [t.clone() for t in A], [t.clone() for t in z]
+    A, z = list(A), list(z)
+    for row in m:
+        for a in range(block.memory_heads):
+            p = phi_direct(block, Wk, row, a)
+            v = Wv[a * Dv:(a + 1) * Dv] @ row
+            beta = torch.sigmoid(Wb[a] @ row + bb[a])
+            v_bar = (A0[a].T @ p) / (z0[a] @ p + EPS)
+            A[a] = A[a] + beta * torch.outer(p, v - v_bar)
+            gamma = (1 - z0[a] @ p / (p @ p)).clamp(0, 1).detach() if block.cfg.correction else 1.0
+            z[a] = z[a] + gamma * p
+    return A, z
+
+
+def empty_memory(block: ARMTBlock, dtype):
+    return ([torch.zeros(block.num_features, block.value_dim, dtype=dtype) for _ in range(block.memory_heads)],
+            [torch.zeros(block.num_features, dtype=dtype) for _ in range(block.memory_heads)])
+
+
 def armt_direct(block: ARMTBlock, x: torch.Tensor) -> torch.Tensor:
     """The ARMT block by loops: per segment, h = [S ‖ M] (M only on complete segments), h += read(h),
     y = causal softmax attention of h (no RoPE here), out = read + y on S; the memory tokens' h + y write A, z."""
-    cfg = block.cfg
-    C, N, Hm, Dk, Dv = cfg.segment, cfg.memory_tokens, block.memory_heads, block.key_dim, block.value_dim
-    H, Dh = block.num_heads, block.head_dim
-    fm = block.feature_map
-    nu = fm.cfg.nu if fm.cfg.name == "dpfp" else None
-
-    def phi(W, vec, head):
-        u = W[head * Dk:(head + 1) * Dk] @ vec
-        f = dpfp(u, nu) if nu else F.elu(u) + 1
-        return f / f.norm()
-
-    def attend(h):
-        n = h.shape[0]
-        q, k, v = (getattr(block, f"{p}_proj").weight for p in "qkv")
-        out = torch.zeros(n, H * Dh, dtype=h.dtype)
-        for t in range(n):
-            for a in range(H):
-                sl = slice(a * Dh, (a + 1) * Dh)
-                s = torch.stack([(q[sl] @ h[t]) @ (k[sl] @ h[j]) / math.sqrt(Dh) for j in range(t + 1)])
-                w = torch.softmax(s, 0)
-                out[t, sl] = sum(w[j] * (v[sl] @ h[j]) for j in range(t + 1))
-        return out @ block.o_proj.weight.T
-
-    Wq, Wk, Wv = block.mem_q.weight, block.mem_k.weight, block.mem_v.weight
-    Wb, bb = block.mem_beta.weight, block.mem_beta.bias
+    C = block.cfg.segment
     outs = []
     for b in range(x.shape[0]):
-        A = [torch.zeros(block.num_features, Dv, dtype=x.dtype) for _ in range(Hm)]
-        z = [torch.zeros(block.num_features, dtype=x.dtype) for _ in range(Hm)]
+        A, z = empty_memory(block, x.dtype)
         rows = []
         for s0 in range(0, x.shape[1], C):
             seg = x[b, s0:s0 + C]
             L = seg.shape[0]
             h = torch.cat([seg, block.memory_tokens]) if L == C else seg
-            r = torch.stack([torch.cat([(A[a].T @ phi(Wq, h[t], a)) / (z[a] @ phi(Wq, h[t], a) + EPS)
-                                        for a in range(Hm)]) for t in range(h.shape[0])])
-            hh = h + r
-            y = attend(hh)
+            r = read_rows_direct(block, A, z, h)
+            y = attend_direct(block, h + r)
             rows.append(r[:L] + y[:L])
             if L == C:
-                m = hh[L:] + y[L:]
-                A0, z0 = [t.clone() for t in A], [t.clone() for t in z]
-                for i in range(N):
-                    for a in range(Hm):
-                        p = phi(Wk, m[i], a)
-                        v = Wv[a * Dv:(a + 1) * Dv] @ m[i]
-                        beta = torch.sigmoid(Wb[a] @ m[i] + bb[a])
-                        v_bar = (A0[a].T @ p) / (z0[a] @ p + EPS)
-                        A[a] = A[a] + beta * torch.outer(p, v - v_bar)
-                        gamma = (1 - z0[a] @ p / (p @ p)).clamp(0, 1).detach() if cfg.correction else 1.0
-                        z[a] = z[a] + gamma * p
+                A, z = write_rows_direct(block, A, z, h[L:] + r[L:] + y[L:])
         outs.append(torch.cat(rows))
     return torch.stack(outs)
+
+
+def rmsnorm_direct(x: torch.Tensor, norm) -> torch.Tensor:
+    return x / (x.pow(2).mean(-1, keepdim=True) + norm.eps).sqrt() * norm.weight
+
+
+def stacked_lm_direct(model, ids: torch.Tensor) -> torch.Tensor:
+    """The authors' arrangement by loops: per segment, h = [embed(S) ‖ M]; per layer h += r + y with r the read and
+    y the attention of RMSNorm(h) (+ r), h += SwiGLU(RMSNorm(h)), then the memory tokens' h writes that layer's A, z;
+    the segment's h after the last layer goes to the final norm and the head."""
+    C, M = model.armt_stack.segment, model.armt_stack.memory_tokens
+    outs = []
+    for b in range(ids.shape[0]):
+        memory = [empty_memory(layer.mixer, F64) for layer in model.layers]
+        rows = []
+        for s0 in range(0, ids.shape[1], C):
+            seg = model.embed.weight[ids[b, s0:s0 + C]]
+            L = seg.shape[0]
+            h = torch.cat([seg, M]) if L == C else seg
+            for i, layer in enumerate(model.layers):
+                blk, (A, z) = layer.mixer, memory[i]
+                u = rmsnorm_direct(h, layer.mixer_norm)
+                r = read_rows_direct(blk, A, z, u)
+                h = h + r + attend_direct(blk, u + r)
+                g = rmsnorm_direct(h, layer.mlp_norm)
+                mlp = layer.mlp
+                h = h + (F.silu(g @ mlp.w1.weight.T) * (g @ mlp.w3.weight.T)) @ mlp.w2.weight.T
+                if L == C:
+                    memory[i] = write_rows_direct(blk, A, z, h[L:])
+            rows.append(h[:L])
+        outs.append(torch.cat(rows))
+    x = rmsnorm_direct(torch.stack(outs), model.norm)
+    return x @ model.head.weight.T
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -291,6 +339,102 @@ def test_state_size_counts_A_z_and_one_segment_of_kv():
     assert make(use_memory=False).state_size() == 4 * 2 * 2 * 8
     s = block.initial_state(3)
     assert s.A.shape == (3, 2, 8, 48) and s.z.shape == (3, 2, 48) and s.pending.shape == (3, 0, D)
+
+
+# ---------------------------------------------------------------------------------------------------
+# memory_flow: through_stack (the authors' arrangement, in the language model)
+# ---------------------------------------------------------------------------------------------------
+def stacked_model(seed=0, num_layers=2, **block):
+    """A float64 2-layer LM of through_stack ARMT blocks (RoPE off, W_v random so the memory writes at init)."""
+    torch.manual_seed(seed)
+    node = {"name": "armt", "num_heads": 2, "segment": 4, "memory_tokens": 2, "memory_heads": 2, "rope": False,
+            "memory_flow": "through_stack", **block}
+    model = build_model({"vocab_size": 11, "d_model": D, "num_layers": num_layers, "layers": ["armt"],
+                         "mixers": {"armt": node}}).to(F64)
+    with torch.no_grad():
+        for blk in model.mixers():
+            torch.nn.init.normal_(blk.mem_v.weight, std=D ** -0.5)
+            torch.nn.init.normal_(blk.mem_beta.bias, std=1.0)
+    return model
+
+
+def ids_batch(T=10, seed=1):
+    return torch.randint(0, 11, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def test_through_stack_equals_a_direct_loop_of_the_authors_arrangement():
+    """One set of memory tokens from the embedding up, each layer writing from its output after the MLP."""
+    model = stacked_model()
+    assert [n for n, _ in model.named_parameters() if "memory_tokens" in n] == ["armt_stack.memory_tokens"]
+    ids = ids_batch(T=10)                                     # segments 4, 4, 2: the last one writes nothing
+    params = list(model.parameters())
+    out, ref = model(ids), stacked_lm_direct(model, ids)
+    assert rms_ratio(out, ref) < 1e-12
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=F64)
+    for a, r in zip(torch.autograd.grad((out * w).sum(), params), torch.autograd.grad((ref * w).sum(), params)):
+        assert rms_ratio(a, r) < 1e-10
+
+
+def test_through_stack_differs_from_per_layer_tokens_above_the_first_layer():
+    """With the same weights, per-layer memory tokens equal to the stack's give the same first-layer write but not
+    the same model: above layer 1 the carried tokens have read the segment (and the write comes after the MLP)."""
+    stacked = stacked_model()
+    per_layer = build_model({**stacked.resolved.to_dict(), "mixers": {"armt": {
+        **{k: v for k, v in stacked.resolved.to_dict()["mixers"]["armt"].items()}, "memory_flow": "per_layer"}}}).to(F64)
+    state = {k: v for k, v in stacked.state_dict().items() if not k.startswith("armt_stack")}
+    for i in range(2):
+        state[f"layers.{i}.mixer.memory_tokens"] = stacked.armt_stack.memory_tokens.detach()
+    per_layer.load_state_dict(state)
+    ids = ids_batch(T=8)
+    with torch.no_grad():
+        a, b = stacked(ids), per_layer(ids)
+    torch.testing.assert_close(a[:, :4], b[:, :4], rtol=0, atol=1e-12)   # segment 1 reads an empty memory
+    assert rms_ratio(a[:, 4:], b[:, 4:]) > 1e-3
+
+
+@pytest.mark.parametrize("splits", [(4, 8), (3, 6, 7), tuple(range(1, 13))], ids=["at-segments", "mid", "tokens"])
+def test_through_stack_chained_prefills_and_steps_equal_one_forward(splits):
+    model = stacked_model()
+    ids = ids_batch(T=13)
+    with torch.no_grad():
+        full = model(ids)
+    pieces, state = [], None
+    for lo, hi in zip((0,) + splits, splits + (13,)):
+        logits, state = model.prefill(ids[:, lo:hi], state)
+        pieces.append(logits)
+    assert rms_ratio(torch.cat(pieces, 1), full) < 1e-12
+    assert state.length == 13 and all(s.pending.shape[1] == 13 % 4 for s in state.layers)
+    _, state = model.prefill(ids[:, :12])
+    logits, _ = model.step(ids[:, 12], state)
+    assert rms_ratio(logits, full[:, 12]) < 1e-12
+
+
+def test_through_stack_is_causal_and_trains_its_memory_tokens():
+    model = stacked_model()
+    ids = ids_batch(T=12)
+    ids2 = ids.clone()
+    ids2[:, 6:] = (ids2[:, 6:] + 1) % 11
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids)[:, :6], model(ids2)[:, :6], rtol=0, atol=1e-12)
+    model(ids)[:, 8:].square().sum().backward()               # segment 3's outputs reach the memory tokens
+    assert model.armt_stack.memory_tokens.grad.abs().sum() > 0
+    with pytest.raises(RuntimeError, match="through_stack"):
+        model.mixers()[0](torch.zeros(1, 4, D, dtype=F64))
+
+
+@pytest.mark.parametrize("mixers, layers, path", [
+    ({"a": {"name": "armt", "memory_flow": "through_stack"}, "b": {"name": "attention"}}, ["a", "b"], "mixers.b.name"),
+    ({"a": {"name": "armt", "memory_flow": "through_stack"}, "b": {"name": "armt"}}, ["a", "b"],
+     "mixers.b.memory_flow"),
+    ({"a": {"name": "armt", "memory_flow": "through_stack"},
+      "b": {"name": "armt", "memory_flow": "through_stack", "segment": 8}}, ["a", "b"], "mixers.b.segment"),
+    ({"a": {"name": "armt", "memory_flow": "through_stack", "use_memory": False}}, ["a"], "mixers.a.memory_flow"),
+    ({"a": {"name": "armt", "memory_flow": "up"}}, ["a"], "mixers.a.memory_flow"),
+], ids=["other-mixer", "per-layer-armt", "segment", "memory-off", "unknown"])
+def test_through_stack_validation_names_the_field(mixers, layers, path):
+    with pytest.raises(ConfigError) as info:
+        build_model({"d_model": 16, "num_layers": 2, "layers": layers, "mixers": mixers})
+    assert info.value.path == path, str(info.value)
 
 
 # ---------------------------------------------------------------------------------------------------
