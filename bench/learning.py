@@ -6,6 +6,7 @@
     python bench/learning.py --setting hard               # MQAR 16 pairs at T = 256
     python bench/learning.py --presets none --reuse       # re-run only references whose runs/options changed
     python bench/learning.py --reuse                      # add a preset: the unchanged runs are taken as they are
+    python bench/learning.py --seeds 0,1,2 --reuse-from other.json   # pool seeds that ran in another command
     python bench/learning.py --setting reading_list --presets titans_mac --refs titans_mac --parallel 2
 
 Every model, ours (``load_preset`` → ``LanguageModel``) or a reference (bench/learning_refs.py), is trained by
@@ -423,6 +424,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                     help="take runs with the same name, seed, steps, setting and options (for presets: the same "
                          "resolved model config) from the existing <out>.json instead of training them again "
                          "(marked 'reused' in the report)")
+    ap.add_argument("--reuse-from", action="append", default=[], metavar="JSON",
+                    help="also take matching runs from this results file (repeatable; implies --reuse), e.g. to pool "
+                         "seeds that ran in separate commands into one report")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -442,7 +446,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ref_kwargs = {"titans_neural_memory": {"chunk_size": args.titans_chunk},
                   "fla_gated_deltanet": {"expand_v": args.gdn_expand_v},
                   "lact": {"chunk_size": c, "window": c}}
-    previous = _previous_runs(Path(str(out) + ".json")) if args.reuse else {}
+    previous = {}
+    if args.reuse or args.reuse_from:     # the output file's own runs win over those of the extra files
+        for path in [*args.reuse_from, str(out) + ".json"]:
+            previous.update(_previous_runs(Path(path)))
     skipped, jobs = {}, []
     for name in refs:
         ok, why = refs_mod.available(name)

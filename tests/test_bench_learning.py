@@ -232,3 +232,14 @@ def test_lact_reference_update_is_the_tested_lact_rule():
     got = out.view(B, H, Tn, d).transpose(1, 2)
     err = (got - expected).pow(2).mean().sqrt() / expected.pow(2).mean().sqrt()
     assert err < 1e-4, err
+
+
+def test_reuse_from_pools_runs_of_other_files(tmp_path):
+    """Seeds run by separate commands (separate files) are pooled into one report without training again."""
+    argv = lambda seed, out: ["--presets", "transformer", "--refs", "none", "--seeds", seed, "--steps", "1",
+                              "--out", str(tmp_path / out)]
+    bl.main(argv("0", "a"))
+    bl.main(argv("1", "b"))
+    bl.main(argv("0,1", "pooled") + ["--reuse-from", str(tmp_path / "a.json"), "--reuse-from", str(tmp_path / "b.json")])
+    runs = json.loads((tmp_path / "pooled.json").read_text())["runs"]
+    assert [(r["seed"], r["reused_from"].split(",")[0]) for r in runs] == [(0, "a.json"), (1, "b.json")]
