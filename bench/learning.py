@@ -411,7 +411,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--setting", choices=sorted(SETTINGS), default="calibration")
     ap.add_argument("--presets", help=f"comma list, or 'none' (default: {','.join(DEFAULT_PRESETS)})")
-    ap.add_argument("--refs", help="comma list, or 'none' (default: every available reference)")
+    ap.add_argument("--refs", help="comma list, or 'none' (default: every available reference; probes only by name)")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, help="max steps (default: the setting's)")
     ap.add_argument("--out", help="results prefix (default: bench/results/learning_cpu | learning_hard_cpu)")
@@ -420,6 +420,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--titans-chunk", type=int, default=4, help="titans-pytorch NeuralMemory chunk_size")
     ap.add_argument("--gdn-expand-v", type=float, default=2.0,
                     help="fla GDN ref value head dim / key head dim (fla's default 2)")
+    ap.add_argument("--in-ref-lm", default="deltanet", metavar="PRESET",
+                    help="the preset whose mixers the ours_in_ref_lm probe puts in the references' LM shell")
     ap.add_argument("--reuse", action="store_true",
                     help="take runs with the same name, seed, steps, setting and options (for presets: the same "
                          "resolved model config) from the existing <out>.json instead of training them again "
@@ -439,13 +441,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     steps = args.steps or setting["steps"]
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     presets = _names(args.presets, DEFAULT_PRESETS)
-    refs = _names(args.refs, refs_mod.REFS)
+    refs = _names(args.refs, [r for r in refs_mod.REFS if r not in refs_mod.PROBES])
     out = Path(args.out) if args.out else RESULTS / ("learning_cpu" if args.setting == "calibration"
                                                      else f"learning_{args.setting}_cpu")
     c = LACT_CHUNK[args.setting]
     ref_kwargs = {"titans_neural_memory": {"chunk_size": args.titans_chunk},
                   "fla_gated_deltanet": {"expand_v": args.gdn_expand_v},
-                  "lact": {"chunk_size": c, "window": c}}
+                  "lact": {"chunk_size": c, "window": c}, "ours_in_ref_lm": {"preset": args.in_ref_lm}}
     previous = {}
     if args.reuse or args.reuse_from:     # the output file's own runs win over those of the extra files
         for path in [*args.reuse_from, str(out) + ".json"]:

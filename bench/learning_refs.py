@@ -50,7 +50,10 @@ FLA_GDN_NAIVE = PEERS / "fla" / "ops" / "gated_delta_rule" / "naive.py"
 FLA_DELTA_NAIVE = PEERS / "fla" / "ops" / "delta_rule" / "naive.py"
 TITANS = PEERS / "titans_pytorch"
 
-REFS = ("softmax_transformer", "fla_gated_deltanet", "fla_deltanet", "titans_neural_memory", "lact", "titans_mac")
+REFS = ("softmax_transformer", "fla_gated_deltanet", "fla_deltanet", "titans_neural_memory", "lact", "titans_mac",
+        "ours_in_ref_lm")
+#: entries of REFS that are diagnostic probes, not independent references (not run unless named)
+PROBES = ("ours_in_ref_lm",)
 #: which reference each preset is compared with
 PRESET_REF = {"transformer": "softmax_transformer", "gated_deltanet": "fla_gated_deltanet",
               "deltanet": "fla_deltanet", "titans": "titans_neural_memory", "lact": "lact",
@@ -518,11 +521,22 @@ DESCRIPTIONS = {
     "lact": "LaCT's language layer re-implemented from its authors' code (SWA + SwiGLU fast weights, 2 heads of 32, "
             "Muon, momentum, weight norm, apply-then-update; chunk = window = T/4, see the run's options; its "
             "N(0, 0.006²) Linear init) in a pre-LN LM",
+    "ours_in_ref_lm": "probe, not a reference: an atlaslab preset's mixers (see the run's options) in the references' "
+                      "LM shell (LayerNorm, GELU MLP 4×, default inits, untied head with bias, no positions), to "
+                      "tell a gap of the mixer from one of the language model around it",
     "titans_mac": "titans-pytorch MemoryAsContextTransformer (segments of 16, 4 persistent + 4 long-term memory "
                   "tokens, 4 heads of 16, NeuralMemory (1 head of 64, chunk 20) in every layer, 4 hyper-connection "
                   "streams, else defaults); "
                   "its own embedding, axial positions and RMSNorm head",
 }
+
+
+def preset_mixers(preset: str, vocab_size: int, d_model: int, num_layers: int):
+    """The mixers of an atlaslab preset at this size, as its language model builds and initialises them."""
+    from atlaslab.models.presets import build_model, load_preset
+    model = build_model(load_preset(preset, [f"vocab_size={vocab_size}", f"d_model={d_model}",
+                                             f"num_layers={num_layers}"]))
+    return [layer.mixer for layer in model.layers]
 
 
 def build_ref(name: str, vocab_size: int, d_model: int = 64, num_layers: int = 2, max_len: int = 256,
@@ -543,6 +557,8 @@ def build_ref(name: str, vocab_size: int, d_model: int = 64, num_layers: int = 2
         return RefLM(vocab_size, d_model, [LaCTMixer(d_model, **kw) for _ in range(num_layers)])
     if name == "titans_mac":
         return TitansMACRef(vocab_size, d_model, num_layers, **kw)
+    if name == "ours_in_ref_lm":
+        return RefLM(vocab_size, d_model, preset_mixers(kw.get("preset", "deltanet"), vocab_size, d_model, num_layers))
     return RefLM(vocab_size, d_model, [TitansMixer(d_model, **kw) for _ in range(num_layers)])
 
 
@@ -550,4 +566,4 @@ def ref_info() -> Dict[str, str]:
     return dict(DESCRIPTIONS)
 
 
-__all__ = ["PRESET_REF", "REFS", "RefLM", "available", "build_ref", "fla_delta_naive", "fla_gdn_naive", "ref_info"]
+__all__ = ["PRESET_REF", "PROBES", "REFS", "RefLM", "available", "build_ref", "fla_delta_naive", "fla_gdn_naive", "ref_info"]

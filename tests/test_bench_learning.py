@@ -36,7 +36,7 @@ V, T = 32, 16
 def _require(name):
     ok, why = refs.available(name)
     if not ok:
-        assert name not in ("softmax_transformer", "lact")
+        assert name not in ("softmax_transformer", "lact", "ours_in_ref_lm")
         pytest.skip(why)
 
 
@@ -243,3 +243,11 @@ def test_reuse_from_pools_runs_of_other_files(tmp_path):
     bl.main(argv("0,1", "pooled") + ["--reuse-from", str(tmp_path / "a.json"), "--reuse-from", str(tmp_path / "b.json")])
     runs = json.loads((tmp_path / "pooled.json").read_text())["runs"]
     assert [(r["seed"], r["reused_from"].split(",")[0]) for r in runs] == [(0, "a.json"), (1, "b.json")]
+
+
+def test_the_shell_probe_holds_our_preset_mixers_in_the_reference_lm():
+    from atlaslab.models.layers import MemoryLayer
+    model = refs.build_ref("ours_in_ref_lm", V, d_model=16, num_layers=2, preset="gated_deltanet")
+    assert isinstance(model, refs.RefLM) and len(model.blocks) == 2
+    assert all(isinstance(b.mixer, MemoryLayer) and b.mixer.used_gates() == ("lr", "retention") for b in model.blocks)
+    assert "ours_in_ref_lm" in refs.PROBES
