@@ -420,6 +420,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--titans-chunk", type=int, default=4, help="titans-pytorch NeuralMemory chunk_size")
     ap.add_argument("--gdn-expand-v", type=float, default=2.0,
                     help="fla GDN ref value head dim / key head dim (fla's default 2)")
+    ap.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                    help="a dotlist override applied to every preset of the run (repeatable; recorded in each run's "
+                         "resolved config, so --reuse tells such runs apart), e.g. mixers.deltanet.output_gate=false")
     ap.add_argument("--in-ref-lm", default="deltanet", metavar="PRESET",
                     help="the preset whose mixers the ours_in_ref_lm probe puts in the references' LM shell")
     ap.add_argument("--reuse", action="store_true",
@@ -461,7 +464,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             continue
         jobs += [{"kind": "ref", "name": name, "seed": sd, "ref_kwargs": ref_kwargs.get(name, {})} for sd in seeds]
     for name in presets:      # resolving the config here also rejects a bad preset before any run starts
-        job = {"kind": "preset", "name": name, "overrides": preset_overrides(name, args.setting), "setting": setting}
+        job = {"kind": "preset", "name": name, "overrides": preset_overrides(name, args.setting) + args.override,
+               "setting": setting}
         config = preset_config(job)
         jobs += [{**job, "seed": sd, "model_config": config} for sd in seeds]
     data = {"command": "python bench/learning.py" + (" " + shlex.join(argv) if argv else ""),

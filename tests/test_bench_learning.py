@@ -251,3 +251,12 @@ def test_the_shell_probe_holds_our_preset_mixers_in_the_reference_lm():
     assert isinstance(model, refs.RefLM) and len(model.blocks) == 2
     assert all(isinstance(b.mixer, MemoryLayer) and b.mixer.used_gates() == ("lr", "retention") for b in model.blocks)
     assert "ours_in_ref_lm" in refs.PROBES
+
+
+def test_override_reaches_the_preset_and_its_recorded_config(tmp_path):
+    out = tmp_path / "o"
+    bl.main(["--presets", "deltanet", "--refs", "none", "--seeds", "0", "--steps", "1", "--out", str(out),
+             "--override", "mixers.deltanet.output_gate=false"])
+    (run,) = json.loads(Path(str(out) + ".json").read_text())["runs"]
+    assert run["model_config"]["mixers"]["deltanet"]["output_gate"] is False
+    assert "--override mixers.deltanet.output_gate=false" in Path(str(out) + ".md").read_text()
