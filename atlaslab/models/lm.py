@@ -79,6 +79,8 @@ class ResolvedLM:
 
     config: LMConfig
     mixers: Dict[str, Tuple[str, PartConfig]]
+    #: the shared ARMT config when the layers carry memory tokens through the stack (``memory_flow: through_stack``)
+    armt_stack: Optional[PartConfig] = None
 
     def layer_keys(self) -> List[str]:
         pattern = self.config.layers
@@ -153,7 +155,7 @@ def resolve_lm_config(node: Any, path: str = "") -> ResolvedLM:
         mixers[key] = (kind, resolve_part(kind, mnode, mpath))
     cfg.mixers = {k: to_container(v) if not isinstance(v, str) else {"name": v} for k, v in cfg.mixers.items()}
     resolved = ResolvedLM(cfg, mixers)
-    armt.stack_config(resolved.layer_keys(), mixers, path)     # ARMT's through_stack flow spans every layer
+    resolved.armt_stack = armt.stack_config(resolved.layer_keys(), mixers, path)   # the flow spans every layer
     return resolved
 
 
@@ -223,7 +225,7 @@ class LanguageModel(nn.Module):
             kind, mcfg = self.resolved.mixers[key]
             mixer = build_mixer(kind, mcfg, c.d_model, f"mixers.{key}")
             self.layers.append(LMLayer(mixer, c.d_model, c.hidden() if c.mlp else None, c.norm_eps))
-        stack = armt.stack_config(self.layer_keys, self.resolved.mixers)
+        stack = self.resolved.armt_stack
         #: ARMT's authors' flow: one segment-major loop over all layers (None: the layers run one after another)
         self.armt_stack = armt.ARMTStack(stack.memory_tokens, stack.segment, c.d_model) if stack else None
         self.norm = RMSNorm(c.d_model, c.norm_eps)
