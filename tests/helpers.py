@@ -5,7 +5,9 @@ import torch
 
 
 def rms_ratio(a: torch.Tensor, b: torch.Tensor) -> float:
-    """RMS(a − b) / RMS(b): fla's relative error measure for comparing a fast path with a reference."""
+    """RMS(a − b) / RMS(b): fla's relative error measure for comparing a fast path with a reference (``a`` is moved
+    to ``b``'s device, so a GPU result compares with a CPU reference)."""
+    a = a.to(b.device)
     return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-300)).item()
 
 
@@ -85,7 +87,13 @@ def momentum_data(parts, T, H, D, seed=0, B=2):
     q, k, v = random_qkv(B, T, H, D, seed=seed)
     names = ("lr", "window", "momentum") + (("retention",) if parts.retention.uses_alpha else ())
     gates = random_gates(B, T, H, seed=seed + 1, names=names, low=0.5, high=0.95)
-    return (q, k, v), gates
+    return on_device_of(parts, (q, k, v), gates)
+
+
+def on_device_of(parts, qkv, gates):
+    """``(q, k, v)`` and the gates moved to the device of ``parts``' parameters (CPU when it has none)."""
+    device = next((p.device for p in parts.parameters()), torch.device("cpu"))
+    return tuple(x.to(device) for x in qkv), {n: x.to(device) for n, x in gates.items()}
 
 
 def channel_alpha(shape, seed, fast, dtype=torch.float64):

@@ -48,8 +48,8 @@ def _ratios(kernel, inputs, opts, **kw):
     o, ht = kernel(*leaves, **opts, **kw)
     o_r, ht_r = delta_rule_recurrent(*ref, **opts)
     g = torch.Generator().manual_seed(11)
-    do = torch.randn(o_r.shape, generator=g, dtype=torch.float64)
-    dht = torch.randn(ht_r.shape, generator=g, dtype=torch.float64)
+    do = torch.randn(o_r.shape, generator=g, dtype=torch.float64).to(o_r.device)
+    dht = torch.randn(ht_r.shape, generator=g, dtype=torch.float64).to(ht_r.device)
     ((o * do.to(o)).sum() + (ht * dht.to(ht)).sum()).backward()
     ((o_r * do).sum() + (ht_r * dht).sum()).backward()
     out = {"o": rms_ratio(o.double(), o_r), "ht": rms_ratio(ht.double(), ht_r)}
@@ -76,8 +76,8 @@ def test_reference_channel_wise_chunk_and_backward():
         o, ht = delta_rule_chunk(*leaves, chunk_size=4, **opts)
         o_r, ht_r = delta_rule_recurrent(*x, **opts)
         assert rms_ratio(o, o_r) < 1e-12 and rms_ratio(ht, ht_r) < 1e-12
-        do = torch.randn(o.shape, generator=g, dtype=o.dtype)
-        dht = torch.randn(ht.shape, generator=g, dtype=ht.dtype)
+        do = torch.randn(o.shape, generator=g, dtype=o.dtype).to(o.device)
+        dht = torch.randn(ht.shape, generator=g, dtype=ht.dtype).to(ht.device)
         auto = torch.autograd.grad([o, ht], leaves, [do, dht])
         for a, m in zip(auto, delta_rule_chunk_backward(*x, do, dht, chunk_size=4, **opts)):
             assert rms_ratio(m, a) < 1e-12

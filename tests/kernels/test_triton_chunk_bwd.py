@@ -50,8 +50,8 @@ def _grads_vs_float64(inputs, opts, chunk_size=16, final_grad=True, seed=7):
     o, ht = chunk_delta_rule(*leaves, chunk_size=chunk_size, **opts)
     o_r, ht_r = delta_rule_recurrent(*ref_leaves, **opts)
     g = torch.Generator().manual_seed(seed)
-    do = torch.randn(o_r.shape, generator=g, dtype=torch.float64)
-    dht = torch.randn(ht_r.shape, generator=g, dtype=torch.float64)
+    do = torch.randn(o_r.shape, generator=g, dtype=torch.float64).to(o_r.device)
+    dht = torch.randn(ht_r.shape, generator=g, dtype=torch.float64).to(ht_r.device)
 
     def loss(o, ht):
         out = (o * do.to(o)).sum()
@@ -82,8 +82,8 @@ def test_reference_backward_equals_autograd(alpha, h0):
         opts = dict(bias=bias, placement=placement, read=read, chunk_size=4)
         leaves = [t.clone().requires_grad_() if t is not None else None for t in x]
         o, ht = delta_rule_chunk(*leaves, **opts)
-        do = torch.randn(o.shape, generator=g, dtype=o.dtype)
-        dht = torch.randn(ht.shape, generator=g, dtype=ht.dtype)
+        do = torch.randn(o.shape, generator=g, dtype=o.dtype).to(o.device)
+        dht = torch.randn(ht.shape, generator=g, dtype=ht.dtype).to(ht.device)
         auto = torch.autograd.grad([o, ht], [t for t in leaves if t is not None], [do, dht])
         mine = [m for m in delta_rule_chunk_backward(*x, do, dht, **opts) if m is not None]
         assert len(mine) == len(auto)

@@ -296,7 +296,9 @@ def test_memorize_triton_mode_uses_the_fused_step(monkeypatch):
 
     monkeypatch.setattr(tk, "mlp_dual_step", counted)
     p32 = copy.deepcopy(parts).float()
-    args = (q.float(), k.float(), v.float(), p32, {n: g.float() for n, g in gates.items()})
+    p32 = p32.to(DEVICE)
+    args = (q.to(DEVICE, torch.float32), k.to(DEVICE, torch.float32), v.to(DEVICE, torch.float32), p32,
+            {n: g.to(DEVICE, torch.float32) for n, g in gates.items()})
     o_t, s_t = memorize(*args, mode="triton", chunk_size=4)
     o_c, s_c = memorize(*args, mode="chunked", chunk_size=4)
     assert len(calls) == 3                                   # 11 tokens at b = 4: three chunks

@@ -3,7 +3,7 @@ float32 matmul precision for fp32 inputs, IEEE for fp64; what each wrapper reall
 import pytest
 import torch
 
-from helpers import require_triton, rms_ratio
+from helpers import require_triton, rms_ratio, triton_device
 
 tk = require_triton()
 
@@ -11,6 +11,8 @@ from atlaslab.kernels.delta_rule import chunk as chunk_mod  # noqa: E402
 from atlaslab.kernels.newton_schulz import fused as ns_mod  # noqa: E402
 from atlaslab.kernels.utils import dot_precision  # noqa: E402
 from atlaslab.kernels.delta_rule.naive import delta_rule_recurrent  # noqa: E402
+
+DEVICE = triton_device(tk)
 
 
 @pytest.fixture
@@ -61,11 +63,11 @@ def test_chunk_kernels_launch_with_the_chosen_precision(monkeypatch, matmul_prec
     q, k = (torch.nn.functional.normalize(torch.randn(1, 18, 1, 16, generator=g), dim=-1) for _ in range(2))
     v = torch.randn(1, 18, 1, 16, generator=g)
     beta = torch.rand(1, 18, 1, generator=g) * 0.5 + 0.2
-    leaves = [x.to(dtype).clone().requires_grad_() for x in (q, k, v, beta)]
+    leaves = [x.to(DEVICE, dtype).clone().requires_grad_() for x in (q, k, v, beta)]
     o, _ = chunk_mod.chunk_delta_rule(*leaves, chunk_size=16)
     o.float().square().sum().backward()
     assert seen == {want}
-    ref = [x.double().requires_grad_() for x in (q, k, v, beta)]
+    ref = [x.to(DEVICE, torch.float64).requires_grad_() for x in (q, k, v, beta)]
     o_r, _ = delta_rule_recurrent(*ref)
     o_r.square().sum().backward()
     tol = 1e-3 if dtype == torch.float32 else 2e-2
@@ -76,6 +78,6 @@ def test_chunk_kernels_launch_with_the_chosen_precision(monkeypatch, matmul_prec
 def test_newton_schulz_backward_takes_tf32_for_half_inputs(monkeypatch, matmul_precision):
     matmul_precision("highest")
     seen = _launch_precisions(monkeypatch, ns_mod)
-    s = torch.randn(2, 16, 16, dtype=torch.float16, requires_grad=True)
+    s = torch.randn(2, 16, 16, dtype=torch.float16, device=DEVICE, requires_grad=True)
     ns_mod.newton_schulz(s, 2).float().sum().backward()
     assert seen == {"tf32"} and torch.isfinite(s.grad).all()

@@ -18,7 +18,7 @@ Outputs the kernels allocate are NaN-poisoned (fla's conftest trick). Shapes are
 """
 import pytest
 import torch
-from helpers import random_gates, random_qkv, require_triton, rms_ratio, triton_device
+from helpers import on_device_of, random_gates, random_qkv, require_triton, rms_ratio, triton_device
 
 tk = require_triton()
 
@@ -57,7 +57,8 @@ def _data(parts, B, T, d=D, seed=0):
     names = ("lr", "window", "retention") if parts.retention.uses_alpha else ("lr", "window")
     gates = random_gates(B, T, H, seed=seed + 1, names=names, low=0.4, high=0.95,
                          Dk=d if getattr(parts.retention, "channel_wise", False) else None)
-    return [q, k, v], gates
+    qkv, gates = on_device_of(parts, (q, k, v), gates)
+    return list(qkv), gates
 
 
 # ------------------------------------------------------------------------------------------ torch references
@@ -263,8 +264,8 @@ def test_window_backward_kernels_equal_torch_recompute(c, opts, decay, h0, monke
     do, dht = torch.randn(B, T, H, V, generator=g), torch.randn(B, H, V, K, generator=g)
     saved = [x.to(DEVICE) if x is not None else None for x in (q, xs, vs, coef, a, s0)]
     kern = window_chunk_backward(*saved, do.to(DEVICE), dht.to(DEVICE), chunk_size=16 * c, **opts)
-    ref = window_torch_backward([x.double() if x is not None else None for x in saved], [True] * 6, do.double(),
-                                dht.double(), opts, 16)
+    ref = window_torch_backward([x.double() if x is not None else None for x in saved], [True] * 6,
+                                do.to(DEVICE).double(), dht.to(DEVICE).double(), opts, 16)
     for x, r in zip(kern, ref):
         assert (x is None) == (r is None)
         if r is not None:
