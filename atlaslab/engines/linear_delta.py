@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from atlaslab.engines.recurrent import _bh
+from atlaslab.kernels.utils import solve_unit_lower
 from atlaslab.memory.state import Gates, MemoryState, keep_history, with_history
 
 if TYPE_CHECKING:
@@ -144,7 +145,7 @@ def block_operators(x, v, coef, q, log_a, is_l2: bool, before: bool, read_token:
             strict = torch.ones(L, L, dtype=torch.bool, device=x.device).tril(-1)
             A = A.reshape(B, H, N, L, c, L, c) * strict[:, None, :, None]
             A = A.reshape(*flat, L * c)
-        sol = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)   # [U | X]: w = U − X M_0ᵀ
+        sol = solve_unit_lower(A, rhs)                                        # [U | X]: w = U − X M_0ᵀ
     else:
         sol = None
 

@@ -100,6 +100,16 @@ def upcast(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return x.float() if x.dtype in HALF else x
 
 
+def solve_unit_lower(A: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """X with ``A X = rhs`` for unit lower-triangular ``A [..., n, n]`` (only its strict lower part is read),
+    ``rhs [..., n, m]``. torch has no triangular solve for fp16 / bf16 (CPU or CUDA), so half-precision inputs are
+    solved in fp32 and the result cast back: the chunk forms' WY systems then run in every dtype the engines take."""
+    if A.dtype in HALF or rhs.dtype in HALF:
+        out = torch.linalg.solve_triangular(A.float(), rhs.float(), upper=False, unitriangular=True)
+        return out.to(torch.promote_types(A.dtype, rhs.dtype))
+    return torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+
+
 # ------------------------------------------------------------------------------------------ gates
 
 def log_gate(x: torch.Tensor) -> torch.Tensor:

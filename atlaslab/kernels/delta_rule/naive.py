@@ -27,7 +27,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from atlaslab.kernels.utils import log_decay, packed_sequences, per_sequence
+from atlaslab.kernels.utils import log_decay, packed_sequences, per_sequence, solve_unit_lower
 
 BIASES = ("l2", "dot")
 PLACEMENTS = ("before_step", "after_step")
@@ -137,7 +137,7 @@ def delta_rule_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: to
             A = bc.unsqueeze(-1) * kk * causal_exp(G.unsqueeze(-1) - g.unsqueeze(-2), -1)
             A = A + torch.eye(L, dtype=A.dtype, device=A.device)
             rhs = torch.cat([bc.unsqueeze(-1) * vc, (bc * G.exp()).unsqueeze(-1) * kc], -1)
-            sol = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+            sol = solve_unit_lower(A, rhs)
             u, wk = sol[..., :vc.shape[-1]], sol[..., vc.shape[-1]:]
             w = u - wk @ S.transpose(-1, -2)                # stage 3: pseudo-values against the chunk-start state
         else:
@@ -173,7 +173,7 @@ def _chunk_channel_wise(qh, kh, vh, bh, lah, S, bias, placement, read, chunk_siz
             A = bc.unsqueeze(-1) * decayed_dot(kc, kc, causal_exp3(G, g, -1))
             A = A + torch.eye(L, dtype=A.dtype, device=A.device)
             rhs = torch.cat([bc.unsqueeze(-1) * vc, bc.unsqueeze(-1) * kc * G.exp()], -1)
-            sol = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+            sol = solve_unit_lower(A, rhs)
             u, wk = sol[..., :vc.shape[-1]], sol[..., vc.shape[-1]:]
             w = u - wk @ S.transpose(-1, -2)
         else:
@@ -276,9 +276,7 @@ def delta_rule_chunk_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             E = causal_exp(G.unsqueeze(-1) - g.unsqueeze(-2), -1)
             kk = kc @ kc.transpose(-1, -2)
             A = bc.unsqueeze(-1) * kk * E
-            Ainv = torch.linalg.solve_triangular(A + torch.eye(n, dtype=A.dtype, device=A.device),
-                                                 torch.eye(n, dtype=A.dtype, device=A.device).expand_as(A),
-                                                 upper=False, unitriangular=True)
+            Ainv = solve_unit_lower(A, torch.eye(n, dtype=A.dtype, device=A.device).expand_as(A))
             kS = kc @ S0.transpose(-1, -2)
             r = bc.unsqueeze(-1) * (vc - G.exp().unsqueeze(-1) * kS)
             w = Ainv @ r
@@ -376,8 +374,7 @@ def _channel_wise_backward(qh, kh, vh, bh, doh, lah, S, dht, *, bias, placement,
             E3 = causal_exp3(G, g, -1)
             At = decayed_dot(kc, kc, E3)                       # A / β
             eye = torch.eye(n, dtype=At.dtype, device=At.device)
-            Ainv = torch.linalg.solve_triangular(bc.unsqueeze(-1) * At + eye, eye.expand_as(At), upper=False,
-                                                 unitriangular=True)
+            Ainv = solve_unit_lower(bc.unsqueeze(-1) * At, eye.expand_as(At))
             kG = kc * G.exp()
             kS = kG @ S0.transpose(-1, -2)
             w = Ainv @ (bc.unsqueeze(-1) * (vc - kS))

@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 import torch
 
 from atlaslab.kernels.delta_rule.naive import causal_exp, causal_exp3, check_args, decayed_dot
-from atlaslab.kernels.utils import log_decay, per_sequence
+from atlaslab.kernels.utils import log_decay, per_sequence, solve_unit_lower
 
 #: The largest Omega window c the Triton window kernels take (a chunk's BT·c slot rows live in one program).
 MAX_WINDOW = 8
@@ -170,7 +170,7 @@ def window_rule_chunk(q: torch.Tensor, xs: torch.Tensor, vs: torch.Tensor, coef:
                 xG = G.exp()[:, :, tau].unsqueeze(-1) * xc
             A = A + torch.eye(n, dtype=A.dtype, device=A.device)
             rhs = torch.cat([cc.unsqueeze(-1) * vc, cc.unsqueeze(-1) * xG], -1)
-            sol = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+            sol = solve_unit_lower(A, rhs)
             w = sol[..., :V] - sol[..., V:] @ S.mT
         else:
             w = cc.unsqueeze(-1) * vc
