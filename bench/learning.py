@@ -424,7 +424,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                     help="a dotlist override applied to every preset of the run (repeatable; recorded in each run's "
                          "resolved config, so --reuse tells such runs apart), e.g. mixers.deltanet.output_gate=false")
     ap.add_argument("--in-ref-lm", default="deltanet", metavar="PRESET",
-                    help="the preset whose mixers the ours_in_ref_lm probe puts in the references' LM shell")
+                    help="the preset of the shell probes: ours_in_ref_lm puts its mixers in the references' LM shell, "
+                         "ref_in_our_lm puts its fla reference's layers in its language model")
     ap.add_argument("--reuse", action="store_true",
                     help="take runs with the same name, seed, steps, setting and options (for presets: the same "
                          "resolved model config) from the existing <out>.json instead of training them again "
@@ -450,7 +451,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     c = LACT_CHUNK[args.setting]
     ref_kwargs = {"titans_neural_memory": {"chunk_size": args.titans_chunk},
                   "fla_gated_deltanet": {"expand_v": args.gdn_expand_v},
-                  "lact": {"chunk_size": c, "window": c}, "ours_in_ref_lm": {"preset": args.in_ref_lm}}
+                  "lact": {"chunk_size": c, "window": c}, "ours_in_ref_lm": {"preset": args.in_ref_lm},
+                  "ref_in_our_lm": {"preset": args.in_ref_lm,
+                                    **({"expand_v": args.gdn_expand_v} if args.in_ref_lm == "gated_deltanet" else {})}}
     previous = {}
     if args.reuse or args.reuse_from:     # the output file's own runs win over those of the extra files
         for path in [*args.reuse_from, str(out) + ".json"]:

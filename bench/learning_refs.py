@@ -51,9 +51,10 @@ FLA_DELTA_NAIVE = PEERS / "fla" / "ops" / "delta_rule" / "naive.py"
 TITANS = PEERS / "titans_pytorch"
 
 REFS = ("softmax_transformer", "fla_gated_deltanet", "fla_deltanet", "titans_neural_memory", "lact", "titans_mac",
-        "ours_in_ref_lm")
-#: entries of REFS that are diagnostic probes, not independent references (not run unless named)
-PROBES = ("ours_in_ref_lm",)
+        "ours_in_ref_lm", "ref_in_our_lm")
+#: entries of REFS that are diagnostic probes, not independent references (not run unless named). With the
+#: preset and its reference they make a 2 × 2 of {our mixer, the reference's} × {our LM, the references' LM shell}.
+PROBES = ("ours_in_ref_lm", "ref_in_our_lm")
 #: which reference each preset is compared with
 PRESET_REF = {"transformer": "softmax_transformer", "gated_deltanet": "fla_gated_deltanet",
               "deltanet": "fla_deltanet", "titans": "titans_neural_memory", "lact": "lact",
@@ -101,6 +102,7 @@ def available(name: str) -> Tuple[bool, str]:
         return False, f"unknown reference {name!r} (known: {', '.join(REFS)})"
     need = {"fla_gated_deltanet": [FLA_GDN_NAIVE, PEERS / "einops"],
             "fla_deltanet": [FLA_DELTA_NAIVE, PEERS / "einops"],
+            "ref_in_our_lm": [FLA_DELTA_NAIVE, FLA_GDN_NAIVE, PEERS / "einops"],
             "titans_neural_memory": [TITANS, PEERS / "einops", PEERS / "tensordict", PEERS / "assoc_scan"],
             "titans_mac": [TITANS, PEERS / "einops", PEERS / "tensordict", PEERS / "assoc_scan",
                            PEERS / "hyper_connections", PEERS / "axial_positional_embedding"]}
@@ -524,6 +526,9 @@ DESCRIPTIONS = {
     "ours_in_ref_lm": "probe, not a reference: an atlaslab preset's mixers (see the run's options) in the references' "
                       "LM shell (LayerNorm, GELU MLP 4×, default inits, untied head with bias, no positions), to "
                       "tell a gap of the mixer from one of the language model around it",
+    "ref_in_our_lm": "probe, not a reference: an atlaslab preset's language model (RMSNorm, SwiGLU MLP, its embedding "
+                     "and head; see the run's options) with every mixer replaced by its fla reference's layer "
+                     "(fla_deltanet or fla_gated_deltanet, built as those references build it)",
     "titans_mac": "titans-pytorch MemoryAsContextTransformer (segments of 16, 4 persistent + 4 long-term memory "
                   "tokens, 4 heads of 16, NeuralMemory (1 head of 64, chunk 20) in every layer, 4 hyper-connection "
                   "streams, else defaults); "
@@ -537,6 +542,23 @@ def preset_mixers(preset: str, vocab_size: int, d_model: int, num_layers: int):
     model = build_model(load_preset(preset, [f"vocab_size={vocab_size}", f"d_model={d_model}",
                                              f"num_layers={num_layers}"]))
     return [layer.mixer for layer in model.layers]
+
+
+def fla_mixer_in_our_lm(preset: str, vocab_size: int, d_model: int, num_layers: int, **mixer_kw) -> nn.Module:
+    """The preset's LanguageModel, built and initialised as the bench builds it, with each layer's mixer replaced
+    by the layer of the preset's fla reference (``fla_deltanet``: no decay, no output gate, expand_v 1;
+    ``fla_gated_deltanet``: ``mixer_kw``, e.g. expand_v)."""
+    from atlaslab.models.presets import build_model, load_preset
+    ref = PRESET_REF.get(preset)
+    if ref not in ("fla_deltanet", "fla_gated_deltanet"):
+        raise ValueError(f"ref_in_our_lm: preset {preset!r} has no fla reference (deltanet, gated_deltanet do)")
+    if ref == "fla_deltanet":
+        mixer_kw = {"decay": False, "output_gate": False, "expand_v": 1.0}
+    model = build_model(load_preset(preset, [f"vocab_size={vocab_size}", f"d_model={d_model}",
+                                             f"num_layers={num_layers}"]))
+    for layer in model.layers:
+        layer.mixer = FlaGatedDeltaNetMixer(d_model, **mixer_kw)
+    return model
 
 
 def build_ref(name: str, vocab_size: int, d_model: int = 64, num_layers: int = 2, max_len: int = 256,
@@ -559,6 +581,9 @@ def build_ref(name: str, vocab_size: int, d_model: int = 64, num_layers: int = 2
         return TitansMACRef(vocab_size, d_model, num_layers, **kw)
     if name == "ours_in_ref_lm":
         return RefLM(vocab_size, d_model, preset_mixers(kw.get("preset", "deltanet"), vocab_size, d_model, num_layers))
+    if name == "ref_in_our_lm":
+        kw = dict(kw)
+        return fla_mixer_in_our_lm(kw.pop("preset", "deltanet"), vocab_size, d_model, num_layers, **kw)
     return RefLM(vocab_size, d_model, [TitansMixer(d_model, **kw) for _ in range(num_layers)])
 
 

@@ -253,6 +253,21 @@ def test_the_shell_probe_holds_our_preset_mixers_in_the_reference_lm():
     assert "ours_in_ref_lm" in refs.PROBES
 
 
+@pytest.mark.parametrize("preset, decay", [("deltanet", False), ("gated_deltanet", True)])
+def test_the_reverse_shell_probe_holds_fla_layers_in_our_language_model(preset, decay):
+    """ref_in_our_lm: the preset's LanguageModel (its norms, MLPs, embedding, head) around fla's reference layers."""
+    _require("ref_in_our_lm")
+    from atlaslab.models.lm import LanguageModel
+    model = refs.build_ref("ref_in_our_lm", V, d_model=16, num_layers=2, preset=preset)
+    assert isinstance(model, LanguageModel) and len(model.layers) == 2
+    assert all(isinstance(layer.mixer, refs.FlaGatedDeltaNetMixer) and layer.mixer.decay is decay
+               for layer in model.layers)
+    assert model(torch.randint(0, V, (2, T))).shape == (2, T, V)
+    assert "ref_in_our_lm" in refs.PROBES
+    with pytest.raises(ValueError, match="no fla reference"):
+        refs.build_ref("ref_in_our_lm", V, d_model=16, num_layers=2, preset="transformer")
+
+
 def test_override_reaches_the_preset_and_its_recorded_config(tmp_path):
     out = tmp_path / "o"
     bl.main(["--presets", "deltanet", "--refs", "none", "--seeds", "0", "--steps", "1", "--out", str(out),
