@@ -34,6 +34,7 @@ import json
 import math
 import os
 import platform
+import random
 import shlex
 import subprocess
 import sys
@@ -239,6 +240,22 @@ def summarise_model(runs: Sequence[Dict[str, Any]], threshold: float = THRESHOLD
                          if r.get("status") in ("failed", "diverged")]}
 
 
+def ratio_interval(ours: Sequence[float], ref: Sequence[float], level: float = 0.9, resamples: int = 4000,
+                   seed: int = 0) -> Optional[List[float]]:
+    """Percentile bootstrap interval of mean(ours) / mean(ref), each resampled over its own seeds (seeded, so the
+    report is reproducible); None when either side has fewer than 2 values. With 3 seeds a side it has few distinct
+    resamples and understates the uncertainty: read it as a lower bound on the noise, not a test."""
+    if len(ours) < 2 or len(ref) < 2:
+        return None
+    rng = random.Random(seed)
+    mean = lambda xs: sum(xs) / len(xs)   # noqa: E731
+    ratios = sorted(mean(rng.choices(ours, k=len(ours))) / mean(rng.choices(ref, k=len(ref)))
+                    for _ in range(resamples))
+    lo = ratios[int((1 - level) / 2 * (resamples - 1))]
+    hi = ratios[int((1 + level) / 2 * (resamples - 1))]
+    return [lo, hi]
+
+
 def compare(ours_runs: Sequence[Dict[str, Any]], ref_runs: Sequence[Dict[str, Any]],
             factor: float = GOAL_FACTOR, threshold: float = THRESHOLD) -> Dict[str, Any]:
     """Ours vs its reference. target = min(threshold, ref's mean final accuracy); steps to the target (mean
@@ -246,7 +263,7 @@ def compare(ours_runs: Sequence[Dict[str, Any]], ref_runs: Sequence[Dict[str, An
     and ratio ≤ factor. ``None`` fields when not measurable (with ``why``)."""
     ref = summarise_model(ref_runs, threshold)
     out: Dict[str, Any] = {"target": None, "ours_steps": None, "ref_steps": None, "ratio": None, "met": None,
-                           "why": ""}
+                           "ratio_ci": None, "why": ""}
     if not ref["final_accuracy"]:
         out["why"] = "reference has no successful run"
         return out
@@ -255,11 +272,11 @@ def compare(ours_runs: Sequence[Dict[str, Any]], ref_runs: Sequence[Dict[str, An
 
     def steps(runs):
         ok = [r for r in runs if summarise_run(r, threshold)["ok"]]
-        got = [steps_to(r["history"], target) for r in ok]
-        return (mean_std([g for g in got if g is not None]), sum(g is not None for g in got), len(runs))
+        got = [g for g in (steps_to(r["history"], target) for r in ok) if g is not None]
+        return mean_std(got), len(got), len(runs), got
 
-    (o, o_n, o_all), (f, f_n, _) = steps(ours_runs), steps(ref_runs)
-    out.update(ours_steps=o, ref_steps=f, ours_reached=f"{o_n}/{o_all}")
+    (o, o_n, o_all, o_raw), (f, f_n, _, f_raw) = steps(ours_runs), steps(ref_runs)
+    out.update(ours_steps=o, ref_steps=f, ours_reached=f"{o_n}/{o_all}", ratio_ci=ratio_interval(o_raw, f_raw))
     if f is None:
         out["why"] = "reference never reached the target"
         return out
@@ -322,15 +339,18 @@ def write_report(data: Dict[str, Any], out: Path) -> str:
               ("target = min(0.9, the reference's mean final accuracy); steps = mean steps to the target (seeds that "
                "reached it); ours / ref is that ratio (= ours steps-to-90 / reference steps-to-90 when the "
                "reference reaches 90%); met: every seed of ours reached the target and ours / ref ≤ "
-               f"{GOAL_FACTOR}."), "",
-              "| preset | reference | target | ours steps | ref steps | ours / ref | goal |", "|---|---|---|---|---|---|---|"]
+               f"{GOAL_FACTOR}. 90% interval: percentile bootstrap of ours / ref over each side's seeds (with 3 "
+               "seeds a side it understates the noise); where it spans the goal, the verdict is within seed "
+               "noise."), "",
+              "| preset | reference | target | ours steps | ref steps | ours / ref | 90% interval | goal |",
+              "|---|---|---|---|---|---|---|---|"]
     for (kind, name), rs in models.items():
         ref = refs_mod.PRESET_REF.get(name)
         if kind != "preset" or not ref:
             continue
         ref_runs = models.get(("ref", ref))
         if not ref_runs:
-            lines.append(f"| {name} | {ref} | — | — | — | — | reference not run |")
+            lines.append(f"| {name} | {ref} | — | — | — | — | — | reference not run |")
             continue
         c = compare(rs, ref_runs)
         comparisons[name] = {"reference": ref, **c}
@@ -339,13 +359,17 @@ def write_report(data: Dict[str, Any], out: Path) -> str:
             goal += f" ({c['why']})"
         if c["target"] is not None and c["target"] < THRESHOLD:
             goal += " (the reference stays below 90%: the target is its final accuracy)"
+        ci = c["ratio_ci"]
+        if c["met"] is not None and ci is not None and ci[0] <= GOAL_FACTOR < ci[1]:
+            goal += " (within seed noise)"
         steps_fmt = lambda x: f"{x:.0f}"
         target = "—" if c["target"] is None else f"{c['target']:.3f}"
         ratio = "—" if c["ratio"] is None else f"{c['ratio']:.2f}×"
+        interval = "—" if ci is None else f"{ci[0]:.2f}–{ci[1]:.2f}×"
         lines.append(f"| {name} | {ref} | {target} | {_pm(c['ours_steps'], fmt=steps_fmt)} | "
-                     f"{_pm(c['ref_steps'], fmt=steps_fmt)} | {ratio} | {goal} |")
+                     f"{_pm(c['ref_steps'], fmt=steps_fmt)} | {ratio} | {interval} | {goal} |")
     if not comparisons:
-        lines.append("| — | — | — | — | — | — | no preset with a reference in this run |")
+        lines.append("| — | — | — | — | — | — | — | no preset with a reference in this run |")
     if data.get("skipped"):
         lines += ["", "Skipped: " + "; ".join(f"{k} ({v})" for k, v in data["skipped"].items())]
     fails = [f"{n}: {f}" for (k, n), rs in models.items() for f in summary[f"{k}:{n}"]["failures"]]

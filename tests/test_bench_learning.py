@@ -125,6 +125,26 @@ def test_summaries():
     assert c["ours_steps"][0] == pytest.approx(100) and c["met"] is True
 
 
+def test_ratio_interval_brackets_the_ratio_and_flags_seed_noise(tmp_path):
+    """The bootstrap interval of ours / ref contains the point ratio, is reproducible, shrinks when the seeds agree,
+    and a verdict whose interval spans the goal factor says it is within seed noise."""
+    noisy = bl.ratio_interval([1300, 900, 975], [650, 675, 475])
+    assert noisy == bl.ratio_interval([1300, 900, 975], [650, 675, 475])          # seeded
+    assert noisy[0] < 1058.3 / 600 < noisy[1]
+    tight = bl.ratio_interval([100, 101, 99], [100, 100, 100])
+    assert tight[1] - tight[0] < 0.03 < noisy[1] - noisy[0]
+    assert bl.ratio_interval([100], [100, 120]) is None
+    runs = lambda kind, name, steps: [{"kind": kind, "name": name, "seed": i, "status": "completed",   # noqa: E731
+                                        "history": _hist((s, 0.95))} for i, s in enumerate(steps)]
+    c = bl.compare(runs("preset", "deltanet", [1300, 900, 975]), runs("ref", "fla_deltanet", [650, 675, 475]))
+    assert c["met"] is False and c["ratio_ci"][0] <= bl.GOAL_FACTOR < c["ratio_ci"][1]
+    data = {"command": "x", "setting_name": "hard", "setting": bl.SETTINGS["hard"], "steps": 1500, "seeds": [0, 1, 2],
+            "torch": "9", "python": "3", "machine": "cpu", "started": "now", "skipped": {},
+            "runs": runs("preset", "deltanet", [1300, 900, 975]) + runs("ref", "fla_deltanet", [650, 675, 475])}
+    md = bl.write_report(data, tmp_path / "r")
+    assert "| deltanet | fla_deltanet | 0.900 |" in md and "NOT met (within seed noise)" in md
+
+
 def test_report(tmp_path):
     data = {"command": "python bench/learning.py --seeds 0", "setting_name": "calibration",
             "setting": bl.SETTINGS["calibration"], "steps": 600, "seeds": [0], "torch": "9.9.9", "python": "3",
@@ -141,7 +161,7 @@ def test_report(tmp_path):
     assert "Command: `python bench/learning.py --seeds 0`" in md and "torch 9.9.9" in md
     assert "| softmax_transformer | reference | 120704 | 16384 | 0.990 ± 0.000 | 0.990 ± 0.000 | 100 ± 0 | 1/1 | 1/1 |" in md
     assert "| transformer | ours | 117056 | 16384 | 0.970 ± 0.000 |" in md
-    assert "| transformer | softmax_transformer | 0.900 | 150 ± 0 | 100 ± 0 | 1.50× | met |" in md
+    assert "| transformer | softmax_transformer | 0.900 | 150 ± 0 | 100 ± 0 | 1.50× | — | met |" in md
     assert "| atlas | ours | — | — | — | — | — | 0/1 | 0/1 |" in md and "atlas: seed 0: failed boom" in md
     assert "titans_neural_memory (not installed)" in md
     assert "- `softmax_transformer`: pre-LN" in md and "- `fla_deltanet`" not in md   # the references run only
