@@ -422,6 +422,34 @@ def _previous_runs(path: Path) -> Dict[str, Dict[str, Any]]:
     return out
 
 
+def _config_matches(old: Any, new: Any, baseline: Any) -> bool:
+    """Does a run recorded with the resolved config ``old`` stand for ``new``? Equal values match; a field that
+    ``new`` has and ``old`` lacks (an option added since the run) matches when it holds ``baseline``'s value, the
+    preset resolved without this run's ``--override``s, i.e. the new option's default (which keeps the old
+    behaviour); a field ``old`` has and ``new`` lacks never matches."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        base = baseline if isinstance(baseline, dict) else {}
+        return (all(k in new and _config_matches(v, new[k], base.get(k)) for k, v in old.items())
+                and all(k in base and new[k] == base[k] for k in new.keys() - old.keys()))
+    return old == new
+
+
+def _find_previous(previous: Dict[str, Dict[str, Any]], job: Dict[str, Any],
+                   baseline: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """The earlier run that stands for ``job``: the one with its exact key, else (presets) one of the same name,
+    seed, steps and setting whose recorded config matches by :func:`_config_matches`."""
+    rec = previous.get(_job_key(job))
+    if rec is not None or job["kind"] != "preset" or baseline is None:
+        return rec
+    for key, run in previous.items():
+        k = json.loads(key)
+        if (k["kind"], k["name"], k["seed"], k["steps"], k["setting"]) == \
+                (job["kind"], job["name"], job["seed"], job["steps"], job["setting"]) \
+                and _config_matches(k["model_config"], job["model_config"], baseline):
+            return run
+    return None
+
+
 def _names(arg: Optional[str], default: Sequence[str]) -> List[str]:
     if arg is None:
         return list(default)
@@ -490,10 +518,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             print(f"skip reference {name}: {why}", flush=True)
             continue
         jobs += [{"kind": "ref", "name": name, "seed": sd, "ref_kwargs": ref_kwargs.get(name, {})} for sd in seeds]
+    baselines = {}            # each preset without --override: the defaults of options added since a reused run
     for name in presets:      # resolving the config here also rejects a bad preset before any run starts
         job = {"kind": "preset", "name": name, "overrides": preset_overrides(name, args.setting) + args.override,
                "setting": setting}
         config = preset_config(job)
+        baselines[name] = preset_config({**job, "overrides": preset_overrides(name, args.setting)})
         jobs += [{**job, "seed": sd, "model_config": config} for sd in seeds]
     data = {"command": "python bench/learning.py" + (" " + shlex.join(argv) if argv else ""),
             "setting_name": args.setting, "setting": setting, "steps": steps, "seeds": seeds,
@@ -507,7 +537,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     def one(i: int, job: Dict[str, Any]) -> None:
         job = {**job, "setting": setting, "steps": steps}
         print(f"[{i}/{len(jobs)}] {job['kind']} {job['name']} seed {job['seed']}", flush=True)
-        rec = previous.get(_job_key(job))
+        rec = _find_previous(previous, job, baselines.get(job["name"]) if job["kind"] == "preset" else None)
         if rec is None:
             rec = run_job(job, args.timeout)
         else:

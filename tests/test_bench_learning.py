@@ -215,6 +215,26 @@ def test_reuse_takes_only_matching_runs(tmp_path):
     assert len(prev) == 3 and all(r["reused_from"] == "r.json, run started then" for r in prev.values())
 
 
+def test_reuse_spans_options_added_since_the_run_at_their_defaults(tmp_path):
+    """A run recorded before an option existed stands for the current config while that option keeps its default,
+    not once an --override sets it otherwise; a field the run had and the current config lacks never matches."""
+    s = bl.SETTINGS["hard"]
+    job = {"kind": "preset", "name": "deltanet", "setting": s, "overrides": []}
+    now = bl.preset_config(job)
+    recorded = json.loads(json.dumps(now))
+    del recorded["mixers"]["deltanet"]["gates"]["lr"]["use_bias"]            # as before use_bias existed
+    prev = {bl._job_key({**job, "seed": 0, "steps": 1500, "model_config": recorded}): {"status": "completed"}}
+    run = lambda cfg: {**job, "seed": 0, "steps": 1500, "model_config": cfg}   # noqa: E731
+    assert bl._find_previous(prev, run(now), now) == {"status": "completed"}
+    no_bias = bl.preset_config({**job, "overrides": ["mixers.deltanet.gates.lr.use_bias=false"]})
+    assert bl._find_previous(prev, run(no_bias), now) is None
+    assert bl._find_previous(prev, {**run(now), "seed": 1}, now) is None
+    extra = json.loads(json.dumps(recorded))
+    extra["mixers"]["deltanet"]["retired_option"] = 1
+    prev = {bl._job_key({**job, "seed": 0, "steps": 1500, "model_config": extra}): {"status": "completed"}}
+    assert bl._find_previous(prev, run(now), now) is None
+
+
 def test_preset_runs_record_their_config_and_are_reused(tmp_path):
     out = tmp_path / "p"
     argv = ["--presets", "transformer", "--refs", "none", "--seeds", "0", "--steps", "1", "--out", str(out)]

@@ -22,6 +22,11 @@ Gates (docs/concepts/memory.md#gates), built only for the gates the memory spec 
 dt_h ~ logU(dt_range), so the heads start spread between fast and slow forgetting (α ∈ (0.2, 1) at the
 default ranges) where the sigmoid starts every head at α ≈ 0.98 with dα/dz ≈ 0.02.
 
+The weights w start N(0, 1/d_model) (``weight_init: normal``, the default) or as ``nn.Linear``'s default,
+U(±d_model^-1/2) (``weight_init: uniform``, std (3·d_model)^-1/2); ``use_bias: false`` drops b (the pre-activation is
+w·x alone). fla's DeltaNet / Gated DeltaNet β is ``weight_init: uniform, use_bias: false`` (its ``b_proj`` is a
+bias-free ``nn.Linear``).
+
 ``learned: false`` makes a gate constant: its ``value`` if given, else the memory config's constant
 (η = inner_optimizer.lr, θ = inner_optimizer.momentum, γ = 1, δ = attentional_bias.delta, α = 1 i.e. no decay).
 ``input_dependent: false`` (with ``learned: true``) gives one learnable scalar per head, σ(b_h)
@@ -47,6 +52,7 @@ from atlaslab.registry import ConfigError, PartConfig, check_range, register
 GATES = ("lr", "retention", "momentum", "window", "delta")
 GATE_FORMS = {"retention": ("sigmoid", "log_decay"), "other": ("sigmoid",)}
 OUTPUT_GATE_ACTS = ("sigmoid", "swish")
+GATE_WEIGHT_INITS = ("normal", "uniform")
 
 
 def gated_head_output(o: torch.Tensor, x: torch.Tensor, out_norm: Optional[nn.Module], g_proj: Optional[nn.Module],
@@ -161,6 +167,8 @@ class GateConfig:
     form: str = "sigmoid"           # sigmoid | log_decay (retention only: fla / Mamba2 α, see module doc)
     a_range: List[float] = field(default_factory=lambda: [0.0, 16.0])    # log_decay: A_h ~ U(a_range)
     dt_range: List[float] = field(default_factory=lambda: [1e-3, 0.1])   # log_decay: dt_h ~ logU(dt_range)
+    weight_init: str = "normal"     # sigmoid / softplus form: normal (N(0, 1/d)) | uniform (nn.Linear's default)
+    use_bias: bool = True           # false: no b (w·x alone; fla's β); needs input_dependent
 
     def check(self, name: str) -> None:
         """Validate against the gate it configures (``name`` ∈ GATES); errors name ``gates.<name>.<field>``."""
@@ -168,6 +176,12 @@ class GateConfig:
         if self.form not in forms:
             raise ConfigError(f"gates.{name}.form", f"unknown form {self.form!r} for the {name} gate.",
                               value=self.form, choices=list(forms))
+        if self.weight_init not in GATE_WEIGHT_INITS:
+            raise ConfigError(f"gates.{name}.weight_init", f"unknown weight init {self.weight_init!r}.",
+                              value=self.weight_init, choices=list(GATE_WEIGHT_INITS))
+        if not self.use_bias and not (self.learned and self.input_dependent):
+            raise ConfigError(f"gates.{name}.use_bias", "use_bias: false needs a learned, input-dependent gate (a "
+                              "gate without inputs is its bias).", value=self.use_bias)
         if self.form == "log_decay":
             for f, lo in (("a_range", 0.0), ("dt_range", 1e-12)):
                 r = getattr(self, f)
@@ -244,14 +258,16 @@ class _Gate(nn.Module):
     """g = act(w·x + b) per head (``[B, T, H]``) or per head channel (``[B, T, H, C]``)."""
 
     def __init__(self, d_model: int, heads: int, channels: Optional[int], act: str, bias: float,
-                 input_dependent: bool):
+                 input_dependent: bool, weight_init: str = "normal", use_bias: bool = True):
         super().__init__()
         self.heads, self.channels, self.act = heads, channels, act
         width = heads * (channels or 1)
         if input_dependent:
-            self.proj = nn.Linear(d_model, width)
-            nn.init.normal_(self.proj.weight, std=d_model ** -0.5)
-            nn.init.constant_(self.proj.bias, bias)
+            self.proj = nn.Linear(d_model, width, bias=use_bias)   # weight_init "uniform": nn.Linear's own init
+            if weight_init == "normal":
+                nn.init.normal_(self.proj.weight, std=d_model ** -0.5)
+            if use_bias:
+                nn.init.constant_(self.proj.bias, bias)
         else:
             self.proj = None
             self.bias = nn.Parameter(torch.full((width,), float(bias)))
@@ -330,7 +346,8 @@ class MemoryLayer(nn.Module):
                     continue
                 act = "softplus" if name == "delta" else "sigmoid"
                 bias = gcfg.bias if gcfg.bias is not None else self._default_bias(name)
-                self.gate_nets[name] = _Gate(d_model, H, channels, act, bias, gcfg.input_dependent)
+                self.gate_nets[name] = _Gate(d_model, H, channels, act, bias, gcfg.input_dependent, gcfg.weight_init,
+                                             gcfg.use_bias)
             elif gcfg.value is not None:
                 self.gate_consts[name] = float(gcfg.value)
 

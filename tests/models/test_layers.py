@@ -312,11 +312,31 @@ def test_log_decay_gate_spreads_the_heads_forgetting_rates():
     ({"gates": {"lr": {"form": "log_decay"}}}, "gates.lr.form"),
     ({"gates": {"retention": {"form": "log_decay", "dt_range": [0.1, 0.01]}}}, "gates.retention.dt_range"),
     ({"output_gate_act": "relu"}, "output_gate_act"),
+    ({"gates": {"lr": {"weight_init": "xavier"}}}, "gates.lr.weight_init"),
+    ({"gates": {"lr": {"use_bias": False, "input_dependent": False}}}, "gates.lr.use_bias"),
 ])
 def test_gate_options_are_validated_with_their_path(node, path):
     with pytest.raises(ConfigError, match=path.replace(".", r"\.")) as err:
         resolve_part("mixer", {"name": "memory", "memory": {**LINEAR_L2, "retention": "decay"}, **node}, "mixers.m")
     assert "mixers.m" in str(err.value)
+
+
+def test_gate_weight_init_and_bias_options():
+    """weight_init: uniform is nn.Linear's U(±d^-1/2) (std (3d)^-1/2, against N(0, 1/d)); use_bias: false leaves no
+    bias, so a zero input gives σ(0) = 1/2 exactly (fla's β = σ(b_proj x), b_proj a bias-free nn.Linear)."""
+    from atlaslab.models.layers import MemoryLayer
+    d = 256
+    nets = {}
+    for init in ("normal", "uniform"):
+        torch.manual_seed(0)
+        cfg = resolve_part("mixer", {"name": "memory", "num_heads": 8, "memory": LINEAR_L2,
+                                     "gates": {"lr": {"weight_init": init, "use_bias": init == "normal"}}})
+        nets[init] = MemoryLayer(cfg, d).gate_nets["lr"]
+    w_n, w_u = nets["normal"].proj.weight, nets["uniform"].proj.weight
+    assert abs(w_n.std().item() * d ** 0.5 - 1) < 0.05 and abs(w_u.std().item() * (3 * d) ** 0.5 - 1) < 0.05
+    assert w_u.abs().max().item() <= d ** -0.5
+    assert nets["normal"].proj.bias is not None and nets["uniform"].proj.bias is None
+    torch.testing.assert_close(nets["uniform"](torch.zeros(1, 2, d)), torch.full((1, 2, 8), 0.5))
 
 
 def test_swish_output_gate():
