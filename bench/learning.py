@@ -330,7 +330,8 @@ def write_report(data: Dict[str, Any], out: Path) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for (kind, name), rs in models.items():
         m = summary[f"{kind}:{name}"]
-        lines.append(f"| {name} | {'ours' if kind == 'preset' else 'reference'} | {m['num_parameters'] or '—'} | "
+        label = "ours" if kind == "preset" else ("probe" if name in refs_mod.PROBES else "reference")
+        lines.append(f"| {name} | {label} | {m['num_parameters'] or '—'} | "
                      f"{m['state_size'] or '—'} | {_pm(m['final_accuracy'])} | {_pm(m['best_accuracy'])} | "
                      f"{_pm(m['steps_to_90'], fmt=lambda x: f'{x:.0f}')} | {m['reached_90']}/{m['seeds']} | "
                      f"{m['ok']}/{m['seeds']} |")

@@ -235,6 +235,15 @@ def test_reuse_spans_options_added_since_the_run_at_their_defaults(tmp_path):
     assert bl._find_previous(prev, run(now), now) is None
 
 
+def test_report_labels_probes_as_probes(tmp_path):
+    data = {"command": "x", "setting_name": "hard", "setting": bl.SETTINGS["hard"], "steps": 1500, "seeds": [0],
+            "torch": "9", "python": "3", "machine": "cpu", "started": "now", "skipped": {},
+            "runs": [{"kind": "ref", "name": n, "seed": 0, "status": "completed", "history": _hist((25, 0.95))}
+                     for n in ("fla_deltanet", "ref_in_our_lm")]}
+    md = bl.write_report(data, tmp_path / "r")
+    assert "| fla_deltanet | reference |" in md and "| ref_in_our_lm | probe |" in md
+
+
 def test_preset_runs_record_their_config_and_are_reused(tmp_path):
     out = tmp_path / "p"
     argv = ["--presets", "transformer", "--refs", "none", "--seeds", "0", "--steps", "1", "--out", str(out)]
