@@ -536,26 +536,33 @@ DESCRIPTIONS = {
 }
 
 
+#: fla's DeltaNet layer as the ``fla_deltanet`` reference builds it: the GDN layer without decay, output gate or
+#: value expansion (fla DeltaNet's defaults)
+FLA_DELTANET_KW = {"decay": False, "output_gate": False, "expand_v": 1.0}
+
+
+def preset_lm(preset: str, vocab_size: int, d_model: int, num_layers: int) -> nn.Module:
+    """An atlaslab preset's LanguageModel at this size, built and initialised as the bench builds it."""
+    from atlaslab.models.presets import build_model, load_preset
+    return build_model(load_preset(preset, [f"vocab_size={vocab_size}", f"d_model={d_model}",
+                                            f"num_layers={num_layers}"]))
+
+
 def preset_mixers(preset: str, vocab_size: int, d_model: int, num_layers: int):
     """The mixers of an atlaslab preset at this size, as its language model builds and initialises them."""
-    from atlaslab.models.presets import build_model, load_preset
-    model = build_model(load_preset(preset, [f"vocab_size={vocab_size}", f"d_model={d_model}",
-                                             f"num_layers={num_layers}"]))
-    return [layer.mixer for layer in model.layers]
+    return [layer.mixer for layer in preset_lm(preset, vocab_size, d_model, num_layers).layers]
 
 
 def fla_mixer_in_our_lm(preset: str, vocab_size: int, d_model: int, num_layers: int, **mixer_kw) -> nn.Module:
     """The preset's LanguageModel, built and initialised as the bench builds it, with each layer's mixer replaced
     by the layer of the preset's fla reference (``fla_deltanet``: no decay, no output gate, expand_v 1;
     ``fla_gated_deltanet``: ``mixer_kw``, e.g. expand_v)."""
-    from atlaslab.models.presets import build_model, load_preset
     ref = PRESET_REF.get(preset)
     if ref not in ("fla_deltanet", "fla_gated_deltanet"):
         raise ValueError(f"ref_in_our_lm: preset {preset!r} has no fla reference (deltanet, gated_deltanet do)")
     if ref == "fla_deltanet":
-        mixer_kw = {"decay": False, "output_gate": False, "expand_v": 1.0}
-    model = build_model(load_preset(preset, [f"vocab_size={vocab_size}", f"d_model={d_model}",
-                                             f"num_layers={num_layers}"]))
+        mixer_kw = FLA_DELTANET_KW
+    model = preset_lm(preset, vocab_size, d_model, num_layers)
     for layer in model.layers:
         layer.mixer = FlaGatedDeltaNetMixer(d_model, **mixer_kw)
     return model
@@ -573,7 +580,7 @@ def build_ref(name: str, vocab_size: int, d_model: int = 64, num_layers: int = 2
     if name == "fla_gated_deltanet":
         return RefLM(vocab_size, d_model, [FlaGatedDeltaNetMixer(d_model, **kw) for _ in range(num_layers)])
     if name == "fla_deltanet":
-        kw = {"decay": False, "output_gate": False, "expand_v": 1.0, **kw}
+        kw = {**FLA_DELTANET_KW, **kw}
         return RefLM(vocab_size, d_model, [FlaGatedDeltaNetMixer(d_model, **kw) for _ in range(num_layers)])
     if name == "lact":
         return RefLM(vocab_size, d_model, [LaCTMixer(d_model, **kw) for _ in range(num_layers)])

@@ -108,25 +108,6 @@ def test_float32_stays_close_to_float64(name):
         assert err < max(1e-3, 1.25 * rms_ratio(rec.double(), ref)) and err < 5e-3
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("name", ["deltanet", "gdn", "omega_c3"])
-def test_half_precision_runs_with_the_solve_in_float32(name, dtype):
-    """torch has no fp16 / bf16 triangular solve (CPU or CUDA): the delta-rule chunk forms solve their WY system in
-    fp32 and cast back, so ``mode="chunked"`` runs in half precision, close to float64, gradients included."""
-    spec = SPECS[name] if name in SPECS else {"memory": "linear", "retention": "decay", "window": {"size": 3}}
-    parts64 = build(spec)
-    T = 40
-    q, k, v = random_qkv(1, T, H, D)
-    g = gates_for(parts64, T=T, B=1)
-    ref, _ = memorize(q, k, v, parts64, g, mode="chunked", chunk_size=1)     # online (b = 1): the solved form
-    leaves = [x.to(dtype).requires_grad_() for x in (q, k, v)]
-    out, _ = memorize(*leaves, build(spec).to(dtype), {n: x.to(dtype) for n, x in g.items()}, mode="chunked",
-                      chunk_size=1)
-    assert out.dtype == dtype and rms_ratio(out.double(), ref) < 3e-2
-    out.float().square().sum().backward()
-    assert all(x.grad is not None and x.grad.dtype == dtype and torch.isfinite(x.grad).all() for x in leaves)
-
-
 LINEAR_ONLINE = {
     "deltanet": SPECS["deltanet"],
     "gdn": SPECS["gdn"],
@@ -139,6 +120,25 @@ LINEAR_ONLINE = {
     "dpfp_delta": SPECS["dpfp_delta"],
     "read_before_write": {"memory": "linear", "retention": "decay", "read": "chunk"},
 }
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["deltanet", "gdn", "omega_c3_after"])
+def test_half_precision_runs_with_the_solve_in_float32(name, dtype):
+    """torch has no fp16 / bf16 triangular solve (CPU or CUDA): the delta-rule chunk forms solve their WY system in
+    fp32 and cast back, so ``mode="chunked"`` runs in half precision, close to float64, gradients included."""
+    spec = LINEAR_ONLINE[name]
+    parts64 = build(spec)
+    T = 40
+    q, k, v = random_qkv(1, T, H, D)
+    g = gates_for(parts64, T=T, B=1)
+    ref, _ = memorize(q, k, v, parts64, g, mode="chunked", chunk_size=1)     # online (b = 1): the solved form
+    leaves = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+    out, _ = memorize(*leaves, build(spec).to(dtype), {n: x.to(dtype) for n, x in g.items()}, mode="chunked",
+                      chunk_size=1)
+    assert out.dtype == dtype and rms_ratio(out.double(), ref) < 3e-2
+    out.float().square().sum().backward()
+    assert all(x.grad is not None and x.grad.dtype == dtype and torch.isfinite(x.grad).all() for x in leaves)
 
 
 @pytest.mark.parametrize("block", [1, 4, 64])
