@@ -23,6 +23,7 @@ from torch import nn
 
 from atlaslab.memory.fast_weights import apply_linear
 from atlaslab.registry import ConfigError, PartConfig, check_choice, check_range, register
+from atlaslab.weight_decay import exempt_from_weight_decay
 
 Weights = Dict[str, torch.Tensor]
 
@@ -194,6 +195,7 @@ class _MLPBase(Memory):
         if cfg.layer_norm:
             self.ln_weight = nn.Parameter(torch.ones(num_heads, out_dim))
             self.ln_bias = nn.Parameter(torch.zeros(num_heads, out_dim))
+            exempt_from_weight_decay(self.ln_weight, self.ln_bias)
 
     def _finish(self, x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
         if self.cfg.layer_norm:

@@ -31,6 +31,7 @@ from atlaslab.engines import memorize
 from atlaslab.engines.packed import check_cu_seqlens, sequence_positions
 from atlaslab.memory.spec import build_memory
 from atlaslab.models.attention import Attention, AttentionConfig, apply_rope, attention_mask, rope_angles
+from atlaslab.weight_decay import exempt_from_weight_decay
 from atlaslab.models.layers import OUTPUT_GATE_ACTS, gated_head_output
 from atlaslab.registry import ConfigError, check_choice, check_range, register
 
@@ -75,6 +76,7 @@ class HeadRMSNorm(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(num_heads, head_dim))
+        exempt_from_weight_decay(self.weight)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,7 @@ from atlaslab.memory.spec import MemoryParts, MemorySpec, resolve_memory_spec
 from atlaslab.models.attention import apply_rope, attention_mask, head_layout, rope_angles
 from atlaslab.models.layers import RMSNorm, _logit, _softplus_inv
 from atlaslab.registry import ConfigError, PartConfig, check_choice, check_range, register, to_container
+from atlaslab.weight_decay import exempt_from_weight_decay
 
 #: LaCT's fast-weight memory: SwiGLU fast weights, negative dot-product loss, one Muon step per chunk with LaCT's
 #: Newton–Schulz schedule (η = 1: the step size is the per-token γ inside the sum), weight norm, apply-then-update.
@@ -154,6 +155,7 @@ class LaCTLayer(nn.Module):
         if cfg.qk_affine:
             self.qk_scale = nn.Parameter(torch.ones(2, d_model))
             self.qk_offset = nn.Parameter(torch.zeros(2, d_model))
+            exempt_from_weight_decay(self.qk_scale, self.qk_offset)
         self.lr_proj = nn.Linear(d_model, H)
         nn.init.normal_(self.lr_proj.weight, std=d_model ** -0.5)
         nn.init.constant_(self.lr_proj.bias, _softplus_inv(cfg.base_lr))

@@ -48,6 +48,7 @@ from atlaslab.engines.packed import check_cu_seqlens, sequence_positions, stack_
 from atlaslab.memory.spec import MemoryParts, MemorySpec, resolve_memory_spec
 from atlaslab.models.attention import head_layout
 from atlaslab.registry import ConfigError, PartConfig, check_range, register
+from atlaslab.weight_decay import exempt_from_weight_decay
 
 GATES = ("lr", "retention", "momentum", "window", "delta")
 GATE_FORMS = {"retention": ("sigmoid", "log_decay"), "other": ("sigmoid",)}
@@ -80,6 +81,7 @@ class RMSNorm(nn.Module):
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(shape))
+        exempt_from_weight_decay(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), eps=self.eps) * self.weight.to(x.dtype)

@@ -55,6 +55,7 @@ from atlaslab.registry import ConfigError
 from atlaslab.tasks.base import Task, build_task, forward_batch
 from atlaslab.train.config import TrainConfig, config_diff, lr_at, resolve_train_config
 from atlaslab.train.parallel import DataParallel
+from atlaslab.weight_decay import takes_weight_decay
 
 Callback = Callable[[Dict[str, float], int], Optional[bool]]
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -119,10 +120,12 @@ def num_parameters(module: nn.Module) -> int:
 
 
 def make_optimizer(module: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with ``cfg.weight_decay`` on weight matrices only (:func:`atlaslab.weight_decay.takes_weight_decay`:
+    never on biases, norm gains and other parameters marked exempt)."""
     decay, no_decay = [], []
     for p in module.parameters():
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
+            (decay if takes_weight_decay(p) else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                              eps=cfg.eps)
