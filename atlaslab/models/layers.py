@@ -27,6 +27,11 @@ U(±d_model^-1/2) (``weight_init: uniform``, std (3·d_model)^-1/2); ``use_bias:
 w·x alone). fla's DeltaNet / Gated DeltaNet β is ``weight_init: uniform, use_bias: false`` (its ``b_proj`` is a
 bias-free ``nn.Linear``).
 
+The output norm is RMSNorm(o) = o / sqrt(mean(o²) + ε) per head (``output_norm_eps``, ε = 10⁻⁶ by default). ε
+sets how a weak read (a small o, e.g. a query whose key was never written) comes out: far above ε it is scaled to
+unit RMS like a strong one, near ε it stays small. fla's DeltaNet / Gated DeltaNet read S·(D_k^-1/2 q) and
+normalise with ε = 10⁻⁵, which is ε = 10⁻⁵ · D_k on our unscaled read (1.6·10⁻⁴ at D_k = 16).
+
 ``learned: false`` makes a gate constant: its ``value`` if given, else the memory config's constant
 (η = inner_optimizer.lr, θ = inner_optimizer.momentum, γ = 1, δ = attentional_bias.delta, α = 1 i.e. no decay).
 ``input_dependent: false`` (with ``learned: true``) gives one learnable scalar per head, σ(b_h)
@@ -213,6 +218,7 @@ class MemoryLayerConfig(PartConfig):
     silu: bool = True                  # SiLU on q, k, v (after the conv)
     qk_norm: bool = True               # ℓ2-normalise q and k per head
     output_norm: bool = True           # per-head RMSNorm of the memory read
+    output_norm_eps: float = 1e-6      # its ε: how far a weak read is damped rather than scaled up (module doc)
     output_gate: bool = True           # ⊙ act(W_G x)
     output_gate_act: str = "sigmoid"   # sigmoid | swish (fla's Gated DeltaNet: RMSNorm(o) ⊙ swish(W_G x))
     gates: LayerGates = field(default_factory=LayerGates)
@@ -226,6 +232,7 @@ class MemoryLayerConfig(PartConfig):
         if self.value_dim is not None:
             check_range("value_dim", self.value_dim, 1, None)
         check_range("conv_size", self.conv_size, 1, None)
+        check_range("output_norm_eps", self.output_norm_eps, 0.0, None)
         if self.output_gate_act not in OUTPUT_GATE_ACTS:
             raise ConfigError("output_gate_act", f"unknown activation {self.output_gate_act!r}.",
                               value=self.output_gate_act, choices=list(OUTPUT_GATE_ACTS))
@@ -333,7 +340,7 @@ class MemoryLayer(nn.Module):
             self.q_conv = ShortConv(H * Dk, cfg.conv_size)
             self.k_conv = ShortConv(H * Dk, cfg.conv_size)
             self.v_conv = ShortConv(H * Dv, cfg.conv_size)
-        self.out_norm = RMSNorm((H, Dv)) if cfg.output_norm else None
+        self.out_norm = RMSNorm((H, Dv), eps=cfg.output_norm_eps) if cfg.output_norm else None
         self.g_proj = nn.Linear(d_model, H * Dv, bias=False) if cfg.output_gate else None
         self.o_proj = nn.Linear(H * Dv, d_model, bias=False)
 

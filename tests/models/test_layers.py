@@ -314,6 +314,7 @@ def test_log_decay_gate_spreads_the_heads_forgetting_rates():
     ({"output_gate_act": "relu"}, "output_gate_act"),
     ({"gates": {"lr": {"weight_init": "xavier"}}}, "gates.lr.weight_init"),
     ({"gates": {"lr": {"use_bias": False, "input_dependent": False}}}, "gates.lr.use_bias"),
+    ({"output_norm_eps": -1e-6}, "output_norm_eps"),
 ])
 def test_gate_options_are_validated_with_their_path(node, path):
     with pytest.raises(ConfigError, match=path.replace(".", r"\.")) as err:
@@ -337,6 +338,20 @@ def test_gate_weight_init_and_bias_options():
     assert w_u.abs().max().item() <= d ** -0.5
     assert nets["normal"].proj.bias is not None and nets["uniform"].proj.bias is None
     torch.testing.assert_close(nets["uniform"](torch.zeros(1, 2, d)), torch.full((1, 2, 8), 0.5))
+
+
+def test_output_norm_eps_damps_weak_reads():
+    """RMSNorm(o) = o / sqrt(mean(o²) + ε): a read far above ε comes out at unit RMS whatever its size, one near ε
+    stays small; the layer's ε is output_norm_eps."""
+    from atlaslab.models.layers import MemoryLayer
+    for eps in (1e-6, 1.6e-4):
+        cfg = resolve_part("mixer", {"name": "memory", "num_heads": H, "memory": LINEAR_L2, "output_norm_eps": eps})
+        norm = MemoryLayer(cfg, 32).out_norm
+        assert norm.eps == eps
+        D = 32 // H
+        strong, weak = torch.full((1, 1, H, D), 1.0), torch.full((1, 1, H, D), 1e-2)
+        torch.testing.assert_close(norm(strong), torch.ones_like(strong), rtol=1e-3, atol=0)
+        assert torch.allclose(norm(weak).pow(2).mean().sqrt(), torch.tensor((1e-4 / (1e-4 + eps)) ** 0.5))
 
 
 def test_swish_output_gate():
