@@ -15,7 +15,8 @@ attention. Segment tokens never see the memory tokens (they come last), so the b
 The paper's: memory tokens appended to every segment; A, z per layer written by the memory tokens' hidden states
 after the layer; the read added to every token's hidden state (memory tokens too) before attention; W_q, W_k, W_v,
 W_β learned (W_v zero at init, β per memory head, no output projection: the value width is d_model); DPFP ν = 3;
-unit features, γ clipped to [0, 1] and held constant, ε = 1e-5 (the authors' code). Ours: the block sits in our
+unit features, γ clipped to [0, 1] and held constant, ε = 1e-5 (the authors' code). ``read_floor: 1`` bounds the
+read (A φ / max(zᵀφ + ε, 1), see :mod:`atlaslab.memory.associative`), a labelled departure from the authors. Ours: the block sits in our
 small Llama-style LM in place of a mixer, so it reads from the pre-normed input, its memory tokens are per layer
 (learnable, not threaded through the whole stack) and are written from the block's residual (no MLP), and a
 partial segment is kept in the state (``pending``) so chained calls equal one call at any boundary.
@@ -60,6 +61,7 @@ class ARMTConfig(AttentionConfig):
     feature_map: Any = "dpfp"          # a non-negative registered φ (a name or a node; DPFP's default ν is 3)
     correction: bool = True            # γ on the normaliser z (false: z ← z + Σ φ_i)
     memory_flow: str = "per_layer"     # per_layer | through_stack (the authors'; see the module doc)
+    read_floor: float = 0.0            # reads A φ / max(zᵀφ + ε, read_floor); 0: the authors' rule, 1: bounded
 
     def check(self) -> None:
         super().check()
@@ -71,6 +73,7 @@ class ARMTConfig(AttentionConfig):
         check_range("segment", self.segment, 1, None)
         check_range("memory_tokens", self.memory_tokens, 1, None)
         check_range("memory_heads", self.memory_heads, 1, None)
+        check_range("read_floor", self.read_floor, 0.0, None)
         if self.key_dim is not None:
             check_range("key_dim", self.key_dim, 1, None)
         self.feature_map_config()
@@ -141,15 +144,17 @@ class ARMTBlock(Attention):
         return F.normalize(self.feature_map(x), dim=-1)
 
     def read(self, h: torch.Tensor, A: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """A φ̂(q) / (zᵀφ̂(q) + ε) for every token of ``h: [B, n, d_model]`` → ``[B, n, d_model]``."""
-        return associative_read(A, z, self.features(h, self.mem_q)).reshape(h.shape)
+        """A φ̂(q) / (zᵀφ̂(q) + ε) (``read_floor``: / max(·, floor)) for every token of ``h: [B, n, d_model]`` →
+        ``[B, n, d_model]``."""
+        return associative_read(A, z, self.features(h, self.mem_q), floor=self.cfg.read_floor).reshape(h.shape)
 
     def write(self, m: torch.Tensor, A: torch.Tensor, z: torch.Tensor):
         """The memory tokens' hidden states ``m: [B, N, d_model]`` write A, z → the new (A, z)."""
         B, N, _ = m.shape
         v = self.mem_v(m).view(B, N, self.memory_heads, self.value_dim)
         beta = torch.sigmoid(self.mem_beta(m))
-        return associative_write(A, z, self.features(m, self.mem_k), v, beta, self.cfg.correction)
+        return associative_write(A, z, self.features(m, self.mem_k), v, beta, self.cfg.correction,
+                                 floor=self.cfg.read_floor)
 
     def initial_state(self, batch: int, dtype=None, device=None) -> ARMTState:
         p = self.q_proj.weight

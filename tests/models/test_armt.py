@@ -239,6 +239,41 @@ def test_rewriting_a_stored_key_moves_its_value_and_not_the_normaliser():
     assert torch.equal(z2, z)
 
 
+def test_read_floor_bounds_the_runaway_of_a_key_that_z_has_not_seen():
+    """A can hold mass along features z has none of: a key that counts as seen (γ = 0) still writes A along all its
+    features. Here z = 1.5 e1 makes φ_b = (e1 + e2)/√2 seen (zᵀφ_b = 1.06 ≥ 1), so its write leaves mass on e2 in A
+    alone. A query e2 then reads A e2 / ε, and a write with key e2 multiplies that mass by (1 − β/ε): the authors'
+    rule. read_floor = 1 reads A e2 / 1, and the write shrinks it by (1 − β)."""
+    e1, e2 = torch.eye(3, dtype=F64)[:2]
+    phi_b = F.normalize(e1 + e2, dim=0).view(1, 1, 1, 3)
+    A0, z0 = torch.zeros(1, 1, 1, 3, dtype=F64), 1.5 * e1.view(1, 1, 3)
+    half = torch.full((1, 1, 1), 0.5, dtype=F64)
+    A, z = associative_write(A0, z0, phi_b, torch.ones(1, 1, 1, 1, dtype=F64), half)
+    assert torch.equal(z, z0) and A[0, 0, 0, 1] > 0.3                  # seen: z unchanged, A has mass on e2
+    q = e2.view(1, 1, 1, 3)
+    mass = A[0, 0, 0, 1].item()
+    torch.testing.assert_close(associative_read(A, z, q).squeeze(), torch.tensor(mass / EPS, dtype=F64))
+    torch.testing.assert_close(associative_read(A, z, q, floor=1.0).squeeze(), torch.tensor(mass, dtype=F64))
+    zero_v = torch.zeros(1, 1, 1, 1, dtype=F64)
+    A_authors, _ = associative_write(A, z, q, zero_v, half)
+    A_floor, _ = associative_write(A, z, q, zero_v, half, floor=1.0)
+    torch.testing.assert_close(A_authors[0, 0, 0, 1], torch.tensor(mass * (1 - 0.5 / EPS), dtype=F64))
+    torch.testing.assert_close(A_floor[0, 0, 0, 1], torch.tensor(mass * 0.5, dtype=F64))
+    # a key written in full (zᵀφ ≥ 1) reads as before
+    torch.testing.assert_close(associative_read(A, z, phi_b, floor=1.0), associative_read(A, z, phi_b))
+
+
+def test_read_floor_reaches_the_block_and_is_validated():
+    with pytest.raises(ConfigError, match="read_floor"):
+        resolve_part("block", {"name": "armt", "read_floor": -1.0}, "mixers.armt")
+    block = make(read_floor=1.0)
+    h = torch.randn(2, 5, block.d_model, dtype=F64)
+    A = torch.randn(2, block.memory_heads, block.value_dim, block.num_features, dtype=F64)
+    z = torch.zeros(2, block.memory_heads, block.num_features, dtype=F64)                   # nothing seen: the floor decides
+    phi = block.features(h, block.mem_q)
+    torch.testing.assert_close(block.read(h, A, z), torch.einsum("bhef,bnhf->bnhe", A, phi).reshape(h.shape))
+
+
 @pytest.mark.parametrize("cfg", [dict(), dict(correction=False, feature_map={"name": "elu_plus_one"}),
                                  dict(memory_heads=1, key_dim=3, feature_map={"name": "dpfp", "nu": 2})],
                          ids=["dpfp3", "elu-no-correction", "one-head-key3"])
