@@ -31,8 +31,7 @@ from atlaslab.engines import memorize
 from atlaslab.engines.packed import check_cu_seqlens, sequence_positions
 from atlaslab.memory.spec import build_memory
 from atlaslab.models.attention import Attention, AttentionConfig, apply_rope, attention_mask, rope_angles
-from atlaslab.weight_decay import exempt_from_weight_decay
-from atlaslab.models.layers import OUTPUT_GATE_ACTS, gated_head_output
+from atlaslab.models.layers import OUTPUT_GATE_ACTS, RMSNorm, gated_head_output
 from atlaslab.registry import ConfigError, check_choice, check_range, register
 
 FORMS = ("attention", "memory")
@@ -68,19 +67,6 @@ class ForgettingAttentionConfig(AttentionConfig):
         check_choice("mode", self.mode, ("chunked", "recurrent"))
         check_choice("output_gate_act", self.output_gate_act, OUTPUT_GATE_ACTS)
         check_range("chunk_size", self.chunk_size, 1, None)
-
-
-class HeadRMSNorm(nn.Module):
-    """RMSNorm over each head's D channels of ``[B, T, H, D]``, with a learned scale per head and channel."""
-
-    def __init__(self, num_heads: int, head_dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(num_heads, head_dim))
-        exempt_from_weight_decay(self.weight)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), eps=self.eps) * self.weight
 
 
 class TokenShift(nn.Module):
@@ -133,11 +119,11 @@ class ForgettingAttention(Attention):
         self.f_proj = nn.Linear(d_model, H, bias=True)
         with torch.no_grad():
             self.f_proj.bias.fill_(cfg.forget_bias_init)
-        self.q_norm = HeadRMSNorm(H, D) if cfg.qk_norm else None
-        self.k_norm = HeadRMSNorm(H, D) if cfg.qk_norm else None
+        self.q_norm = RMSNorm((H, D)) if cfg.qk_norm else None
+        self.k_norm = RMSNorm((H, D)) if cfg.qk_norm else None
         self.k_shift = TokenShift(d_model, H) if cfg.k_shift else None
         self.v_shift = TokenShift(d_model, H) if cfg.v_shift else None
-        self.out_norm = HeadRMSNorm(H, D) if cfg.output_norm else None
+        self.out_norm = RMSNorm((H, D)) if cfg.output_norm else None
         self.g_proj = nn.Linear(d_model, H * D, bias=False) if cfg.output_gate else None
         self.parts = build_memory(dict(FOX_MEMORY_SPEC, chunk_size=cfg.chunk_size), H, D, D) \
             if cfg.form == "memory" else None
@@ -198,5 +184,5 @@ class ForgettingAttention(Attention):
         return self.state_size_per_token() * (context or 0) + shifts
 
 
-__all__ = ["FOX_MEMORY_SPEC", "ForgettingAttention", "ForgettingAttentionConfig", "HeadRMSNorm", "TokenShift",
+__all__ = ["FOX_MEMORY_SPEC", "ForgettingAttention", "ForgettingAttentionConfig", "TokenShift",
            "cumulative_bias", "forget_bias"]
