@@ -326,33 +326,46 @@ def test_override_reaches_the_preset_and_its_recorded_config(tmp_path):
     assert "--override mixers.deltanet.output_gate=false" in Path(str(out) + ".md").read_text()
 
 
-#: our deltanet preset configured as fla's DeltaNet layer: fla's β (σ(b_proj x), no bias), no output gate, a fixed
-#: zero initial memory. What stays different: the output norm's gain is per head (fla: one over heads).
-AS_FLA_DELTANET = ["mixers.deltanet.output_gate=false", "mixers.deltanet.gates.lr.use_bias=false",
-                   "mixers.deltanet.gates.lr.weight_init=uniform", "mixers.deltanet.memory.memory.init=zeros"]
+#: our presets configured as fla's layers: fla's β (σ(b_proj x), no bias), a fixed zero initial memory, and fla's
+#: output: no gate (DeltaNet) or a swish gate with values twice the key width (Gated DeltaNet). What stays
+#: different: the output norm's gain is per head (fla: one over heads), and the initialisation.
+AS_FLA = {
+    "deltanet": ["output_gate=false", "gates.lr.use_bias=false", "gates.lr.weight_init=uniform",
+                 "memory.memory.init=zeros"],
+    "gated_deltanet": ["output_gate_act=swish", "value_dim=16", "gates.lr.use_bias=false",
+                       "gates.lr.weight_init=uniform", "memory.memory.init=zeros"],
+}
 
 
-def test_our_deltanet_mixer_configured_as_fla_computes_fla_layer(one_thread, monkeypatch):
-    """With fla's weights copied in, our deltanet mixer (configured as :data:`AS_FLA_DELTANET`, and with fla's
-    output-norm ε: fla normalises S·(D_k^-1/2 q) with ε = 1e-5, i.e. our unscaled read with ε = 1e-5 · D_k) gives
-    fla's DeltaNet layer's output and gradients, so the two differ in initialisation and parameter sharing only.
-    fla's ℓ2 norm x·rsqrt(Σx² + 1e-6) is swapped for ours, x / max(‖x‖, 1e-6), which differs at small ‖x‖; fla's
-    naive recurrence runs in float32, hence the tolerance."""
-    _require("fla_deltanet")
+@pytest.mark.parametrize("preset, fla_kw", [("deltanet", refs.FLA_DELTANET_KW),
+                                            ("gated_deltanet", {"decay": True, "expand_v": 2.0})])
+def test_our_mixer_configured_as_fla_computes_fla_layer(preset, fla_kw, one_thread, monkeypatch):
+    """With fla's weights copied in, our preset's mixer (configured as :data:`AS_FLA`, and with fla's output-norm ε:
+    fla normalises S·(D_k^-1/2 q) with ε = 1e-5, i.e. our unscaled read with ε = 1e-5 · D_k) gives fla's layer's
+    output and gradients, so the two differ in initialisation and parameter sharing only. fla's ℓ2 norm
+    x·rsqrt(Σx² + 1e-6) is swapped for ours, x / max(‖x‖, 1e-6), which differs at small ‖x‖; fla's naive
+    recurrence runs in float32, hence the tolerance."""
+    _require("fla_gated_deltanet" if fla_kw["decay"] else "fla_deltanet")
     from atlaslab.models.presets import build_model, load_preset
     torch.manual_seed(0)
     d, H = 32, 4
     dk = d // H
-    overrides = [f"d_model={d}", f"vocab_size={V}", *AS_FLA_DELTANET, f"mixers.deltanet.output_norm_eps={1e-5 * dk}"]
-    ours = build_model(load_preset("deltanet", overrides)).layers[0].mixer
-    fla = refs.FlaGatedDeltaNetMixer(d, num_heads=H, **refs.FLA_DELTANET_KW)
+    overrides = [f"mixers.{preset}.{o}" for o in AS_FLA[preset] + [f"output_norm_eps={1e-5 * dk}"]]
+    overrides = [o.replace("value_dim=16", f"value_dim={2 * dk}") for o in overrides]
+    ours = build_model(load_preset(preset, [f"d_model={d}", f"vocab_size={V}", *overrides])).layers[0].mixer
+    fla = refs.FlaGatedDeltaNetMixer(d, num_heads=H, **fla_kw)
     monkeypatch.setattr(refs, "_l2norm", lambda x: torch.nn.functional.normalize(x, dim=-1, eps=1e-6))
     with torch.no_grad():
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj") + (("g_proj",) if fla.g_proj is not None else ()):
             getattr(ours, name).weight.copy_(getattr(fla, name).weight)
         for name in ("q", "k", "v"):
             getattr(ours, f"{name}_conv").conv.weight.copy_(getattr(fla, f"{name}_conv").conv.weight)
         ours.gate_nets["lr"].proj.weight.copy_(fla.b_proj.weight)
+        if fla.decay:
+            decay = ours.gate_nets["retention"]
+            decay.proj.weight.copy_(fla.a_proj.weight)
+            decay.a_log.copy_(fla.A_log)
+            decay.dt_bias.copy_(fla.dt_bias)
         fla.o_norm_weight.uniform_(0.5, 1.5)
         ours.out_norm.weight.copy_(fla.o_norm_weight.expand_as(ours.out_norm.weight))
     ours, fla = ours.double(), fla.double()
@@ -367,3 +380,5 @@ def test_our_deltanet_mixer_configured_as_fla_computes_fla_layer(one_thread, mon
     torch.testing.assert_close(xo.grad, xf.grad, **tol)
     torch.testing.assert_close(ours.gate_nets["lr"].proj.weight.grad, fla.b_proj.weight.grad, **tol)
     torch.testing.assert_close(ours.out_norm.weight.grad.sum(0), fla.o_norm_weight.grad, **tol)
+    if fla.decay:
+        torch.testing.assert_close(ours.gate_nets["retention"].a_log.grad, fla.A_log.grad, **tol)
