@@ -8,7 +8,7 @@
   :class:`~atlaslab.tasks.Task` or a task node (``{name: mqar, …}``). The task may wrap the model with a
   head (MAD compression); the wrapped module is what is trained, checkpointed and returned as
   ``result.model``.
-* AdamW (decay on ≥2-D tensors only), linear warm-up then cosine / linear / constant schedule (the
+* AdamW (decay on weight matrices only, never on norm gains: :mod:`atlaslab.weight_decay`), linear warm-up then cosine / linear / constant schedule (the
   learning rate is a pure function of the step), global-norm gradient clipping, bf16 autocast on CUDA
   when ``precision: bf16``.
 * Data: the batch of step ``s`` is ``task.batch("train", s, batch_size, seed)``, a pure function, so
