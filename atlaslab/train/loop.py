@@ -9,8 +9,8 @@
   head (MAD compression); the wrapped module is what is trained, checkpointed and returned as
   ``result.model``.
 * AdamW (decay on weight matrices only, never on norm gains: :mod:`atlaslab.weight_decay`), linear warm-up then
-  cosine / linear / constant schedule (the learning rate is a pure function of the step), global-norm gradient clipping, bf16 autocast on CUDA
-  when ``precision: bf16``.
+  cosine / linear / constant schedule (the learning rate is a pure function of the step), global-norm gradient
+  clipping, bf16 autocast on CUDA when ``precision: bf16``.
 * Data: the batch of step ``s`` is ``task.batch("train", s, batch_size, seed)``, a pure function, so
   there is no data-loader state. :func:`train` seeds torch's global RNG with ``cfg.seed`` at the start of
   a fresh run (before a task head is built); evaluation runs under a forked RNG so it never shifts it.
