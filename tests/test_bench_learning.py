@@ -219,18 +219,18 @@ def test_reuse_spans_options_added_since_the_run_at_their_defaults(tmp_path):
     """A run recorded before an option existed stands for the current config while that option keeps its default,
     not once an --override sets it otherwise; a field the run had and the current config lacks never matches."""
     s = bl.SETTINGS["hard"]
-    job = {"kind": "preset", "name": "deltanet", "setting": s, "overrides": []}
+    job = {"kind": "preset", "name": "gated_deltanet", "setting": s, "overrides": []}
     now = bl.preset_config(job)
     recorded = json.loads(json.dumps(now))
-    del recorded["mixers"]["deltanet"]["gates"]["lr"]["use_bias"]            # as before use_bias existed
+    del recorded["mixers"]["gated_deltanet"]["gates"]["lr"]["use_bias"]            # as before use_bias existed
     prev = {bl._job_key({**job, "seed": 0, "steps": 1500, "model_config": recorded}): {"status": "completed"}}
     run = lambda cfg: {**job, "seed": 0, "steps": 1500, "model_config": cfg}   # noqa: E731
     assert bl._find_previous(prev, run(now), now) == {"status": "completed"}
-    no_bias = bl.preset_config({**job, "overrides": ["mixers.deltanet.gates.lr.use_bias=false"]})
+    no_bias = bl.preset_config({**job, "overrides": ["mixers.gated_deltanet.gates.lr.use_bias=false"]})
     assert bl._find_previous(prev, run(no_bias), now) is None
     assert bl._find_previous(prev, {**run(now), "seed": 1}, now) is None
     extra = json.loads(json.dumps(recorded))
-    extra["mixers"]["deltanet"]["retired_option"] = 1
+    extra["mixers"]["gated_deltanet"]["retired_option"] = 1
     prev = {bl._job_key({**job, "seed": 0, "steps": 1500, "model_config": extra}): {"status": "completed"}}
     assert bl._find_previous(prev, run(now), now) is None
 
