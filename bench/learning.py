@@ -315,7 +315,8 @@ def write_report(data: Dict[str, Any], out: Path) -> str:
               f"process. Started {data['started']}."), "",
              (f"Setting `{data['setting_name']}`: MQAR vocab {s['vocab_size']}, T = {s['seq_len']}, "
               f"{s['num_kv_pairs']} key-value pairs; d_model {s['d_model']}, {s['num_layers']} layers; batch "
-              f"{s['batch_size']}, AdamW lr {s['lr']:g} (weight decay 0.1 on weight matrices, not norm gains, grad clip 1), "
+              f"{s['batch_size']}, AdamW lr {s['lr']:g} (weight decay 0.1 on weight matrices, not norm gains, "
+              "grad clip 1), "
               f"linear warm-up {s['warmup_steps']} steps then {s.get('schedule', 'constant')}; eval every "
               f"{s['eval_interval']} steps on "
               f"{s['eval_examples']} validation examples; up to {data['steps']} steps, early stop at val accuracy "

@@ -43,7 +43,8 @@ def associative_read(A: torch.Tensor, z: torch.Tensor, phi: torch.Tensor, eps: f
 
 
 def associative_write(A: torch.Tensor, z: torch.Tensor, phi: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
-                      correction: bool = True, eps: float = EPS, floor: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
+                      correction: bool = True, eps: float = EPS,
+                      floor: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
     """One segment's write of N tokens (``phi: [b, n, h, f]``, ``v: [b, n, h, e]``, ``beta: [b, n, h]``) → new A, z.
 
     A ← A + Σ_i β_i (v_i − v̄_i) φ_iᵀ with v̄_i read (with ``floor``) from the segment-start A, z;

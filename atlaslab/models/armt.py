@@ -16,10 +16,11 @@ The paper's: memory tokens appended to every segment; A, z per layer written by 
 after the layer; the read added to every token's hidden state (memory tokens too) before attention; W_q, W_k, W_v,
 W_β learned (W_v zero at init, β per memory head, no output projection: the value width is d_model); DPFP ν = 3;
 unit features, γ clipped to [0, 1] and held constant, ε = 1e-5 (the authors' code). ``read_floor: 1`` bounds the
-read (A φ / max(zᵀφ + ε, 1), see :mod:`atlaslab.memory.associative`), a labelled departure from the authors. Ours: the block sits in our
-small Llama-style LM in place of a mixer, so it reads from the pre-normed input, its memory tokens are per layer
-(learnable, not threaded through the whole stack) and are written from the block's residual (no MLP), and a
-partial segment is kept in the state (``pending``) so chained calls equal one call at any boundary.
+read (A φ / max(zᵀφ + ε, 1), see :mod:`atlaslab.memory.associative`), a labelled departure from the authors.
+Ours: the block sits in our small Llama-style LM in place of a mixer, so it reads from the pre-normed input, its
+memory tokens are per layer (learnable, not threaded through the whole stack) and are written from the block's
+residual (no MLP), and a partial segment is kept in the state (``pending``) so chained calls equal one call at any
+boundary.
 
 ``memory_flow: through_stack`` is the authors' arrangement instead: one set of memory tokens joins each complete
 segment at the embedding and runs up the whole stack (every layer's attention and MLP), and each layer writes its

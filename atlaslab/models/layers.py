@@ -232,7 +232,9 @@ class MemoryLayerConfig(PartConfig):
         if self.value_dim is not None:
             check_range("value_dim", self.value_dim, 1, None)
         check_range("conv_size", self.conv_size, 1, None)
-        check_range("output_norm_eps", self.output_norm_eps, 0.0, None)
+        if not self.output_norm_eps > 0:
+            raise ConfigError("output_norm_eps", f"bad value {self.output_norm_eps!r}: must be > 0 (a zero read would "
+                                                 "divide 0 by 0).", value=self.output_norm_eps)
         if self.output_gate_act not in OUTPUT_GATE_ACTS:
             raise ConfigError("output_gate_act", f"unknown activation {self.output_gate_act!r}.",
                               value=self.output_gate_act, choices=list(OUTPUT_GATE_ACTS))

@@ -269,7 +269,7 @@ def test_read_floor_reaches_the_block_and_is_validated():
     block = make(read_floor=1.0)
     h = torch.randn(2, 5, block.d_model, dtype=F64)
     A = torch.randn(2, block.memory_heads, block.value_dim, block.num_features, dtype=F64)
-    z = torch.zeros(2, block.memory_heads, block.num_features, dtype=F64)                   # nothing seen: the floor decides
+    z = torch.zeros(2, block.memory_heads, block.num_features, dtype=F64)    # nothing seen: the floor decides
     phi = block.features(h, block.mem_q)
     torch.testing.assert_close(block.read(h, A, z), torch.einsum("bhef,bnhf->bnhe", A, phi).reshape(h.shape))
 

@@ -315,6 +315,7 @@ def test_log_decay_gate_spreads_the_heads_forgetting_rates():
     ({"gates": {"lr": {"weight_init": "xavier"}}}, "gates.lr.weight_init"),
     ({"gates": {"lr": {"use_bias": False, "input_dependent": False}}}, "gates.lr.use_bias"),
     ({"output_norm_eps": -1e-6}, "output_norm_eps"),
+    ({"output_norm_eps": 0.0}, "output_norm_eps"),
 ])
 def test_gate_options_are_validated_with_their_path(node, path):
     with pytest.raises(ConfigError, match=path.replace(".", r"\.")) as err:
