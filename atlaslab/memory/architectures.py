@@ -23,7 +23,7 @@ from torch import nn
 
 from atlaslab.memory.fast_weights import apply_linear
 from atlaslab.registry import ConfigError, PartConfig, check_choice, check_range, register
-from atlaslab.weight_decay import exempt_from_weight_decay
+from atlaslab.registry.weight_decay import exempt_from_weight_decay
 
 Weights = Dict[str, torch.Tensor]
 

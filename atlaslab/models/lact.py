@@ -44,7 +44,7 @@ from atlaslab.memory.spec import MemoryParts, MemorySpec, resolve_memory_spec
 from atlaslab.models.attention import apply_rope, attention_mask, head_layout, rope_angles
 from atlaslab.models.layers import RMSNorm, _logit, _softplus_inv
 from atlaslab.registry import ConfigError, PartConfig, check_choice, check_range, register, to_container
-from atlaslab.weight_decay import exempt_from_weight_decay
+from atlaslab.registry.weight_decay import exempt_from_weight_decay
 
 #: LaCT's fast-weight memory: SwiGLU fast weights, negative dot-product loss, one Muon step per chunk with LaCT's
 #: Newton–Schulz schedule (η = 1: the step size is the per-token γ inside the sum), weight norm, apply-then-update.

@@ -53,7 +53,7 @@ from atlaslab.engines.packed import check_cu_seqlens, sequence_positions, stack_
 from atlaslab.memory.spec import MemoryParts, MemorySpec, resolve_memory_spec
 from atlaslab.models.attention import head_layout
 from atlaslab.registry import ConfigError, PartConfig, check_range, register
-from atlaslab.weight_decay import exempt_from_weight_decay
+from atlaslab.registry.weight_decay import exempt_from_weight_decay
 
 GATES = ("lr", "retention", "momentum", "window", "delta")
 GATE_FORMS = {"retention": ("sigmoid", "log_decay"), "other": ("sigmoid",)}

@@ -1,4 +1,5 @@
-"""Component registries, structured configs and validation."""
+"""Component registries, structured configs and validation, and what a part declares about its parameters
+(:mod:`.weight_decay`: which ones the optimizer must not decay)."""
 from atlaslab.registry.config import (build_part, check_choice, check_range, local_path, resolve_part, to_container,
                                       validate_structured)
 from atlaslab.registry.errors import ConfigError

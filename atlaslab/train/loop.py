@@ -8,9 +8,9 @@
   :class:`~atlaslab.tasks.Task` or a task node (``{name: mqar, …}``). The task may wrap the model with a
   head (MAD compression); the wrapped module is what is trained, checkpointed and returned as
   ``result.model``.
-* AdamW (decay on weight matrices only, never on norm gains: :mod:`atlaslab.weight_decay`), linear warm-up then
-  cosine / linear / constant schedule (the learning rate is a pure function of the step), global-norm gradient
-  clipping, bf16 autocast on CUDA when ``precision: bf16``.
+* AdamW (decay on weight matrices only, never on norm gains: :mod:`atlaslab.registry.weight_decay`), linear
+  warm-up then cosine / linear / constant schedule (the learning rate is a pure function of the step), global-norm
+  gradient clipping, bf16 autocast on CUDA when ``precision: bf16``.
 * Data: the batch of step ``s`` is ``task.batch("train", s, batch_size, seed)``, a pure function, so
   there is no data-loader state. :func:`train` seeds torch's global RNG with ``cfg.seed`` at the start of
   a fresh run (before a task head is built); evaluation runs under a forked RNG so it never shifts it.
@@ -55,7 +55,7 @@ from atlaslab.registry import ConfigError
 from atlaslab.tasks.base import Task, build_task, forward_batch
 from atlaslab.train.config import TrainConfig, config_diff, lr_at, resolve_train_config
 from atlaslab.train.parallel import DataParallel
-from atlaslab.weight_decay import takes_weight_decay
+from atlaslab.registry.weight_decay import takes_weight_decay
 
 Callback = Callable[[Dict[str, float], int], Optional[bool]]
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -120,8 +120,8 @@ def num_parameters(module: nn.Module) -> int:
 
 
 def make_optimizer(module: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with ``cfg.weight_decay`` on weight matrices only (:func:`atlaslab.weight_decay.takes_weight_decay`:
-    never on biases, norm gains and other parameters marked exempt)."""
+    """AdamW with ``cfg.weight_decay`` on weight matrices only (``takes_weight_decay`` of
+    :mod:`atlaslab.registry.weight_decay`: never on biases, norm gains and other parameters marked exempt)."""
     decay, no_decay = [], []
     for p in module.parameters():
         if p.requires_grad:
