@@ -222,7 +222,7 @@ def test_reuse_spans_options_added_since_the_run_at_their_defaults(tmp_path):
     job = {"kind": "preset", "name": "gated_deltanet", "setting": s, "overrides": []}
     now = bl.preset_config(job)
     recorded = json.loads(json.dumps(now))
-    del recorded["mixers"]["gated_deltanet"]["gates"]["lr"]["use_bias"]            # as before use_bias existed
+    del recorded["mixers"]["gated_deltanet"]["gates"]["lr"]["use_bias"]      # as before use_bias existed
     prev = {bl._job_key({**job, "seed": 0, "steps": 1500, "model_config": recorded}): {"status": "completed"}}
     run = lambda cfg: {**job, "seed": 0, "steps": 1500, "model_config": cfg}   # noqa: E731
     assert bl._find_previous(prev, run(now), now) == {"status": "completed"}
@@ -327,13 +327,13 @@ def test_override_reaches_the_preset_and_its_recorded_config(tmp_path):
 
 
 #: our presets configured as fla's layers: fla's β (σ(b_proj x), no bias), a fixed zero initial memory, and fla's
-#: output: no gate (DeltaNet) or a swish gate with values twice the key width (Gated DeltaNet). What stays
-#: different: the output norm's gain is per head (fla: one over heads), and the initialisation.
+#: output: no gate (DeltaNet) or a swish gate (Gated DeltaNet, whose values are also twice the key width: set in the
+#: test). What stays different: the output norm's gain is per head (fla: one over heads), and the initialisation.
 AS_FLA = {
     "deltanet": ["output_gate=false", "gates.lr.use_bias=false", "gates.lr.weight_init=uniform",
                  "memory.memory.init=zeros"],
-    "gated_deltanet": ["output_gate_act=swish", "value_dim=16", "gates.lr.use_bias=false",
-                       "gates.lr.weight_init=uniform", "memory.memory.init=zeros"],
+    "gated_deltanet": ["output_gate_act=swish", "gates.lr.use_bias=false", "gates.lr.weight_init=uniform",
+                       "memory.memory.init=zeros"],
 }
 
 
@@ -350,8 +350,8 @@ def test_our_mixer_configured_as_fla_computes_fla_layer(preset, fla_kw, one_thre
     torch.manual_seed(0)
     d, H = 32, 4
     dk = d // H
-    overrides = [f"mixers.{preset}.{o}" for o in AS_FLA[preset] + [f"output_norm_eps={1e-5 * dk}"]]
-    overrides = [o.replace("value_dim=16", f"value_dim={2 * dk}") for o in overrides]
+    value_width = [f"value_dim={int(dk * fla_kw['expand_v'])}"]
+    overrides = [f"mixers.{preset}.{o}" for o in AS_FLA[preset] + value_width + [f"output_norm_eps={1e-5 * dk}"]]
     ours = build_model(load_preset(preset, [f"d_model={d}", f"vocab_size={V}", *overrides])).layers[0].mixer
     fla = refs.FlaGatedDeltaNetMixer(d, num_heads=H, **fla_kw)
     monkeypatch.setattr(refs, "_l2norm", lambda x: torch.nn.functional.normalize(x, dim=-1, eps=1e-6))
