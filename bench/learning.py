@@ -15,7 +15,8 @@ atlaslab's own ``train`` with the same settings, so the batch of step s is the s
 (model, seed) run is a fresh interpreter with one torch thread (``--parallel N`` runs N at a time); a run that
 fails, diverges or times out is recorded as such and the bench goes on. The results (``<out>.json`` and
 ``<out>.md``, default bench/results/learning_<setting>_cpu, learning_cpu for ``calibration``) are rewritten after
-every run.
+every run. Each run records the training loop's revision (``atlaslab.train.TRAINING_REVISION``); ``--reuse`` takes
+an older revision's run only where the loop's changes since leave that model's training as it was.
 
 Per model: final validation accuracy (the last evaluation) and the steps to 90% validation accuracy (the
 first evaluation at ≥ 0.9, so a multiple of the eval interval), mean ± std over the seeds (sample std, 0 for
@@ -136,7 +137,7 @@ def worker(job: Dict[str, Any]) -> Dict[str, Any]:
     """Train one (model, seed); prints ``PROGRESS …`` lines, returns the record."""
     import torch
     torch.set_num_threads(1)
-    from atlaslab.train.loop import train
+    from atlaslab.train.loop import TRAINING_REVISION, train
     label = f"{job['name']} seed {job['seed']}"
     config = preset_config(job) if job["kind"] == "preset" else None
     model, state = build_model(job, config)
@@ -152,7 +153,7 @@ def worker(job: Dict[str, Any]) -> Dict[str, Any]:
 
     r = train(model, task_node(job["setting"]), train_config(job["setting"], job["seed"], job["steps"]), callback=cb)
     return {"status": r.status, "message": r.message, "steps": r.steps, "wall_s": r.wall_time_s,
-            "num_parameters": params, "state_size": state,
+            "num_parameters": params, "state_size": state, "train_revision": TRAINING_REVISION,
             **({"model_config": config} if config is not None else {}),
             "history": [{k: v for k, v in h.items() if k in ("step", "val/accuracy", "train/loss")}
                         for h in r.history if "val/accuracy" in h]}
@@ -439,7 +440,24 @@ def _config_matches(old: Any, new: Any, baseline: Any) -> bool:
 def _find_previous(previous: Dict[str, Dict[str, Any]], job: Dict[str, Any],
                    baseline: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
     """The earlier run that stands for ``job``: the one with its exact key, else (presets) one of the same name,
-    seed, steps and setting whose recorded config matches by :func:`_config_matches`."""
+    seed, steps and setting whose recorded config matches by :func:`_config_matches`; in both cases only if the
+    training loop has not changed since, for this model (:func:`atlaslab.train.revision_changes_training`; a run
+    that recorded no ``train_revision`` is of revision 1)."""
+    rec = _same_job(previous, job, baseline)
+    if rec is None or rec.get("train_revision", 1) == _training_revision():
+        return rec
+    from atlaslab.train import revision_changes_training
+    model, _ = build_model(job, job.get("model_config"))
+    return None if revision_changes_training(rec.get("train_revision", 1), model) else rec
+
+
+def _training_revision() -> int:
+    from atlaslab.train import TRAINING_REVISION
+    return TRAINING_REVISION
+
+
+def _same_job(previous: Dict[str, Dict[str, Any]], job: Dict[str, Any],
+              baseline: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
     rec = previous.get(_job_key(job))
     if rec is not None or job["kind"] != "preset" or baseline is None:
         return rec

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from atlaslab.train import TRAINING_REVISION
+
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
@@ -223,16 +225,32 @@ def test_reuse_spans_options_added_since_the_run_at_their_defaults(tmp_path):
     now = bl.preset_config(job)
     recorded = json.loads(json.dumps(now))
     del recorded["mixers"]["gated_deltanet"]["gates"]["lr"]["use_bias"]      # as before use_bias existed
-    prev = {bl._job_key({**job, "seed": 0, "steps": 1500, "model_config": recorded}): {"status": "completed"}}
+    done = {"status": "completed", "train_revision": TRAINING_REVISION}
+    prev = {bl._job_key({**job, "seed": 0, "steps": 1500, "model_config": recorded}): done}
     run = lambda cfg: {**job, "seed": 0, "steps": 1500, "model_config": cfg}   # noqa: E731
-    assert bl._find_previous(prev, run(now), now) == {"status": "completed"}
+    assert bl._find_previous(prev, run(now), now) == done
     no_bias = bl.preset_config({**job, "overrides": ["mixers.gated_deltanet.gates.lr.use_bias=false"]})
     assert bl._find_previous(prev, run(no_bias), now) is None
     assert bl._find_previous(prev, {**run(now), "seed": 1}, now) is None
     extra = json.loads(json.dumps(recorded))
     extra["mixers"]["gated_deltanet"]["retired_option"] = 1
-    prev = {bl._job_key({**job, "seed": 0, "steps": 1500, "model_config": extra}): {"status": "completed"}}
+    prev = {bl._job_key({**job, "seed": 0, "steps": 1500, "model_config": extra}): done}
     assert bl._find_previous(prev, run(now), now) is None
+
+
+def test_reuse_skips_runs_that_the_training_loop_has_changed_since():
+    """A run of an older training revision stands for a job only if the loop's changes since then leave that
+    model's training as it was: revision 1 decayed the gated_deltanet preset's [H, D] output-norm gains (so its run
+    is retrained), and treats every parameter of the softmax reference as revision 2 does (so its run is kept)."""
+    s = bl.SETTINGS["calibration"]
+    job = {"kind": "preset", "name": "gated_deltanet", "setting": s, "overrides": [], "seed": 0, "steps": 600}
+    job["model_config"] = config = bl.preset_config(job)
+    old = {"status": "completed"}                                   # recorded no revision: revision 1
+    assert bl._find_previous({bl._job_key(job): old}, job, config) is None
+    current = {**old, "train_revision": TRAINING_REVISION}
+    assert bl._find_previous({bl._job_key(job): current}, job, config) == current
+    ref = {"kind": "ref", "name": "softmax_transformer", "seed": 0, "steps": 600, "setting": s, "ref_kwargs": {}}
+    assert bl._find_previous({bl._job_key(ref): old}, ref, None) == old
 
 
 def test_report_labels_probes_as_probes(tmp_path):

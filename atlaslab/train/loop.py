@@ -119,6 +119,24 @@ def num_parameters(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
+#: Bumped whenever the loop changes what training computes for an unchanged model and config, so that a
+#: benchmark never reuses a run recorded under older rules as if it were current (see
+#: :func:`revision_changes_training`). History: 1, until 2026-12-05; 2, weight decay skips the parameters marked
+#: exempt (norm gains of shape ``[H, D]``), where revision 1 decayed every tensor of two or more dimensions.
+TRAINING_REVISION = 2
+
+
+def revision_changes_training(old_revision: int, module: nn.Module) -> bool:
+    """Would training ``module`` now compute something other than it did under ``old_revision``? False only
+    when every change since then leaves this module's training as it was (revision 1 → 2: both weight-decay
+    rules pick the same parameters)."""
+    if old_revision == TRAINING_REVISION:
+        return False
+    if old_revision == 1:
+        return any(takes_weight_decay(p) != (p.ndim >= 2) for p in module.parameters() if p.requires_grad)
+    return True
+
+
 def make_optimizer(module: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW with ``cfg.weight_decay`` on weight matrices only (``takes_weight_decay`` of
     :mod:`atlaslab.registry.weight_decay`: never on biases, norm gains and other parameters marked exempt)."""
