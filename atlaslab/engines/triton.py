@@ -63,23 +63,34 @@ def explain(parts, q: torch.Tensor, chunk_size: int) -> Optional[str]:
     return device_ok(q) or spec_reason(parts, chunk_size)
 
 
+def _linear_kernels(kind: str, block_size: int):
+    """The delta-rule kernel ``kind`` (``chunk`` or ``fused_recurrent``), its Omega-window twin, and their extra
+    options (the chunk kernels' compute block)."""
+    if kind == "chunk":
+        from atlaslab.kernels.delta_rule.chunk import chunk_delta_rule as kernel
+        from atlaslab.kernels.window_rule.chunk import chunk_window_rule as window_kernel
+        return kernel, window_kernel, dict(chunk_size=min(64, max(16, int(block_size))))
+    from atlaslab.kernels.delta_rule.fused_recurrent import fused_recurrent_delta_rule as kernel
+    from atlaslab.kernels.window_rule.fused_recurrent import fused_recurrent_window_rule as window_kernel
+    return kernel, window_kernel, {}
+
+
+def _decay(parts, gates):
+    """``(alpha, placement)`` for a kernel: the retention gate α ``[B, T, H(, D_k)]`` when the retention uses one
+    (else None), and its placement (``after_step`` without α: the kernels then ignore it)."""
+    ret = parts.retention
+    alpha = gates.retention if (ret.uses_alpha and gates.retention is not None) else None
+    return alpha, (ret.placement if alpha is not None else "after_step")
+
+
 def _engine(kind: str) -> Callable:
     """A ``MODES``-style engine over the kernel ``kind`` (``fused_recurrent`` or ``chunk``)."""
 
     def run(q, k, v, parts, gates, chunk_size, state, block_size: int = 64, **engine_options):
         # engine_options (e.g. ``checkpoint``) concern the torch engines; the kernels recompute in backward anyway
-        if kind == "chunk":
-            from atlaslab.kernels.delta_rule.chunk import chunk_delta_rule as kernel
-            from atlaslab.kernels.window_rule.chunk import chunk_window_rule as window_kernel
-            extra = dict(chunk_size=min(64, max(16, int(block_size))))
-        else:
-            from atlaslab.kernels.delta_rule.fused_recurrent import fused_recurrent_delta_rule as kernel
-            from atlaslab.kernels.window_rule.fused_recurrent import fused_recurrent_window_rule as window_kernel
-            extra = {}
+        kernel, window_kernel, extra = _linear_kernels(kind, block_size)
         state = dataclasses.replace(state)
-        ret = parts.retention
-        alpha = gates.retention if (ret.uses_alpha and gates.retention is not None) else None
-        placement = ret.placement if alpha is not None else "after_step"
+        alpha, placement = _decay(parts, gates)
         fm = parts.feature_map
         opts = dict(bias=parts.spec.attentional_bias.name, placement=placement, read=parts.read, **extra)
         c = parts.window.size
@@ -169,7 +180,7 @@ def memorize_chunk_momentum(q, k, v, parts, gates, chunk_size, state, block_size
     state = dataclasses.replace(state)
     T = q.shape[1]
     fm, ret = parts.feature_map, parts.retention
-    alpha = gates.retention if (ret.uses_alpha and gates.retention is not None) else None
+    alpha, _ = _decay(parts, gates)
     beta = gates.lr * gates.window                    # c = 1: the window gate scales the step
     o, M, S, anchor = chunk_momentum(fm(q), fm(k), v, beta, gates.momentum, alpha, state.weights["W"],
                                      state.momentum["W"], chunk_size=b, bias=parts.spec.attentional_bias.name,
@@ -213,9 +224,8 @@ def memorize_fused_recurrent_momentum(q, k, v, parts, gates, chunk_size, state, 
     if T == 0:
         return memorize_chunked(q, k, v, parts, gates, b, state, block_size=block_size, **engine_options)
     state = dataclasses.replace(state)
-    fm, ret = parts.feature_map, parts.retention
-    alpha = gates.retention if (ret.uses_alpha and gates.retention is not None) else None
-    placement = ret.placement if alpha is not None else "after_step"
+    fm = parts.feature_map
+    alpha, placement = _decay(parts, gates)
     beta = gates.lr * gates.window                    # c = 1: the window gate scales the step
     W = state.weights["W"]
     anchor = state.anchor["W"] if state.anchor is not None else W
@@ -413,8 +423,7 @@ def _run_packed(kind: str, q, k, v, parts, gates, chunk_size: int, states, offse
     """Run one packed call on the ``kind`` kernel with ``cu_seqlens`` → ``(o, N final states)``."""
     cu = torch.tensor(offsets, device=q.device, dtype=torch.long)
     fm, ret = parts.feature_map, parts.retention
-    alpha = gates.retention if (ret.uses_alpha and gates.retention is not None) else None
-    placement = ret.placement if alpha is not None else "after_step"
+    alpha, placement = _decay(parts, gates)
     bias = parts.spec.attentional_bias.name
     W0 = packed.stack_weights(states, "weights")
     if kind == "chunk_momentum":
@@ -430,14 +439,7 @@ def _run_packed(kind: str, q, k, v, parts, gates, chunk_size: int, states, offse
         else:
             chunk_alpha = torch.cat([torch.ones_like(s.chunk_alpha) for s in states], 0)
         return o, _finish_sequences(parts, states, offsets, k, v, gates, M, S, anchor, chunk_alpha)
-    if kind == "chunk":
-        from atlaslab.kernels.delta_rule.chunk import chunk_delta_rule as kernel
-        from atlaslab.kernels.window_rule.chunk import chunk_window_rule as window_kernel
-        extra = dict(chunk_size=min(64, max(16, int(block_size))))
-    else:
-        from atlaslab.kernels.delta_rule.fused_recurrent import fused_recurrent_delta_rule as kernel
-        from atlaslab.kernels.window_rule.fused_recurrent import fused_recurrent_window_rule as window_kernel
-        extra = {}
+    kernel, window_kernel, extra = _linear_kernels(kind, block_size)
     opts = dict(bias=bias, placement=placement, read=parts.read, cu_seqlens=cu, **extra)
     c = parts.window.size
     if c == 1:

@@ -1,7 +1,7 @@
 """Chunk-parallel Triton kernels of the Omega-window rule (c ≤ 8 window slots per token, b = 1), forward and backward.
 
-The delta rule's stages (:mod:`atlaslab.kernels.delta_rule.chunk`, whose jit bodies these kernels reuse as their
-C > 1 case) with the L·c window slots of a chunk as the rows of the UT system, decays and causal masks taken at the
+The delta rule's stages (the shared jit bodies of :mod:`atlaslab.kernels.common`, whose C > 1 case these kernels
+run) with the L·c window slots of a chunk as the rows of the UT system, decays and causal masks taken at the
 slots' tokens; ``_win_cw_*`` for channel-wise decay. The math is :func:`.naive.window_rule_chunk`
 (docs/kernels.md#window-rule). Slots come from :func:`.naive.window_slots`: with ``cu_seqlens`` the kernels trust
 its zero coefficients before each sequence's start. Here: the window UT body (``_win_ut``) and the per-head output
@@ -25,10 +25,13 @@ except ImportError:  # pragma: no cover
     triton = None
 
 if triton is not None:
-    # the shared stage bodies and pieces (C = 1 and window, per-head and channel-wise decay) live in delta_rule.chunk
-    from atlaslab.kernels.delta_rule.chunk import (causal_mask, chunk_span, dh_sweep, grad_channel, grad_per_head,
-                                                   load_gates, load_tile, load_vec, out_chunk, read_gate, read_scores,
-                                                   slot_rows, slot_tokens, state_sweep, token_rows, ut_solve)
+    # the shared stage bodies and pieces (C = 1 and window, per-head and channel-wise decay): kernels/common
+    from atlaslab.kernels.common.chunk_grad import grad_channel, grad_per_head
+    from atlaslab.kernels.common.chunk_h import dh_sweep, state_sweep
+    from atlaslab.kernels.common.chunk_o import out_chunk, read_scores
+    from atlaslab.kernels.common.chunk_ut import ut_solve
+    from atlaslab.kernels.common.index import (causal_mask, chunk_span, load_gates, load_tile, load_vec, read_gate,
+                                               slot_rows, slot_tokens, token_rows)
 
     @triton.jit
     def _win_ut(xs, vs, coef, la, g, u_out, wk_out, ainv_out, cu_seqlens, chunk_indices, T, NT, H: tl.constexpr,
@@ -36,7 +39,7 @@ if triton is not None:
                 BS: tl.constexpr, BK: tl.constexpr, BVV: tl.constexpr, HAS_ALPHA: tl.constexpr, BEFORE: tl.constexpr,
                 STORE_AINV: tl.constexpr, CHANNEL: tl.constexpr, PRECISION: tl.constexpr):
         """Stage 1 (ℓ2 only) of the window kernels, per chunk × head: the UT system of the chunk's BT·C slots
-        (:func:`.chunk._ut_solve`), decays at the slots' tokens (g given, ``[B, T, H(, K)]``; G = g before_step,
+        (:func:`.common.chunk_ut.ut_solve`), decays at the slots' tokens (g given, ``[B, T, H(, K)]``; G = g before_step,
         g − log α after_step)."""
         i_c = tl.program_id(0)            # global chunk index: all chunks of all sequences in one launch
         i_h = tl.program_id(1)
@@ -88,7 +91,7 @@ if triton is not None:
                           H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
                           V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr, HAS_H0: tl.constexpr, IS_L2: tl.constexpr, PRECISION: tl.constexpr):
-        """Stage 2 (:func:`.chunk._state_sweep` on the slots), per value block × head, sequential over chunks:
+        """Stage 2 (:func:`.common.chunk_h.state_sweep` on the slots), per value block × head, sequential over chunks:
         w = u − w_k S_0ᵀ (dot: coef v), stores the chunk-start states, S ← e^{g_L} S + Σ_r e^{g_L − g_τr} w_r x_rᵀ."""
         state_sweep(xs, vs, coef, g, u, wk, h0, w_out, hs, ht, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K,
                      V, C, BT, BS, BK, BV, HAS_H0, IS_L2, False, PRECISION)
@@ -99,7 +102,7 @@ if triton is not None:
                         C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                         HAS_ALPHA: tl.constexpr, READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
         """Stage 3, per value block × chunk × head: o = e^{gq} (q S_0ᵀ) + [m e^{gq_t − g_τr} q_t·x_r] w (the
-        pieces of :func:`.chunk._out_chunk`, in this kernel's order of loads)."""
+        pieces of :func:`.common.chunk_o.out_chunk`, in this kernel's order of loads)."""
         i_v = tl.program_id(0)
         i_c = tl.program_id(1)
         i_h = tl.program_id(2)
@@ -133,7 +136,7 @@ if triton is not None:
                            V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
                            BV: tl.constexpr, HAS_ALPHA: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
                            IS_L2: tl.constexpr, READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
-        """Reverse sweep over chunks (:func:`.chunk._dh_sweep`, value block × head): dw = Pᵀ do + e^{g_L − g_τ} ⊙
+        """Reverse sweep over chunks (:func:`.common.chunk_h.dh_sweep`, value block × head): dw = Pᵀ do + e^{g_L − g_τ} ⊙
         (x dSᵀ) on the slots; dS ← e^{g_L} dS + (e^{gq} ⊙ do)ᵀ q − [l2] dwᵀ w_k."""
         dh_sweep(q, xs, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K, V, C,
                   BT, BS, BK, BV, HAS_ALPHA, HAS_DHT, HAS_H0, IS_L2, READ_TOKEN, False, PRECISION)
@@ -167,7 +170,7 @@ if triton is not None:
                              H: tl.constexpr, IS_VARLEN: tl.constexpr, K: tl.constexpr,
                              V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
                              BV: tl.constexpr, HAS_H0: tl.constexpr, IS_L2: tl.constexpr, PRECISION: tl.constexpr):
-        """Stage 2, channel-wise (:func:`.chunk._state_sweep`), per value block × sequence × head: w = u − w_k S_0ᵀ
+        """Stage 2, channel-wise (:func:`.common.chunk_h.state_sweep`), per value block × sequence × head: w = u − w_k S_0ᵀ
         (dot: coef v), stores the chunk-start states, S ← S Diag(e^{g_L}) + Σ_r w_r (x_r ⊙ e^{g_L − g_τr})ᵀ."""
         state_sweep(xs, vs, coef, g, u, wk, h0, w_out, hs, ht, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K,
                      V, C, BT, BS, BK, BV, HAS_H0, IS_L2, True, PRECISION)
@@ -177,7 +180,7 @@ if triton is not None:
                            IS_VARLEN: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                            C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                            READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
-        """Stage 3, channel-wise (:func:`.chunk._out_chunk`): o = (q ⊙ e^{gq}) S_0ᵀ + P w,
+        """Stage 3, channel-wise (:func:`.common.chunk_o.out_chunk`): o = (q ⊙ e^{gq}) S_0ᵀ + P w,
         P[t, r] = Σ_c q_tc x_rc e^{gq_tc − g_τr,c} (τr ≤ t for read token, < t for read chunk)."""
         out_chunk(q, xs, la, g, w, hs, o, cu_seqlens, chunk_indices, T, NT, H, IS_VARLEN, K, V, C, BT, BS, BK, BV,
                    True, READ_TOKEN, True, PRECISION)
@@ -188,7 +191,7 @@ if triton is not None:
                               V: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
                               BV: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, IS_L2: tl.constexpr,
                               READ_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
-        """Reverse sweep, channel-wise (:func:`.chunk._dh_sweep`): dw = Pᵀ do + (x ⊙ e^{g_L − g_τ}) dSᵀ on the
+        """Reverse sweep, channel-wise (:func:`.common.chunk_h.dh_sweep`): dw = Pᵀ do + (x ⊙ e^{g_L − g_τ}) dSᵀ on the
         slots; dS ← dS Diag(e^{g_L}) + doᵀ (q ⊙ e^{gq}) − [l2] dwᵀ w_k; the last dS is the initial state's."""
         dh_sweep(q, xs, la, g, wk, do, dht, dhs, dw, dh0, cu_seqlens, chunk_offsets, T, NT, H, IS_VARLEN, K, V, C,
                   BT, BS, BK, BV, True, HAS_DHT, HAS_H0, IS_L2, READ_TOKEN, True, PRECISION)
