@@ -28,6 +28,7 @@ import dataclasses
 import fnmatch
 from typing import Any, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -58,7 +59,7 @@ def parse_override(item: Any, path: str = "overrides") -> Tuple[str, Any]:
         raise ConfigError(path, f"an override needs a key, got {item!r}.", value=item)
     try:
         value = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={raw}"]))["v"]
-    except OmegaConfBaseException:
+    except (OmegaConfBaseException, yaml.YAMLError):
         value = raw
     return key, value
 
