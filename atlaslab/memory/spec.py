@@ -21,9 +21,11 @@ PART_KINDS = ("memory", "attentional_bias", "retention", "feature_map", "inner_o
 READS = ("token", "chunk")
 
 
-@dataclass
+@dataclass(frozen=True)
 class MemorySpec:
-    """Typed, validated description of a memory (what ``memorize`` computes).
+    """Typed, validated description of a memory (what ``memorize`` computes): immutable, and valid by construction
+    (make one with :func:`resolve_memory_spec`, which validates a node once; a layer config holds the result, and
+    the layer, the engines and the kernels take it as it is, without checking it again).
 
     ``chunk_size`` is the semantic training chunk b: gradients of every token of a chunk are taken at the
     chunk-start state (docs/concepts/memory.md#training-chunk). ``read``: ``token`` reads M_t after token t's
@@ -123,9 +125,10 @@ def _check_combination(spec: MemorySpec, path: str) -> None:
 
 
 def resolve_memory_spec(node: Any = None, path: str = "memory") -> MemorySpec:
-    """Validate a memory node (dict / DictConfig / MemorySpec) into a :class:`MemorySpec`."""
+    """Validate a memory node (dict / DictConfig) into a :class:`MemorySpec`; a MemorySpec is valid already and is
+    returned as it is."""
     if isinstance(node, MemorySpec):
-        node = {k: getattr(node, k) for k in SPEC_FIELDS}
+        return node
     node = to_container(node) or {}
     if not isinstance(node, Mapping):
         raise ConfigError(path, f"expected a mapping with keys {', '.join(SPEC_FIELDS)}, got {node!r}.")

@@ -110,11 +110,14 @@ class LaCTConfig(PartConfig):
         check_range("rope_base", self.rope_base, 1e-9, None, "must be positive, in")
         check_range("base_lr", self.base_lr, 1e-12, None, "must be positive, in")
         check_choice("mode", self.mode, tuple(MODES))
-        self.memory_spec()   # validates; errors carry the path "memory.…"
+        self.memory = self.memory_spec()   # resolved once, here; errors carry the path "memory.…"
 
     def memory_spec(self) -> MemorySpec:
         """The memory node over :data:`LACT_MEMORY_SPEC`: a part node of the same name (or none) adds its fields to
-        LaCT's, one with another name replaces it, as do ``chunk_size`` and ``read``."""
+        LaCT's, one with another name replaces it, as do ``chunk_size`` and ``read``. Once :meth:`check` has
+        resolved it, the typed spec is returned as it is."""
+        if isinstance(self.memory, MemorySpec):
+            return self.memory
         node = copy.deepcopy(LACT_MEMORY_SPEC)
         for key, value in (to_container(self.memory) or {}).items():
             base = node.get(key)

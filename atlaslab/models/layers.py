@@ -209,7 +209,7 @@ class LayerGates:
 class MemoryLayerConfig(PartConfig):
     """Structured config of the memory layer (and, extended, of the memory blocks)."""
 
-    memory: Any = field(default_factory=dict)   # the memory spec node (memory_spec.resolve_memory_spec)
+    memory: Any = field(default_factory=dict)   # the memory node; after check(): its MemorySpec (typed, immutable)
     num_heads: int = 4
     head_dim: Optional[int] = None     # key/query dim per head; default d_model // num_heads
     value_dim: Optional[int] = None    # value dim per head; default d_model // num_heads (the heads tile d_model)
@@ -242,9 +242,10 @@ class MemoryLayerConfig(PartConfig):
             getattr(self.gates, name).check(name)
         if self.mode not in MODES:
             raise ConfigError("mode", f"unknown engine '{self.mode}'.", value=self.mode, choices=list(MODES))
-        self.memory_spec()   # validates; errors carry the path "memory.…"
+        self.memory = self.memory_spec()   # resolved once, here; errors carry the path "memory.…"
 
     def memory_spec(self) -> MemorySpec:
+        """The memory's typed spec (resolved by :meth:`check`, the one validation; a spec is returned as it is)."""
         return resolve_memory_spec(self.memory, path="memory")
 
 

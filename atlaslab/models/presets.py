@@ -9,29 +9,25 @@ A preset file is a model config (:class:`atlaslab.models.lm.LMConfig`): ``vocab_
 nested dict, applied in order. Changing a part's ``name`` drops the fields the new part does not have
 (``…memory.memory.name=linear`` on an ``mlp`` memory drops ``depth``, ``expansion``, …), and a mapping with a
 different ``name`` replaces the node instead of merging into it. A key segment may be a shell-style wildcard
-(``mixers.*.num_heads=8``, ``mixers.atl*.memory.chunk_size=4``): it stands for every key of the config, with
-its defaults filled in, that matches and has the rest of the path; a wildcard that matches nothing is an error.
+(``mixers.*.num_heads=8``); a wildcard that matches nothing is an error unless the key starts with ``?``
+(*where present*: ``?mixers.*.mode=chunked``). The rules live in :mod:`atlaslab.models.overrides`.
 The result is validated as a whole; every error is a :class:`ConfigError` naming the dotted path.
 
 The preset folder is ``$ATLASLAB_PRESETS`` when set, else ``experiments/presets`` of the source tree.
 """
 from __future__ import annotations
 
-import dataclasses
-import fnmatch
+import functools
 import os
 from pathlib import Path
-from typing import Any, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
-from atlaslab.models.lm import LanguageModel, ResolvedLM, mixer_kind, resolve_lm_config
-from atlaslab.memory.spec import PART_KINDS
-from atlaslab.registry import ConfigError, get_registry, to_container
-
-Overrides = Union[Sequence[str], Mapping[str, Any]]
+from atlaslab.models.lm import LanguageModel, ResolvedLM, resolve_lm_config
+from atlaslab.models.overrides import Overrides, apply_overrides, complete_for_task, has_wildcard, override_items
+from atlaslab.registry import ConfigError, to_container
 
 
 def preset_dir() -> Path:
@@ -69,165 +65,67 @@ def preset_description(name: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
-# overrides
-# --------------------------------------------------------------------------------------------------
-def _parse_dotlist_item(item: str) -> Tuple[str, Any]:
-    if not isinstance(item, str) or "=" not in item:
-        raise ConfigError("overrides", f"an override must look like 'key.path=value', got {item!r}.", value=item)
-    key, _, raw = item.partition("=")
-    key = key.strip().lstrip("+")
-    if not key:
-        raise ConfigError("overrides", f"an override needs a key, got {item!r}.", value=item)
-    try:
-        value = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={raw}"]))["v"]
-    except OmegaConfBaseException:
-        value = raw
-    return key, value
-
-
-def _flatten(d: Mapping[str, Any], prefix: str = "") -> Iterable[Tuple[str, Any]]:
-    for k, v in d.items():
-        key = f"{prefix}.{k}" if prefix else str(k)
-        if isinstance(v, Mapping) and "name" not in v and v:
-            yield from _flatten(v, key)
-        else:
-            yield key, v
-
-
-def _part_fields(parent_key: str, new_name: Any) -> Optional[set]:
-    """Field names of the part that ``parent_key`` will hold once named ``new_name`` (None: unknown)."""
-    segments = parent_key.split(".")
-    kind = None
-    if len(segments) == 2 and segments[0] == "mixers":
-        try:
-            kind = mixer_kind(new_name, parent_key)
-        except ConfigError:
-            return None
-    elif segments[-1] in PART_KINDS and len(segments) >= 2 and segments[-2] == "memory":
-        kind = segments[-1]
-    if kind is None:
-        return None
-    try:
-        entry = get_registry(kind).get(new_name, f"{parent_key}.name")
-    except ConfigError:
-        return None
-    return {f.name for f in dataclasses.fields(entry.config)}
-
-
-def _set(cfg: DictConfig, key: str, value: Any) -> None:
-    parent_key, _, leaf = key.rpartition(".")
-    existing = OmegaConf.select(cfg, key, default=None)
-    if isinstance(value, Mapping) and "name" in value and isinstance(existing, DictConfig) \
-            and existing.get("name") != value["name"]:
-        OmegaConf.update(cfg, key, dict(value), merge=False)   # a different part: replace the node
-        return
-    if leaf == "name" and parent_key:
-        parent = OmegaConf.select(cfg, parent_key, default=None)
-        if isinstance(parent, DictConfig) and parent.get("name") not in (None, value):
-            keep = _part_fields(parent_key, value)
-            if keep is not None:
-                for k in list(parent.keys()):
-                    if k != "name" and k not in keep:
-                        del parent[k]
-    OmegaConf.update(cfg, key, value, merge=True)
-
-
-WILDCARD_CHARS = "*?["
-
-
-def has_wildcard(key: str) -> bool:
-    return any(c in key for c in WILDCARD_CHARS)
-
-
-def _glob_keys(node: Any, parts: List[str], prefix: str = "") -> Iterable[str]:
-    if not parts:
-        yield prefix
-        return
-    head, rest = parts[0], parts[1:]
-    if has_wildcard(head):
-        if isinstance(node, Mapping):
-            for k in node:
-                if fnmatch.fnmatchcase(str(k), head):
-                    yield from _glob_keys(node[k], rest, f"{prefix}.{k}" if prefix else str(k))
-        return
-    key = f"{prefix}.{head}" if prefix else head
-    if any(has_wildcard(p) for p in rest):
-        if isinstance(node, Mapping) and head in node:
-            yield from _glob_keys(node[head], rest, key)
-        return
-    yield ".".join([key] + rest)
-
-
-def _exists(node: Any, key: str) -> bool:
-    for p in key.split("."):
-        if not isinstance(node, Mapping) or p not in node:
-            return False
-        node = node[p]
-    return True
-
-
-def match_wildcard(resolved: Mapping[str, Any], key: str) -> List[str]:
-    """The concrete keys a wildcard ``key`` stands for in ``resolved`` (a resolved model config as a dict,
-    defaults filled in): every matching path that exists there, in the config's order."""
-    return [k for k in _glob_keys(resolved, key.split(".")) if _exists(resolved, k)]
-
-
-def changes_structure(key: str, value: Any) -> bool:
-    """Whether an override can add, remove or rename nodes (so wildcards must be matched anew after it)."""
-    return key.endswith(".name") or key.startswith("layers") or key.count(".") < 2 or \
-        (isinstance(value, Mapping) and "name" in value)
-
-
-def apply_overrides(cfg: DictConfig, overrides: Overrides = ()) -> DictConfig:
-    """Apply dotlist strings or a nested dict to ``cfg`` (in place, and returned); wildcard keys are matched
-    against the config as it stands when they are applied."""
-    if isinstance(overrides, Mapping):
-        items = list(_flatten(overrides))
-    elif isinstance(overrides, str):
-        items = [_parse_dotlist_item(overrides)]
-    else:
-        items = [_parse_dotlist_item(o) for o in overrides]
-    resolved = None           # the config with its defaults, to match wildcards in; renewed after structural changes
-    for key, value in items:
-        keys = [key]
-        if has_wildcard(key):
-            if resolved is None:
-                resolved = _with_defaults(cfg)
-            keys = match_wildcard(resolved, key)
-            if not keys:
-                raise ConfigError(key, "this wildcard matches no key of the config.", value=value)
-        for k in keys:
-            try:
-                _set(cfg, k, value)
-            except OmegaConfBaseException as exc:
-                raise ConfigError(k, f"cannot apply override ({str(exc).splitlines()[0]}).", value=value) from None
-            if changes_structure(k, value):
-                resolved = None
-    return cfg
-
-
-def _with_defaults(cfg: DictConfig) -> Mapping[str, Any]:
-    """``cfg`` as a dict with every default filled in; the file's own keys alone while it is not (yet) valid,
-    e.g. between two overrides that are only valid together."""
-    try:
-        return resolve_lm_config(cfg).to_dict()
-    except ConfigError:
-        return OmegaConf.to_container(cfg)
-
-
-# --------------------------------------------------------------------------------------------------
 # public API
 # --------------------------------------------------------------------------------------------------
-def load_preset(name: str, overrides: Overrides = ()) -> DictConfig:
-    """The preset's config with ``overrides`` applied, validated (ConfigError with a dotted path if not)."""
+def _preset_file(name: str) -> DictConfig:
+    """The preset's YAML as a DictConfig (``name`` filled in from the file name), not yet validated."""
     cfg = OmegaConf.load(preset_path(name))
     if not isinstance(cfg, DictConfig):
         raise ConfigError("preset", f"preset '{name}' is not a mapping.", value=name)
     if not cfg.get("name"):
         cfg.name = Path(name).stem
-    apply_overrides(cfg, overrides)
+    return cfg
+
+
+def load_preset(name: str, overrides: Overrides = ()) -> DictConfig:
+    """The preset's config with ``overrides`` applied (:mod:`atlaslab.models.overrides`), validated
+    (ConfigError with a dotted path if not)."""
+    cfg = apply_overrides(_preset_file(name), overrides)
     resolve_lm_config(cfg)
     return cfg
+
+
+@functools.lru_cache(maxsize=64)
+def _preset_resolved(path: str) -> Optional[Dict[str, Any]]:
+    """A preset file's config with its defaults (to match wildcards in; None when the file alone is invalid)."""
+    try:
+        return resolve_lm_config(OmegaConf.load(path)).to_dict()
+    except ConfigError:
+        return None
+
+
+def preset_for_task(preset: str, overrides: Overrides = (), vocab_size: Optional[int] = None,
+                    ) -> Tuple[DictConfig, ResolvedLM]:
+    """``(config, resolved config)`` of preset ``preset`` completed for a task: the task's ``vocab_size`` unless an
+    override sets it, then ``overrides`` (:func:`atlaslab.models.overrides.complete_for_task`), validated once.
+
+    A ConfigError has the path inside the model config; ``err.source`` names where the override at fault was
+    written (for a list of ``(key, value, source)``), ``model.preset`` for an unknown preset."""
+    items = override_items(overrides)
+    try:
+        path = preset_path(str(preset))
+    except ConfigError as exc:
+        exc.source = "model.preset"
+        raise
+    cfg = _preset_file(str(preset))
+    # wildcards are matched against the preset with its defaults: resolved once per preset file, and only for them
+    wild = any(has_wildcard(k) for k, _, _ in items)
+    complete_for_task(cfg, items, vocab_size, _preset_resolved(str(path)) if wild else None)
+    try:
+        resolved = resolve_lm_config(cfg)
+    except ConfigError as exc:
+        best = ""          # the override whose key is the longest prefix of the error path is the culprit
+        for key, _, src in items:
+            if (exc.path == key or exc.path.startswith(key + ".")) and len(key) > len(best):
+                best, exc.source = key, src
+        if not best and "." in exc.path:     # else one that created the node the error is in
+            parent = exc.path.rpartition(".")[0] + "."
+            for key, _, src in items:
+                if key.startswith(parent):
+                    exc.source = f"{src}; preset '{preset}' has no such node"
+                    break
+        raise
+    return cfg, resolved
 
 
 def resolve_model(cfg: Any) -> ResolvedLM:
@@ -282,4 +180,4 @@ def tiny_overrides(cfg: Any, d_model: int = 16, num_heads: int = 2, vocab_size: 
 
 
 __all__ = ["apply_overrides", "build_model", "list_presets", "load_preset", "preset_description", "preset_dir",
-           "preset_path", "resolve_model", "tiny_overrides"]
+           "preset_for_task", "preset_path", "resolve_model", "tiny_overrides"]

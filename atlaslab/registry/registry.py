@@ -125,17 +125,25 @@ class Registry:
             return self._entries[name]
         if "." in name:
             module, _, short = name.rpartition(".")
-            try:
-                importlib.import_module(module)
-            except ImportError as exc:
-                raise ConfigError(path, f"cannot import module '{module}' for {self.kind} '{name}' ({exc}).",
-                                  value=name) from None
+            import_user_modules([module], path, f" for {self.kind} '{name}'", value=name)
             for candidate in (name, short):
                 if candidate in self._entries:
                     return self._entries[candidate]
             raise ConfigError(path, f"module '{module}' was imported but registers no {self.kind} "
                                     f"named '{short}'.", value=short, choices=self.names())
         raise ConfigError(path, f"unknown {self.kind} '{name}'.", value=name, choices=self.names())
+
+
+def import_user_modules(names: Iterable[str], path: str = "imports", what: str = "", value: Any = None) -> None:
+    """Import the user's modules (an experiment's ``imports``, the module of a dotted part name) so that their
+    parts register themselves; an ImportError becomes a ConfigError at ``path``. The one place that does it:
+    the driver, every Ray trial and every Ray Train worker call this with the experiment's ``imports``."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ConfigError(path, f"cannot import module '{name}'{what} ({exc}).",
+                              value=name if value is None else value) from None
 
 
 REGISTRIES: Dict[str, Registry] = {kind: Registry(kind) for kind in KINDS}

@@ -20,13 +20,14 @@ from atlaslab.train.loop import TrainResult
 
 def build_trial(trial: Mapping[str, Any]) -> Tuple[Any, TrainConfig, torch.nn.Module]:
     """``(task, train config, model)`` of a trial, the model seeded with the training seed. The model is the
-    one the driver validated (``trial["model_config"]``); a trial recorded before trials carried it (a run
-    folder of an older version, resumed) builds it from its preset and overrides."""
+    one the driver validated: its typed config (``trial["resolved_model"]``, a ResolvedLM, built as it is, without
+    a second validation), else its recorded config (``trial["model_config"]``); a trial recorded before trials
+    carried either (a run folder of an older version, resumed) builds it from its preset and overrides."""
     cfg = trial["config"]
     task = build_task(cfg["task"])
     tcfg = resolve_train_config(cfg["train"], "train")
     torch.manual_seed(tcfg.seed)
-    mcfg = trial.get("model_config")
+    mcfg = trial.get("resolved_model") or trial.get("model_config")
     model = build_model(mcfg if mcfg is not None else model_config(cfg["model"], task.vocab_size))
     return task, tcfg, model
 

@@ -45,7 +45,7 @@ os.environ.setdefault("DO_NOT_TRACK", "true")
 
 from omegaconf import OmegaConf
 
-from atlaslab.registry import ConfigError
+from atlaslab.registry import ConfigError, import_user_modules
 from atlaslab.registry.config import BASE_DIR_ENV
 from atlaslab.search import tracking as T
 from atlaslab.search.expand import Prepared, Validator, expand_grid, protocol_points, trial_from_params
@@ -53,6 +53,7 @@ from atlaslab.search.formatting import fmt_value, human_count
 from atlaslab.search.report import write_report
 from atlaslab.search.results import RESULTS_NAME, WAITING, collect, saved_statuses
 from atlaslab.search.schema import ExperimentConfig, load_experiment, load_experiment_node, validate_experiment
+from atlaslab.search.settings import TrialSettings
 from atlaslab.search.space import corner_points, define_by_run, make_sampler
 from atlaslab.search.trainable import run_trial
 
@@ -67,8 +68,7 @@ def prepare(path: Optional[str] = None, overrides: Sequence[str] = (), node: Any
     cfg = load_experiment_node(path, overrides, node)
     raw = OmegaConf.to_container(cfg, resolve=True)
     exp = validate_experiment(cfg, source=str(path or ""))
-    for mod in exp.imports:
-        __import__(mod)
+    import_user_modules(exp.imports)
     raw.setdefault("name", exp.name)
     v = Validator(exp)
     if exp.kind == "grid":
@@ -81,7 +81,7 @@ def prepare(path: Optional[str] = None, overrides: Sequence[str] = (), node: Any
             t = trial_from_params(exp, params, key=f"corner{i:02d}", index=i)
             v.validate(t)
             trials.append(t)
-    return Prepared(raw, exp, trials, str(path or ""), time.time() - t0, list(overrides))
+    return Prepared(raw, exp, trials, str(path or ""), time.time() - t0, list(overrides), v.resolved)
 
 
 def trial_table(p: Prepared) -> str:
@@ -244,19 +244,19 @@ def _max_concurrent(exp: ExperimentConfig, num_cpus: Optional[int]) -> int:
     return max(1, int(cpus // max(exp.resources.cpus_per_trial, 1e-9)))
 
 
-def build_tuner(p: Prepared, run_dir: Path, meta: Dict[str, Any], num_cpus: Optional[int], progress,
+def build_tuner(p: Prepared, run_dir: Path, settings: TrialSettings, num_cpus: Optional[int], progress,
                 stop: Any = None):
     from ray import tune
     exp = p.exp
     search_alg = None
     if exp.kind == "grid":
-        space = {"experiment": meta, "trial": tune.grid_search(p.trials_for_tune)}
+        space = {"experiment": settings, "trial": tune.grid_search(p.trials_for_tune)}
         num_samples = 1
     else:
         from ray.tune.search.optuna import OptunaSearch
         search_alg = OptunaSearch(space=define_by_run(exp.space), metric=exp.metric, mode=exp.mode,
                                   sampler=make_sampler(exp))
-        space = {"experiment": meta}
+        space = {"experiment": settings}
         num_samples = exp.num_samples
     tune_config = tune.TuneConfig(scheduler=_scheduler(exp), search_alg=search_alg, num_samples=num_samples,
                                   max_concurrent_trials=_max_concurrent(exp, num_cpus), reuse_actors=True,
@@ -412,6 +412,12 @@ class _Laps:
         self.mark = time.time()
 
 
+def tune_trials(p: Prepared) -> List[Dict[str, Any]]:
+    """The grid trials as Tune gets them: each with its typed model config (``resolved_model``, resolved when the
+    driver validated it), so that the trial builds its model without validating it again."""
+    return [dict(t, resolved_model=p.resolved[t["key"]]) if t["key"] in p.resolved else dict(t) for t in p.trials]
+
+
 def _tuner(p: Prepared, run_dir: Path, state: Dict[str, Any], resume: bool, num_cpus: Optional[int],
            quiet: bool, total: int, stop: Any = None):
     """The Tuner of a fresh run (:func:`build_tuner`), or Tune's saved experiment restored (unfinished and
@@ -421,11 +427,8 @@ def _tuner(p: Prepared, run_dir: Path, state: Dict[str, Any], resume: bool, num_
     from atlaslab.search.progress import Progress
     exp = p.exp
     tracking = state.get("tracking") or {}
-    r = exp.resources
-    meta = {"name": exp.name, "kind": exp.kind, "metric": exp.metric, "mode": exp.mode,
-            "imports": exp.imports, "cpus_per_trial": r.cpus_per_trial, "gpus_per_trial": r.gpus_per_trial,
-            "workers_per_trial": r.workers_per_trial, "tracking": tracking}
-    p.trials_for_tune = [dict(t) for t in p.trials]   # type: ignore[attr-defined]
+    settings = TrialSettings.of(exp, tracking)
+    p.trials_for_tune = tune_trials(p)   # type: ignore[attr-defined]
     progress = Progress(exp.name, exp.metric, exp.mode, tracking, "stderr" if quiet else "stdout", total)
     if resume:
         tuner = tune.Tuner.restore(state["tune_path"], trainable=_trainable(exp), resume_unfinished=True,
@@ -433,7 +436,7 @@ def _tuner(p: Prepared, run_dir: Path, state: Dict[str, Any], resume: bool, num_
         if not quiet:
             print(f"[{exp.name}] resuming {state['tune_path']}", flush=True)
         return tuner
-    tuner = build_tuner(p, run_dir, meta, num_cpus, progress, stop)
+    tuner = build_tuner(p, run_dir, settings, num_cpus, progress, stop)
     if not quiet:
         print(f"[{exp.name}] {total} trials → {run_dir}  (MLflow: {tracking.get('uri', 'off')})", flush=True)
     return tuner

@@ -23,29 +23,25 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 import hashlib
 import itertools
 import json
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.init as init
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from atlaslab.models.lm import LanguageModel, resolve_lm_config
-from atlaslab.models.presets import apply_overrides, changes_structure, has_wildcard, match_wildcard, preset_path
+from atlaslab.models.lm import LanguageModel
+from atlaslab.models.overrides import Override, override_items
+from atlaslab.models.presets import preset_for_task
 from atlaslab.registry import ConfigError, to_container
 from atlaslab.search.formatting import fmt_value, short_key
-from atlaslab.search.schema import ExperimentConfig, parse_override
+from atlaslab.search.schema import ExperimentConfig
 from atlaslab.tasks.base import build_task
 from atlaslab.train.config import resolve_train_config
-
-Override = Tuple[str, Any, str]   # (key inside the model config, value, source path in the experiment)
-
 
 @dataclass
 class Prepared:
@@ -57,6 +53,8 @@ class Prepared:
     source: str = ""
     validate_s: float = 0.0
     overrides: List[str] = field(default_factory=list)
+    #: trial key → its typed model config (ResolvedLM), what the trial builds without validating it again
+    resolved: Dict[str, Any] = field(default_factory=dict)
 
 
 class TrialConfigError(ConfigError):
@@ -88,29 +86,9 @@ class TrialConfigError(ConfigError):
 # dotted keys
 # --------------------------------------------------------------------------------------------------
 def flatten_overrides(node: Any, prefix: str = "", source: str = "model.overrides") -> List[Override]:
-    """Model overrides (nested / dotted mapping, or list of ``key=value``) as ``(key, value, source)``.
-
-    Mappings are descended except when they carry ``name`` (a component node replaces the node)."""
-    node = to_container(node)
-    if node is None:
-        return []
-    if isinstance(node, (list, tuple)):
-        out = []
-        for i, item in enumerate(node):
-            if isinstance(item, (list, tuple)) and len(item) in (2, 3):
-                out.append((str(item[0]), item[1], item[2] if len(item) == 3 else f"{source}.{i}"))
-            else:
-                k, v = parse_override(item)
-                out.append((k, v, f"{source}.{i}"))
-        return out
-    out = []
-    for k, v in node.items():
-        key = f"{prefix}.{k}" if prefix else str(k)
-        if isinstance(v, Mapping) and v and "name" not in v:
-            out.extend(flatten_overrides(v, key, f"{source}.{k}"))
-        else:
-            out.append((key, v, f"{source}.{k}"))
-    return out
+    """Model overrides (nested / dotted mapping, or list of ``key=value``) as ``(key, value, source)``
+    (:func:`atlaslab.models.overrides.override_items`)."""
+    return override_items(node, prefix, source)
 
 
 def set_dotted(d: Dict[str, Any], key: str, value: Any) -> None:
@@ -171,70 +149,12 @@ def build_trial_config(exp: ExperimentConfig, setting: str, assignments: Sequenc
     return out
 
 
-@functools.lru_cache(maxsize=64)
-def _preset_resolved(path: str) -> Optional[Dict[str, Any]]:
-    try:
-        return resolve_lm_config(OmegaConf.load(path)).to_dict()
-    except ConfigError:
-        return None
-
-
 def resolve_model_node(model_node: Mapping[str, Any], vocab_size: Optional[int] = None):
-    """``(DictConfig, ResolvedLM)`` of a trial's model node (preset + overrides; '*' wildcards expanded).
-
-    ``vocab_size`` (the task's) is applied first unless an override sets it. Raises ConfigError with the
-    path inside the model config; ``err.source`` names the experiment key of the override at fault."""
-    preset = str(model_node.get("preset"))
+    """``(DictConfig, ResolvedLM)`` of a trial's model node: its preset completed for the task and its overrides
+    (:func:`atlaslab.models.presets.preset_for_task`). Raises ConfigError with the path inside the model config;
+    ``err.source`` names the experiment key of the override at fault."""
     overrides = [tuple(o) for o in model_node.get("overrides", [])]
-    try:
-        path = preset_path(preset)
-    except ConfigError as exc:
-        exc.source = "model.preset"
-        raise
-    cfg = OmegaConf.load(path)           # validated once, after the overrides (validation is the costly part)
-    if not isinstance(cfg, DictConfig):
-        raise ConfigError("preset", f"preset '{preset}' is not a mapping.", value=preset)
-    if not cfg.get("name"):
-        cfg.name = Path(preset).stem
-    if vocab_size is not None and not any(k == "vocab_size" for k, _, _ in overrides):
-        apply_overrides(cfg, {"vocab_size": int(vocab_size)})
-    # the fully resolved config, to expand wildcards against: the preset's own (cached) until an override
-    # swaps a part or a node, then the current one
-    resolved = _preset_resolved(str(path))
-    for key, value, src in overrides:
-        if has_wildcard(key):
-            if resolved is None:
-                try:
-                    resolved = resolve_lm_config(cfg).to_dict()
-                except ConfigError as exc:
-                    exc.source = src
-                    raise
-            keys = match_wildcard(resolved, key)
-        else:
-            keys = [key]
-        for k in keys:
-            try:
-                apply_overrides(cfg, {k: value})
-            except ConfigError as exc:
-                exc.source = src
-                raise
-            if changes_structure(k, value):
-                resolved = None
-    try:
-        resolved = resolve_lm_config(cfg)
-    except ConfigError as exc:
-        best = ""          # the override whose key is the longest prefix of the error path is the culprit
-        for key, _, src in overrides:
-            if (exc.path == key or exc.path.startswith(key + ".")) and len(key) > len(best):
-                best, exc.source = key, src
-        if not best and "." in exc.path:     # else one that created the node the error is in
-            parent = exc.path.rpartition(".")[0] + "."
-            for key, _, src in overrides:
-                if key.startswith(parent):
-                    exc.source = f"{src}; preset '{preset}' has no such node"
-                    break
-        raise
-    return cfg, resolved
+    return preset_for_task(str(model_node.get("preset")), overrides, vocab_size)
 
 
 def model_config(model_node: Mapping[str, Any], vocab_size: Optional[int] = None) -> DictConfig:
@@ -386,6 +306,8 @@ class Validator:
         self.exp = exp
         self._models: Dict[str, Dict[str, Any]] = {}
         self._tasks: Dict[str, Any] = {}
+        #: trial key → the trial's typed model config (:class:`~atlaslab.models.lm.ResolvedLM`), resolved once here
+        self.resolved: Dict[str, Any] = {}
 
     def task(self, trial: Mapping[str, Any]):
         node = trial["config"]["task"]
@@ -418,6 +340,7 @@ class Validator:
             "components": components(resolved),
             "resolved_model": resolved,
             "model_config": to_container(cfg),
+            "typed": model.resolved,
         }
         self._models[k] = info
         return info
@@ -433,13 +356,8 @@ class Validator:
             tcfg = resolve_train_config(cfg["train"], "train")
         except ConfigError as exc:
             raise TrialConfigError.wrap(tid, exc) from None
-        workers = self.exp.resources.workers_per_trial
-        if tcfg.batch_size % workers:
-            raise TrialConfigError(tid, "train.batch_size", f"{tcfg.batch_size} does not split over the "
-                                   f"{workers} workers of resources.workers_per_trial: the global batch must be a "
-                                   f"multiple of it.", value=tcfg.batch_size)
         try:
-            tcfg.check_micro_batch(workers)
+            tcfg.check_workers(self.exp.resources.workers_per_trial)
         except ConfigError as exc:
             raise TrialConfigError.wrap(tid, exc) from None
         split, _, name = self.exp.metric.partition("/")
@@ -456,8 +374,9 @@ class Validator:
             info = self.model_info(cfg["model"], task)
         except ConfigError as exc:
             raise TrialConfigError.wrap(tid, exc, "model", getattr(exc, "source", "")) from None
-        trial["info"] = {k: v for k, v in info.items() if k not in ("resolved_model", "model_config")}
+        trial["info"] = {k: v for k, v in info.items() if k not in ("resolved_model", "model_config", "typed")}
         trial["model_config"] = copy.deepcopy(info["model_config"])
+        self.resolved[trial["key"]] = info["typed"]
         trial["info"]["task"] = task.info()
         trial["info"]["train"] = tcfg.to_dict()
         return trial

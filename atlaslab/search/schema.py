@@ -50,23 +50,23 @@ the dotted path and the valid keys); :mod:`atlaslab.search.expand` then validate
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 import atlaslab.tasks  # noqa: F401  (registers the tasks, whose names a missing task lists)
 from atlaslab.eval.lm_eval import LMEvalConfig, resolve_lm_eval
+from atlaslab.models.overrides import parse_override, update_node
 from atlaslab.models.presets import list_presets
 from atlaslab.registry import (
                                ConfigError,
                                check_choice,
                                check_range,
                                get_registry,
+                               import_user_modules,
                                to_container,
                                validate_structured,
                                )
@@ -524,17 +524,6 @@ def _task_names() -> List[str]:
     return get_registry("task").names()
 
 
-def parse_override(item: str) -> tuple:
-    if not isinstance(item, str) or "=" not in item:
-        raise ConfigError("overrides", f"an override must look like 'key.path=value', got {item!r}.", value=item)
-    key, _, raw = item.partition("=")
-    try:
-        value = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={raw}"]))["v"]
-    except OmegaConfBaseException:
-        value = raw
-    return key.strip().lstrip("+"), value
-
-
 def load_experiment_node(path: Optional[str] = None, overrides: Sequence[str] = (), node: Any = None) -> DictConfig:
     """The experiment as a DictConfig (file or ``node``) with dotlist ``overrides`` applied, not yet validated.
 
@@ -558,10 +547,7 @@ def load_experiment_node(path: Optional[str] = None, overrides: Sequence[str] = 
         root = key.split(".")[0]
         if root not in TOP_FIELDS:
             raise ConfigError(key, f"unknown experiment key '{root}'.", value=root, choices=TOP_FIELDS)
-        try:
-            OmegaConf.update(cfg, key, value, merge=True)
-        except OmegaConfBaseException as exc:
-            raise ConfigError(key, f"cannot apply override ({str(exc).splitlines()[0]}).", value=value) from None
+        update_node(cfg, key, value, merge=True)
     return cfg
 
 
@@ -569,17 +555,8 @@ def load_experiment(path: Optional[str] = None, overrides: Sequence[str] = (), n
     """Load, override and validate an experiment file (structure only; see :func:`expand.validate`)."""
     cfg = load_experiment_node(path, overrides, node)
     exp = validate_experiment(cfg, source=str(path or ""))
-    for mod in exp.imports:
-        import_module(mod)
+    import_user_modules(exp.imports)
     return exp
-
-
-def import_module(name: str) -> None:
-    """Import a module of ``imports`` (user parts register themselves); ConfigError if it cannot be."""
-    try:
-        importlib.import_module(name)
-    except ImportError as exc:
-        raise ConfigError("imports", f"cannot import {name!r} ({exc}).", value=name) from None
 
 
 __all__ = [

@@ -36,9 +36,11 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch
 
 from atlaslab.eval.lm_eval import PREFIX as LM_EVAL_PREFIX
+from atlaslab.registry import import_user_modules
 from atlaslab.search.build import build_trial, lm_eval_after_training, lm_eval_node
 from atlaslab.search.expand import Validator, trial_from_params
 from atlaslab.search.schema import ExperimentConfig
+from atlaslab.search.settings import TrialSettings
 from atlaslab.search.space import decode_params
 from atlaslab.search.tracking import TrialRun
 from atlaslab.search.workers import train_on_workers
@@ -51,32 +53,32 @@ CKPT_META = "atlaslab_trial.json"
 def run_trial(config: Dict[str, Any], experiment: Optional[ExperimentConfig] = None) -> None:
     """Ray Tune function trainable (see the module docstring).
 
-    ``config``: ``{"experiment": meta, "trial": trial}`` for a grid (the trial as the driver validated it),
-    ``{"experiment": meta, <sampled params>}`` for a search, whose ``experiment`` (the driver's validated
-    :class:`ExperimentConfig`, through ``tune.with_parameters``) turns the params into the trial."""
+    ``config``: ``{"experiment": settings, "trial": trial}`` for a grid (the trial as the driver validated it,
+    with its typed model config ``resolved_model``), ``{"experiment": settings, <sampled params>}`` for a search,
+    whose ``experiment`` (the driver's validated :class:`ExperimentConfig`, through ``tune.with_parameters``)
+    turns the params into the trial; ``settings`` is the experiment's :class:`~atlaslab.search.settings.TrialSettings`."""
     t_start = time.time()
     from ray import tune
 
-    meta = config["experiment"]
-    for mod in meta.get("imports", []):
-        __import__(mod)
-    torch.set_num_threads(max(1, int(meta.get("cpus_per_trial", 1))))
+    settings: TrialSettings = config["experiment"]
+    import_user_modules(settings.imports)
+    torch.set_num_threads(settings.threads)
     trial = _trial_spec(config, experiment)
     work = Path(tune.get_context().get_trial_dir()) / "work"
     work.mkdir(parents=True, exist_ok=True)
     restored = _restore_checkpoint(work)
     if restored is None:
         return
-    mlrun = _child_run(meta, trial)
+    mlrun = _child_run(settings, trial)
     status, tags = "FAILED", {}
     try:
         task, tcfg, model = build_trial(trial)
         if mlrun is not None:
-            mlrun.log_config({k: v for k, v in trial.items() if k != "model_config"},
+            mlrun.log_config({k: v for k, v in trial.items() if k not in ("model_config", "resolved_model")},
                              {"model": model.resolved.to_dict(), "task": task.info(), "train": tcfg.to_dict()})
         reporter = _Reporter(mlrun, work, tcfg, reported_step=restored, t_start=t_start)
-        if int(meta.get("workers_per_trial", 1)) > 1:
-            result = train_on_workers(trial, meta, work, reporter)      # rank 0 ran the lm-eval tasks, if any
+        if settings.workers > 1:
+            result = train_on_workers(trial, settings, work, reporter)      # rank 0 ran the lm-eval tasks, if any
             lm_metrics = {k: v for k, v in result.metrics.items() if k.startswith(LM_EVAL_PREFIX + "/")}
         else:
             result = train(model, task, tcfg, callback=reporter, checkpoint_dir=work)
@@ -84,7 +86,7 @@ def run_trial(config: Dict[str, Any], experiment: Optional[ExperimentConfig] = N
             result.metrics.update(lm_metrics)
         if lm_metrics and mlrun is not None:
             mlrun.log(lm_metrics, result.steps)
-        final, status, tags = _final_result(result, meta, trial, reporter)
+        final, status, tags = _final_result(result, settings, trial, reporter)
         if mlrun is not None:
             mlrun.log({k: v for k, v in final.items() if k in ("failed", "wall_time_s", "setup_s")}, result.steps)
         _report(final, work / CHECKPOINT_NAME, result.steps, final=True)
@@ -115,7 +117,9 @@ def _trial_spec(config: Mapping[str, Any], experiment: Optional[ExperimentConfig
     from ray import tune
     params = decode_params(experiment.space, config)
     trial = trial_from_params(experiment, params, key=tune.get_context().get_trial_id())
-    Validator(experiment).validate(trial)
+    v = Validator(experiment)
+    v.validate(trial)
+    trial["resolved_model"] = v.resolved[trial["key"]]
     return trial
 
 
@@ -143,9 +147,9 @@ def _restore_checkpoint(work: Path) -> Optional[int]:
         return int(ck_meta.get("reported_step", -1))
 
 
-def _child_run(meta: Mapping[str, Any], trial: Mapping[str, Any]) -> Optional[TrialRun]:
+def _child_run(settings: TrialSettings, trial: Mapping[str, Any]) -> Optional[TrialRun]:
     """The trial's MLflow run (found again after a restore), or None when tracking is off."""
-    tr = meta.get("tracking") or {}
+    tr = settings.tracking
     if not (tr.get("uri") and tr.get("parent_run_id")):
         return None
     return TrialRun(tr["uri"], tr["experiment_id"], tr["parent_run_id"], trial,
@@ -184,7 +188,7 @@ class _Reporter:
         _report(rep, self.work / CHECKPOINT_NAME if prev is not None else None, step)
 
 
-def _final_result(result: TrainResult, meta: Mapping[str, Any], trial: Mapping[str, Any],
+def _final_result(result: TrainResult, settings: TrialSettings, trial: Mapping[str, Any],
                   reporter: _Reporter) -> Tuple[Dict[str, Any], str, Dict[str, str]]:
     """``(final report, MLflow status, MLflow tags)`` of a finished training run; a diverged one reports its
     metric as NaN and ends FAILED."""
@@ -202,7 +206,7 @@ def _final_result(result: TrainResult, meta: Mapping[str, Any], trial: Mapping[s
         final["best_value"] = result.best.get("value")
         final["best_step"] = result.best.get("step")
     if result.diverged:
-        final[meta.get("metric", "val/accuracy")] = float("nan")
+        final[settings.metric] = float("nan")
         return final, "FAILED", {"atlaslab.status": "diverged", "atlaslab.failure": result.message}
     return final, "FINISHED", {"atlaslab.status": result.status}
 

@@ -38,7 +38,9 @@ from typing import Any, Dict, Mapping
 
 import torch
 
+from atlaslab.registry import import_user_modules
 from atlaslab.search.build import build_trial, lm_eval_after_training, lm_eval_node
+from atlaslab.search.settings import TrialSettings, worker_resources
 from atlaslab.train.loop import CHECKPOINT_NAME, TrainResult, train
 from atlaslab.train.parallel import DataParallel
 
@@ -48,31 +50,21 @@ POLL_S = 0.5
 PLACEMENT_GROUP_FILE = "train_placement_group.txt"
 
 
-def worker_resources(meta: Mapping[str, Any]) -> Dict[str, float]:
-    """One worker's share of the trial's resources (``cpus_per_trial`` / N CPUs, one GPU when the trial has
-    ``gpus_per_trial = N``)."""
-    n = int(meta["workers_per_trial"])
-    res = {"CPU": float(meta.get("cpus_per_trial", 1.0)) / n}
-    if meta.get("gpus_per_trial"):
-        res["GPU"] = float(meta["gpus_per_trial"]) / n
-    return res
-
-
-def train_on_workers(trial: Mapping[str, Any], meta: Mapping[str, Any], work: Path, reporter) -> TrainResult:
-    """Train ``trial`` on ``meta["workers_per_trial"]`` Ray Train workers, resuming from ``work/checkpoint.pt``
+def train_on_workers(trial: Mapping[str, Any], settings: TrialSettings, work: Path, reporter) -> TrainResult:
+    """Train ``trial`` on ``settings.workers`` Ray Train workers, resuming from ``work/checkpoint.pt``
     when it is there; ``reporter`` (the trial's callback) gets rank 0's metrics, and ``work/checkpoint.pt`` is
     kept as rank 0 last reported it. Returns rank 0's result (without the model)."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
     from ray.util.queue import Empty, Queue
 
-    n = int(meta["workers_per_trial"])
-    res = worker_resources(meta)
+    n = settings.workers
+    res = worker_resources(settings.resources)
     remove_stale_placement_group(work)
     outbox = Queue(actor_options={"num_cpus": 0})
     replies = Queue(actor_options={"num_cpus": 0})
     ckpt = work / CHECKPOINT_NAME
-    config = {"trial": dict(trial), "imports": list(meta.get("imports", [])), "outbox": outbox,
+    config = {"trial": dict(trial), "imports": settings.imports, "outbox": outbox,
               "replies": replies, "threads": max(1, int(res["CPU"])),
               "checkpoint": ckpt.read_bytes() if ckpt.is_file() else None}
     trainer = TorchTrainer(
@@ -131,8 +123,7 @@ def worker_loop(config: Dict[str, Any]) -> None:
     import ray.train
     from ray.util import get_current_placement_group
 
-    for mod in config["imports"]:
-        __import__(mod)
+    import_user_modules(config["imports"])
     torch.set_num_threads(int(config["threads"]))
     rank = ray.train.get_context().get_world_rank()
     folder = Path(tempfile.mkdtemp(prefix=f"atlaslab-rank{rank}-"))

@@ -41,7 +41,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 
-from atlaslab.models.presets import apply_overrides, build_model, load_preset
+from atlaslab.models.lm import LanguageModel
+from atlaslab.models.overrides import parse_override, update_node
+from atlaslab.models.presets import build_model, preset_for_task
 from atlaslab.registry import ConfigError, to_container
 from atlaslab.tasks.base import Task, build_task
 from atlaslab.train.config import resolve_train_config
@@ -68,14 +70,8 @@ def load_run_config(path: Optional[str] = None, overrides: Sequence[str] = (), n
     if not isinstance(cfg, DictConfig):
         raise ConfigError("config", "a run config must be a mapping with model, task and train.")
     for item in overrides:
-        if "=" not in item:
-            raise ConfigError("overrides", f"an override must look like 'key.path=value', got {item!r}.", value=item)
-        key, _, raw = item.partition("=")
-        try:
-            value = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={raw}"]))["v"]
-            OmegaConf.update(cfg, key.strip().lstrip("+"), value, merge=False)
-        except OmegaConfBaseException as exc:
-            raise ConfigError(key, f"cannot apply override ({str(exc).splitlines()[0]}).", value=raw) from None
+        key, value = parse_override(item)
+        update_node(cfg, key, value, merge=False)
     for key in cfg:
         if key not in RUN_KEYS:
             raise ConfigError(str(key), f"unknown run-config key '{key}'.", value=str(key), choices=list(RUN_KEYS))
@@ -142,14 +138,8 @@ def _build_model(node: Any, task: Task, path: str) -> nn.Module:
         if extra:
             raise ConfigError(f"{path}.{sorted(extra)[0]}", "a preset model node has only 'preset' and 'overrides'.",
                               choices=["preset", "overrides"])
-        overrides = node.get("overrides") or []
-        cfg = load_preset(str(node["preset"]), [])
-        user_sets_vocab = ("vocab_size" in overrides) if isinstance(overrides, dict) else \
-            any(str(o).split("=", 1)[0].strip() == "vocab_size" for o in overrides)
-        if not user_sets_vocab:
-            apply_overrides(cfg, {"vocab_size": task.vocab_size})
-        apply_overrides(cfg, overrides)
-        return build_model(cfg)
+        _, resolved = preset_for_task(str(node["preset"]), node.get("overrides") or [], task.vocab_size)
+        return LanguageModel(resolved)
     inline = dict(node)
     inline.setdefault("vocab_size", task.vocab_size)
     return build_model(inline)

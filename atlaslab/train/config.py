@@ -15,6 +15,14 @@ from typing import Any, Dict, List, Mapping, Optional
 from atlaslab.registry import ConfigError, check_choice, check_range, to_container, validate_structured
 
 
+def check_batch_split(batch_size: int, workers: int, path: str = "train.batch_size") -> None:
+    """The global batch must split into ``workers`` equal shards (the one check, for the search's validation
+    and for :class:`atlaslab.train.parallel.DataParallel`)."""
+    if batch_size % workers:
+        raise ConfigError(path, f"{batch_size} does not split over {workers} workers: the global batch must be a "
+                          f"multiple of the number of workers (resources.workers_per_trial).", value=batch_size)
+
+
 @dataclass
 class TrainConfig:
     """Everything the training loop needs besides the model and the task."""
@@ -82,6 +90,11 @@ class TrainConfig:
         check_range("log_interval", self.log_interval, 1, None)
         check_range("checkpoint_interval", self.checkpoint_interval, 0, None)
         check_choice("progress", self.progress, ("auto", "always", "never"))
+
+    def check_workers(self, workers: int) -> None:
+        """The batch splits over ``workers`` data-parallel workers, and each shard into micro-batches."""
+        check_batch_split(self.batch_size, workers)
+        self.check_micro_batch(workers)
 
     def check_micro_batch(self, workers: int, path: str = "train.micro_batch_size") -> None:
         """Each of ``workers`` shards of the batch (``batch_size / workers`` rows) must split into micro-batches."""

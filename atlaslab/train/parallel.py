@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from atlaslab.registry import ConfigError
+from atlaslab.train.config import check_batch_split
 from atlaslab.tasks.base import Batch
 
 
@@ -58,9 +58,7 @@ class DataParallel:
 
     def check_batch_size(self, batch_size: int, path: str = "train.batch_size") -> None:
         """The global batch must split into equal shards."""
-        if batch_size % self.world_size:
-            raise ConfigError(path, f"{batch_size} does not split over {self.world_size} workers: the global "
-                              f"batch must be a multiple of the number of workers.", value=batch_size)
+        check_batch_split(batch_size, self.world_size, path)
 
     def shard(self, batch: Batch) -> Batch:
         """This rank's rows of the global batch (``[B, T]`` → ``[B/N, T]``, meta ``[B]`` → ``[B/N]``)."""

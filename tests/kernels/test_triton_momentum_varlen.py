@@ -189,5 +189,3 @@ def test_cu_seqlens_argument_checks():
         cm.chunk_momentum(*x, chunk_size=4, cu_seqlens=_cu([3, 3]))
     with pytest.raises(ValueError, match="initial_state"):
         cm.chunk_momentum(*x, chunk_size=4, cu_seqlens=_cu([3, 2, 2]))
-    with pytest.raises(ValueError, match="placement"):
-        cm.chunk_momentum(*x, chunk_size=4, cu_seqlens=_cu([3, 4]), placement="during_step")

@@ -83,10 +83,10 @@ def test_the_gpu_protocol_expands_into_the_table2_trials(gpu):
     assert exp.report.averages == {"Avg": ACCURACIES} and len(ACCURACIES) == 8
     assert exp.report.labels["lm_eval/hellaswag/acc_norm"] == "Hella acc_n"
     # 8 Ray Train workers per trial, one GPU each
-    from atlaslab.search.workers import worker_resources
+    from atlaslab.search.settings import worker_resources
     r = exp.resources
     assert (r.workers_per_trial, r.gpus_per_trial) == (8, 8)
-    assert worker_resources({"workers_per_trial": 8, "gpus_per_trial": 8, "cpus_per_trial": r.cpus_per_trial})["GPU"] == 1
+    assert worker_resources(r)["GPU"] == 1
 
 
 #: the rows whose feature map expands the key: polynomial φ_2, Taylor φ*

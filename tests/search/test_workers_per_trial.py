@@ -58,11 +58,11 @@ def test_gpus_must_be_one_per_worker():
 
 
 def test_the_global_batch_must_split_over_the_workers():
-    with pytest.raises(ConfigError, match=r"trial t000 .*train\.batch_size: 8 does not split over the 3 workers "
-                                          r"of resources\.workers_per_trial"):
+    with pytest.raises(ConfigError, match=r"trial t000 .*train\.batch_size: 8 does not split over 3 workers: the "
+                                          r"global batch must be a multiple .*\(resources\.workers_per_trial\)"):
         prepare(node=node(workers=3))
     # a grid axis over the batch size is checked trial by trial
-    with pytest.raises(ConfigError, match=r"trial t001 .*train\.batch_size: 6 does not split over the 4"):
+    with pytest.raises(ConfigError, match=r"trial t001 .*train\.batch_size: 6 does not split over 4"):
         prepare(node=node(workers=4, grid={"axes": {"train.batch_size": [8, 6]}}))
     assert len(prepare(node=node(workers=4)).trials) == 1
     assert load_experiment(node=node(workers=1)).resources.workers_per_trial == 1

@@ -29,13 +29,9 @@ import torch
 
 from atlaslab.kernels.utils import log_decay, packed_sequences, per_sequence, solve_unit_lower
 
-BIASES = ("l2", "dot")
-PLACEMENTS = ("before_step", "after_step")
-READS = ("token", "chunk")
-
-
 def check_args(q, k, v, beta, alpha, initial_state, bias, placement, read, cu_seqlens) -> int:
-    """Validate shapes and options; returns N, the number of sequences."""
+    """Check the tensors' shapes; returns N, the number of sequences. ``bias``, ``placement`` and ``read`` come
+    already valid from the memory's typed spec (:mod:`atlaslab.memory`, where their choices are defined)."""
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"expected q, k: [B, T, H, D_k] and v: [B, T, H, D_v]; got q {list(q.shape)}, "
                          f"k {list(k.shape)}, v {list(v.shape)}")
@@ -44,9 +40,6 @@ def check_args(q, k, v, beta, alpha, initial_state, bias, placement, read, cu_se
     if alpha is not None and alpha.shape not in (q.shape[:3], q.shape):
         raise ValueError(f"alpha: expected {list(q.shape[:3])} (per-head scalar decay) or {list(q.shape)} "
                          f"(channel-wise decay of the key channels), got {list(alpha.shape)}")
-    for name, val, valid in (("bias", bias, BIASES), ("placement", placement, PLACEMENTS), ("read", read, READS)):
-        if val not in valid:
-            raise ValueError(f"{name}: '{val}' is not one of {', '.join(valid)}")
     B, T, H, K = q.shape
     N = packed_sequences(cu_seqlens, B, T)
     if initial_state is not None and tuple(initial_state.shape) != (N, H, v.shape[-1], K):

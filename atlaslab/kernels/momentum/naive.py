@@ -13,14 +13,16 @@ from atlaslab.kernels.utils import log_gate, packed_sequences
 
 #: largest head dim (D_k, D_v) the momentum kernels take
 MAX_D = 256
+#: what the momentum kernels compute (the engine's dispatch checks a memory against these; the choices themselves are
+#: defined by the parts in :mod:`atlaslab.memory`, which validate them once)
 BIASES = ("l2", "dot")
 READS = ("token", "chunk")
-PLACEMENTS = ("after_step", "before_step")
 
 
 def check_args(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read, placement="after_step",
                cu_seqlens=None) -> int:
-    """Validate shapes and options (see :func:`.chunk.chunk_momentum`); → N, the number of sequences (B, or the packed
+    """Check the tensors' shapes and the chunk size (see :func:`.chunk.chunk_momentum`; ``bias``, ``read`` and
+    ``placement`` come already valid from the memory's typed spec); → N, the number of sequences (B, or the packed
     sequences of ``cu_seqlens``)."""
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"expected q, k: [B, T, H, D_k] and v: [B, T, H, D_v]; got q {list(q.shape)}, "
@@ -35,9 +37,6 @@ def check_args(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read, plac
     for name, x in (("initial_state", m0), ("initial_momentum", s0)):
         if tuple(x.shape) != want:
             raise ValueError(f"{name}: expected [N, H, D_v, D_k] = {list(want)}, got {list(x.shape)}")
-    if bias not in BIASES or read not in READS or placement not in PLACEMENTS:
-        raise ValueError(f"bias must be one of {BIASES}, read one of {READS} and placement one of {PLACEMENTS}; "
-                         f"got '{bias}', '{read}', '{placement}'")
     if int(chunk_size) < 1:
         raise ValueError(f"chunk_size must be ≥ 1, got {chunk_size}")
     return N
@@ -158,8 +157,6 @@ def check_recurrent_args(q, k, v, beta, theta, alpha, m0, s0, a0, p0, position, 
     if tuple(p0.shape) != want:
         raise ValueError(f"initial_chunk_alpha: expected {'[B, H, D_k]' if channel else '[B, H]'} = {list(want)}, "
                          f"got {list(p0.shape)}")
-    if placement not in PLACEMENTS:
-        raise ValueError(f"placement must be one of {PLACEMENTS}; got '{placement}'")
     if int(position) < 0:
         raise ValueError(f"position must be ≥ 0, got {position}")
     if max(q.shape[-1], v.shape[-1]) > MAX_D:
