@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from omegaconf import OmegaConf
 
+from atlaslab.search.curves import write_curves
 from atlaslab.search.expand import Prepared
 from atlaslab.search.formatting import finite_number as _num
 from atlaslab.search.formatting import fmt_value, human_count, short_key
@@ -455,6 +456,7 @@ def write_report(run_dir: Path, exp: ExperimentConfig, records: Sequence[Mapping
     lines.append("Per-trial numbers: `trials.csv`; per-row numbers: `report.csv`; MLflow: "
                  f"`{(state.get('tracking') or {}).get('uri', 'off')}`.")
     write_csvs(run_dir, exp, rows, records, metrics)
+    write_curves(run_dir, records)                       # curves.csv: every trial's learning curve
     out = run_dir / "report.md"
     out.write_text("\n".join(lines) + "\n")
     return out
