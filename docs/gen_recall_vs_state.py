@@ -1,20 +1,16 @@
-"""The recall-vs-state page's table rows and state plot from one or more run folders of the study.
+"""The recall-vs-state page's tables and state plot, from the study's run data committed in the repository.
 
-    python docs/gen_recall_vs_state.py [RUN_DIR ...]
+    python docs/gen_recall_vs_state.py        # print the main table and redraw docs/results/recall-vs-state/state.png
 
-Reads each folder's ``trials.csv`` (written by ``atlaslab run`` / ``resume`` / ``report``; ``atlaslab report RUN_DIR``
-writes it for a run that is still going or was stopped) and its ``trials.json``, and pools the
-finished trials by (row, seed) across the folders: the first folder that finished a row's seed wins, so a later
-pass that reran a seed (a changed configuration, or a determinism check) is listed first. A row's value is the
-mean ± sample std of ``test/accuracy`` over its seeds; a trial that failed (e.g. diverged) counts only when the
-row has no finished seed, and is then shown with its message. Prints the Markdown table rows of
-docs/results/recall-vs-state.md and draws docs/results/recall-vs-state/state.png with the report's own
-:func:`atlaslab.search.report.plot_state`.
+The main table pools the finished trials of the committed run folders in :data:`RUNS`
+(``docs/results/recall-vs-state/runs/<run>/trials.csv`` and ``trials.json``) by (row, seed): the first folder in
+:data:`RUNS` that finished a row's seed wins. A row's value is the mean ± sample std of ``test/accuracy`` over its
+seeds, with each seed's value; a trial that failed (e.g. diverged) counts only when the row has no finished seed,
+and is then shown with its message. Rows of folders that were not kept (the first passes, ``rvs2``, ``rvs_pass2``,
+``rvs_pass3``, ``rvs_atlas8``) are not in the table: a number without its data is not printed.
 
-The rows of the first four run folders (rvs2, rvs_pass2, rvs_pass3, rvs_atlas8) come from
-``recall-vs-state/rows.csv``, the values the page printed from them (mean, std and each seed's value to two
-decimals): those folders were not kept. A row that a folder given here also has is taken from the folder. Later
-passes keep their ``trials.csv`` and ``trials.json`` under ``recall-vs-state/runs/``.
+:data:`TABLES` is read by ``docs/gen_tables.py``: ``recall-vs-state`` (the main table) and
+``recall-vs-state-budget`` (the 1,600-step rerun against the 800-step rows).
 """
 from __future__ import annotations
 
@@ -22,15 +18,25 @@ import argparse
 import csv
 import json
 import statistics
+import sys
 from pathlib import Path
 
-from atlaslab.search.report import plot_state
+DOCS = Path(__file__).resolve().parent
+ROOT = DOCS.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-HERE = Path(__file__).resolve().parent / "results" / "recall-vs-state"
+HERE = DOCS / "results" / "recall-vs-state"
 OUT = HERE / "state.png"
-ARCHIVE = HERE / "rows.csv"
 METRIC = "test/accuracy"
 FINISHED = ("completed", "early_stopped")
+#: the committed runs of the 800-step table, first wins for a (row, seed)
+RUNS = ("rvs_wd", "rvs_titans_wd", "rvs_omega_wd", "rvs_atlas_wd", "rvs_attention_wd")
+#: the 1,600-step rerun of the rows below 0.97
+LONG = "rvs_long_wd"
+#: the models in the order of the page (the study's variants)
+ORDER = ("attention", "linear attention", "DeltaNet", "Gated DeltaNet", "Titans (LMM)", "OmegaNet",
+         "ATLAS (NS per chunk of 4)")
 
 
 def pool_trials(run_dirs):
@@ -52,39 +58,85 @@ def pool_trials(run_dirs):
     return {k: v for k, v in rows.items() if v["seeds"] or v["failed"]}
 
 
-def archived_rows():
-    """The rows of the run folders that were not kept: ``{row: {...}}`` as the page printed them."""
-    return {r["row"]: r for r in csv.DictReader(open(ARCHIVE))}
+def _value(r) -> str:
+    vals = [r["seeds"][s] for s in sorted(r["seeds"])]
+    if not vals:
+        return "; ".join(r["failed"])
+    text = f"{statistics.mean(vals):.3f}" + (f" ± {statistics.stdev(vals):.3f}" if len(vals) > 1 else "")
+    return text + " (" + ", ".join(f"{v:.2f}" for v in vals) + ")"
+
+
+def _order(rows):
+    """Rows by model (:data:`ORDER`), then by state size."""
+    return sorted(rows, key=lambda n: (ORDER.index(rows[n]["variant"]) if rows[n]["variant"] in ORDER else len(ORDER),
+                                       rows[n]["state_size"] or 0))
+
+
+def _label(row: str) -> str:
+    return row.replace(" · num_heads=", " · ")
+
+
+def main_rows():
+    return pool_trials([HERE / "runs" / r for r in RUNS if (HERE / "runs" / r).is_dir()])
+
+
+def table() -> str:
+    """The main table: model · heads, state, test accuracy over the seeds, seeds, run folder."""
+    rows = main_rows()
+    lines = ["| model · heads | state (scalars) | test accuracy (seeds) | seeds | run folder |",
+             "|---|---|---|---|---|"]
+    for name in _order(rows):
+        r = rows[name]
+        size = f"{r['state_size']:,}" if r["state_size"] else "—"
+        lines.append(f"| {_label(name)} | {size} | {_value(r)} | {len(r['seeds'])} | "
+                     f"{', '.join(sorted(r['folders']))} |")
+    return "\n".join(lines)
+
+
+def budget_table() -> str:
+    """The 1,600-step rerun (:data:`LONG`) beside the same rows of the 800-step table."""
+    short, long = main_rows(), pool_trials([HERE / "runs" / LONG])
+    lines = ["| model · heads | state (scalars) | 800 steps (the table) | 1,600 steps (seeds 0, 1, 2) |",
+             "|---|---|---|---|"]
+    # the rows the rerun has, and the 800-step rows of the same models and states that it did not rerun
+    models, states = {r["variant"] for r in long.values()}, {r["state_size"] for r in long.values()}
+    both = {**{n: r for n, r in short.items() if r["variant"] in models and r["state_size"] in states}, **long}
+    for name in _order(both):
+        r = long.get(name)
+        if r is None:
+            text = "not rerun"
+        else:
+            vals = [r["seeds"][s] for s in sorted(r["seeds"])]
+            text = f"{statistics.mean(vals):.3f} ± {statistics.stdev(vals):.3f} (" + ", ".join(
+                f"{v:.3f}" for v in vals) + ")"
+        r = both[name]
+        before = short.get(name)
+        old = (_value(before).split(" (")[0]) if before else "—"
+        lines.append(f"| {_label(name)} | {r['state_size']:,} | {old} | {text} |")
+    return "\n".join(lines)
+
+
+def plot() -> None:
+    """docs/results/recall-vs-state/state.png, with the run report's own state plot."""
+    from atlaslab.search.report import plot_state
+    rows = main_rows()
+    pts = []
+    for n in _order(rows):
+        vals = [rows[n]["seeds"][s] for s in sorted(rows[n]["seeds"])]
+        if vals:
+            pts.append({"variant": rows[n]["variant"], "label": n, "setting": None,
+                        "state_size": rows[n]["state_size"], METRIC: statistics.mean(vals),
+                        METRIC + " std": statistics.stdev(vals) if len(vals) > 1 else 0.0})
+    plot_state(pts, METRIC, OUT)
+
+
+TABLES = {"recall-vs-state": table, "recall-vs-state-budget": budget_table}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("run_dirs", nargs="*")
-    run_dirs = ap.parse_args().run_dirs
-    rows = pool_trials(run_dirs)
-    table = {}                 # row → (variant, state, mean, std, value text, seeds, folders)
-    for name, r in archived_rows().items():
-        std = float(r["std"]) if r["std"] else 0.0
-        value = r["mean"] + (f" ± {r['std']}" if r["std"] else "") + f" ({r['seeds']})"
-        table[name] = (r["variant"], int(r["state_size"]), float(r["mean"]), std, value, int(r["n"]), r["folders"])
-    for name, r in rows.items():
-        vals = [r["seeds"][s] for s in sorted(r["seeds"])]
-        if vals:
-            mean, std = statistics.mean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0
-            value = f"{mean:.3f}" + (f" ± {std:.3f}" if len(vals) > 1 else "")
-            value += " (" + ", ".join(f"{v:.2f}" for v in vals) + ")"
-        else:
-            mean, std, value = None, None, "; ".join(r["failed"])
-        table[name] = (r["variant"], r["state_size"], mean, std, value, len(vals), ", ".join(sorted(r["folders"])))
-    # the models in the order of the archive (the first passes), then those the later passes add
-    variants = list(dict.fromkeys(v[0] for v in table.values()))
-    order = sorted(table, key=lambda n: (variants.index(table[n][0]), table[n][1] or 0))
-    plot_state([{"variant": table[n][0], "label": n, "setting": None, "state_size": table[n][1], METRIC: table[n][2],
-                 METRIC + " std": table[n][3]} for n in order if table[n][2] is not None], METRIC, OUT)
-    for name in order:
-        variant, state, _, _, value, n, folders = table[name]
-        size = f"{state:,}" if state else "—"
-        print(f"| {name.replace(' · num_heads=', ' · ')} | {size} | {value} | {n} | {folders} |")
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    plot()
+    print(table())
 
 
 if __name__ == "__main__":

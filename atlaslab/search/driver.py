@@ -9,7 +9,7 @@ The run folder holds everything an experiment needs to be resumed or reported::
     experiment.yaml   the experiment after command-line overrides     trials.json   the expanded trials
     state.json        MLflow ids, tracking URI, Tune path, status      results.json  one record per trial
     mlruns.db, mlartifacts/   the default MLflow store                 ray/          Tune's storage
-    report.md, report.csv, trials.csv, plots/*.png
+    report.md, report.csv, trials.csv, curves.csv (learning curves), plots/*.png
 
 Ray: local by default (``ray.init(num_cpus=…)``, no dashboard, every process on 127.0.0.1 because
 ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is set before ``import ray``); ``ray_address`` / ``$RAY_ADDRESS``

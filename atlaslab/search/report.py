@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 
 from atlaslab.search.aggregate import (_mean_std, aggregate, mad_scores, mean_std, ranked_trials, report_metrics,
                                        steps_to, with_averages)
+from atlaslab.search.curves import write_curves
 from atlaslab.search.expand import Prepared
 from atlaslab.search.plots import grid_plots, plot_state, search_plots
 from atlaslab.search.results import read_records
@@ -58,6 +59,7 @@ def write_report(run_dir: Path, exp: ExperimentConfig, records: Sequence[Mapping
     lines.append("Per-trial numbers: `trials.csv`; per-row numbers: `report.csv`; MLflow: "
                  f"`{(state.get('tracking') or {}).get('uri', 'off')}`.")
     write_csvs(run_dir, exp, rows, records, metrics)
+    write_curves(run_dir, records)                       # curves.csv: every trial's learning curve
     out = run_dir / "report.md"
     out.write_text("\n".join(lines) + "\n")
     return out

@@ -81,6 +81,14 @@ def test_parallel_trials_nan_failure_and_mlflow(local_ray, tmp_path):
     assert "| GDN (baseline) |" in report and "| GDN lr 1e-2 |" in report
     assert "## Failed trials" in report and "diverged at step" in report and "| t003 | raises |" in report
     assert (run_dir / "plots" / "curves.png").is_file() and (run_dir / "report.csv").is_file()
+    # curves.csv beside trials.csv: every trial's logged steps, the same values as results.json's history
+    from atlaslab.search.curves import read_curves
+    curves = read_curves(run_dir / "curves.csv")
+    assert set(curves) >= {"t000", "t001"} and curves["t001"][0]["variant"] == "GDN lr 1e-2"
+    for k in ("t000", "t001"):
+        want = [(h["step"], h["val/accuracy"]) for h in recs[k]["history"] if h.get("val/accuracy") is not None]
+        assert [(c["step"], c["val/accuracy"]) for c in curves[k] if "val/accuracy" in c] == want
+        assert [c["step"] for c in curves[k] if "train/loss" in c] == [5, 10, 15, 20, 25, 30]
 
     # MLflow: one parent, one child per trial, with params, per-step metrics, tags and the config artifact
     state = json.loads((run_dir / "state.json").read_text())

@@ -1,0 +1,151 @@
+"""The results tables of whole experiment runs, from the run data committed under ``docs/results/<study>/data/``.
+
+    python docs/gen_runs.py quickstart          # print one table (the names are the keys of TABLES)
+
+A study's ``data/`` folder is what ``atlaslab run`` wrote into its run folder, less the checkpoints, Tune's
+folder and MLflow's store: ``experiment.yaml`` (the experiment after its command-line overrides), ``trials.csv``
+(each trial's final metrics), ``curves.csv`` (each trial's learning curve, :mod:`atlaslab.search.curves`),
+``report.csv`` and ``state.json`` (wall time). A table row is an experiment row (variant × axis values); a value is
+the mean over the row's finished seeds, with the sample std when there are several. "steps to X" is the first
+evaluation at which the experiment's metric reached ``report.steps_to`` (the run report's rule), averaged over the
+seeds that reached it; "k/n seeds" says how many did when not all of them. Parameters and state are the validated
+models' counts. ``report.averages`` columns (ATLAS Table 2's Avg) are each trial's mean of their metrics, averaged
+over seeds, and ``report.labels`` names the columns, as in the run's own report.
+
+:data:`TABLES` is read by ``docs/gen_tables.py``, which writes each table into the pages' ``<!-- generated: NAME -->``
+blocks.
+"""
+from __future__ import annotations
+
+import csv
+import statistics
+import sys
+from pathlib import Path
+from typing import Dict, List, Mapping, Optional, Sequence
+
+import yaml
+
+DOCS = Path(__file__).resolve().parent
+ROOT = DOCS.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from atlaslab.search.curves import first_step, read_curves  # noqa: E402
+from atlaslab.search.formatting import human_count  # noqa: E402
+
+RESULTS = DOCS / "results"
+FINISHED = ("completed", "early_stopped")
+
+
+class RunData:
+    """One or more committed runs of the same experiment (e.g. ``seeds=[0]`` and ``seeds=[1,2]`` run apart): the
+    first folder's experiment, every folder's trials and curves. ``rows`` maps a row label to its trials (csv
+    records, first-seen order, a (row, seed) taken from the first folder that has it); a trial's curve is
+    ``curves[(folder, key)]``."""
+
+    def __init__(self, *folders: Path):
+        self.folders = [Path(f) for f in folders]
+        self.exp = yaml.safe_load((self.folders[0] / "experiment.yaml").read_text())
+        self.trials: List[Dict[str, str]] = []
+        self.curves: Dict = {}
+        seen = set()
+        for folder in self.folders:
+            with open(folder / "trials.csv", newline="") as f:
+                for t in csv.DictReader(f):
+                    if (t["row"], t["seed"]) not in seen:
+                        seen.add((t["row"], t["seed"]))
+                        self.trials.append({**t, "folder": str(folder)})
+            if (folder / "curves.csv").is_file():
+                self.curves.update({(str(folder), k): c for k, c in read_curves(folder / "curves.csv").items()})
+        self.rows: Dict[str, List[Dict[str, str]]] = {}
+        for t in self.trials:
+            self.rows.setdefault(t["row"], []).append(t)
+
+    def finished(self, row: str) -> List[Dict[str, str]]:
+        return sorted((t for t in self.rows[row] if t["status"] in FINISHED), key=lambda t: int(t["seed"]))
+
+    def value(self, trial: Mapping[str, str], metric: str) -> Optional[float]:
+        """A trial's final ``metric``; an ``report.averages`` name is the mean of its metrics."""
+        avg = ((self.exp.get("report") or {}).get("averages") or {}).get(metric)
+        if avg:
+            vals = [self.value(trial, m) for m in avg]
+            return None if None in vals else sum(vals) / len(vals)
+        v = trial.get(metric)
+        return float(v) if v not in (None, "") else None
+
+    def steps_to(self, trial: Mapping[str, str], threshold: float) -> Optional[int]:
+        return first_step(self.curves.get((trial["folder"], trial["key"]), []), self.exp.get("metric", "val/accuracy"), threshold,
+                          self.exp.get("mode", "max"))
+
+
+def mean_std(vals: Sequence[float]):
+    """(mean, sample std or None for one value)."""
+    return statistics.mean(vals), (statistics.stdev(vals) if len(vals) > 1 else None)
+
+
+def fmt(vals: Sequence[float], digits: int) -> str:
+    if not vals:
+        return "—"
+    mu, sd = mean_std(vals)
+    return f"{mu:.{digits}f}" + (f" ± {sd:.{digits}f}" if sd is not None else "")
+
+
+def fmt_steps(steps: Sequence[Optional[int]]) -> str:
+    """Mean ± std of the seeds that reached the threshold, with "k/n seeds" when not all did."""
+    got = [s for s in steps if s is not None]
+    n = len(steps)
+    if not got:
+        return "—" + (f" (0/{n} seeds)" if n > 1 else "")
+    text = fmt(got, 0)
+    return text + (f" ({len(got)}/{n} seeds)" if len(got) < n else "")
+
+
+def run_table(folders: Sequence[Path], metrics: Sequence[str] = (), digits: int = 3, steps: bool = True) -> str:
+    """The Markdown table of a committed run: variant, the report's metrics (labelled), steps to the threshold,
+    params, state. The baseline row (``grid.baseline``, else the first) is marked "(baseline)"."""
+    d = RunData(*([folders] if isinstance(folders, (str, Path)) else folders))
+    rep = d.exp.get("report") or {}
+    labels = rep.get("labels") or {}
+    metrics = list(metrics or rep.get("metrics") or [d.exp["metric"]]) + list((rep.get("averages") or {}))
+    threshold = rep.get("steps_to") if steps else None
+    baseline = (d.exp.get("grid") or {}).get("baseline") or next(iter(d.rows))
+    head = ["variant"] + [labels.get(m, m) for m in metrics]
+    head += [f"steps to {threshold:g}"] if threshold is not None else []
+    head += ["params", "state"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in d.rows:
+        done = d.finished(row)
+        cells = [row + (" (baseline)" if row == baseline else "")]
+        for m in metrics:
+            cells.append(fmt([v for v in (d.value(t, m) for t in done) if v is not None], digits))
+        if threshold is not None:
+            cells.append(fmt_steps([d.steps_to(t, threshold) for t in done]))
+        first = d.rows[row][0]
+        cells += [human_count(first["num_parameters"]), human_count(first["state_size"])]
+        if len(done) < len(d.rows[row]):
+            cells[0] += f" ({len(done)}/{len(d.rows[row])} finished)"
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def quickstart() -> str:
+    """README and docs/results.md: the quickstart, seed 0."""
+    return run_table(RESULTS / "quickstart" / "data")
+
+
+def table6_cpu() -> str:
+    """docs/results/table6-cpu.md: the quickstart over seeds 0, 1, 2 (seed 0 is the quickstart's run, seeds 1 and 2
+    a run of the same file with ``seeds=[1,2]``; a trial depends only on its configuration and seed)."""
+    return run_table([RESULTS / "quickstart" / "data", RESULTS / "table6-cpu" / "data"])
+
+
+def lm_table2_cpu() -> str:
+    """docs/results/lm-table2.md: the CPU-sized Table 2 run (no steps column: the metric is a loss)."""
+    return run_table(RESULTS / "lm-table2" / "data", steps=False)
+
+
+TABLES = {"quickstart": quickstart, "table6-cpu": table6_cpu, "lm-table2-cpu": lm_table2_cpu}
+
+
+if __name__ == "__main__":
+    print(TABLES[sys.argv[1]]())

@@ -1,0 +1,116 @@
+"""docs/gen_tables.py: every generated block of the README and the site equals what its committed data gives, and
+the prose around a generated table quotes only numbers the table holds."""
+from __future__ import annotations
+
+import csv
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, DOCS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+gt = _load("gen_tables")
+gr = _load("gen_runs")
+
+
+def test_every_generated_block_matches_its_committed_data():
+    stale = gt.stale()
+    assert not stale, ("generated blocks differ from their data: "
+                       + ", ".join(str(p.relative_to(gt.ROOT)) for p, _ in stale)
+                       + " (run `python docs/gen_tables.py --write` and commit)")
+
+
+def test_no_number_in_the_prose_drifts_from_its_generated_table():
+    problems = gt.drift_all()
+    assert not problems, "\n".join(problems)
+
+
+def test_the_tables_this_issue_generates_are_on_their_pages():
+    where = {}
+    for page in gt.pages():
+        for m in gt.blocks(page.read_text(), str(page)):
+            where.setdefault(m.group("name"), []).append(page.relative_to(gt.ROOT).as_posix())
+    assert where["quickstart"] == ["README.md", "docs/results.md"]
+    assert where["table6-cpu"] == ["docs/results/table6-cpu.md"]
+    assert where["lm-table2-cpu"] == ["docs/results/lm-table2.md"]
+    assert where["recall-vs-state"] == ["docs/results/recall-vs-state.md"]
+
+
+GENS = {"t": ("test", lambda: "| a |\n|---|\n| 0.961 ± 0.023 |")}
+PAGE = "# T\n\nText 0.961 ± 0.023.\n\n<!-- generated: t -->\n\n| a |\n|---|\n| 0.961 ± 0.023 |\n\n<!-- end generated -->\n"
+
+
+def test_a_changed_number_in_a_block_is_stale_and_write_restores_it():
+    assert gt.render(PAGE, GENS) == PAGE
+    edited = PAGE.replace("| 0.961 ± 0.023 |", "| 0.962 ± 0.023 |")
+    assert gt.render(edited, GENS) == PAGE
+
+
+def test_bad_markers_and_unknown_blocks_are_errors():
+    with pytest.raises(ValueError, match="no generator for block 'u'"):
+        gt.render(PAGE.replace("generated: t", "generated: u"), GENS)
+    with pytest.raises(ValueError, match="has no"):
+        gt.render(PAGE.replace("<!-- end generated -->", ""), GENS)
+
+
+def test_drift_flags_a_planted_number_and_passes_the_true_one():
+    assert gt.drift(PAGE) == []
+    assert gt.drift(PAGE.replace("Text 0.961 ± 0.023", "Text 0.961 ± 0.024")) != []
+    assert gt.drift(PAGE.replace("Text 0.961", "Text 0.951")) != []
+    assert gt.drift(PAGE.replace("Text 0.961 ± 0.023.", "Text 2/3 seeds.")) != []
+    # a section without a generated block is not checked; inline code and fences are not prose
+    assert gt.drift(PAGE + "\n## Other\n\n0.123 and `0.456`\n") == []
+    assert gt.drift(PAGE.replace("Text 0.961 ± 0.023.", "`0.999` and\n```\n0.998\n```\n")) == []
+
+
+def test_drift_finds_a_wrong_number_planted_in_a_real_page():
+    page = (DOCS / "results" / "table6-cpu.md").read_text()
+    assert gt.drift(page) == []
+    block = next(gt.blocks(page)).group("body")
+    row = next(line for line in block.splitlines() if line.startswith("| w/o polynomial map"))
+    acc = row.split(" | ")[1].split(" ± ")[0]                   # e.g. 0.961
+    assert acc in page.split("<!-- end generated -->", 1)[1]    # the prose quotes it ...
+    wrong = f"{float(acc) + 0.004:.3f}"
+    planted = page.split("<!-- end generated -->", 1)
+    planted = planted[0] + "<!-- end generated -->" + planted[1].replace(acc, wrong, 1)
+    assert any(wrong in p for p in gt.drift(planted))          # ... and a wrong quote is found
+
+
+def _write_run(folder: Path):
+    folder.mkdir()
+    (folder / "experiment.yaml").write_text(
+        "name: x\nmetric: val/accuracy\nmode: max\ngrid: {baseline: B}\n"
+        "report: {metrics: [test/accuracy], steps_to: 0.9, averages: {Avg: [test/accuracy, test/other]},"
+        " labels: {test/accuracy: acc}}\n")
+    head = ["key", "row", "seed", "status", "num_parameters", "state_size", "test/accuracy", "test/other"]
+    trials = [("t0", "A", 0, "completed", 1000, 64, 0.9, 0.5), ("t1", "A", 1, "completed", 1000, 64, 0.8, 0.7),
+              ("t2", "B", 0, "early_stopped", 23400, 14100, 0.99, 0.1), ("t3", "B", 1, "diverged", 23400, 14100,
+                                                                        "", "")]
+    with open(folder / "trials.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(head)
+        w.writerows(trials)
+    with open(folder / "curves.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["key", "variant", "row", "seed", "step", "val/accuracy"])
+        w.writerows([("t0", "A", "A", 0, 25, 0.5), ("t0", "A", "A", 0, 50, 0.95), ("t1", "A", "A", 1, 25, 0.6),
+                     ("t2", "B", "B", 0, 25, 0.91)])
+
+
+def test_run_table_means_steps_to_and_seed_counts(tmp_path):
+    _write_run(tmp_path / "data")
+    lines = gr.run_table(tmp_path / "data").splitlines()
+    assert lines[0] == "| variant | acc | Avg | steps to 0.9 | params | state |"
+    # A: two seeds, one reached 0.9 (at 50); Avg is each trial's mean of its two metrics, then over seeds
+    assert lines[2] == "| A | 0.850 ± 0.071 | 0.725 ± 0.035 | 50 (1/2 seeds) | 1k | 64 |"
+    # B: the diverged seed is left out and counted
+    assert lines[3] == "| B (baseline) (1/2 finished) | 0.990 | 0.545 | 25 | 23.4k | 14.1k |"
