@@ -351,6 +351,23 @@ VERDICT_RULE = (
     "recipe or a probe.")
 
 
+def tuning_note(seeds: Sequence[int]) -> str:
+    """The warning a report on tuning seeds carries above its verdict column."""
+    used = ", ".join(str(x) for x in seeds if x in TUNING_SEEDS)
+    return (f"**Tuning seeds.** Seed(s) {used} of this run are tuning seeds ({', '.join(map(str, TUNING_SEEDS))}), on "
+            "which defaults, reference recipes and probes were chosen: the column below says what the rule gives "
+            "on them, a calibration record, not a verdict. Verdicts are taken on the held-out seeds "
+            f"{', '.join(map(str, HELDOUT_SEEDS))} (bench/results/learning_heldout_*).")
+
+
+def render(path: Path) -> str:
+    """Rewrite ``<prefix>.md`` (and the summary / comparison of ``<prefix>.json``) from the runs recorded in
+    ``path`` (``<prefix>.json``), without training anything; returns the markdown."""
+    data = json.loads(Path(path).read_text())
+    data = {k: v for k, v in data.items() if k not in ("summary", "comparison")}
+    return write_report(data, Path(str(path)[:-len(".json")]))
+
+
 def verdict_row(name: str, c: Dict[str, Any]) -> str:
     """One markdown row of the verdict table from a :func:`compare` record (also used by docs/gen_learning.py)."""
     fmt = lambda x: f"{x:.0f}"   # noqa: E731
@@ -402,6 +419,7 @@ def write_report(data: Dict[str, Any], out: Path) -> str:
     comparisons = {}
     lines += ["", f"## Verdicts (goal: ours reaches 90% within {GOAL_FACTOR}× the reference's steps)", "",
               VERDICT_RULE, "",
+              *([tuning_note(data["seeds"]), ""] if set(data["seeds"]) & set(TUNING_SEEDS) else []),
               "| preset | reference | ref reached 90% | ours reached 90% | ours steps | ref steps | ours / ref | "
               "90% interval | verdict |",
               "|---|---|---|---|---|---|---|---|---|"]
@@ -569,8 +587,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--reuse-from", action="append", default=[], metavar="JSON",
                     help="also take matching runs from this results file (repeatable; implies --reuse), e.g. to pool "
                          "seeds that ran in separate commands into one report")
+    ap.add_argument("--render", nargs="+", metavar="JSON",
+                    help="only rewrite the reports of these results files from their recorded runs (no training)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.render:
+        for path in args.render:
+            render(Path(path))
+            print(f"rendered {path[:-len('.json')]}.md")
+        return
     if args.worker:
         print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
         return

@@ -515,8 +515,9 @@ class LaCTMixer(nn.Module):
 # construction
 # --------------------------------------------------------------------------------------------------
 DESCRIPTIONS = {
-    "softmax_transformer": "pre-LN Transformer, causal softmax SDPA, 4 heads, learned positions, GELU MLP 4×, "
-                           "default inits, untied head",
+    "softmax_transformer": "pre-LN Transformer, causal softmax SDPA, 4 heads, GELU MLP 4×, default inits, untied "
+                           "head; positions per the run's options (learned: an nn.Embedding at PyTorch's N(0, 1) "
+                           "init, the runs before 2026-12-06; learned_small: N(0, 0.02²); rope)",
     "fla_gated_deltanet": "fla 0.6 GatedDeltaNet layer (4 heads, head_dim 16, expand_v 2 (fla's default), conv4+SiLU, "
                           "ℓ2 q/k, β=σ, g=−exp(A_log)·softplus(a+dt_bias), "
                           "RMSNorm⊙swish gate) in a pre-LN LM; recurrence fla naive_chunk_gated_delta_rule "
