@@ -167,17 +167,21 @@ class RefLM(nn.Module):
 # mixers
 # --------------------------------------------------------------------------------------------------
 class SoftmaxAttention(nn.Module):
-    """Causal multi-head softmax attention (``F.scaled_dot_product_attention``, ``is_causal=True``)."""
+    """Causal multi-head softmax attention (``F.scaled_dot_product_attention``, ``is_causal=True``); with
+    ``rope`` q and k are rotated (:func:`_rope`, base 10,000) before the scores, per head ``[B, T, H, D]``."""
 
-    def __init__(self, d_model: int, num_heads: int = 4):
+    def __init__(self, d_model: int, num_heads: int = 4, rope: bool = False):
         super().__init__()
-        self.h = num_heads
+        self.h, self.rope = num_heads, rope
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.out = nn.Linear(d_model, d_model)
 
     def forward(self, x):
         B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.h, C // self.h).permute(2, 0, 3, 1, 4)
+        q, k, v = self.qkv(x).view(B, T, 3, self.h, C // self.h).unbind(2)          # [B, T, H, D] each
+        if self.rope:
+            q, k = _rope(q), _rope(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))                             # [B, H, T, D]
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out(o.transpose(1, 2).reshape(B, T, C))
 
@@ -301,17 +305,18 @@ def neural_memory_state_size(mem: nn.Module) -> int:
 
 class TitansMixer(nn.Module):
     """Depthwise causal conv (kernel 4, no activation; NeuralMemory has none of its own, and MQAR needs the
-    key next to its value) → titans-pytorch ``NeuralMemory(dim, heads, dim_head, chunk_size)`` (all else
-    its defaults: MemoryMLP depth 2 × 4 inside LN + residual, momentum, per-token decay, batch_size None)."""
+    key next to its value) → titans-pytorch ``NeuralMemory(dim, heads, dim_head, chunk_size, **memory_kw)`` (all
+    else its defaults: MemoryMLP depth 2 × 4 inside LN + residual, momentum, per-token decay, batch_size None);
+    ``memory_kw`` are further NeuralMemory constructor options, e.g. ``qk_rmsnorm=True``."""
 
     def __init__(self, d_model: int, num_heads: int = 4, chunk_size: int = 4, conv_size: int = 4,
-                 batch_size: Optional[int] = None):
+                 batch_size: Optional[int] = None, **memory_kw):
         super().__init__()
         _use_peers()
         from titans_pytorch import NeuralMemory
         self.conv = CausalConv(d_model, conv_size, silu=False) if conv_size else None
         self.mem = NeuralMemory(dim=d_model, heads=num_heads, dim_head=d_model // num_heads, chunk_size=chunk_size,
-                                batch_size=batch_size)
+                                batch_size=batch_size, **memory_kw)
         _materialise_initial_weights(self.mem)
 
     def forward(self, x):
@@ -510,8 +515,9 @@ class LaCTMixer(nn.Module):
 # construction
 # --------------------------------------------------------------------------------------------------
 DESCRIPTIONS = {
-    "softmax_transformer": "pre-LN Transformer, causal softmax SDPA, 4 heads, learned positions, GELU MLP 4×, "
-                           "default inits, untied head",
+    "softmax_transformer": "pre-LN Transformer, causal softmax SDPA, 4 heads, GELU MLP 4×, default inits, untied "
+                           "head; positions per the run's options (learned: an nn.Embedding at PyTorch's N(0, 1) "
+                           "init, the runs before 2026-12-06; learned_small: N(0, 0.02²); rope)",
     "fla_gated_deltanet": "fla 0.6 GatedDeltaNet layer (4 heads, head_dim 16, expand_v 2 (fla's default), conv4+SiLU, "
                           "ℓ2 q/k, β=σ, g=−exp(A_log)·softplus(a+dt_bias), "
                           "RMSNorm⊙swish gate) in a pre-LN LM; recurrence fla naive_chunk_gated_delta_rule "
@@ -534,6 +540,11 @@ DESCRIPTIONS = {
                   "streams, else defaults); "
                   "its own embedding, axial positions and RMSNorm head",
 }
+
+
+#: the softmax reference's positions: ``learned`` (an nn.Embedding, PyTorch's N(0, 1) init), ``learned_small``
+#: (the same, N(0, 0.02²) as GPT-2), ``rope`` (rotary q/k in every layer, no position embedding)
+SOFTMAX_POSITIONS = ("learned", "learned_small", "rope")
 
 
 #: fla's DeltaNet layer as the ``fla_deltanet`` reference builds it: the GDN layer without decay, output gate or
@@ -576,7 +587,16 @@ def build_ref(name: str, vocab_size: int, d_model: int = 64, num_layers: int = 2
     if not ok:
         raise RuntimeError(f"{name}: {why}")
     if name == "softmax_transformer":
-        return RefLM(vocab_size, d_model, [SoftmaxAttention(d_model, **kw) for _ in range(num_layers)], max_len=max_len)
+        kw = dict(kw)
+        positions = kw.pop("positions", "learned")
+        if positions not in SOFTMAX_POSITIONS:
+            raise ValueError(f"softmax_transformer: positions={positions!r}; valid: {', '.join(SOFTMAX_POSITIONS)}")
+        model = RefLM(vocab_size, d_model, [SoftmaxAttention(d_model, rope=positions == "rope", **kw)
+                                            for _ in range(num_layers)],
+                      max_len=max_len if positions.startswith("learned") else None)
+        if positions == "learned_small":
+            nn.init.normal_(model.pos.weight, std=0.02)     # GPT-2's position init
+        return model
     if name == "fla_gated_deltanet":
         return RefLM(vocab_size, d_model, [FlaGatedDeltaNetMixer(d_model, **kw) for _ in range(num_layers)])
     if name == "fla_deltanet":

@@ -1,0 +1,176 @@
+"""The learning-parity tables of the docs, rendered from the committed results files (bench/results/learning_*.json).
+
+``TABLES = {name: function() -> markdown}``: each function reads the recorded runs and recomputes every number and
+verdict with bench/learning.py's own functions (``summarise_model``, ``compare``, ``verdict_row``), so a table can
+only say what the committed runs say. In the markdown each table sits between ``<!-- generated: NAME -->`` and
+``<!-- end generated -->``; tests/docs/test_gen_learning.py regenerates every such block and fails on a difference.
+
+    python docs/gen_learning.py            # print every table
+    python docs/gen_learning.py NAME       # print one
+    python docs/gen_learning.py --write    # rewrite the blocks of docs/results.md and docs/results/learning*.md
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+#: the held-out verdict of each comparison: (results file, the command that writes it). The seeds (3, 4, 5) and
+#: their count were fixed before any of these runs; a comparison whose file is missing or incomplete says so.
+HELDOUT = {
+    "transformer": ("learning_heldout_transformer_cpu.json",
+                    "python bench/learning.py --presets none --refs softmax_transformer --softmax-positions "
+                    "learned_small --seeds 3,4,5 --out bench/results/learning_heldout_softmax_cpu && python "
+                    "bench/learning.py --presets transformer --refs softmax_transformer --softmax-positions "
+                    "learned_small --seeds 3,4,5 --reuse-from bench/results/learning_heldout_transformer_ours_cpu.json "
+                    "--reuse-from bench/results/learning_heldout_softmax_cpu.json "
+                    "--out bench/results/learning_heldout_transformer_cpu"),
+    "deltanet": ("learning_heldout_deltanet_cpu.json",
+                 "python bench/learning.py --presets deltanet --refs fla_deltanet --seeds 3,4,5 "
+                 "--out bench/results/learning_heldout_deltanet_cpu"),
+    "gated_deltanet": ("learning_heldout_gdn_cpu.json",
+                       "python bench/learning.py --presets gated_deltanet --refs fla_gated_deltanet --seeds 3,4,5 "
+                       "--out bench/results/learning_heldout_gdn_cpu"),
+    "titans": ("learning_heldout_titans_cpu.json",
+               "a titans-pytorch configuration that learns the setting on seeds 0-2 first (none found yet), then "
+               "python bench/learning.py --presets titans --refs titans_neural_memory --titans-option ... "
+               "--seeds 3,4,5 --out bench/results/learning_heldout_titans_cpu"),
+}
+HELDOUT_SEEDS = [3, 4, 5]
+
+#: the softmax reference's position probes on the tuning seeds: (positions, results file)
+SOFTMAX_PROBES = [("learned (N(0, 1), the old recipe)", "learning_cpu.json"),
+                  ("learned_small (N(0, 0.02²))", "learning_softmax_probe_learned_small_cpu.json"),
+                  ("rope", "learning_softmax_probe_rope_cpu.json")]
+
+
+def _bench():
+    """bench/learning.py as a module (it imports bench/learning_refs.py by name)."""
+    if "bench_learning" not in sys.modules:
+        sys.path.insert(0, str(ROOT / "bench"))
+        try:
+            spec = importlib.util.spec_from_file_location("bench_learning", ROOT / "bench" / "learning.py")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["bench_learning"] = module
+            spec.loader.exec_module(module)
+        finally:
+            sys.path.remove(str(ROOT / "bench"))
+    return sys.modules["bench_learning"]
+
+
+def _load(name: str) -> Optional[dict]:
+    path = RESULTS / name
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _runs(data: dict, kind: str, name: str) -> List[dict]:
+    return [r for r in data["runs"] if r["kind"] == kind and r["name"] == name]
+
+
+def _steps(run: dict) -> str:
+    bl = _bench()
+    s = bl.summarise_run(run)
+    if not s["ok"]:
+        return run.get("status", "failed")
+    return str(s["steps_to_90"]) if s["steps_to_90"] is not None else f"never ({s['final_accuracy']:.2f})"
+
+
+HEADER = ("| preset | reference | ref reached 90% | ours reached 90% | ours steps | ref steps | ours / ref | "
+          "90% interval | verdict |\n|---|---|---|---|---|---|---|---|---|")
+
+
+def heldout_verdicts() -> str:
+    """One row per comparison on the held-out seeds 3, 4, 5, or why it has none yet."""
+    bl = _bench()
+    refs = sys.modules["learning_refs"] if "learning_refs" in sys.modules else bl._refs_module()
+    lines = [HEADER]
+    for preset, (file, command) in HELDOUT.items():
+        ref = refs.PRESET_REF[preset]
+        data = _load(file)
+        ours, theirs = (_runs(data, "preset", preset), _runs(data, "ref", ref)) if data else ([], [])
+        if data is None or sorted(data["seeds"]) != HELDOUT_SEEDS or len(ours) < 3 or len(theirs) < 3:
+            lines.append(f"| {preset} | {ref} | — | — | — | — | — | — | not run on the held-out seeds yet: "
+                         f"`{command}` |")
+            continue
+        c = bl.compare(ours, theirs, budget=data["steps"])
+        lines.append(bl.verdict_row(preset, {"reference": ref, **c}))
+    return "\n".join(lines)
+
+
+def calibration() -> str:
+    """learning_cpu.json (seeds 0, 1, 2, the tuning seeds): each preset and reference, with what the verdict rule
+    gives on those seeds (not a verdict)."""
+    bl = _bench()
+    data = _load("learning_cpu.json")
+    refs = bl._refs_module()
+    lines = ["| model | kind | final val acc | steps to 90% (per seed) | reached 90% | reference | "
+             "rule on seeds 0–2 (not a verdict) |", "|---|---|---|---|---|---|---|"]
+    names = []
+    for r in data["runs"]:
+        if (r["kind"], r["name"]) not in names:
+            names.append((r["kind"], r["name"]))
+    for kind, name in names:
+        rs = _runs(data, kind, name)
+        m = bl.summarise_model(rs)
+        ref = refs.PRESET_REF.get(name) if kind == "preset" else None
+        rule = "—"
+        if ref and _runs(data, "ref", ref):
+            rule = bl.compare(rs, _runs(data, "ref", ref), budget=data["steps"])["verdict"]
+        lines.append(f"| `{name}` | {'ours' if kind == 'preset' else 'reference'} | {bl._pm(m['final_accuracy'])} | "
+                     f"{' / '.join(_steps(r) for r in rs)} | {m['reached_90']}/{m['seeds']} | {ref or '—'} | "
+                     f"{rule} |")
+    return "\n".join(lines)
+
+
+def softmax_probes() -> str:
+    """The softmax reference's positions on the tuning seeds: steps to 90% per seed (the recipe is the variant that
+    reaches 90% on every seed)."""
+    lines = ["| positions | file | steps to 90% per seed (seeds 0 / 1 / 2) | reached 90% |", "|---|---|---|---|"]
+    for label, file in SOFTMAX_PROBES:
+        data = _load(file)
+        if data is None:
+            continue
+        rs = {r["seed"]: r for r in _runs(data, "ref", "softmax_transformer")}
+        cells = [(_steps(rs[s]) if s in rs else "not run") for s in (0, 1, 2)]
+        reached = sum(1 for s in rs if _bench().summarise_run(rs[s])["steps_to_90"] is not None)
+        lines.append(f"| {label} | `bench/results/{file}` | {' / '.join(cells)} | {reached}/{len(rs)} |")
+    return "\n".join(lines)
+
+
+TABLES: Dict[str, Callable[[], str]] = {
+    "learning-heldout-verdicts": heldout_verdicts,
+    "learning-calibration": calibration,
+    "learning-softmax-probes": softmax_probes,
+}
+
+
+BLOCK = r"(<!-- generated: {name} -->\n).*?(<!-- end generated -->)"
+
+
+def write_pages() -> List[Path]:
+    """Rewrite every generated block of the learning pages in place; returns the pages that changed."""
+    import re
+    changed = []
+    for page in [ROOT / "docs" / "results.md", *sorted((ROOT / "docs" / "results").glob("learning*.md"))]:
+        text = new = page.read_text()
+        for name, table in TABLES.items():
+            new = re.sub(BLOCK.format(name=re.escape(name)), lambda m: m.group(1) + table() + "\n" + m.group(2), new,
+                         flags=re.S)
+        if new != text:
+            page.write_text(new)
+            changed.append(page)
+    return changed
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--write"]:
+        for page in write_pages():
+            print(f"rewrote {page.relative_to(ROOT)}")
+        sys.exit(0)
+    for key in (sys.argv[1:] or TABLES):
+        print(f"<!-- generated: {key} -->\n{TABLES[key]()}\n<!-- end generated -->\n")

@@ -1,0 +1,51 @@
+"""The learning-parity tables of the docs are generated: each ``<!-- generated: NAME -->`` block of a learning page
+equals ``docs/gen_learning.py``'s ``TABLES[NAME]()`` rendered from the committed JSON, and each learning report in
+bench/results (``learning_*.md``) equals what ``bench/learning.py --render`` writes from its JSON."""
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "docs" / "results.md", *sorted((ROOT / "docs" / "results").glob("learning*.md"))]
+BLOCK = re.compile(r"<!-- generated: ([\w-]+) -->\n(.*?)\n<!-- end generated -->", re.S)
+
+
+def _module(name, path):
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+gen = _module("docs_gen_learning", ROOT / "docs" / "gen_learning.py")
+
+
+def _blocks():
+    return [(page.relative_to(ROOT).as_posix(), name, body) for page in PAGES
+            for name, body in BLOCK.findall(page.read_text()) if name in gen.TABLES]
+
+
+@pytest.mark.parametrize("page, name, body", _blocks(), ids=lambda x: x if isinstance(x, str) and "\n" not in x else "")
+def test_block_regenerates_from_the_committed_json(page, name, body):
+    assert body == gen.TABLES[name](), f"{page}: block {name} differs from docs/gen_learning.py's output"
+
+
+def test_every_learning_table_is_on_a_page():
+    assert {name for _, name, _ in _blocks()} == set(gen.TABLES)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "bench" / "results").glob("learning_*.json")), ids=lambda p: p.name)
+def test_bench_report_regenerates_from_its_json(path, tmp_path):
+    bl = gen._bench()
+    data = json.loads(path.read_text())
+    out = tmp_path / path.stem
+    (tmp_path / path.name).write_text(json.dumps(data))
+    md = bl.render(tmp_path / path.name)
+    assert md == path.with_suffix(".md").read_text(), f"{path.name}: python bench/learning.py --render {path}"
+    assert out.with_suffix(".md").read_text() == md
