@@ -17,6 +17,8 @@ DEFERRED = {
     ("atlaslab.cli", "atlaslab.train.cli"): "a subcommand loads its floor only when it runs",
     ("atlaslab.cli", "atlaslab.search.cli"): "ray and mlflow load only for run / resume / report",
     ("atlaslab.cli", "atlaslab.search.ui"): "mlflow loads only for ui",
+    ("atlaslab", "atlaslab.search.driver"): "`import atlaslab` loads no Ray or MLflow (atlaslab.run / prepare / resume)",
+    ("atlaslab", "atlaslab.search.frame"): "`import atlaslab` loads no pandas (atlaslab.load_results / load_curves)",
     ("atlaslab.cli", "atlaslab.search.train_tracking"): "mlflow loads only when `atlaslab train` runs",
     ("atlaslab.search.driver", "atlaslab.search.progress"): "ray.tune (a Tune callback)",
     ("atlaslab.eval.lm_eval", "atlaslab.eval.harness"): "lm_eval, an optional extra",
