@@ -105,7 +105,15 @@ def add_demo(sub) -> None:
 def add_train(sub) -> None:
     from atlaslab.train.cli import add_train_parser
 
-    add_train_parser(sub)
+    add_train_parser(sub).set_defaults(func=cmd_train)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """``atlaslab train``, logged to MLflow (the train floor's command with the search floor's tracker)."""
+    from atlaslab.search.train_tracking import TrainTracker
+    from atlaslab.train.cli import train_command
+
+    return train_command(args, tracker_factory=TrainTracker)
 
 
 def add_run(sub) -> None:

@@ -1,4 +1,4 @@
-"""Named models: ``experiments/presets/<name>.yaml``, loaded with overrides and built into a language model.
+"""Named models: ``atlaslab/presets/<name>.yaml``, loaded with overrides and built into a language model.
 
     cfg = load_preset("atlas", ["d_model=32", "mixers.atlas.memory.chunk_size=4"])
     model = build_model(cfg)
@@ -13,11 +13,15 @@ different ``name`` replaces the node instead of merging into it. A key segment m
 (*where present*: ``?mixers.*.mode=chunked``). The rules live in :mod:`atlaslab.models.overrides`.
 The result is validated as a whole; every error is a :class:`ConfigError` naming the dotted path.
 
-The preset folder is ``$ATLASLAB_PRESETS`` when set, else ``experiments/presets`` of the source tree.
+The preset folder is ``$ATLASLAB_PRESETS`` when set, else the package data ``atlaslab/presets/`` (read through
+:mod:`importlib.resources`, so an installed wheel finds them as an editable checkout does).
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import functools
+import importlib.resources
 import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -34,7 +38,21 @@ def preset_dir() -> Path:
     env = os.environ.get("ATLASLAB_PRESETS")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2] / "experiments" / "presets"
+    return _packaged_presets()
+
+
+@functools.lru_cache(maxsize=None)
+def _packaged_presets() -> Path:
+    """The presets shipped inside the package (``atlaslab/presets/*.yaml``, package data of the wheel)."""
+    folder = importlib.resources.files("atlaslab").joinpath("presets")
+    if isinstance(folder, Path):
+        return folder
+    # a zipped install: extract the folder once for this process (as_file of a folder needs Python 3.12)
+    return _EXTRACTED.enter_context(importlib.resources.as_file(folder))
+
+
+_EXTRACTED = contextlib.ExitStack()
+atexit.register(_EXTRACTED.close)
 
 
 def list_presets() -> List[str]:

@@ -8,8 +8,11 @@ The run folder holds everything an experiment needs to be resumed or reported::
 
     experiment.yaml   the experiment after command-line overrides     trials.json   the expanded trials
     state.json        MLflow ids, tracking URI, Tune path, status      results.json  one record per trial
-    mlruns.db, mlartifacts/   the default MLflow store                 ray/          Tune's storage
-    report.md, report.csv, trials.csv, curves.csv (learning curves), plots/*.png
+    ray/              Tune's storage                                    report.md, report.csv, trials.csv,
+                                                                      curves.csv (learning curves), plots/*.png
+
+MLflow's default store is shared by the run folders beside each other: ``runs/mlflow.db`` (and ``runs/mlartifacts/``)
+for the default ``runs/<name>-<time>`` (:func:`atlaslab.search.tracking.default_tracking_uri`).
 
 Ray: local by default (``ray.init(num_cpus=…)``, no dashboard, every process on 127.0.0.1 because
 ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is set before ``import ray``); ``ray_address`` / ``$RAY_ADDRESS``
@@ -274,9 +277,7 @@ def build_tuner(p: Prepared, run_dir: Path, settings: TrialSettings, num_cpus: O
 # --------------------------------------------------------------------------------------------------
 def _parent_run(exp: ExperimentConfig, run_dir: Path, uri: str, node: Mapping[str, Any], n_trials: int):
     """The experiment's MLflow parent run (its params, the experiment file); the tracking dict of state.json."""
-    art = None
-    if T.is_local_uri(uri):
-        art = (run_dir / "mlartifacts").resolve().as_uri()
+    art = T.artifact_location(uri)
     mlexp = exp.tracking.experiment or exp.name
     exp_id = T.ensure_experiment(uri, mlexp, art)
     c = T.client(uri)

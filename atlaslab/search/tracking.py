@@ -1,7 +1,9 @@
 """MLflow: one parent run per experiment, one child run per trial, each trial exactly one run.
 
-* Tracking URI: ``tracking.uri`` / ``--tracking-uri``, else ``$MLFLOW_TRACKING_URI``, else
-  ``sqlite:///<run dir>/mlruns.db`` with artifacts in ``<run dir>/mlartifacts``.
+* Tracking URI: ``tracking.uri`` / ``--tracking-uri``, else ``$MLFLOW_TRACKING_URI``, else the one default
+  store of every run beside each other: ``sqlite:///<parent of the run dir>/mlflow.db`` (``runs/mlflow.db`` for
+  the default run folders ``runs/<name>-<time>``) with artifacts in ``mlartifacts/`` beside it, so one MLflow UI
+  compares all of them. A store of one run's own: ``--tracking-uri sqlite:///<run dir>/mlruns.db``.
 * The driver creates the parent run (tag ``atlaslab.run_dir``) before any trial starts; each trial,
   inside its Ray worker, finds its child run by the tags ``mlflow.parentRunId`` + ``atlaslab.trial_key``
   or creates it, so a retried or restored trial continues the same run (one run per trial,
@@ -43,7 +45,23 @@ def default_tracking_uri(run_dir: Path, uri: Optional[str] = None) -> str:
     env = os.environ.get("MLFLOW_TRACKING_URI")
     if env:
         return env
-    return "sqlite:///" + str((Path(run_dir) / "mlruns.db").resolve())
+    return "sqlite:///" + str(default_store(run_dir))
+
+
+STORE_NAME = "mlflow.db"
+ARTIFACTS_NAME = "mlartifacts"
+
+
+def default_store(run_dir: Path) -> Path:
+    """The default SQLite store of a run folder: ``mlflow.db`` in the folder that holds it (shared by its siblings)."""
+    return Path(run_dir).resolve().parent / STORE_NAME
+
+
+def artifact_location(uri: str) -> Optional[str]:
+    """Where a new experiment in a local SQLite store keeps artifacts: ``mlartifacts/`` beside the ``.db``."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return (Path(uri[len("sqlite:///"):]).resolve().parent / ARTIFACTS_NAME).as_uri()
 
 
 def is_local_uri(uri: str) -> bool:
@@ -262,5 +280,6 @@ def finalize_child(uri: str, experiment_id: str, parent_id: str, trial_key: str,
         retry(c.set_terminated, run.info.run_id, status=status, what="end run")
 
 
-__all__ = ["TAG_KEY", "TrialRun", "children", "client", "config_params", "default_tracking_uri", "ensure_experiment",
+__all__ = ["TAG_KEY", "TrialRun", "artifact_location", "children", "client", "config_params", "default_store",
+           "default_tracking_uri", "ensure_experiment",
            "finalize_child", "flatten", "is_local_uri", "log_metrics", "log_params", "retry", "set_tags"]

@@ -1,7 +1,8 @@
 """``atlaslab ui RUN_DIR``: the MLflow UI of a run folder's tracking store, served on 127.0.0.1.
 
-A thin wrapper around ``mlflow server``: the backend store is ``sqlite:///<RUN_DIR>/mlruns.db`` and proxied
-artifacts go to ``<RUN_DIR>/mlartifacts`` (the layout the driver writes, :mod:`.tracking`; runs whose artifact
+A thin wrapper around ``mlflow server``: the backend store is the run folder's SQLite store (by default
+``runs/mlflow.db``, shared by every run under ``runs/``; ``atlaslab ui runs`` opens it too) and proxied
+artifacts go to ``mlartifacts/`` beside it (the layout the driver writes, :mod:`.tracking`; runs whose artifact
 URIs are plain ``file://`` paths there are read directly). The server is the lean one (``--workers 1``, job
 execution off, no telemetry) and runs in its own process group, so stopping it ends the server and its worker.
 
@@ -26,31 +27,37 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from atlaslab.registry import ConfigError
+from atlaslab.search.tracking import ARTIFACTS_NAME, STORE_NAME
 
-DB_NAME = "mlruns.db"
-ARTIFACTS_NAME = "mlartifacts"
+DB_NAME = "mlruns.db"                   # a store of one run's own (runs before the shared default, --tracking-uri)
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 5000
 
 
 def find_store(run_dir) -> Tuple[Path, Path]:
-    """``(mlruns.db, mlartifacts/)`` of a run folder (or of the ``.db`` file itself); ConfigError if none."""
+    """``(store .db, mlartifacts/)`` of a run folder (the SQLite store its ``state.json`` names: by default
+    ``mlflow.db`` shared with the run folders beside it; an older run's own ``mlruns.db``), of the folder that
+    holds the runs (``runs/``: its ``mlflow.db``) or of the ``.db`` file itself; ConfigError if none."""
     p = Path(run_dir).expanduser()
-    db = p if p.suffix == ".db" and p.is_file() else p / DB_NAME
-    if db.is_file():
-        return db.resolve(), (db.parent / ARTIFACTS_NAME).resolve()
-    if not p.exists():
-        raise ConfigError("run_dir", f"{p} does not exist.", value=str(p))
-    hint = ""
+    uri = None
     state = p / "state.json"
     if state.is_file():
         try:
             uri = json.loads(state.read_text()).get("tracking", {}).get("uri")
         except (ValueError, AttributeError):
             uri = None
-        if uri and not str(uri).startswith("sqlite:"):
-            hint = f"; this run was tracked at {uri}: open that server's UI instead"
-    raise ConfigError("run_dir", f"no MLflow store in {p} (expected {p / DB_NAME}){hint}.", value=str(p))
+    candidates = [p] if p.suffix == ".db" else [p / DB_NAME, p / STORE_NAME]
+    if uri and str(uri).startswith("sqlite:///"):
+        candidates.insert(0, Path(str(uri)[len("sqlite:///"):]))
+    for db in candidates:
+        if db.is_file():
+            return db.resolve(), (db.parent / ARTIFACTS_NAME).resolve()
+    if not p.exists():
+        raise ConfigError("run_dir", f"{p} does not exist.", value=str(p))
+    hint = f"; this run was tracked at {uri}: open that server's UI instead" \
+        if uri and not str(uri).startswith("sqlite:") else ""
+    raise ConfigError("run_dir", f"no MLflow store in {p} (expected {' or '.join(map(str, candidates))}){hint}.",
+                      value=str(p))
 
 
 def free_port(host: str = DEFAULT_HOST) -> int:
@@ -220,7 +227,7 @@ def cmd_ui(args: argparse.Namespace) -> int:
 
 def add_ui(sub) -> None:
     p = sub.add_parser("ui", help="serve the MLflow UI of a run folder's store on 127.0.0.1")
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (runs/<name>-<time>) holding mlruns.db")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (runs/<name>-<time>), the folder of runs (runs) or a .db store")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 picks a free one)")
     p.add_argument("--host", default=DEFAULT_HOST, help=f"interface to bind (default {DEFAULT_HOST})")
     p.set_defaults(func=cmd_ui)

@@ -4,7 +4,7 @@ A run config has three nodes (plus an optional ``name``)::
 
     name: mqar-atlas
     model:
-      preset: atlas                 # experiments/presets/atlas.yaml, or a path to a preset YAML
+      preset: atlas                 # atlaslab/presets/atlas.yaml, or a path to a preset YAML
       overrides: {d_model: 64}      # dotlist list or nested mapping (vocab_size defaults to the task's)
     task: {name: mqar, vocab_size: 128, seq_len: 64, num_kv_pairs: [4]}
     train: {steps: 250, lr: 3e-3, batch_size: 64}
@@ -17,7 +17,9 @@ configuration error prints one line naming the dotted path and exits with status
 
 The run directory (``--run-dir``, default ``runs/<name or config stem>``) holds ``checkpoint.pt``,
 ``config.yaml`` (the resolved run config) and ``result.json``; running the same command again resumes
-from the checkpoint (``--fresh`` starts over). Exit status: 0 for a finished run (completed, early stop),
+from the checkpoint (``--fresh`` starts over). ``atlaslab train`` also logs the run to MLflow like a trial of an
+experiment (params, metrics at every report, the final metrics; the store ``runs/mlflow.db`` beside the run folder,
+``--tracking-uri`` elsewhere, ``--no-tracking`` none; :mod:`atlaslab.search.train_tracking`). Exit status: 0 for a finished run (completed, early stop),
 3 when it diverged, 2 for a configuration error.
 
 Wiring into the main CLI::
@@ -193,12 +195,20 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--fresh", action="store_true", help="delete an existing checkpoint and start over")
     p.add_argument("--device", default=None, help="override train.device (cpu, cuda, auto)")
     p.add_argument("--quiet", action="store_true", help="print only the final JSON")
+    p.add_argument("--tracking-uri", default=None,
+                   help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else sqlite:///runs/mlflow.db beside the "
+                   "run folder)")
+    p.add_argument("--no-tracking", action="store_true", help="do not log the run to MLflow")
     p.set_defaults(func=train_command)
     return p
 
 
-def train_command(args: argparse.Namespace) -> int:
-    """Run ``atlaslab train``; returns the exit status."""
+def train_command(args: argparse.Namespace, tracker_factory: Optional[Callable[..., Any]] = None) -> int:
+    """Run ``atlaslab train``; returns the exit status.
+
+    ``tracker_factory(run_dir, uri)`` (``atlaslab.search.train_tracking.TrainTracker`` from the ``atlaslab``
+    command; this floor cannot import it) makes the object that logs the run: ``start(name, config, resumed)``,
+    ``log(metrics, step)``, ``end(result)``, ``fail(message)``."""
     try:
         overrides = list(args.overrides or [])
         if args.device:
@@ -217,8 +227,14 @@ def train_command(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"atlaslab train: config error: {exc}", file=sys.stderr)
         return 2
+    tracker = None
+    if tracker_factory is not None and not getattr(args, "no_tracking", False):
+        tracker = tracker_factory(run_dir, getattr(args, "tracking_uri", None))
+        tracker.start(name, to_container(cfg), resumed=run_dir is not None and (run_dir / CHECKPOINT_NAME).exists())
 
     def report(metrics: Dict[str, float], step: int) -> None:
+        if tracker is not None:
+            tracker.log(metrics, step)
         if not args.quiet:
             shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()
                               if k.count("/") == 1 and not k.startswith("train/tokens"))
@@ -226,9 +242,15 @@ def train_command(args: argparse.Namespace) -> int:
 
     try:
         result = train(model, task, tcfg, callback=report, checkpoint_dir=run_dir)
-    except ConfigError as exc:
-        print(f"atlaslab train: config error: {exc}", file=sys.stderr)
-        return 2
+    except BaseException as exc:
+        if tracker is not None:
+            tracker.fail(f"{type(exc).__name__}: {exc}")
+        if isinstance(exc, ConfigError):
+            print(f"atlaslab train: config error: {exc}", file=sys.stderr)
+            return 2
+        raise
+    if tracker is not None:
+        tracker.end(result)
     out = _json_safe(result.to_dict(history=True))
     if run_dir is not None:
         (run_dir / "result.json").write_text(json.dumps(out, indent=2))

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# The package as a user gets it: build the sdist and the wheel (the wheel from the sdist, so a file missing from
+# the sdist fails here), install the wheel non-editable into a fresh venv that has only torch and the wheel's own
+# dependencies (no triton, no dev extras), and use it from a folder outside the repository.
+#
+#   bash .ci/wheel_check.sh [PYTHON]      # PYTHON: an interpreter with `build` (default .venv/bin/python)
+#
+# Environment: WHEEL_CHECK_DIR (work folder, default a new temporary one, removed at the end unless
+# WHEEL_CHECK_KEEP=1), WHEEL_EXTRAS (extras to install with the wheel, e.g. "hf"; default none).
+# To add a check, write a function check_<name> below and add it to CHECKS: it runs in $OUTSIDE with
+# $VENV/bin on PATH; the checks that need extras install them through WHEEL_EXTRAS.
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+PY="${1:-$ROOT/.venv/bin/python}"
+WORK="${WHEEL_CHECK_DIR:-$(mktemp -d /tmp/atlaslab-wheel.XXXXXX)}"
+cleanup() { [ "${WHEEL_CHECK_KEEP:-0}" = 1 ] || rm -rf "$WORK"; }
+trap cleanup EXIT
+DIST="$WORK/dist"; VENV="$WORK/venv"; OUTSIDE="$WORK/outside"; SRC="$WORK/src"
+mkdir -p "$DIST" "$OUTSIDE" "$SRC"
+t0=$(date +%s)
+step() { echo "wheel check [$(( $(date +%s) - t0 ))s]: $*"; }
+
+step "build sdist and wheel"
+# from a copy of the checkout (the build writes egg-info and build/ into its source folder); --no-isolation: the
+# build backend (setuptools) of the calling venv, no download
+tar -C "$ROOT" --exclude=./.git --exclude=./.venv --exclude=./runs --exclude=./build --exclude=./site \
+    --exclude='*.egg-info' --exclude=__pycache__ -cf - . | tar -C "$SRC" -xf -
+"$PY" -m build --no-isolation --sdist --wheel --outdir "$DIST" "$SRC" >"$WORK/build.log" 2>&1 \
+    || { cat "$WORK/build.log"; exit 1; }
+WHEEL=$(ls "$DIST"/atlaslab-*.whl)
+"$PY" - "$WHEEL" "$ROOT" <<'EOF'
+import sys, zipfile
+from pathlib import Path
+names = set(zipfile.ZipFile(sys.argv[1]).namelist())
+want = {f"atlaslab/presets/{p.name}" for p in (Path(sys.argv[2]) / "atlaslab" / "presets").glob("*.yaml")}
+missing = sorted(want - names)
+assert want and not missing, f"presets missing from the wheel: {missing}"
+print(f"  the wheel holds {len(want)} presets")
+EOF
+
+step "fresh venv: torch==2.13.0 (the CPU wheel), then the wheel"
+python3 -m venv "$VENV"
+"$VENV/bin/pip" install -q torch==2.13.0
+spec="$WHEEL"; [ -n "${WHEEL_EXTRAS:-}" ] && spec="atlaslab[${WHEEL_EXTRAS}] @ file://$WHEEL"
+"$VENV/bin/pip" install -q "$spec"
+export PATH="$VENV/bin:$PATH" RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 OMP_NUM_THREADS=1
+cd "$OUTSIDE"
+
+check_installed() {
+    # the package comes from the venv, not the checkout; no triton (an extra), the presets are package data
+    python - "$ROOT" <<'EOF'
+import importlib.util, sys
+from pathlib import Path
+import atlaslab
+from atlaslab.models.presets import preset_dir
+root = Path(sys.argv[1]).resolve()
+assert root not in Path(atlaslab.__file__).resolve().parents, atlaslab.__file__
+assert importlib.util.find_spec("triton") is None, "triton is installed: it should come only with atlaslab[triton]"
+assert root not in preset_dir().resolve().parents, preset_dir()
+print("  atlaslab from", Path(atlaslab.__file__).parent, "| presets in", preset_dir())
+EOF
+}
+
+check_cli() {
+    atlaslab list >list.txt
+    grep -q "atlas" list.txt && grep -q "titans_mac" list.txt || { cat list.txt; exit 1; }
+    atlaslab show atlas >show.txt || { cat show.txt; exit 1; }
+    grep -q "atlas" show.txt
+    echo "  list: $(grep -c . list.txt) lines; show atlas: $(grep -c . show.txt) lines"
+}
+
+check_train() {
+    # a tiny real run on the torch engines (no triton), logged to the default MLflow store runs/mlflow.db
+    cat >tiny.yaml <<'EOF'
+name: tiny
+model:
+  preset: atlas
+  overrides: {d_model: 16, num_layers: 1, "mixers.*.num_heads": 2, "mixers.*.mode": chunked}
+task: {name: mqar, vocab_size: 32, seq_len: 16, num_kv_pairs: [2], eval_examples: 32}
+train: {steps: 4, batch_size: 8, eval_interval: 2, eval_examples: 32, progress: never}
+EOF
+    atlaslab train tiny.yaml --quiet >train.json
+    python - <<'EOF'
+import json
+from pathlib import Path
+out = json.loads(Path("train.json").read_text())
+res = json.loads(Path("runs/tiny/result.json").read_text())
+assert out["steps"] == 4 and res["steps"] == 4, out
+assert Path("runs/mlflow.db").is_file(), "atlaslab train did not log to runs/mlflow.db"
+from mlflow.tracking import MlflowClient
+c = MlflowClient(tracking_uri="sqlite:///" + str(Path("runs/mlflow.db").resolve()))
+exp = c.get_experiment_by_name("tiny")
+run = c.search_runs([exp.experiment_id])[0]
+assert run.info.status == "FINISHED" and run.data.params.get("train.steps") == "4", run
+assert any(m.step == 4 for m in c.get_metric_history(run.info.run_id, "val/accuracy")), "no metric at step 4"
+print(f"  trained 4 steps: val/accuracy {out['metrics'].get('val/accuracy')}; MLflow run {run.info.run_id}")
+EOF
+}
+
+CHECKS=(installed cli train)
+for c in "${CHECKS[@]}"; do
+    step "$c"
+    "check_$c"
+done
+step "passed"
