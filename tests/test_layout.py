@@ -8,7 +8,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "atlaslab"
 
-FLOORS = ["registry", "kernels", "memory", "engines", "models", "tasks", "train", "eval", "search", "cli"]
+FLOORS = ["registry", "kernels", "memory", "engines", "models", "hf", "tasks", "train", "eval", "search", "cli"]
 
 # (module, imported module) → why the import waits until a function runs
 DEFERRED = {
