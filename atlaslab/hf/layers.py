@@ -77,7 +77,10 @@ class AtlaslabMixer(nn.Module):
             raise ConfigError("key", f"preset {preset!r} has no mixer {key!r}.", value=key,
                               choices=list(node["mixers"]))
         merged = OmegaConf.to_container(OmegaConf.merge(node["mixers"][key], config))
-        return AtlaslabMixer(hidden_size, num_heads, layer_idx, **merged)
+        if num_heads is None:
+            num_heads = merged.pop("num_heads", None)
+        merged.pop("num_heads", None)
+        return AtlaslabMixer(hidden_size, num_heads, layer_idx, mixer=merged.pop("name"), **merged)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 past_key_values: Optional[StateCache] = None, use_cache: bool = False,
