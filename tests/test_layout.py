@@ -17,6 +17,7 @@ DEFERRED = {
     ("atlaslab.cli", "atlaslab.train.cli"): "a subcommand loads its floor only when it runs",
     ("atlaslab.cli", "atlaslab.search.cli"): "ray and mlflow load only for run / resume / report",
     ("atlaslab.cli", "atlaslab.search.ui"): "mlflow loads only for ui",
+    ("atlaslab.cli", "atlaslab.search.export"): "transformers (atlaslab[hf]) loads only for export",
     ("atlaslab.search.driver", "atlaslab.search.progress"): "ray.tune (a Tune callback)",
     ("atlaslab.eval.lm_eval", "atlaslab.eval.harness"): "lm_eval, an optional extra",
     ("atlaslab.kernels.newton_schulz", "atlaslab.kernels.newton_schulz.fused"): "triton",
