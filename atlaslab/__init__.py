@@ -7,7 +7,8 @@ and point into those pages.
 The package is built in floors, each importing only the ones below it:
 
     registry  →  kernels (GPU kernels)  →  memory (the six parts and their state)  →  engines (``memorize``)
-    →  models (layers, blocks, LM, presets)  →  tasks  →  train  →  eval  →  search  →  cli
+    →  models (layers, blocks, LM, presets)  →  hf (Hugging Face models, fla-style layers)
+    →  tasks  →  train  →  eval  →  search  →  cli
 
 For notebooks (loaded on first use, so ``import atlaslab`` stays light: no Ray, MLflow or pandas)::
 
@@ -23,6 +24,9 @@ from atlaslab.memory import MemoryParts, MemorySpec, build_memory, resolve_memor
 from atlaslab.engines import memorize
 from atlaslab import models  # noqa: F401  (registers the built-in mixers and blocks)
 from atlaslab.registry import ConfigError, list_parts, register
+from atlaslab.hf import register_with_transformers
+
+register_with_transformers()     # AutoModelForCausalLM knows "atlaslab" once transformers loads (atlaslab.hf)
 
 __version__ = "0.1.0"
 __all__ = ["ConfigError", "MemoryParts", "MemorySpec", "build_memory", "list_parts", "load_curves", "load_results",

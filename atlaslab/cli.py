@@ -134,6 +134,24 @@ def add_report(sub) -> None:
     _add(sub)
 
 
+def add_export(sub) -> None:
+    p = sub.add_parser("export", help="write a trained trial (the best by default) as a Hugging Face model folder")
+    p.add_argument("run_dir", help="the experiment's run folder")
+    p.add_argument("trial", nargs="?", default=None, help="trial key (t000, ...); default: the best trial")
+    p.add_argument("--out", default=None, help="output folder (default RUN_DIR/export/<trial>)")
+    p.add_argument("--no-mlflow", action="store_true", help="do not log / register the best trial's model in MLflow")
+    p.add_argument("--registered-name", default=None, help="MLflow registered model (default atlaslab-<experiment>)")
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_export(args) -> int:
+    from atlaslab.search.export import export_trial      # transformers (atlaslab[hf]) loads only here
+
+    print(export_trial(args.run_dir, args.trial, args.out, mlflow=not args.no_mlflow,
+                       registered_name=args.registered_name))
+    return 0
+
+
 def add_ui(sub) -> None:
     from atlaslab.search.ui import add_ui as _add
 
@@ -142,7 +160,8 @@ def add_ui(sub) -> None:
 
 #: name → function adding the subcommand's parser; other modules append to this (run, resume, report, ...).
 COMMANDS: Dict[str, Callable] = {"list": add_list, "show": add_show, "demo": add_demo, "train": add_train,
-                                 "run": add_run, "resume": add_resume, "report": add_report, "ui": add_ui}
+                                 "run": add_run, "resume": add_resume, "report": add_report, "ui": add_ui,
+                                 "export": add_export}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "atlaslab"
 
-FLOORS = ["registry", "kernels", "memory", "engines", "models", "tasks", "train", "eval", "search", "cli"]
+FLOORS = ["registry", "kernels", "memory", "engines", "models", "hf", "tasks", "train", "eval", "search", "cli"]
 
 # (module, imported module) → why the import waits until a function runs
 DEFERRED = {
@@ -20,6 +20,7 @@ DEFERRED = {
     ("atlaslab", "atlaslab.search.driver"): "`import atlaslab` loads no Ray or MLflow (atlaslab.run / prepare / resume)",
     ("atlaslab", "atlaslab.search.frame"): "`import atlaslab` loads no pandas (atlaslab.load_results / load_curves)",
     ("atlaslab.cli", "atlaslab.search.train_tracking"): "mlflow loads only when `atlaslab train` runs",
+    ("atlaslab.cli", "atlaslab.search.export"): "transformers (atlaslab[hf]) loads only for export",
     ("atlaslab.search.driver", "atlaslab.search.progress"): "ray.tune (a Tune callback)",
     ("atlaslab.eval.lm_eval", "atlaslab.eval.harness"): "lm_eval, an optional extra",
     ("atlaslab.kernels.newton_schulz", "atlaslab.kernels.newton_schulz.fused"): "triton",

@@ -1,0 +1,66 @@
+"""``atlaslab export`` end to end: a tiny two-trial sweep on a local Ray (127.0.0.1), its best trial written as a
+Hugging Face folder that AutoModelForCausalLM loads after ``import atlaslab``, with the trained weights, logged
+to its MLflow run and registered; another trial by key, without MLflow."""
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+from atlaslab.cli import main  # noqa: E402
+from atlaslab.search.driver import prepare, run  # noqa: E402
+from atlaslab.search.export import ARTIFACT, checkpoint_of, load_checkpoint_model  # noqa: E402
+
+
+
+def tiny(name, steps, **extra):
+    return {"name": name, "model": {"preset": "gated_deltanet", "overrides": {"d_model": 16, "mixers.*.num_heads": 2}},
+            "task": {"name": "mqar", "vocab_size": 16, "seq_len": 16, "num_kv_pairs": [2], "eval_examples": 32},
+            "eval": {"interval": 10, "examples": 32},
+            "train": {"steps": steps, "batch_size": 8, "lr": 3.0e-3, "log_interval": 5}, **extra}
+
+
+def test_export_the_best_trial_and_register_it(local_ray, tmp_path, capsys):
+    node = tiny("exp", steps=10, grid={"variants": {"slow": {"train.lr": 1e-4}, "fast": {"train.lr": 1e-2}}},
+                max_concurrent=2)
+    run_dir = tmp_path / "run"
+    summary = run(prepare(node=node), run_dir=run_dir, num_cpus=2, quiet=True)
+    assert summary["completed"] == 2
+    recs = {r["key"]: r for r in json.loads((run_dir / "results.json").read_text())}
+    best = max(recs.values(), key=lambda r: r["metrics"]["val/accuracy"])["key"]
+
+    assert main(["export", str(run_dir)]) == 0
+    folder = run_dir / "export" / best
+    assert capsys.readouterr().out.strip().endswith(str(folder))
+    assert {"config.json", "model.safetensors", "atlaslab_trial.json"} <= {p.name for p in folder.iterdir()}
+    meta = json.loads((folder / "atlaslab_trial.json").read_text())
+    assert meta["key"] == best and meta["best"] and meta["tokenizer"] is None      # MQAR: token ids, no text
+
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    trained, _ = load_checkpoint_model(checkpoint_of(recs[best]))
+    ids = torch.randint(0, 16, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(model(ids, use_cache=False).logits, trained(ids))
+        mask = torch.tensor([[0, 0, 0] + [1] * 9, [1] * 12])
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        assert out[0, 12:].tolist() == trained.generate(ids[:1, 3:], 3)[0, 9:].tolist()
+
+    from mlflow.tracking import MlflowClient
+    state = json.loads((run_dir / "state.json").read_text())
+    c = MlflowClient(state["tracking"]["uri"])
+    versions = c.search_model_versions("name = 'atlaslab-exp'")
+    assert len(versions) == 1 and versions[0].source.endswith(ARTIFACT)
+    child = c.get_run(versions[0].run_id)
+    assert child.data.tags["atlaslab.trial_key"] == best
+    assert "model.safetensors" in {a.path.split("/")[-1] for a in c.list_artifacts(child.info.run_id, ARTIFACT)}
+
+    other = next(k for k in recs if k != best)
+    assert main(["export", str(run_dir), other, "--out", str(tmp_path / "other")]) == 0
+    assert not json.loads((tmp_path / "other" / "atlaslab_trial.json").read_text())["best"]
+    assert len(c.search_model_versions("name = 'atlaslab-exp'")) == 1          # only the best is registered
+    assert main(["export", str(run_dir), "t999"]) == 2                           # a clear error, exit 2
+    assert "t999" in capsys.readouterr().err
