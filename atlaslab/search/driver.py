@@ -267,7 +267,8 @@ def build_tuner(p: Prepared, run_dir: Path, settings: TrialSettings, num_cpus: O
     run_config = tune.RunConfig(
         name=TUNE_NAME, storage_path=str((run_dir / "ray").resolve()),
         failure_config=tune.FailureConfig(max_failures=exp.max_failures),
-        checkpoint_config=tune.CheckpointConfig(num_to_keep=2),
+        checkpoint_config=tune.CheckpointConfig(num_to_keep=2),     # the last and the one a torn last falls back to
+        sync_config=tune.SyncConfig(sync_artifacts=False),   # trials' working folders are never copied (trainable)
         verbose=0, callbacks=[progress], log_to_file=True, stop=stop)
     return tune.Tuner(_trainable(exp), param_space=space, tune_config=tune_config, run_config=run_config)
 

@@ -20,6 +20,10 @@ model is (this function only coordinates and holds no model), and come back with
 
 An exception (a bug, an out-of-memory) propagates: Ray retries it ``max_failures`` times from the last
 checkpoint and then records the trial as errored; its MLflow run is ended FAILED with the error.
+
+The loop's ``checkpoint.pt`` lives in a node-local folder that Ray never copies (:func:`_work_dir`); a Ray
+checkpoint found torn on restore (truncated, a record failing its CRC) is passed over for the previous one Tune
+kept, and the final report's ``checkpoint_fallback`` (and the MLflow tag ``atlaslab.checkpoint_fallback``) says so.
 """
 from __future__ import annotations
 
@@ -28,10 +32,11 @@ import math
 import os
 import shutil
 import tempfile
+import logging
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -44,10 +49,12 @@ from atlaslab.search.settings import TrialSettings
 from atlaslab.search.space import decode_params
 from atlaslab.search.tracking import TrialRun
 from atlaslab.search.workers import train_on_workers
+from atlaslab.train import checkpoint as checkpoint_files
 from atlaslab.train.config import TrainConfig
-from atlaslab.train.loop import CHECKPOINT_NAME, TrainResult, train
+from atlaslab.train.loop import CHECKPOINT_KEYS, CHECKPOINT_NAME, TrainResult, train
 
 CKPT_META = "atlaslab_trial.json"
+log = logging.getLogger("atlaslab.search")
 
 
 def run_trial(config: Dict[str, Any], experiment: Optional[ExperimentConfig] = None) -> None:
@@ -64,9 +71,9 @@ def run_trial(config: Dict[str, Any], experiment: Optional[ExperimentConfig] = N
     import_user_modules(settings.imports)
     torch.set_num_threads(settings.threads)
     trial = _trial_spec(config, experiment)
-    work = Path(tune.get_context().get_trial_dir()) / "work"
+    work = _work_dir()
     work.mkdir(parents=True, exist_ok=True)
-    restored = _restore_checkpoint(work)
+    restored, fallback = _restore_checkpoint(work)
     if restored is None:
         return
     mlrun = _child_run(settings, trial)
@@ -87,6 +94,10 @@ def run_trial(config: Dict[str, Any], experiment: Optional[ExperimentConfig] = N
         if lm_metrics and mlrun is not None:
             mlrun.log(lm_metrics, result.steps)
         final, status, tags = _final_result(result, settings, trial, reporter)
+        fallback = "; ".join(x for x in (fallback, result.checkpoint_fallback) if x)
+        if fallback:                  # resumed from an older checkpoint than the last: say so in the record
+            final["checkpoint_fallback"] = fallback
+            tags["atlaslab.checkpoint_fallback"] = fallback[:4000]
         if mlrun is not None:
             mlrun.log({k: v for k, v in final.items() if k in ("failed", "wall_time_s", "setup_s")}, result.steps)
         _report(final, work / CHECKPOINT_NAME, result.steps, final=True)
@@ -123,28 +134,80 @@ def _trial_spec(config: Mapping[str, Any], experiment: Optional[ExperimentConfig
     return trial
 
 
-def _restore_checkpoint(work: Path) -> Optional[int]:
-    """Put the trial's last Ray checkpoint (if any) where the training loop resumes from; returns the last step
-    reported to Tune (-1 for a fresh start), or None for a trial that had finished (its stored final result
-    is reported again: there is nothing to train, and its MLflow run stays as it is)."""
+def _work_dir() -> Path:
+    """The trial's working folder for the loop's ``checkpoint.pt``: node-local and outside every folder Ray copies.
+    Tune's trial folder (``get_trial_dir()``, under ``driver_artifacts/``) is copied to the run folder's storage
+    every few seconds on the driver's node, which raced with the loop's write-then-rename of its checkpoint; the
+    trial's working directory (under Ray's session folder, ``working_dirs/``) is copied only with
+    ``SyncConfig(sync_artifacts=True)``, which the driver leaves off. What outlives the node is the Ray checkpoint
+    each report persists to the run's storage."""
     from ray import tune
+    try:
+        base = Path(tune.get_context().get_storage().trial_working_directory)
+    except Exception:                          # outside a Tune session: a private temporary folder
+        base = Path(tempfile.mkdtemp(prefix="atlaslab-trial-"))
+    return base / "atlaslab-work"
+
+
+def _restore_checkpoint(work: Path) -> Tuple[Optional[int], str]:
+    """Put the trial's last Ray checkpoint (if any) where the training loop resumes from. Returns ``(step, note)``:
+    the last step reported to Tune (-1 for a fresh start), or None for a trial that had finished (its stored final
+    result is reported again: there is nothing to train, and its MLflow run stays as it is); ``note`` says which
+    torn checkpoints were passed over. A checkpoint is checked before it is used (:mod:`atlaslab.train.checkpoint`);
+    a torn one gives the previous one Tune kept, and all torn raises ``CorruptCheckpoint``."""
+    from ray import tune
+    target = work / CHECKPOINT_NAME
     ckpt = tune.get_checkpoint()
     if ckpt is None:
-        if (work / CHECKPOINT_NAME).exists():
-            (work / CHECKPOINT_NAME).unlink()          # a fresh start: no stale state from an earlier attempt
-        return -1
-    with ckpt.as_directory() as d:
-        m = Path(d) / CKPT_META
-        ck_meta = json.loads(m.read_text()) if m.is_file() else {}
-        if ck_meta.get("final"):
-            # finished before an interruption that Tune did not record
-            tune.report(ck_meta["final"])
-            return None
-        src = Path(d) / CHECKPOINT_NAME
-        if src.is_file():
+        checkpoint_files.remove(target)        # a fresh start: no stale state from an earlier attempt
+        return -1, ""
+    torn: List[str] = []
+    reported: Optional[int] = None
+    for cand in [ckpt] + _older_checkpoints(ckpt):
+        name = Path(cand.path).name
+        with cand.as_directory() as d:
+            try:
+                ck_meta = json.loads((Path(d) / CKPT_META).read_text())
+            except (OSError, ValueError) as exc:
+                torn.append(f"Ray checkpoint {name}: {CKPT_META} unreadable ({exc})")
+                continue
+            if reported is None:
+                reported = int(ck_meta.get("reported_step", -1))
+            if ck_meta.get("final") and not torn:
+                # finished before an interruption that Tune did not record
+                tune.report(ck_meta["final"])
+                return None, ""
+            src = Path(d) / CHECKPOINT_NAME
+            try:
+                checkpoint_files.load(src, required=CHECKPOINT_KEYS)
+            except checkpoint_files.CorruptCheckpoint as exc:
+                torn.append(f"Ray checkpoint {name}: {exc}")
+                log.warning("torn checkpoint: %s", torn[-1])
+                continue
+            checkpoint_files.remove(target)
             shutil.copyfile(src, work / (CHECKPOINT_NAME + ".part"))
-            os.replace(work / (CHECKPOINT_NAME + ".part"), work / CHECKPOINT_NAME)
-        return int(ck_meta.get("reported_step", -1))
+            os.replace(work / (CHECKPOINT_NAME + ".part"), target)
+        note = ""
+        if torn:
+            note = (f"{'; '.join(torn)} — resumed from the previous Ray checkpoint {name} "
+                    f"(reported at step {ck_meta.get('reported_step')}) instead")
+            log.warning("checkpoint fallback: %s", note)
+        return reported, note
+    raise checkpoint_files.CorruptCheckpoint("every checkpoint Tune kept for this trial is torn: " + "; ".join(torn))
+
+
+def _older_checkpoints(ckpt) -> list:
+    """The trial's other checkpoints that Tune kept (``checkpoint_<index>`` beside ``ckpt``), newest first."""
+    import pyarrow.fs as pafs
+    from ray import tune
+    path = Path(ckpt.path)
+    try:
+        infos = ckpt.filesystem.get_file_info(pafs.FileSelector(path.parent.as_posix()))
+    except OSError:
+        return []
+    names = sorted((i.base_name for i in infos if i.type == pafs.FileType.Directory
+                    and i.base_name.startswith("checkpoint_") and i.base_name < path.name), reverse=True)
+    return [tune.Checkpoint((path.parent / n).as_posix(), filesystem=ckpt.filesystem) for n in names]
 
 
 def _child_run(settings: TrialSettings, trial: Mapping[str, Any]) -> Optional[TrialRun]:

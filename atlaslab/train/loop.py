@@ -29,6 +29,9 @@
   atlaslab language model (``model_config``, what :mod:`atlaslab.eval` rebuilds it from). Calling :func:`train` again
   with the same directory resumes from it (a finished run returns its stored result at once); a run
   killed at any point and resumed ends with the same metrics as an uninterrupted one (CPU, same seed).
+  The checkpoint it replaces stays as ``checkpoint.prev.pt``; a torn ``checkpoint.pt`` (truncated, a record failing
+  its CRC) resumes from that one instead, with a warning and ``result.checkpoint_fallback`` saying so
+  (:mod:`atlaslab.train.checkpoint`); both torn is an error, never a fresh start or training on garbage.
   Resuming with different settings (other than ``RESUMABLE_CHANGES``) or a different task is an error.
 * Data parallelism (``parallel``, a :class:`~atlaslab.train.parallel.DataParallel`): the same loop in each
   process of a ``torch.distributed`` group, each on its shard of the global batch, gradients averaged by
@@ -46,12 +49,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
 from atlaslab.registry import ConfigError
+from atlaslab.train import checkpoint as ckpt_file
 from atlaslab.tasks.base import Task, build_task, forward_batch
 from atlaslab.train.config import TrainConfig, config_diff, lr_at, resolve_train_config
 from atlaslab.train.parallel import DataParallel
@@ -75,6 +79,7 @@ class TrainResult:
     message: str = ""
     diverged_at: Optional[int] = None
     resumed_from: Optional[int] = None
+    checkpoint_fallback: str = ""                 # set when resuming fell back from a torn checkpoint: what and why
     wall_time_s: float = 0.0
     config: Dict[str, Any] = field(default_factory=dict)
     task: Dict[str, Any] = field(default_factory=dict)
@@ -168,12 +173,6 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
-def _save_atomic(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 def _model_config(module: nn.Module) -> Optional[Dict[str, Any]]:
     """The resolved config of an atlaslab :class:`~atlaslab.models.LanguageModel` (what rebuilds it from a
     checkpoint, e.g. for :mod:`atlaslab.eval`); None for another module."""
@@ -181,12 +180,22 @@ def _model_config(module: nn.Module) -> Optional[Dict[str, Any]]:
     return resolved.to_dict() if hasattr(resolved, "to_dict") else None
 
 
+#: what every checkpoint of the loop holds (a file without them is torn, whatever its CRC says)
+CHECKPOINT_KEYS = ("version", "config", "task", "model", "optimizer", "rng", "state")
+
+
 def load_checkpoint(checkpoint_dir: Union[str, Path], map_location: Any = "cpu") -> Optional[Dict[str, Any]]:
-    """The checkpoint stored in ``checkpoint_dir`` (None if there is none)."""
-    path = Path(checkpoint_dir) / CHECKPOINT_NAME
-    if not path.is_file():
-        return None
-    return torch.load(path, map_location=map_location, weights_only=True)
+    """The checkpoint stored in ``checkpoint_dir`` (None if there is none), checked; a torn ``checkpoint.pt``
+    gives the previous one (``checkpoint.prev.pt``), with a warning; both torn raise
+    :class:`~atlaslab.train.checkpoint.CorruptCheckpoint`."""
+    return read_checkpoint(checkpoint_dir, map_location)[0]
+
+
+def read_checkpoint(checkpoint_dir: Union[str, Path], map_location: Any = "cpu") -> Tuple[Optional[Dict[str, Any]], str]:
+    """``(checkpoint or None, note)``: :func:`load_checkpoint` and the note saying which torn file it fell back
+    from (``""`` when it did not)."""
+    return ckpt_file.load_with_fallback(Path(checkpoint_dir) / CHECKPOINT_NAME, map_location, CHECKPOINT_KEYS,
+                                        describe=lambda c: f"step {c['state'].get('step')}")
 
 
 def _direction(cfg: TrainConfig, task: Task, metric: str) -> str:
@@ -277,6 +286,7 @@ class _Run:
         self.mode = _direction(cfg, task, self.metric_name)
         self.state: Dict[str, Any] = _fresh_state()
         self.resumed_from: Optional[int] = None
+        self.checkpoint_fallback = ""
         self.t_start = time.time()
         self.checked_shapes = False
         self.eval_bs = cfg.eval_batch_size or cfg.batch_size
@@ -293,7 +303,7 @@ class _Run:
             parallel.check_batch_size(cfg.batch_size)
             cfg.check_micro_batch(parallel.world_size)
         device = resolve_device(cfg.device)
-        ckpt = load_checkpoint(ckpt_dir, map_location="cpu") if ckpt_dir is not None else None
+        ckpt, fallback = read_checkpoint(ckpt_dir, map_location="cpu") if ckpt_dir is not None else (None, "")
         task_info = task.info()
         if ckpt is not None:
             _check_checkpoint(ckpt, ckpt_dir, cfg, task_info)
@@ -311,6 +321,7 @@ class _Run:
             _set_rng_state(ckpt["rng"])
             task.load_data_state(_rank_data_state(ckpt.get("data"), parallel) if run.own_shards else ckpt.get("data"))
             run.resumed_from = run.state["step"]
+            run.checkpoint_fallback = fallback
         if parallel is not None:
             run.forward_module = parallel.wrap(module, device)
         return run
@@ -323,6 +334,7 @@ class _Run:
                            steps=state["step"], metrics=metrics, best=dict(state["best"]),
                            history=list(state["history"]), message=state["message"],
                            diverged_at=state["diverged_at"], resumed_from=self.resumed_from,
+                           checkpoint_fallback=self.checkpoint_fallback,
                            wall_time_s=state["elapsed"], config=self.cfg.to_dict(), task=self.task_info,
                            model_info=self.model_info, model=self.module)
 
@@ -338,7 +350,7 @@ class _Run:
             return
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         self.state["elapsed"] = time.time() - self.t_start
-        _save_atomic({"version": CHECKPOINT_VERSION, "config": self.cfg.to_dict(), "task": self.task_info,
+        ckpt_file.save({"version": CHECKPOINT_VERSION, "config": self.cfg.to_dict(), "task": self.task_info,
                       "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                       "rng": _rng_state(), "state": self.state, "data": data,
                       "model_config": _model_config(self.module)},
@@ -557,4 +569,5 @@ def _finish(run: _Run, callback: Optional[Callback]) -> None:
 
 
 __all__ = ["CHECKPOINT_NAME", "Callback", "TrainResult", "load_checkpoint", "make_optimizer", "num_parameters",
+           "read_checkpoint",
            "resolve_device", "train"]
