@@ -39,10 +39,12 @@ print(f"  the wheel holds {len(want)} presets")
 EOF
 
 step "fresh venv: torch==2.13.0 (the CPU wheel), then the wheel"
+# --no-compile: no .pyc for the ~1 GB of dependencies up front (the checks compile the little they import)
+pip_install() { "$VENV/bin/pip" install -q --no-compile "$@" >>"$WORK/pip.log" 2>&1 || { cat "$WORK/pip.log"; exit 1; }; }
 python3 -m venv "$VENV"
-"$VENV/bin/pip" install -q torch==2.13.0
+pip_install torch==2.13.0
 spec="$WHEEL"; [ -n "${WHEEL_EXTRAS:-}" ] && spec="atlaslab[${WHEEL_EXTRAS}] @ file://$WHEEL"
-"$VENV/bin/pip" install -q "$spec"
+pip_install "$spec"
 export PATH="$VENV/bin:$PATH" RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 OMP_NUM_THREADS=1
 cd "$OUTSIDE"
 
