@@ -39,10 +39,14 @@ print(f"  the wheel holds {len(want)} presets")
 EOF
 
 step "fresh venv: torch==2.13.0 (the CPU wheel), then the wheel"
+# --no-compile: no .pyc for the ~1 GB of dependencies up front (the checks compile the little they import)
+pip_install() {
+    "$VENV/bin/pip" install -q --no-compile "$@" >>"$WORK/pip.log" 2>&1 || { cat "$WORK/pip.log"; exit 1; }
+}
 python3 -m venv "$VENV"
-"$VENV/bin/pip" install -q torch==2.13.0
+pip_install torch==2.13.0
 spec="$WHEEL"; [ -n "${WHEEL_EXTRAS:-}" ] && spec="atlaslab[${WHEEL_EXTRAS}] @ file://$WHEEL"
-"$VENV/bin/pip" install -q "$spec"
+pip_install "$spec"
 export PATH="$VENV/bin:$PATH" RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 OMP_NUM_THREADS=1
 cd "$OUTSIDE"
 
@@ -57,7 +61,16 @@ root = Path(sys.argv[1]).resolve()
 assert root not in Path(atlaslab.__file__).resolve().parents, atlaslab.__file__
 assert importlib.util.find_spec("triton") is None, "triton is installed: it should come only with atlaslab[triton]"
 assert root not in preset_dir().resolve().parents, preset_dir()
-print("  atlaslab from", Path(atlaslab.__file__).parent, "| presets in", preset_dir())
+# every module imports without triton (its imports are guarded) and without the extras; the kernels say so
+import importlib, pkgutil
+from atlaslab.kernels.utils import available
+EXTRAS = {"atlaslab.eval.harness"}            # lm-eval (extra eval), loaded only when a benchmark runs
+mods = [m.name for m in pkgutil.walk_packages(atlaslab.__path__, "atlaslab.")
+        if m.name not in EXTRAS and not m.name.endswith("__main__")]
+for name in mods:
+    importlib.import_module(name)
+assert not available()
+print(f"  atlaslab from {Path(atlaslab.__file__).parent}; {len(mods)} modules import without triton")
 EOF
 }
 

@@ -35,7 +35,7 @@
     max_concurrent: 2
     max_failures: 1                          # Ray retries of a trial that raised
     resources: {cpus_per_trial: 1, gpus_per_trial: 0, workers_per_trial: 1}   # >1: Ray Train workers (DDP)
-    tracking: {uri: null, experiment: null}  # MLflow (default: sqlite in the run folder)
+    tracking: {uri: null, experiment: null}  # MLflow (default: sqlite mlflow.db beside the run folder)
     report:
       metrics: [test/accuracy]
       averages: {Avg: [lm_eval/piqa/acc, lm_eval/arc_easy/acc]}    # a column: each trial's mean of these
@@ -229,7 +229,7 @@ class ResourcesNode:
 
 @dataclass
 class TrackingNode:
-    uri: Optional[str] = None          # MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite in the run dir)
+    uri: Optional[str] = None          # MLflow URI (default: $MLFLOW_TRACKING_URI, else mlflow.db beside the run)
     experiment: Optional[str] = None   # MLflow experiment name (default: the experiment's name)
     enabled: bool = True
 

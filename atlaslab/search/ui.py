@@ -227,7 +227,8 @@ def cmd_ui(args: argparse.Namespace) -> int:
 
 def add_ui(sub) -> None:
     p = sub.add_parser("ui", help="serve the MLflow UI of a run folder's store on 127.0.0.1")
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (runs/<name>-<time>), the folder of runs (runs) or a .db store")
+    p.add_argument("run_dir", metavar="RUN_DIR",
+                   help="a run folder (runs/<name>-<time>), the folder of runs (runs) or a .db store")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 picks a free one)")
     p.add_argument("--host", default=DEFAULT_HOST, help=f"interface to bind (default {DEFAULT_HOST})")
     p.set_defaults(func=cmd_ui)

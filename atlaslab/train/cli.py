@@ -19,8 +19,9 @@ The run directory (``--run-dir``, default ``runs/<name or config stem>``) holds 
 ``config.yaml`` (the resolved run config) and ``result.json``; running the same command again resumes
 from the checkpoint (``--fresh`` starts over). ``atlaslab train`` also logs the run to MLflow like a trial of an
 experiment (params, metrics at every report, the final metrics; the store ``runs/mlflow.db`` beside the run folder,
-``--tracking-uri`` elsewhere, ``--no-tracking`` none; :mod:`atlaslab.search.train_tracking`). Exit status: 0 for a finished run (completed, early stop),
-3 when it diverged, 2 for a configuration error.
+``--tracking-uri`` elsewhere, ``--no-tracking`` none; :mod:`atlaslab.search.train_tracking`; the stand-alone
+``python -m atlaslab.train.cli`` of this floor logs nothing). Exit status: 0 for a
+finished run (completed, early stop), 3 when it diverged, 2 for a configuration error.
 
 Wiring into the main CLI::
 

@@ -113,4 +113,5 @@ def test_the_ui_finds_the_shared_store_from_a_run_folder_or_the_runs_folder(tmp_
     assert find_store(runs)[0] == (runs / "mlflow.db").resolve()
     (runs / "old").mkdir()
     (runs / "old" / "mlruns.db").write_bytes(b"")            # a run folder with its own store (older runs)
-    assert find_store(runs / "old") == ((runs / "old" / "mlruns.db").resolve(), (runs / "old" / "mlartifacts").resolve())
+    old = runs / "old"
+    assert find_store(old) == ((old / "mlruns.db").resolve(), (old / "mlartifacts").resolve())
