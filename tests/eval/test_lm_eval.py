@@ -256,3 +256,27 @@ def test_lm_evals_own_hf_class_gives_the_adapters_metrics(setup):
     assert set(theirs) == set(ours)
     for name, value in ours.items():
         assert theirs[name] == pytest.approx(value, rel=1e-5, abs=1e-9), name
+
+
+def test_the_lm_eval_command_line_runs_an_exported_model_as_model_hf(setup, tmp_path):
+    """An exported folder (weights + converted tokenizer) through ``--model hf``: lm-eval's own class loads it with
+    AutoModelForCausalLM (``python -m atlaslab.eval`` imports atlaslab, which registers the model type) and scores
+    what the adapter scores."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from atlaslab.eval.hf_tokenizer import to_transformers
+    from atlaslab.hf.modeling import AtlaslabForCausalLM
+    root, run = setup[0], setup[1]
+    model, tok, _ = load_trained(run)
+    folder = tmp_path / "model"
+    AtlaslabForCausalLM.from_language_model(model).save_pretrained(folder)
+    to_transformers(tok).save_pretrained(folder)
+    out = subprocess.run([sys.executable, "-m", "atlaslab.eval", "run", "--model", "hf", "--model_args",
+                          f"pretrained={folder},dtype=float32,max_length=32", "--device", "cpu", "--tasks", "tiny_cloze",
+                          "--include_path", str(root / "tasks"), "--output_path", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())
+    want = run_lm_eval(model, tok, {"tasks": ["tiny_cloze"], "include_path": str(root / "tasks"),
+                                    "builtin_tasks": False}, max_length=32)
+    assert result["results"]["tiny_cloze"]["acc,none"] == pytest.approx(want["lm_eval/tiny_cloze/acc"])
