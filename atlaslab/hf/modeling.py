@@ -112,7 +112,7 @@ class AtlaslabForCausalLM(AtlaslabPreTrainedModel, GenerationMixin):
             module_name, _, leaf = name.rpartition(".")
             module = self.get_submodule(module_name)
             old = getattr(module, leaf)
-            module._buffers[leaf] = fresh[name[len("model."):]].to(old.device)
+            module._buffers[leaf] = fresh[name[len("model."):]].to(device=old.device, dtype=old.dtype)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
