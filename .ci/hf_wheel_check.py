@@ -15,7 +15,8 @@ work = Path(args[0] if args else "hf-wheel-check").resolve()
 work.mkdir(parents=True, exist_ok=True)
 (work / "run.yaml").write_text(
     "name: tiny_bytes\nmodel: {preset: gated_deltanet, overrides: {d_model: 16, 'mixers.*.num_heads': 2}}\n"
-    "task: {name: byte_lm, seq_len: 32}\ntrain: {steps: 4, batch_size: 4, lr: 3.0e-3, eval_interval: 0}\n")
+    "task: {name: byte_lm, seq_len: 32, eval_examples: 8}\n"
+    "train: {steps: 4, batch_size: 4, lr: 3.0e-3, eval_interval: 0}\n")
 run_dir = work / "run"
 cli = [sys.executable, "-m", "atlaslab.cli"]
 subprocess.run(cli + ["train", str(work / "run.yaml"), "--run-dir", str(run_dir), "--quiet"], check=True, cwd=work)
@@ -25,7 +26,8 @@ import atlaslab  # noqa: E402,F401  (registers the model type with the Auto clas
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-assert "--any-source" in sys.argv or "site-packages" in atlaslab.__file__, f"atlaslab comes from {atlaslab.__file__}, not the installed wheel"
+assert "--any-source" in sys.argv or "site-packages" in atlaslab.__file__, \
+    f"atlaslab comes from {atlaslab.__file__}, not the installed wheel"
 model = AutoModelForCausalLM.from_pretrained(work / "model").eval()
 tok = AutoTokenizer.from_pretrained(work / "model")
 tok.padding_side = "left"

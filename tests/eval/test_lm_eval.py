@@ -272,7 +272,8 @@ def test_the_lm_eval_command_line_runs_an_exported_model_as_model_hf(setup, tmp_
     AtlaslabForCausalLM.from_language_model(model).save_pretrained(folder)
     to_transformers(tok).save_pretrained(folder)
     out = subprocess.run([sys.executable, "-m", "atlaslab.eval", "run", "--model", "hf", "--model_args",
-                          f"pretrained={folder},dtype=float32,max_length=32", "--device", "cpu", "--tasks", "tiny_cloze",
+                          f"pretrained={folder},dtype=float32,max_length=32", "--device", "cpu",
+                          "--tasks", "tiny_cloze",
                           "--include_path", str(root / "tasks"), "--output_path", str(tmp_path / "out")],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]

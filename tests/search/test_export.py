@@ -71,7 +71,8 @@ def test_export_an_atlaslab_train_folder_with_its_byte_tokenizer(tmp_path, capsy
     ``generate`` from a left-padded batch of text prompts equals each prompt alone: the wheel check's path."""
     (tmp_path / "run.yaml").write_text(
         "name: tiny_bytes\nmodel: {preset: gated_deltanet, overrides: {d_model: 16, 'mixers.*.num_heads': 2}}\n"
-        "task: {name: byte_lm, seq_len: 32}\ntrain: {steps: 4, batch_size: 4, lr: 3.0e-3, eval_interval: 0}\n")
+        "task: {name: byte_lm, seq_len: 32, eval_examples: 8}\n"
+        "train: {steps: 4, batch_size: 4, lr: 3.0e-3, eval_interval: 0}\n")
     run_dir = tmp_path / "run"
     assert main(["train", str(tmp_path / "run.yaml"), "--run-dir", str(run_dir), "--quiet"]) == 0
     assert main(["export", str(run_dir)]) == 0
