@@ -154,8 +154,10 @@ def run_lm_eval(model: torch.nn.Module, tokenizer: Tokenizer, cfg: Any, max_leng
 
 def main(argv: Optional[List[str]] = None) -> int:
     """lm-eval's command line (``lm-eval run --model atlaslab --model_args checkpoint=DIR …``) with the
-    ``atlaslab`` model class registered."""
+    ``atlaslab`` model class registered; ``--model hf --model_args pretrained=EXPORTED_DIR`` runs an exported model
+    (``atlaslab export``) through lm-eval's own Hugging Face class, since ``import atlaslab`` registers it."""
     _require_lm_eval("lm_eval")
+    import lm_eval.models  # noqa: F401  (lm-eval's own classes, "hf" too: it loads them only into an empty registry)
     import atlaslab.eval.harness  # noqa: F401  (registers the model class "atlaslab")
     from lm_eval.__main__ import cli_evaluate
     if argv is not None:

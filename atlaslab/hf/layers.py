@@ -85,7 +85,8 @@ class AtlaslabMixer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 past_key_values: Optional[StateCache] = None, use_cache: bool = False,
                 output_attentions: bool = False, **kwargs: Any) -> Tuple[torch.Tensor, None, Optional[StateCache]]:
-        """``hidden_states: [B, T, hidden_size]`` → ``(o [B, T, hidden_size], None, past_key_values)`` (module doc)."""
+        """``hidden_states: [B, T, hidden_size]`` → ``(o [B, T, hidden_size], None, past_key_values)``
+        (module doc)."""
         if output_attentions:
             raise ValueError(f"{type(self).__name__}: output_attentions is not supported")
         padded = attention_mask is not None and not bool(attention_mask.bool().all())

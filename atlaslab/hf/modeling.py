@@ -112,7 +112,7 @@ class AtlaslabForCausalLM(AtlaslabPreTrainedModel, GenerationMixin):
             module_name, _, leaf = name.rpartition(".")
             module = self.get_submodule(module_name)
             old = getattr(module, leaf)
-            module._buffers[leaf] = fresh[name[len("model."):]].to(old.device)
+            module._buffers[leaf] = fresh[name[len("model."):]].to(device=old.device, dtype=old.dtype)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
@@ -157,7 +157,8 @@ class AtlaslabForCausalLM(AtlaslabPreTrainedModel, GenerationMixin):
                 raise ValueError("attention_mask: no row has a token")
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)), labels[:, 1:].flatten().to(logits.device),
+            scored = logits[:, :-1].flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32))
+            loss = F.cross_entropy(scored, labels[:, 1:].flatten().to(logits.device),
                                    ignore_index=-100)
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None)
 

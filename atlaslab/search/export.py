@@ -2,6 +2,7 @@
 MLflow's model registry.
 
     folder = export_trial("runs/quickstart")            # the best trial → runs/quickstart/export/<key>/
+    folder = export_trial("runs/lm")                    # an `atlaslab train` folder → runs/lm/export/
     model = AutoModelForCausalLM.from_pretrained(folder)  # after `import atlaslab`
 
 The folder holds ``config.json`` + ``model.safetensors`` (:class:`~atlaslab.hf.modeling.AtlaslabForCausalLM`), the
@@ -82,6 +83,11 @@ def export_trial(run_dir: Any, trial: Optional[str] = None, out: Any = None, mlf
     """Write trial ``trial`` (a key such as ``t003``; default the best) of ``run_dir`` as a Hugging Face model
     folder (default ``<run_dir>/export/<key>``) and, for the best trial, log and register it in MLflow."""
     run_dir = Path(run_dir)
+    if not (run_dir / "state.json").is_file() and (run_dir / CHECKPOINT_NAME).is_file():
+        if trial is not None:
+            raise ConfigError("trial", f"{run_dir} is a training run (atlaslab train), not a sweep: it has no trials.",
+                              value=trial)
+        return export_checkpoint(run_dir / CHECKPOINT_NAME, Path(out) if out is not None else run_dir / "export")
     state = read_state(run_dir)
     exp = load_experiment(node=OmegaConf.to_container(OmegaConf.load(run_dir / "experiment.yaml")))
     records = _records(run_dir)
@@ -96,18 +102,8 @@ def export_trial(run_dir: Any, trial: Optional[str] = None, out: Any = None, mlf
         if trial not in by_key:
             raise ConfigError("trial", f"no trial {trial!r} in {run_dir}.", value=trial, choices=list(by_key))
         record = by_key[trial]
-    model, info = load_checkpoint_model(checkpoint_of(record))
     out = Path(out) if out is not None else run_dir / "export" / record["key"]
-    tokenizer = None
-    try:
-        tokenizer = tokenizer_for(info)
-    except ConfigError:
-        pass                                            # a synthetic task (MQAR, ...): token ids, no text
-    extra = {"eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.eos_id} if tokenizer is not None else {}
-    hf = AtlaslabForCausalLM.from_language_model(model, **extra)
-    hf.save_pretrained(out)
-    if tokenizer is not None:
-        to_transformers(tokenizer).save_pretrained(out)
+    tokenizer = _write_folder(checkpoint_of(record), out)
     meta = {k: record.get(k) for k in ("key", "variant", "label", "seed", "status", "metrics")}
     meta.update({"run_dir": str(run_dir.resolve()), "experiment": exp.name, "metric": exp.metric,
                  "mode": exp.mode, "best": best is not None and record["key"] == best["key"],
@@ -116,6 +112,32 @@ def export_trial(run_dir: Any, trial: Optional[str] = None, out: Any = None, mlf
     tr = state.get("tracking") or {}
     if mlflow and meta["best"] and tr.get("parent_run_id"):
         log_and_register(tr, record["key"], out, registered_name or default_registered_name(exp.name))
+    return out
+
+
+def _write_folder(checkpoint: Path, out: Path):
+    """The checkpoint's model (and its task's tokenizer, when the task is text) as a Hugging Face folder ``out``;
+    returns the atlaslab tokenizer (None for a synthetic task such as MQAR: token ids, no text)."""
+    model, info = load_checkpoint_model(checkpoint)
+    tokenizer = None
+    try:
+        tokenizer = tokenizer_for(info)
+    except ConfigError:
+        pass
+    extra = {"eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.eos_id} if tokenizer is not None else {}
+    AtlaslabForCausalLM.from_language_model(model, **extra).save_pretrained(out)
+    if tokenizer is not None:
+        to_transformers(tokenizer).save_pretrained(out)
+    return tokenizer
+
+
+def export_checkpoint(checkpoint: Any, out: Any) -> Path:
+    """A training loop's ``checkpoint.pt`` (``atlaslab train``'s run folder) as a Hugging Face folder ``out``."""
+    out = Path(out)
+    tokenizer = _write_folder(Path(checkpoint), out)
+    meta = {"checkpoint": str(Path(checkpoint).resolve()),
+            "tokenizer": type(tokenizer).__name__ if tokenizer is not None else None}
+    (out / TRIAL_FILE).write_text(json.dumps(meta, indent=2))
     return out
 
 
@@ -139,5 +161,5 @@ def log_and_register(tracking: Mapping[str, Any], key: str, folder: Path, name: 
                    tags={"atlaslab.trial_key": key}, what="register the model version")
 
 
-__all__ = ["ARTIFACT", "best_record", "checkpoint_of", "default_registered_name", "export_trial",
+__all__ = ["ARTIFACT", "best_record", "checkpoint_of", "default_registered_name", "export_checkpoint", "export_trial",
            "load_checkpoint_model", "log_and_register"]

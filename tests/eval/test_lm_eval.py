@@ -229,3 +229,55 @@ def test_the_lm_eval_command_line_takes_model_atlaslab(setup, tmp_path):
                           "--output_path", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "tiny_cloze" in out.stdout and "acc" in out.stdout
+
+
+def test_lm_evals_own_hf_class_gives_the_adapters_metrics(setup):
+    """lm-eval's HFLM on the same model (as AtlaslabForCausalLM) and tokenizer (converted) reports the adapter's
+    metrics on every request type: what would let the adapter go once transformers is a dependency of [eval]."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from atlaslab.eval.hf_tokenizer import to_transformers
+    from atlaslab.eval.lm_eval import lm_eval_metrics, task_manager
+    from atlaslab.hf.modeling import AtlaslabForCausalLM
+    root, run, _, _ = setup
+    model, tok, _ = load_trained(run)
+    cfg = {"tasks": list(TASKS), "include_path": str(root / "tasks"), "builtin_tasks": False, "batch_size": 4}
+    ours = run_lm_eval(model, tok, cfg, max_length=32)
+    hf_tok = to_transformers(tok)
+    assert hf_tok("the memory reads", add_special_tokens=False)["input_ids"] == tok.encode("the memory reads")
+    lm = HFLM(pretrained=AtlaslabForCausalLM.from_language_model(model).eval(), tokenizer=hf_tok, backend="causal",
+              batch_size=4, max_length=32, device="cpu")
+    res = simple_evaluate(model=lm, tasks=list(TASKS), task_manager=task_manager(str(root / "tasks"), False),
+                          bootstrap_iters=0, log_samples=False, random_seed=0, numpy_random_seed=0,
+                          torch_random_seed=0, fewshot_random_seed=0)
+    theirs = lm_eval_metrics(res)
+    assert set(theirs) == set(ours)
+    for name, value in ours.items():
+        assert theirs[name] == pytest.approx(value, rel=1e-5, abs=1e-9), name
+
+
+def test_the_lm_eval_command_line_runs_an_exported_model_as_model_hf(setup, tmp_path):
+    """An exported folder (weights + converted tokenizer) through ``--model hf``: lm-eval's own class loads it with
+    AutoModelForCausalLM (``python -m atlaslab.eval`` imports atlaslab, which registers the model type) and scores
+    what the adapter scores."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from atlaslab.eval.hf_tokenizer import to_transformers
+    from atlaslab.hf.modeling import AtlaslabForCausalLM
+    root, run = setup[0], setup[1]
+    model, tok, _ = load_trained(run)
+    folder = tmp_path / "model"
+    AtlaslabForCausalLM.from_language_model(model).save_pretrained(folder)
+    to_transformers(tok).save_pretrained(folder)
+    out = subprocess.run([sys.executable, "-m", "atlaslab.eval", "run", "--model", "hf", "--model_args",
+                          f"pretrained={folder},dtype=float32,max_length=32", "--device", "cpu",
+                          "--tasks", "tiny_cloze",
+                          "--include_path", str(root / "tasks"), "--output_path", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())
+    want = run_lm_eval(model, tok, {"tasks": ["tiny_cloze"], "include_path": str(root / "tasks"),
+                                    "builtin_tasks": False}, max_length=32)
+    assert result["results"]["tiny_cloze"]["acc,none"] == pytest.approx(want["lm_eval/tiny_cloze/acc"])

@@ -2,7 +2,6 @@
 padded rows equal each row alone, and a user's own torch model with an atlaslab memory layer trains (float64)."""
 import pytest
 import torch
-from torch import nn
 
 from atlaslab.hf.cache import StateCache
 from atlaslab.hf.layers import MIXER_CLASSES, AtlaslabMixer, MemoryMixer
@@ -73,39 +72,16 @@ def test_bad_fields_fail_with_the_field_and_choices():
         AtlaslabMixer(hidden_size=16, mixer="nope")
 
 
-class TinyUserModel(nn.Module):
-    """A user's own model (the docs' example): embedding, one atlaslab memory layer, an MLP, a head."""
-
-    def __init__(self, vocab=16, hidden=32):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, hidden)
-        self.norm = nn.LayerNorm(hidden)
-        self.memory = MemoryMixer(hidden_size=hidden, num_heads=2, layer_idx=0,
-                                  memory={"memory": {"name": "linear"}, "attentional_bias": {"name": "l2"},
-                                          "retention": {"name": "decay"}, "chunk_size": 8})
-        self.mlp = nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, 2 * hidden), nn.GELU(),
-                                 nn.Linear(2 * hidden, hidden))
-        self.head = nn.Linear(hidden, vocab)
-
-    def forward(self, ids):
-        x = self.embed(ids)
-        x = x + self.memory(self.norm(x))[0]
-        return self.head(x + self.mlp(x))
-
-
-def test_a_users_model_with_an_atlaslab_memory_layer_trains(one_thread):
-    """Copy the previous token: a task the memory layer's short conv and memory make learnable in a few steps."""
-    torch.manual_seed(0)
-    model = TinyUserModel()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(1)
-    losses = []
-    for _ in range(40):
-        ids = torch.randint(0, 16, (16, 24), generator=gen)
-        logits = model(ids)
-        loss = nn.functional.cross_entropy(logits[:, 1:].reshape(-1, 16), ids[:, :-1].reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+def test_the_docs_example_trains_a_users_model_with_an_atlaslab_memory_layer(one_thread):
+    """docs/layer_example.py (included in docs/huggingface.md): the loss of copying the previous token falls."""
+    import runpy
+    from pathlib import Path
+    example = runpy.run_path(str(Path(__file__).resolve().parents[2] / "docs" / "layer_example.py"))
+    model, losses = example["train"](steps=40)
     assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, losses
+    ids = torch.randint(0, 16, (2, 10))
+    with torch.no_grad():
+        full, _ = model(ids)
+        first, cache = model(ids[:, :6], use_cache=True)
+        rest, _ = model(ids[:, 6:], past_key_values=cache, use_cache=True)
+    torch.testing.assert_close(torch.cat([first, rest], 1), full, rtol=1e-5, atol=1e-5)

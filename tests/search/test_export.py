@@ -64,3 +64,36 @@ def test_export_the_best_trial_and_register_it(local_ray, tmp_path, capsys):
     assert len(c.search_model_versions("name = 'atlaslab-exp'")) == 1          # only the best is registered
     assert main(["export", str(run_dir), "t999"]) == 2                           # a clear error, exit 2
     assert "t999" in capsys.readouterr().err
+
+
+def test_export_an_atlaslab_train_folder_with_its_byte_tokenizer(tmp_path, capsys):
+    """``atlaslab train`` (byte-level text) → ``atlaslab export RUN`` → AutoModelForCausalLM + AutoTokenizer →
+    ``generate`` from a left-padded batch of text prompts equals each prompt alone: the wheel check's path."""
+    (tmp_path / "run.yaml").write_text(
+        "name: tiny_bytes\nmodel: {preset: gated_deltanet, overrides: {d_model: 16, 'mixers.*.num_heads': 2}}\n"
+        "task: {name: byte_lm, seq_len: 32, eval_examples: 8}\n"
+        "train: {steps: 4, batch_size: 4, lr: 3.0e-3, eval_interval: 0}\n")
+    run_dir = tmp_path / "run"
+    assert main(["train", str(tmp_path / "run.yaml"), "--run-dir", str(run_dir), "--quiet"]) == 0
+    assert main(["export", str(run_dir)]) == 0
+    folder = run_dir / "export"
+    assert capsys.readouterr().out.strip().endswith(str(folder))
+    assert json.loads((folder / "atlaslab_trial.json").read_text())["tokenizer"] == "ByteTokenizer"
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.padding_side = "left"
+    prompts = ["def f(x):", "import"]
+    batch = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    assert batch["input_ids"][1].tolist()[-6:] == list(b"import")
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=5, do_sample=False)
+        for i, p in enumerate(prompts):
+            alone = model.generate(**tok([p], return_tensors="pt", add_special_tokens=False), max_new_tokens=5,
+                                   do_sample=False)
+            assert out[i, batch["input_ids"].shape[1]:].tolist() == alone[0, len(p):].tolist()
+    trained, _ = load_checkpoint_model(run_dir / "checkpoint.pt")
+    ids = batch["input_ids"][:1]
+    with torch.no_grad():
+        assert torch.equal(model(ids, use_cache=False).logits, trained(ids))
