@@ -110,7 +110,14 @@ print(f"  trained 4 steps: val/accuracy {out['metrics'].get('val/accuracy')}; ML
 EOF
 }
 
+check_hf() {
+    # export the trained model as a Hugging Face folder, reload it through transformers' Auto classes, and
+    # generate from a left-padded batch (equal to each prompt alone); needs WHEEL_EXTRAS=hf
+    python "$ROOT/.ci/hf_wheel_check.py" "$OUTSIDE/hf"
+}
+
 CHECKS=(installed cli train)
+case ",${WHEEL_EXTRAS:-}," in *,hf,*) CHECKS+=(hf) ;; esac
 for c in "${CHECKS[@]}"; do
     step "$c"
     "check_$c"
