@@ -335,7 +335,8 @@ def render(out: dict) -> str:
              f"**Machine load** (1-minute load average): {la['start'][0]:.1f} at the start, {la['end'][0]:.1f} at the "
              f"end, on {out['cpus']} cores. Under load a step's CPU time grows (caches and memory bandwidth are "
              "shared), so absolute seconds are pessimistic; the ratios are measured side by side, interleaved, in "
-             "the same run.", "",
+             "the same run. Rows whose code is the same on both sides show this run's noise in \"after / before\": "
+             "a goal is met only where the margin is well outside it.", "",
              f"One thread's plain bmm of Newton–Schulz's X Xᵀ shape ([256, 64, 153] × [256, 153, 64]) runs at "
              f"{out['bmm_gflops_per_s']:.1f} GFLOP/s in this run; GFLOP counts matmul-class operators of the step "
              "(forward + backward)."]
