@@ -72,11 +72,6 @@ class Retention(nn.Module):
         super().__init__()
         self.cfg = cfg
 
-    @property
-    def before_step(self) -> bool:
-        """True when the gradient is taken at the decayed state α_t M_{t−1} (Gated DeltaNet, Mamba2)."""
-        return self.placement == BEFORE_STEP
-
     def decay(self, weights: Weights, alpha: Optional[torch.Tensor]) -> Weights:
         return scale_weights(weights, alpha, self.channel_wise)
 
@@ -87,6 +82,11 @@ class Retention(nn.Module):
     def project_chunk(self, weights: Weights, start: Weights) -> Weights:
         """Π(W; W_{t'}): the memory after a chunk's last token, given the chunk-start state (identity here)."""
         return weights
+
+    @property
+    def before_step(self) -> bool:
+        """True when the gradient is taken at the decayed state α_t M_{t−1} (Gated DeltaNet, Mamba2)."""
+        return self.placement == BEFORE_STEP
 
 
 @register("retention", "none")
