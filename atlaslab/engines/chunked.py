@@ -137,7 +137,7 @@ def _updates(parts, state, W_a, C, x, v, d, lr, theta, alpha, chunk_alpha, L):
     """Per-position updates U_s ``[B,H,L,...]`` (and the momentum trajectory), all gradients at the anchor."""
     opt, ret = parts.inner_optimizer, parts.retention
     name = opt.cfg.name
-    before = ret.placement == "before_step" and alpha is not None
+    before = ret.before_step and alpha is not None
     # the point each position's gradient is taken at: W_a, or (Π_{τ=t'}^{s} α_τ) W_a for before_step
     at = _scale_per_position(W_a, chunk_alpha, ret.channel_wise) if before else _expand(W_a, L)
     if name == "implicit_gd":
@@ -183,7 +183,7 @@ def uses_dual_form(parts: "MemoryParts", alpha) -> bool:
     ret = parts.retention
     return (parts.memory.supports_tape and parts.inner_optimizer.cfg.name in ("gd", "momentum")
             and not ret.mirror and not ret.projects and not ret.channel_wise
-            and not (ret.placement == "before_step" and alpha is not None))
+            and not (ret.before_step and alpha is not None))
 
 
 def _dual_segment(parts, state: MemoryState, C, x, v, d, lr, theta, alpha, xq) -> torch.Tensor:

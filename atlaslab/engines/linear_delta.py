@@ -198,7 +198,7 @@ def memorize_linear_delta(q, k, v, parts: "MemoryParts", gates: Gates, state: Me
     if gates.retention is not None and ret.uses_alpha:
         a = _bh(gates.retention)
         log_a = a.clamp_min(torch.finfo(a.dtype).tiny).log()
-    before = ret.placement == "before_step" and gates.retention is not None
+    before = ret.before_step and gates.retention is not None
     y_u, q_eff, phi, delta = block_operators(
         _blocks(x, N, L), _blocks(vs, N, L), _blocks(coef, N, L), _blocks(_bh(fm(q)), N, L), _blocks(log_a, N, L),
         spec.attentional_bias.name == "l2", before, parts.read == "token")

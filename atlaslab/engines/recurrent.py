@@ -115,7 +115,7 @@ def _weights_step(parts: "MemoryParts", state: MemoryState, gates: Gates, t: int
     lr_t = gates.lr[:, t]
     theta_t = gates.momentum[:, t] if gates.momentum is not None else None
     anchor = state.anchor
-    if ret.placement == "before_step" and alpha_t is not None:
+    if ret.before_step and alpha_t is not None:
         anchor = ret.decay(anchor, state.chunk_alpha)
     end_of_chunk = (state.position + 1) % b == 0
 
@@ -164,7 +164,7 @@ def _kernel_step(parts: "MemoryParts", state: MemoryState, gates: Gates, t: int,
     # predictions of the window tokens at the anchor (the normaliser's mass column is carried along)
     x_win, v_win, g_win = _bh(hk), _bh(hv), _bh(hg)
     pred = torch.einsum("bhnj,bhjv->bhnv", torch.einsum("bhnd,bhjd->bhnj", x_win, state.bank_k).exp(), anchor_u)
-    if ret.placement == "before_step" and alpha_t is not None:
+    if ret.before_step and alpha_t is not None:
         pred = pred * state.chunk_alpha[..., None, None]
     target = torch.cat([v_win, v_win.new_ones(*v_win.shape[:-1], 1)], -1) if normalise else v_win
     err = bias.output_grad(pred, target, _bh(hd) if hd is not None else None) * g_win.unsqueeze(-1)

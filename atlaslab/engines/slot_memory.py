@@ -92,7 +92,7 @@ def _piece(parts: "MemoryParts", state: MemoryState, b: int, q, k, v, gates: Gat
     pred = (x @ keys[:, :, :Na].mT).exp() @ state.anchor_u                     # [B, H, h + L, width]
     target = torch.cat([vv, vv.new_ones(*vv.shape[:-1], 1)], -1) if normalise else vv
     d = _bh(d_ext) if d_ext is not None else None
-    if ret.placement == "before_step" and alpha is not None:   # the anchor seen at step s is (Π α) M_{t'}
+    if ret.before_step and alpha is not None:   # the anchor seen at step s is (Π α) M_{t'}
         err = bias.output_grad(pred.unsqueeze(2) * running[..., None, None], target.unsqueeze(2),
                                None if d is None else d.unsqueeze(2))          # [B, H, L, h + L, width]
     else:

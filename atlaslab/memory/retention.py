@@ -34,7 +34,9 @@ from torch import nn
 from atlaslab.registry import PartConfig, check_choice, check_range, register
 
 Weights = Dict[str, torch.Tensor]
-PLACEMENTS = ("after_step", "before_step")
+#: where a decay is placed (docs/concepts/memory.md#retention-placement): the choices, defined here once
+AFTER_STEP, BEFORE_STEP = "after_step", "before_step"
+PLACEMENTS = (AFTER_STEP, BEFORE_STEP)
 
 
 def scale_weights(weights: Weights, alpha: Optional[torch.Tensor], channel_wise: bool) -> Weights:
@@ -59,7 +61,7 @@ class Retention(nn.Module):
 
     #: True for the non-linear retentions that keep a dual accumulator and map it with Ψ.
     mirror: bool = False
-    placement: str = "after_step"
+    placement: str = AFTER_STEP
     channel_wise: bool = False
     #: False when the retention gate α is meaningless for this rule.
     uses_alpha: bool = True
@@ -80,6 +82,11 @@ class Retention(nn.Module):
     def project_chunk(self, weights: Weights, start: Weights) -> Weights:
         """Π(W; W_{t'}): the memory after a chunk's last token, given the chunk-start state (identity here)."""
         return weights
+
+    @property
+    def before_step(self) -> bool:
+        """True when the gradient is taken at the decayed state α_t M_{t−1} (Gated DeltaNet, Mamba2)."""
+        return self.placement == BEFORE_STEP
 
 
 @register("retention", "none")
@@ -107,7 +114,7 @@ class Decay(Retention):
 
     @dataclass
     class Config(PartConfig):
-        placement: str = "after_step"   # after_step | before_step
+        placement: str = AFTER_STEP   # one of PLACEMENTS
         channel_wise: bool = False
 
         def check(self) -> None:

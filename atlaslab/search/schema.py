@@ -3,7 +3,8 @@
     name: quickstart
     model:                                   # the base model: a preset plus overrides
       preset: atlas
-      overrides: {d_model: 32, "mixers.*.mode": chunked}     # mapping or dotlist; '*' matches every mixer
+      overrides: {d_model: 32, "?mixers.*.mode": chunked}    # mapping or dotlist; '*' matches every mixer,
+                                             # '?' where present (atlaslab.models.overrides)
     task: {name: mqar, vocab_size: 64, seq_len: 32, num_kv_pairs: [4]}   # or tasks: {setting: node, ...}
     eval: {interval: 50, examples: 256, lengths: [32, 64]}               # → train.eval_interval, …
                                              # + lm_eval: {tasks: [...], limit: 100}: lm-eval after training

@@ -173,7 +173,10 @@ def test_wildcard_overrides_touch_only_mixers_that_have_the_field():
     c = OmegaConf.to_container(cfg)
     (key, node), = c["mixers"].items()
     assert node["num_heads"] == 2 and node["memory"]["chunk_size"] == 4
-    cfg = model_config({"preset": "transformer", "overrides": [["mixers.*.memory.chunk_size", 4, "z"]]})
+    with pytest.raises(ConfigError, match="matches no key") as info:     # the rule of atlaslab.models.overrides
+        model_config({"preset": "transformer", "overrides": [["mixers.*.memory.chunk_size", 4, "z"]]})
+    assert info.value.source == "z"
+    cfg = model_config({"preset": "transformer", "overrides": [["?mixers.*.memory.chunk_size", 4, "z"]]})
     assert "memory" not in OmegaConf.to_container(cfg)["mixers"]["transformer"]
 
 
