@@ -1,6 +1,7 @@
 """The results tables of whole experiment runs, from the run data committed under ``docs/results/<study>/data/``.
 
     python docs/gen_runs.py quickstart          # print one table (the names are the keys of TABLES)
+    python docs/gen_runs.py --plots             # redraw the pages' figures of these runs (PLOTS)
 
 A study's ``data/`` folder is what ``atlaslab run`` wrote into its run folder, less the checkpoints, Tune's
 folder and MLflow's store: ``experiment.yaml`` (the experiment after its command-line overrides), ``trials.csv``
@@ -18,6 +19,7 @@ blocks.
 from __future__ import annotations
 
 import csv
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -100,13 +102,16 @@ def fmt_steps(steps: Sequence[Optional[int]]) -> str:
     return text + (f" ({len(got)}/{n} seeds)" if len(got) < n else "")
 
 
-def run_table(folders: Sequence[Path], metrics: Sequence[str] = (), digits: int = 3, steps: bool = True) -> str:
-    """The Markdown table of a committed run: variant, the report's metrics (labelled), steps to the threshold,
-    params, state. The baseline row (``grid.baseline``, else the first) is marked "(baseline)"."""
+def run_table(folders: Sequence[Path], metrics: Sequence[str] = (), digits: int = 3, steps: bool = True,
+              extra: Mapping[str, str] = None) -> str:
+    """The Markdown table of a committed run: variant, the report's metrics (labelled), the ``extra`` metrics
+    (name → label), steps to the threshold, params, state. The baseline row (``grid.baseline``, else the first)
+    is marked "(baseline)"."""
     d = RunData(*([folders] if isinstance(folders, (str, Path)) else folders))
     rep = d.exp.get("report") or {}
-    labels = rep.get("labels") or {}
-    metrics = list(metrics or rep.get("metrics") or [d.exp["metric"]]) + list((rep.get("averages") or {}))
+    labels = {**(rep.get("labels") or {}), **(extra or {})}
+    metrics = (list(metrics or rep.get("metrics") or [d.exp["metric"]]) + list((rep.get("averages") or {}))
+               + list(extra or {}))
     threshold = rep.get("steps_to") if steps else None
     baseline = (d.exp.get("grid") or {}).get("baseline") or next(iter(d.rows))
     head = ["variant"] + [labels.get(m, m) for m in metrics]
@@ -133,19 +138,68 @@ def quickstart() -> str:
     return run_table(RESULTS / "quickstart" / "data")
 
 
-def table6_cpu() -> str:
-    """docs/results/table6-cpu.md: the quickstart over seeds 0, 1, 2 (seed 0 is the quickstart's run, seeds 1 and 2
-    a run of the same file with ``seeds=[1,2]``; a trial depends only on its configuration and seed)."""
-    return run_table([RESULTS / "quickstart" / "data", RESULTS / "table6-cpu" / "data"])
-
-
 def lm_table2_cpu() -> str:
-    """docs/results/lm-table2.md: the CPU-sized Table 2 run (no steps column: the metric is a loss)."""
-    return run_table(RESULTS / "lm-table2" / "data", steps=False)
+    """docs/results/lm-table2.md: the CPU-sized Table 2 run, with the final validation loss (no steps column: the
+    metric is a loss)."""
+    return run_table(RESULTS / "lm-table2" / "data", steps=False, extra={"val/loss": "val loss"})
 
 
-TABLES = {"quickstart": quickstart, "table6-cpu": table6_cpu, "lm-table2-cpu": lm_table2_cpu}
+def quickstart_machines() -> str:
+    """README and docs/results.md: quickstart trials retrained by ``bench/quickstart_repro.py`` with other CPU
+    kernels or thread counts (``docs/results/quickstart/data/machines.jsonl``, one JSON line per training)."""
+    lines = ["| variant | CPU kernels | threads | test/accuracy | test/len_32/accuracy | train loss at step 10 |",
+             "|---|---|---|---|---|---|"]
+    with open(RESULTS / "quickstart" / "data" / "machines.jsonl") as f:
+        for rec in map(json.loads, filter(str.strip, f)):
+            kernels = rec["capability"] + (f" (MKL {rec['mkl_instructions']})" if rec.get("mkl_instructions") else "")
+            lines.append(f"| {rec['row']} | {kernels} | {rec['threads']} | {rec['test/accuracy']:.3f} | "
+                         f"{rec['test/len_32/accuracy']:.3f} | {rec['loss']['10']:.10f} |")
+    return "\n".join(lines)
+
+
+def records(d: RunData) -> List[Dict]:
+    """The run's trials as the run report's records (final metrics, learning curve, sizes), for its plots."""
+    out = []
+    for t in d.trials:
+        curve = d.curves.get((t["folder"], t["key"]), [])
+        metrics = {k: float(v) for k, v in t.items() if "/" in k and v not in ("", None)}
+        metrics["step"] = float(t["steps"]) if t.get("steps") else None
+        out.append({"key": f"{t['folder']}:{t['key']}", "row": t["row"], "setting": t.get("setting"),
+                    "variant": curve[0]["variant"] if curve else t["row"], "label": t["row"],
+                    "seed": int(t["seed"]), "protocol": json.loads(t.get("protocol") or "{}"), "status": t["status"],
+                    "failed": t["status"] not in FINISHED, "metrics": metrics,
+                    "history": [{k: v for k, v in h.items() if k not in ("variant", "row", "seed")} for h in curve],
+                    "info": {"num_parameters": int(t["num_parameters"]), "state_size": int(t["state_size"])}})
+    return out
+
+
+def plots(folders: Sequence[Path], out: Path, curve_metric: str = None) -> List[Path]:
+    """The run report's bar chart of its first metric, its learning curves and its length plot, drawn with the
+    report's own functions from the committed data, into ``out``."""
+    from atlaslab.search.report import aggregate, plot_bars, plot_curves, plot_lengths
+    from atlaslab.search.schema import load_experiment
+    d = RunData(*folders)
+    exp = load_experiment(node=d.exp)
+    recs = records(d)
+    rows = aggregate(exp, recs)
+    first = (exp.report.metrics or [exp.metric])[0]
+    figs = [plot_bars(rows, first, out / f"bar_{first.replace('/', '_')}.png", f"{exp.name}: {first}"),
+            plot_curves(rows, recs, curve_metric or exp.report.curve_metric or exp.metric, out / "curves.png"),
+            plot_lengths(rows, exp.report.length_metric, out / "length.png")]
+    return [f for f in figs if f]
+
+
+#: the figures of the pages: folder of the PNGs → the committed runs they are drawn from
+PLOTS = {"lm-table2": ([RESULTS / "lm-table2" / "data"], "val/loss")}
+
+
+TABLES = {"quickstart": quickstart, "quickstart-machines": quickstart_machines, "lm-table2-cpu": lm_table2_cpu}
 
 
 if __name__ == "__main__":
-    print(TABLES[sys.argv[1]]())
+    if sys.argv[1:] == ["--plots"]:
+        for name, (folders, metric) in PLOTS.items():
+            for fig in plots(folders, RESULTS / name, metric):
+                print(f"wrote {fig.relative_to(ROOT)}")
+    else:
+        print(TABLES[sys.argv[1]]())

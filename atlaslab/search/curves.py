@@ -33,9 +33,10 @@ def _value(v: Any) -> Optional[float]:
 
 
 def curve_metrics(records: Sequence[Mapping[str, Any]]) -> List[str]:
-    """The metric columns: every ``split/name`` key some history entry holds a number for, sorted."""
+    """The metric columns: every ``split/name`` key some history entry holds a number for, sorted. Tune's flattened
+    trial config (``config/...``), which its results carry beside the metrics, is not a metric."""
     return sorted({k for r in records for h in r.get("history") or [] for k, v in h.items()
-                   if "/" in k and _value(v) is not None})
+                   if "/" in k and not k.startswith("config/") and _value(v) is not None})
 
 
 def write_curves(run_dir: Path, records: Sequence[Mapping[str, Any]]) -> Path:

@@ -40,7 +40,6 @@ def test_the_tables_this_issue_generates_are_on_their_pages():
         for m in gt.blocks(page.read_text(), str(page)):
             where.setdefault(m.group("name"), []).append(page.relative_to(gt.ROOT).as_posix())
     assert where["quickstart"] == ["README.md", "docs/results.md"]
-    assert where["table6-cpu"] == ["docs/results/table6-cpu.md"]
     assert where["lm-table2-cpu"] == ["docs/results/lm-table2.md"]
     assert where["recall-vs-state"] == ["docs/results/recall-vs-state.md"]
 
@@ -73,16 +72,19 @@ def test_drift_flags_a_planted_number_and_passes_the_true_one():
 
 
 def test_drift_finds_a_wrong_number_planted_in_a_real_page():
-    page = (DOCS / "results" / "table6-cpu.md").read_text()
+    page = (DOCS / "results.md").read_text()
     assert gt.drift(page) == []
     block = next(gt.blocks(page)).group("body")
-    row = next(line for line in block.splitlines() if line.startswith("| w/o polynomial map"))
-    acc = row.split(" | ")[1].split(" ± ")[0]                   # e.g. 0.961
-    assert acc in page.split("<!-- end generated -->", 1)[1]    # the prose quotes it ...
+    row = next(line for line in block.splitlines() if line.startswith("| Titans (LMM)"))
+    acc = row.split(" | ")[1]                                   # the quickstart's Titans accuracy, e.g. 0.877
+    head, prose = page.split("<!-- end generated -->", 1)
+    assert acc in prose.split("\n## ", 1)[0]                   # the section's prose quotes it ...
     wrong = f"{float(acc) + 0.004:.3f}"
-    planted = page.split("<!-- end generated -->", 1)
-    planted = planted[0] + "<!-- end generated -->" + planted[1].replace(acc, wrong, 1)
+    planted = head + "<!-- end generated -->" + prose.replace(acc, wrong, 1)
     assert any(wrong in p for p in gt.drift(planted))          # ... and a wrong quote is found
+    # a claim of seeds that the table does not hold is found too
+    planted = head + "<!-- end generated -->" + prose.replace("Seven of the eight", "Seven of the eight (3/3 seeds)", 1)
+    assert any("3/3 seeds" in p for p in gt.drift(planted))
 
 
 def _write_run(folder: Path):

@@ -3,7 +3,7 @@ from atlaslab.search.curves import first_step, read_curves, write_curves
 
 
 def _records():
-    hist = [{"step": 10, "val/accuracy": 0.25, "train/loss": 2.0}, {"step": 20, "train/loss": 1.5},
+    hist = [{"step": 10, "val/accuracy": 0.25, "train/loss": 2.0, "config/train/lr": 0.01}, {"step": 20, "train/loss": 1.5},
             {"step": 30, "val/accuracy": 0.91, "train/loss": float("nan")}, {"step": 40, "val/accuracy": 0.95}]
     return [{"key": "t000", "variant": "A", "row": "A", "seed": 0, "history": hist},
             {"key": "t001", "variant": "B", "row": "B · h=2", "seed": 1, "history": [{"step": 5}]},
