@@ -1,0 +1,117 @@
+"""Faults of a sweep, each injected on an event (a trial held at a step by :mod:`faultpoints`, a result of a given
+step), never after a number of seconds: a torn Ray checkpoint on resume, and Ray's copy of the trial folders
+racing with the loop's checkpoint writes. The fault table of docs/reliability.md lists these tests."""
+import json
+import os
+import signal
+import zipfile
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+# the trials import faultpoints (``imports: [faultpoints]``): Ray's workers inherit PYTHONPATH from this process
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import faultpoints  # noqa: E402,F401
+from ray.tune import Stopper  # noqa: E402
+from test_search_ray import mlflow_runs, tiny  # noqa: E402
+
+
+def held(name, hold_dir, steps, hold_steps, **extra):
+    """The tiny experiment of the search tests on ``held_mqar``: its trials wait at ``hold_steps`` once."""
+    node = tiny(name, steps=steps, **extra)
+    node["task"] = {**node["task"], "name": "held_mqar", "hold_dir": str(hold_dir), "hold_steps": list(hold_steps)}
+    node["imports"] = ["faultpoints"]
+    return node
+
+
+class InterruptAtResult(Stopper):
+    """Ctrl-C (SIGINT to this process) when the driver handles the result of ``step``, once (a flag file keeps it
+    from firing in the restored experiment)."""
+
+    def __init__(self, flag, step):
+        self.flag, self.step = str(flag), step
+
+    def __call__(self, trial_id, result):
+        if result.get("step") == self.step and not os.path.exists(self.flag):
+            Path(self.flag).write_text("fired")
+            os.kill(os.getpid(), signal.SIGINT)
+        return False
+
+    def stop_all(self):
+        return False
+
+
+def flip_a_tensor_byte(path):
+    with zipfile.ZipFile(path) as z:
+        info = max(z.infolist(), key=lambda i: i.compress_size)
+    data = bytearray(path.read_bytes())
+    data[info.header_offset + 30 + len(info.filename.encode()) + len(info.extra) + info.compress_size // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def loop_files(root):
+    """Files of the training loop's own checkpoint (``checkpoint.pt``, its previous copy, temporary files) under
+    ``root`` that are not inside a Ray checkpoint (``checkpoint_<index>/``)."""
+    return [p for p in Path(root).rglob("*checkpoint*.pt*")
+            if p.is_file() and not any(part.startswith("checkpoint_") for part in p.relative_to(root).parts[:-1])]
+
+
+def test_a_torn_ray_checkpoint_falls_back_to_the_previous_one_and_no_copy_sees_the_loop_files(local_ray, tmp_path):
+    """The trial reports at steps 20, 30, 40 (each with the loop's checkpoint of the evaluation before); the driver
+    is interrupted on the result of step 40, and a hold at step 45 keeps the trial from finishing before that. The
+    loop's checkpoint files are in none of the folders Tune copies (its trial folders under ``driver_artifacts`` and
+    the run's storage). Ray checkpoints are then torn (one bit of a tensor), and the resumed trial falls back to the
+    one before them, says so in its record and its MLflow run, and ends with the metrics of an uninterrupted run."""
+    import ray
+
+    from atlaslab.search.build import build_trial
+    from atlaslab.search.driver import prepare, resume, run
+    from atlaslab.train import train
+
+    hold_dir = tmp_path / "hold"
+    hold_dir.mkdir()
+    node = held("torn", hold_dir, steps=60, hold_steps=[45])
+    run_dir = tmp_path / "run"
+    summary = run(prepare(node=node), run_dir=run_dir, num_cpus=2, quiet=True,
+                  stop=InterruptAtResult(tmp_path / "flag", 40))
+    assert summary["status"] == "interrupted"               # the hold at step 45 kept the trial from finishing first
+    faultpoints.release(hold_dir, 45)
+    staging = Path(ray._private.worker._global_node.get_session_dir_path()) / "artifacts"
+    synced = [p for p in staging.rglob("driver_artifacts") if p.is_dir()]
+    assert synced and not [f for d in synced for f in loop_files(d)]    # Tune's trial folders: no loop file
+    assert not loop_files(run_dir / "ray")                              # nor the run's storage
+
+    trial_dir = next((run_dir / "ray" / "tune").glob("t000*"))
+    kept = sorted(trial_dir.glob("checkpoint_*"))
+    steps = [json.loads((d / "atlaslab_trial.json").read_text())["reported_step"] for d in kept]
+    assert steps == [20, 30, 40], steps
+    # Tune restores the last checkpoint its saved state records: that of step 40 or, when the interruption came
+    # before Tune recorded it, that of step 30. Both are torn, so the trial must go back to the one of step 20.
+    for d in kept[1:]:
+        flip_a_tensor_byte(d / "checkpoint.pt")
+
+    s2 = resume(run_dir, quiet=True)
+    assert s2["status"] == "finished" and s2["completed"] == 1
+    rec = json.loads((run_dir / "results.json").read_text())[0]
+    note = rec["metrics"]["checkpoint_fallback"]
+    assert f"Ray checkpoint {kept[1].name}" in note and "CRC-32" in note
+    assert f"previous Ray checkpoint {kept[0].name} (reported at step 20)" in note
+    assert rec["metrics"]["resumed_from"] == 10             # the loop state that checkpoint holds
+
+    plain = dict(node, task={k: v for k, v in node["task"].items() if k not in ("hold_dir", "hold_steps")})
+    plain["task"]["name"] = "mqar"
+    task, tcfg, model = build_trial(prepare(node=plain).trials[0])
+    ref = train(model, task, tcfg)
+    for k in ("train/loss", "val/accuracy", "test/accuracy"):
+        assert rec["metrics"][k] == ref.metrics[k], k        # trained on the kept checkpoint, not on the torn one
+
+    state = json.loads((run_dir / "state.json").read_text())
+    c, parents, children = mlflow_runs(state["tracking"]["uri"])
+    assert len(children) == 1 and children[0].info.status == "FINISHED"
+    assert "CRC-32" in children[0].data.tags["atlaslab.checkpoint_fallback"]
+    val = [m.step for m in c.get_metric_history(children[0].info.run_id, "val/accuracy")]
+    assert val == [10, 20, 30, 40, 50, 60]                   # none missing, none twice
