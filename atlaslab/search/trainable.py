@@ -98,6 +98,7 @@ def run_trial(config: Dict[str, Any], experiment: Optional[ExperimentConfig] = N
             tags["atlaslab.checkpoint_fallback"] = fallback[:4000]
         if mlrun is not None:
             mlrun.log({k: v for k, v in final.items() if k in ("failed", "wall_time_s", "setup_s")}, result.steps)
+            mlrun.flush(wait=True)    # metrics held back while the server was away reach it before the trial ends
         _report(final, work / CHECKPOINT_NAME, result.steps, final=True)
     except SystemExit:
         # Tune stops a trial (ASHA, a stopper) by exiting its thread from inside tune.report

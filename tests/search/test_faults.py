@@ -115,3 +115,94 @@ def test_a_torn_ray_checkpoint_falls_back_to_the_previous_one_and_no_copy_sees_t
     assert "CRC-32" in children[0].data.tags["atlaslab.checkpoint_fallback"]
     val = [m.step for m in c.get_metric_history(children[0].info.run_id, "val/accuracy")]
     assert val == [10, 20, 30, 40, 50, 60]                   # none missing, none twice
+
+
+# --------------------------------------------------------------------------------------------------
+# the tracking server down
+# --------------------------------------------------------------------------------------------------
+def start_server(tmp_path, port):
+    """``mlflow server`` on 127.0.0.1:``port`` (SQLite store in ``tmp_path``), in its own process group."""
+    import subprocess
+    import sys
+
+    from test_search_cluster import wait_http
+    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
+    env.pop("MLFLOW_TRACKING_URI", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+         "--artifacts-destination", str(tmp_path / "server-artifacts")],
+        cwd=tmp_path, env=env, stdout=open(tmp_path / "server.log", "a"), stderr=subprocess.STDOUT,
+        start_new_session=True)
+    wait_http(f"http://127.0.0.1:{port}/health")
+    return proc
+
+
+def stop_server(proc):
+    """End the server's process group (the server and its workers), by the handle that started it."""
+    import subprocess
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=60)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@pytest.mark.slow
+def test_the_tracking_server_down_mid_sweep_loses_no_metric(tmp_path):
+    """The trial is held at step 15; the test stops the MLflow server and lets the trial go: it trains on through
+    two evaluations (steps 20 and 30) with nobody to log to, and is held again at step 35; the test starts the
+    server again (same store, same port) and lets it go. Every metric of every step reaches the run, once."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from test_search_cluster import free_port
+    from test_search_ray import cli, env
+
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    node = held("outage", hold, steps=60, hold_steps=[15, 35], max_failures=0)
+    exp = tmp_path / "outage.yaml"
+    exp.write_text(yaml.safe_dump(node))
+    server = start_server(tmp_path, port)
+    log = open(tmp_path / "driver.log", "w+")
+    proc = subprocess.Popen(cli("run", str(exp), "--run-dir", str(tmp_path / "run"), "--num-cpus", "1",
+                                "--tracking-uri", uri), cwd=tmp_path, env=env(), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        faultpoints.wait_held(hold, 15, proc)
+        stop_server(server)                                  # the server goes away at step 15 …
+        faultpoints.release(hold, 15)
+        faultpoints.wait_held(hold, 35, proc)                # … the trial trains on to step 35 …
+        server = start_server(tmp_path, port)                # … and the server comes back
+        faultpoints.release(hold, 35)
+        rc = proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+        try:
+            text = Path(log.name).read_text()
+            assert rc == 0, text
+            recs = json.loads((tmp_path / "run" / "results.json").read_text())
+            assert [r["status"] for r in recs] == ["completed"]
+            c, parents, children = mlflow_runs(uri)
+        finally:
+            stop_server(server)
+    assert "does not answer" in text and "answers again" in text          # the trial said what happened
+    assert len(parents) == 1 and len(children) == 1 and children[0].info.status == "FINISHED"
+    rid = children[0].info.run_id
+    for metric, every in (("val/accuracy", 10), ("train/loss", 5)):
+        steps = [m.step for m in c.get_metric_history(rid, metric)]
+        assert sorted(steps) == list(range(every, 61, every)), (metric, steps)   # none missing, none twice
+    hist = {h["step"]: h["val/accuracy"] for h in recs[0]["history"] if h.get("val/accuracy") is not None}
+    assert {m.step: m.value for m in c.get_metric_history(rid, "val/accuracy")} == hist
