@@ -11,7 +11,7 @@
   tags are the component choices and the trial's key, variant, seed and status.
 * Every MLflow call retries a few times (SQLite is shared by concurrent trials). A trial's metrics that the
   tracking server does not take (the server is down) are buffered in the trial and sent, in order and each once,
-  when it answers again; training goes on meanwhile. A server that stays away longer than
+  when it answers again (the run's tag ``atlaslab.tracking_outages`` says which steps waited); training goes on. A server that stays away longer than
   ``ATLASLAB_TRACKING_OUTAGE_S`` seconds (default 300) ends the trial with :class:`TrackingUnavailable`, naming
   the steps whose metrics were not sent; the run folder resumes once the server is back.
 """
@@ -196,6 +196,8 @@ class TrialRun:
         self.last_step = -1
         self.pending: List[Any] = []            # metrics the server has not taken yet, oldest first
         self.down_since: Optional[float] = None
+        self.outages: List[str] = []            # what each outage held back (also the run's tag)
+        self.held = [0, 0]                      # the first and last step held back in the current outage
         self.next_try = 0.0
         self.outage_s = outage_limit_s()
         self._wait_for_server(lambda: self.c.search_experiments(max_results=1))
@@ -285,6 +287,7 @@ class TrialRun:
         while self.pending:
             now = time.time()
             if self.down_since is not None and now < self.next_try:
+                self.held[1] = self.pending[-1].step
                 if not wait:
                     return
                 time.sleep(self.next_try - now)
@@ -297,9 +300,11 @@ class TrialRun:
                 now = time.time()
                 if self.down_since is None:
                     self.down_since = now
+                    self.held = [self.pending[0].step, self.pending[-1].step]
                     log.warning("trial %s: the tracking server %s does not answer (%s: %s); its metrics wait here "
                                 "and training goes on (at most %g s)", self.key, self.uri, type(exc).__name__,
                                 str(exc)[:200], self.outage_s)
+                self.held[1] = self.pending[-1].step
                 if now - self.down_since >= self.outage_s:
                     steps = sorted({m.step for m in self.pending})
                     raise TrackingUnavailable(
@@ -310,9 +315,18 @@ class TrialRun:
                 self.next_try = now + RETRY_WHILE_DOWN_S
                 continue
             if self.down_since is not None:
-                log.warning("trial %s: the tracking server %s answers again after %.0f s; the buffered metrics "
-                            "are sent", self.key, self.uri, time.time() - self.down_since)
+                what = (f"the tracking server did not answer for {time.time() - self.down_since:.0f} s; the metrics of "
+                        f"steps {self.held[0]}–{self.held[1]} waited in the trial and were sent when it answered again")
+                log.warning("trial %s: %s", self.key, what)
+                self.outages.append(what)
                 self.down_since = None
+                set_tags(self.c, self.run_id, {"atlaslab.tracking_outages": "; ".join(self.outages)})
+
+    def replay(self, history) -> None:
+        """Log the records of a restored loop's history (``{"step": s, <metrics>}``) that the run lacks: those
+        above the last step it holds, which a trial that died while the server was away had not sent."""
+        for rec in history:
+            self.log({k: v for k, v in rec.items() if k != "step"}, int(rec["step"]))
 
     def mark_logged(self, step: int) -> None:
         self.last_step = max(self.last_step, step)
@@ -325,6 +339,28 @@ class TrialRun:
         if tags:
             set_tags(self.c, self.run_id, tags)
         retry(self.c.set_terminated, self.run_id, status=status, what="end run")
+
+
+def wait_for_server(uri: str, limit_s: Optional[float] = None) -> None:
+    """Return once the tracking server at ``uri`` answers its health check (at once for a local store); after
+    ``limit_s`` (default :func:`outage_limit_s`) raise :class:`TrackingUnavailable`."""
+    if is_local_uri(uri):
+        return
+    import urllib.request
+    limit_s = outage_limit_s() if limit_s is None else limit_s
+    start = time.time()
+    while True:
+        try:
+            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=10) as r:
+                if r.status == 200:
+                    return
+        except OSError as exc:
+            err = exc
+        waited = time.time() - start
+        if waited >= limit_s:
+            raise TrackingUnavailable(f"the tracking server {uri} did not answer for {waited:.0f} s ({OUTAGE_ENV}="
+                                      f"{limit_s:g}): {err}")
+        time.sleep(min(RETRY_WHILE_DOWN_S, max(0.1, limit_s - waited)))
 
 
 def run_status(c, run_id: str) -> Optional[str]:
@@ -349,4 +385,5 @@ def finalize_child(uri: str, experiment_id: str, parent_id: str, trial_key: str,
 
 
 __all__ = ["TAG_KEY", "TrackingUnavailable", "TrialRun", "children", "client", "config_params", "default_tracking_uri", "ensure_experiment",
-           "finalize_child", "flatten", "is_local_uri", "log_metrics", "log_params", "retry", "set_tags"]
+           "finalize_child", "flatten", "is_local_uri", "log_metrics", "log_params", "outage_limit_s", "retry", "set_tags",
+           "wait_for_server"]

@@ -52,6 +52,8 @@ def test_metrics_logged_while_the_server_is_away_arrive_once_it_answers(trial_ru
     assert history(run, "train/loss") == [(1, 1.0), (2, 0.9), (3, 0.8), (4, 0.7)]
     assert history(run, "val/accuracy") == [(3, 0.5)]
     assert [s for s, _ in history(run, "step")] == [1, 2, 3, 4]    # each step once
+    tags = run.c.get_run(run.run_id).data.tags
+    assert "the metrics of steps 2–3 waited in the trial" in tags["atlaslab.tracking_outages"]
 
 
 def test_a_server_away_past_the_bound_stops_the_trial_naming_the_steps_not_sent(trial_run):
