@@ -67,7 +67,13 @@ def is_local_uri(uri: str) -> bool:
 
 
 def client(uri: str):
+    """An MlflowClient for ``uri``. For a server, MLflow's own retries of a call (up to minutes of back-off) are
+    turned off: :func:`retry` retries a few times, and a trial's metrics wait in :class:`TrialRun` while the server
+    is away, so a server that is down never stalls training or the driver for long."""
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    if not is_local_uri(uri):
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
     from mlflow.tracking import MlflowClient
     return MlflowClient(tracking_uri=uri)
 
@@ -186,10 +192,6 @@ class TrialRun:
     """The MLflow child run of one trial (find-or-create; metrics deduped by step after a restore)."""
 
     def __init__(self, uri: str, experiment_id: str, parent_id: str, trial: Mapping[str, Any], run_name: str):
-        if not is_local_uri(uri):
-            # a server that is down answers each call at once; MLflow's own retries would stall training for minutes
-            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
         self.c = client(uri)
         self.uri, self.key = uri, trial["key"]
         self.run_id: Optional[str] = None

@@ -207,3 +207,63 @@ def test_the_tracking_server_down_mid_sweep_loses_no_metric(tmp_path):
         assert sorted(steps) == list(range(every, 61, every)), (metric, steps)   # none missing, none twice
     hist = {h["step"]: h["val/accuracy"] for h in recs[0]["history"] if h.get("val/accuracy") is not None}
     assert {m.step: m.value for m in c.get_metric_history(rid, "val/accuracy")} == hist
+
+
+@pytest.mark.slow
+def test_a_tracking_server_that_never_comes_back_ends_the_sweep_clearly_and_the_run_resumes(tmp_path):
+    """The server goes away at step 15 and does not come back: after the outage bound (``ATLASLAB_TRACKING_OUTAGE_S``
+    = 20 s, a bound, not the trigger) the trial stops with ``TrackingUnavailable`` naming the steps not sent, and
+    ``atlaslab run`` exits 1 with a clear error. With the server back, ``atlaslab resume`` finishes the trial, and
+    its MLflow run ends with every metric of every step, once (what the dead attempt had not sent is re-sent from the
+    restored loop's history)."""
+    import subprocess
+
+    import yaml
+
+    from test_search_cluster import free_port
+    from test_search_ray import cli, env
+
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    node = held("gone", hold, steps=60, hold_steps=[15], max_failures=0)
+    exp = tmp_path / "gone.yaml"
+    exp.write_text(yaml.safe_dump(node))
+    run_dir = tmp_path / "run"
+    server = start_server(tmp_path, port)
+    e = dict(env(), ATLASLAB_TRACKING_OUTAGE_S="20")
+    log = open(tmp_path / "driver.log", "w+")
+    proc = subprocess.Popen(cli("run", str(exp), "--run-dir", str(run_dir), "--num-cpus", "1", "--tracking-uri", uri),
+                            cwd=tmp_path, env=e, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        faultpoints.wait_held(hold, 15, proc)
+        stop_server(server)                                  # the server goes away for good
+        faultpoints.release(hold, 15)
+        rc = proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+    text = Path(log.name).read_text()
+    assert rc == 1, text
+    assert f"error: the tracking server {uri} did not answer for" in text and "atlaslab resume" in text, text
+    rec = json.loads((run_dir / "results.json").read_text())[0]
+    assert rec["status"] == "error" and "TrackingUnavailable" in rec["message"], rec["message"]
+
+    server = start_server(tmp_path, port)
+    try:
+        r = subprocess.run(cli("resume", str(run_dir), "--quiet"), cwd=tmp_path, env=e, capture_output=True,
+                           text=True, timeout=600)
+        assert r.returncode == 0, r.stdout + r.stderr
+        rec = json.loads((run_dir / "results.json").read_text())[0]
+        assert rec["status"] == "completed" and rec["metrics"]["step"] == 60
+        c, parents, children = mlflow_runs(uri)
+    finally:
+        stop_server(server)
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert len(children) == 1 and children[0].info.status == "FINISHED"
+    rid = children[0].info.run_id
+    for metric, every in (("val/accuracy", 10), ("train/loss", 5)):
+        steps = [m.step for m in c.get_metric_history(rid, metric)]
+        assert sorted(steps) == list(range(every, 61, every)), (metric, steps)   # none missing, none twice
