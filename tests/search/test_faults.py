@@ -186,27 +186,24 @@ def test_the_tracking_server_down_mid_sweep_loses_no_metric(tmp_path):
         server = start_server(tmp_path, port)                # … and the server comes back
         faultpoints.release(hold, 35)
         rc = proc.wait(timeout=600)
+        assert rc == 0, Path(log.name).read_text()
+        recs = json.loads((tmp_path / "run" / "results.json").read_text())
+        assert [r["status"] for r in recs] == ["completed"]
+        c, parents, children = mlflow_runs(uri)
+        assert len(parents) == 1 and len(children) == 1 and children[0].info.status == "FINISHED"
+        outage = children[0].data.tags["atlaslab.tracking_outages"]           # the run says what happened
+        assert "the metrics of steps 20–35 waited in the trial and were sent when it answered again" in outage, outage
+        rid = children[0].info.run_id
+        for metric, every in (("val/accuracy", 10), ("train/loss", 5)):
+            steps = [m.step for m in c.get_metric_history(rid, metric)]
+            assert sorted(steps) == list(range(every, 61, every)), (metric, steps)   # none missing, none twice
+        hist = {h["step"]: h["val/accuracy"] for h in recs[0]["history"] if h.get("val/accuracy") is not None}
+        assert {m.step: m.value for m in c.get_metric_history(rid, "val/accuracy")} == hist
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=60)
-        try:
-            text = Path(log.name).read_text()
-            assert rc == 0, text
-            recs = json.loads((tmp_path / "run" / "results.json").read_text())
-            assert [r["status"] for r in recs] == ["completed"]
-            c, parents, children = mlflow_runs(uri)
-        finally:
-            stop_server(server)
-    assert len(parents) == 1 and len(children) == 1 and children[0].info.status == "FINISHED"
-    outage = children[0].data.tags["atlaslab.tracking_outages"]           # the run says what happened
-    assert "the metrics of steps 20–35 waited in the trial and were sent when it answered again" in outage, outage
-    rid = children[0].info.run_id
-    for metric, every in (("val/accuracy", 10), ("train/loss", 5)):
-        steps = [m.step for m in c.get_metric_history(rid, metric)]
-        assert sorted(steps) == list(range(every, 61, every)), (metric, steps)   # none missing, none twice
-    hist = {h["step"]: h["val/accuracy"] for h in recs[0]["history"] if h.get("val/accuracy") is not None}
-    assert {m.step: m.value for m in c.get_metric_history(rid, "val/accuracy")} == hist
+        stop_server(server)
 
 
 @pytest.mark.slow
@@ -259,11 +256,11 @@ def test_a_tracking_server_that_never_comes_back_ends_the_sweep_clearly_and_the_
         rec = json.loads((run_dir / "results.json").read_text())[0]
         assert rec["status"] == "completed" and rec["metrics"]["step"] == 60
         c, parents, children = mlflow_runs(uri)
+        assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+        assert len(children) == 1 and children[0].info.status == "FINISHED"
+        rid = children[0].info.run_id
+        for metric, every in (("val/accuracy", 10), ("train/loss", 5)):
+            steps = [m.step for m in c.get_metric_history(rid, metric)]
+            assert sorted(steps) == list(range(every, 61, every)), (metric, steps)   # none missing, none twice
     finally:
         stop_server(server)
-    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
-    assert len(children) == 1 and children[0].info.status == "FINISHED"
-    rid = children[0].info.run_id
-    for metric, every in (("val/accuracy", 10), ("train/loss", 5)):
-        steps = [m.step for m in c.get_metric_history(rid, metric)]
-        assert sorted(steps) == list(range(every, 61, every)), (metric, steps)   # none missing, none twice
