@@ -8,6 +8,7 @@ from pathlib import Path
 
 from atlaslab.search.driver import command_line, prepare, resume, run, trial_table
 from atlaslab.search.report import report_from_dir
+from atlaslab.search.tracking import TrackingUnavailable
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -18,14 +19,27 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(f"validated {len(p.trials)} trial configs in {p.validate_s:.1f} s", flush=True)
     argv = ["run", args.experiment] + list(args.overrides)
-    summary = run(p, run_dir=args.run_dir, ray_address=args.ray_address, tracking_uri=args.tracking_uri,
-                  num_cpus=args.num_cpus, quiet=args.quiet, command=command_line(argv))
+    try:
+        summary = run(p, run_dir=args.run_dir, ray_address=args.ray_address, tracking_uri=args.tracking_uri,
+                      num_cpus=args.num_cpus, quiet=args.quiet, command=command_line(argv))
+    except TrackingUnavailable as exc:
+        return _tracking_lost(exc)
     return _finish(summary, args.quiet)
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    summary = resume(args.run_dir, ray_address=args.ray_address, num_cpus=args.num_cpus, quiet=args.quiet)
+    try:
+        summary = resume(args.run_dir, ray_address=args.ray_address, num_cpus=args.num_cpus, quiet=args.quiet)
+    except TrackingUnavailable as exc:
+        return _tracking_lost(exc)
     return _finish(summary, args.quiet)
+
+
+def _tracking_lost(exc: TrackingUnavailable) -> int:
+    """The sweep ended without its tracking server: say so (no traceback) and exit 1; the run folder resumes."""
+    print(f"error: {exc}. The run folder is kept: `atlaslab resume <run dir>` once the server is back.",
+          file=sys.stderr)
+    return 1
 
 
 def cmd_report(args: argparse.Namespace) -> int:

@@ -391,6 +391,7 @@ def _execute(p: Prepared, run_dir: Path, state: Dict[str, Any], resume: bool, ra
     summary = _summary(run_dir, records, rep, status, t0)
     tracking = state.get("tracking") or {}
     if tracking.get("parent_run_id"):
+        T.wait_for_server(tracking["uri"])         # a server that stays away: a clear error, the run folder kept
         _close_parent_run(tracking, run_dir, state, summary)
         lap("mlflow_final_s")
     _write_json(run_dir / "state.json", state)

@@ -11,7 +11,11 @@
   again after a restore (the trial replays from its last checkpoint).
 * Params are the flattened trial config, logged in batches (``log_batch``; ≈ 15 ms per single param);
   tags are the component choices and the trial's key, variant, seed and status.
-* Every MLflow call retries a few times (SQLite is shared by concurrent trials) and never fails a trial.
+* Every MLflow call retries a few times (SQLite is shared by concurrent trials). A trial's metrics that the
+  tracking server does not take (the server is down) are buffered in the trial and sent, in order and each once,
+  when it answers again (the run's tag ``atlaslab.tracking_outages`` says which steps waited); training goes on. A server that stays away longer than
+  ``ATLASLAB_TRACKING_OUTAGE_S`` seconds (default 300) ends the trial with :class:`TrackingUnavailable`, naming
+  the steps whose metrics were not sent; the run folder resumes once the server is back.
 """
 from __future__ import annotations
 
@@ -37,6 +41,18 @@ TAG_KIND = "atlaslab.kind"
 PARENT_TAG = "mlflow.parentRunId"
 MAX_PARAM_LEN = 6000
 MAX_KEY_LEN = 250
+OUTAGE_ENV = "ATLASLAB_TRACKING_OUTAGE_S"
+RETRY_WHILE_DOWN_S = 2.0      # while the server is away, a trial tries again at most this often
+
+
+class TrackingUnavailable(RuntimeError):
+    """The tracking server stayed unreachable for longer than the outage bound (``ATLASLAB_TRACKING_OUTAGE_S``)."""
+
+
+def outage_limit_s() -> float:
+    """How long a trial keeps training while the tracking server does not answer (``$ATLASLAB_TRACKING_OUTAGE_S``,
+    default 300 s)."""
+    return float(os.environ.get(OUTAGE_ENV, "300"))
 
 
 def default_tracking_uri(run_dir: Path, uri: Optional[str] = None) -> str:
@@ -69,7 +85,13 @@ def is_local_uri(uri: str) -> bool:
 
 
 def client(uri: str):
+    """An MlflowClient for ``uri``. For a server, MLflow's own retries of a call (up to minutes of back-off) are
+    turned off: :func:`retry` retries a few times, and a trial's metrics wait in :class:`TrialRun` while the server
+    is away, so a server that is down never stalls training or the driver for long."""
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    if not is_local_uri(uri):
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
     from mlflow.tracking import MlflowClient
     return MlflowClient(tracking_uri=uri)
 
@@ -189,8 +211,16 @@ class TrialRun:
 
     def __init__(self, uri: str, experiment_id: str, parent_id: str, trial: Mapping[str, Any], run_name: str):
         self.c = client(uri)
+        self.uri, self.key = uri, trial["key"]
         self.run_id: Optional[str] = None
         self.last_step = -1
+        self.pending: List[Any] = []            # metrics the server has not taken yet, oldest first
+        self.down_since: Optional[float] = None
+        self.outages: List[str] = []            # what each outage held back (also the run's tag)
+        self.held = [0, 0]                      # the first and last step held back in the current outage
+        self.next_try = 0.0
+        self.outage_s = outage_limit_s()
+        self._wait_for_server(lambda: self.c.search_experiments(max_results=1))
         run = retry(find_child, self.c, experiment_id, parent_id, trial["key"], what="find child run")
         tags = {PARENT_TAG: parent_id, TAG_KEY: trial["key"], "atlaslab.variant": trial.get("variant", ""),
                 "atlaslab.setting": trial.get("setting", ""), "atlaslab.seed": trial.get("seed", 0),
@@ -243,10 +273,80 @@ class TrialRun:
         set_tags(self.c, self.run_id, {"atlaslab.config_logged": "1"})
         self.artifact_logged = True
 
+    def _wait_for_server(self, call) -> None:
+        """Call ``call`` until the server answers, at most for the outage bound (then :class:`TrackingUnavailable`)."""
+        start = time.time()
+        while True:
+            try:
+                call()
+                return
+            except Exception as exc:
+                waited = time.time() - start
+                if waited >= self.outage_s:
+                    raise TrackingUnavailable(
+                        f"the tracking server {self.uri} did not answer for {waited:.0f} s ({OUTAGE_ENV}="
+                        f"{self.outage_s:g}): {type(exc).__name__}: {str(exc)[:300]}. The run folder is resumable "
+                        "(`atlaslab resume <run dir>`) once the server is back.") from exc
+                time.sleep(min(RETRY_WHILE_DOWN_S, max(0.1, self.outage_s - waited)))
+
     def log(self, metrics: Mapping[str, float], step: int) -> None:
+        """Log ``metrics`` at ``step`` (a step at or below one already logged is skipped: a restored trial replays
+        it). While the server is away they wait in :attr:`pending` and training goes on; see :meth:`flush`."""
         if not self.ok or step <= self.last_step:
             return
-        log_metrics(self.c, self.run_id, {**metrics, "step": step}, step)
+        from mlflow.entities import Metric
+        ts = int(time.time() * 1000)
+        self.pending.extend(Metric(safe_key(k), float(v), ts, int(step)) for k, v in {**metrics, "step": step}.items()
+                            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v)))
+        self.flush()
+
+    def flush(self, wait: bool = False) -> None:
+        """Send the pending metrics, oldest first, each once. While the server is away, try again at most every
+        :data:`RETRY_WHILE_DOWN_S` (``wait``: until it answers); past the outage bound raise
+        :class:`TrackingUnavailable`, naming the steps whose metrics were not sent."""
+        while self.pending:
+            now = time.time()
+            if self.down_since is not None and now < self.next_try:
+                self.held[1] = self.pending[-1].step
+                if not wait:
+                    return
+                time.sleep(self.next_try - now)
+                continue
+            try:
+                while self.pending:
+                    self.c.log_batch(self.run_id, metrics=self.pending[:500])
+                    del self.pending[:500]
+            except Exception as exc:
+                now = time.time()
+                if self.down_since is None:
+                    self.down_since = now
+                    self.held = [self.pending[0].step, self.pending[-1].step]
+                    log.warning("trial %s: the tracking server %s does not answer (%s: %s); its metrics wait here "
+                                "and training goes on (at most %g s)", self.key, self.uri, type(exc).__name__,
+                                str(exc)[:200], self.outage_s)
+                self.held[1] = self.pending[-1].step
+                if now - self.down_since >= self.outage_s:
+                    steps = sorted({m.step for m in self.pending})
+                    raise TrackingUnavailable(
+                        f"the tracking server {self.uri} did not answer for {now - self.down_since:.0f} s "
+                        f"({OUTAGE_ENV}={self.outage_s:g}); the metrics of trial {self.key} at steps "
+                        f"{steps[0]}–{steps[-1]} ({len(self.pending)} values) were not sent. The run folder is "
+                        "resumable (`atlaslab resume <run dir>`) once the server is back.") from exc
+                self.next_try = now + RETRY_WHILE_DOWN_S
+                continue
+            if self.down_since is not None:
+                what = (f"the tracking server did not answer for {time.time() - self.down_since:.0f} s; the metrics of "
+                        f"steps {self.held[0]}–{self.held[1]} waited in the trial and were sent when it answered again")
+                log.warning("trial %s: %s", self.key, what)
+                self.outages.append(what)
+                self.down_since = None
+                set_tags(self.c, self.run_id, {"atlaslab.tracking_outages": "; ".join(self.outages)})
+
+    def replay(self, history) -> None:
+        """Log the records of a restored loop's history (``{"step": s, <metrics>}``) that the run lacks: those
+        above the last step it holds, which a trial that died while the server was away had not sent."""
+        for rec in history:
+            self.log({k: v for k, v in rec.items() if k != "step"}, int(rec["step"]))
 
     def mark_logged(self, step: int) -> None:
         self.last_step = max(self.last_step, step)
@@ -254,9 +354,33 @@ class TrialRun:
     def end(self, status: str, tags: Optional[Mapping[str, Any]] = None) -> None:
         if not self.ok:
             return
+        if self.pending:
+            self.flush(wait=True)
         if tags:
             set_tags(self.c, self.run_id, tags)
         retry(self.c.set_terminated, self.run_id, status=status, what="end run")
+
+
+def wait_for_server(uri: str, limit_s: Optional[float] = None) -> None:
+    """Return once the tracking server at ``uri`` answers its health check (at once for a local store); after
+    ``limit_s`` (default :func:`outage_limit_s`) raise :class:`TrackingUnavailable`."""
+    if is_local_uri(uri):
+        return
+    import urllib.request
+    limit_s = outage_limit_s() if limit_s is None else limit_s
+    start = time.time()
+    while True:
+        try:
+            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=10) as r:
+                if r.status == 200:
+                    return
+        except OSError as exc:
+            err = exc
+        waited = time.time() - start
+        if waited >= limit_s:
+            raise TrackingUnavailable(f"the tracking server {uri} did not answer for {waited:.0f} s ({OUTAGE_ENV}="
+                                      f"{limit_s:g}): {err}")
+        time.sleep(min(RETRY_WHILE_DOWN_S, max(0.1, limit_s - waited)))
 
 
 def run_status(c, run_id: str) -> Optional[str]:
@@ -280,6 +404,6 @@ def finalize_child(uri: str, experiment_id: str, parent_id: str, trial_key: str,
         retry(c.set_terminated, run.info.run_id, status=status, what="end run")
 
 
-__all__ = ["TAG_KEY", "TrialRun", "artifact_location", "children", "client", "config_params", "default_store",
-           "default_tracking_uri", "ensure_experiment",
-           "finalize_child", "flatten", "is_local_uri", "log_metrics", "log_params", "retry", "set_tags"]
+__all__ = ["TAG_KEY", "TrackingUnavailable", "TrialRun", "artifact_location", "children", "client", "config_params",
+           "default_store", "default_tracking_uri", "ensure_experiment", "finalize_child", "flatten", "is_local_uri",
+           "log_metrics", "log_params", "outage_limit_s", "retry", "set_tags", "wait_for_server"]

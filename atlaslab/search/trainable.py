@@ -73,10 +73,12 @@ def run_trial(config: Dict[str, Any], experiment: Optional[ExperimentConfig] = N
     trial = _trial_spec(config, experiment)
     work = _work_dir()
     work.mkdir(parents=True, exist_ok=True)
-    restored, fallback = _restore_checkpoint(work)
+    restored, fallback, history = _restore_checkpoint(work)
     if restored is None:
         return
     mlrun = _child_run(settings, trial)
+    if mlrun is not None:
+        mlrun.replay(history)         # what an attempt that died while the tracking server was away had not sent
     status, tags = "FAILED", {}
     try:
         task, tcfg, model = build_trial(trial)
@@ -100,6 +102,7 @@ def run_trial(config: Dict[str, Any], experiment: Optional[ExperimentConfig] = N
             tags["atlaslab.checkpoint_fallback"] = fallback[:4000]
         if mlrun is not None:
             mlrun.log({k: v for k, v in final.items() if k in ("failed", "wall_time_s", "setup_s")}, result.steps)
+            mlrun.flush(wait=True)    # metrics held back while the server was away reach it before the trial ends
         _report(final, work / CHECKPOINT_NAME, result.steps, final=True)
     except SystemExit:
         # Tune stops a trial (ASHA, a stopper) by exiting its thread from inside tune.report
@@ -149,18 +152,18 @@ def _work_dir() -> Path:
     return base / "atlaslab-work"
 
 
-def _restore_checkpoint(work: Path) -> Tuple[Optional[int], str]:
-    """Put the trial's last Ray checkpoint (if any) where the training loop resumes from. Returns ``(step, note)``:
-    the last step reported to Tune (-1 for a fresh start), or None for a trial that had finished (its stored final
-    result is reported again: there is nothing to train, and its MLflow run stays as it is); ``note`` says which
-    torn checkpoints were passed over. A checkpoint is checked before it is used (:mod:`atlaslab.train.checkpoint`);
+def _restore_checkpoint(work: Path) -> Tuple[Optional[int], str, List[Dict[str, Any]]]:
+    """Put the trial's last Ray checkpoint (if any) where the training loop resumes from. Returns ``(step, note,
+    history)``: the last step reported to Tune (-1 for a fresh start), or None for a trial that had finished (its
+    stored final result is reported again: there is nothing to train, and its MLflow run stays as it is); ``note``
+    says which torn checkpoints were passed over; ``history`` is the restored loop's record of every step. A checkpoint is checked before it is used (:mod:`atlaslab.train.checkpoint`);
     a torn one gives the previous one Tune kept, and all torn raises ``CorruptCheckpoint``."""
     from ray import tune
     target = work / CHECKPOINT_NAME
     ckpt = tune.get_checkpoint()
     if ckpt is None:
         checkpoint_files.remove(target)        # a fresh start: no stale state from an earlier attempt
-        return -1, ""
+        return -1, "", []
     torn: List[str] = []
     reported: Optional[int] = None
     for cand in [ckpt] + _older_checkpoints(ckpt):
@@ -176,10 +179,10 @@ def _restore_checkpoint(work: Path) -> Tuple[Optional[int], str]:
             if ck_meta.get("final") and not torn:
                 # finished before an interruption that Tune did not record
                 tune.report(ck_meta["final"])
-                return None, ""
+                return None, "", []
             src = Path(d) / CHECKPOINT_NAME
             try:
-                checkpoint_files.load(src, required=CHECKPOINT_KEYS)
+                history = checkpoint_files.load(src, required=CHECKPOINT_KEYS)["state"].get("history", [])
             except checkpoint_files.CorruptCheckpoint as exc:
                 torn.append(f"Ray checkpoint {name}: {exc}")
                 log.warning("torn checkpoint: %s", torn[-1])
@@ -192,7 +195,7 @@ def _restore_checkpoint(work: Path) -> Tuple[Optional[int], str]:
             note = (f"{'; '.join(torn)} — resumed from the previous Ray checkpoint {name} "
                     f"(reported at step {ck_meta.get('reported_step')}) instead")
             log.warning("checkpoint fallback: %s", note)
-        return reported, note
+        return reported, note, history
     raise checkpoint_files.CorruptCheckpoint("every checkpoint Tune kept for this trial is torn: " + "; ".join(torn))
 
 

@@ -134,3 +134,17 @@ def test_site_builds_strict(tmp_path):
     assert (tmp_path / "site" / "concepts" / "memory" / "index.html").is_file()
     api = (tmp_path / "site" / "api" / "index.html").read_text()
     assert "atlaslab.memorize" in api and "LanguageModel" in api
+
+
+def test_reliability_table_names_existing_tests():
+    """Every ``pytest`` command of the fault table (docs/reliability.md) names a test function of its file."""
+    import ast
+    import re
+    text = (ROOT / "docs" / "reliability.md").read_text()
+    ids = re.findall(r'`pytest (?:-m slow )?"?(tests/[^`"\s]+?)"?`', text)
+    assert len(ids) >= 8, ids
+    for node_id in ids:
+        path, _, name = node_id.partition("::")
+        tree = ast.parse((ROOT / path).read_text())
+        names = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        assert name.split("[")[0] in names, node_id

@@ -125,11 +125,17 @@ def test_optuna_asha(tmp_path):
 
 @pytest.mark.slow
 def test_ray_cluster_and_mlflow_server(tmp_path):
+    """One trial is held at step 25 (after its first checkpoint, :mod:`faultpoints`), and the script presses Ctrl-C
+    on that event (``INTERRUPT_ON``), so the interruption always finds the sweep unfinished; the resumed trial
+    passes step 25 without a hold."""
     free_port = search_test_module("test_search_cluster").free_port
-    work = tmp_path / "work"
+    work, hold = tmp_path / "work", tmp_path / "hold"
+    hold.mkdir()
+    held = ["imports=[faultpoints]", "task.name=held_mqar", f"task.hold_dir={hold}", "task.hold_steps=[25]"]
+    path = os.pathsep.join([str(ROOT), str(TESTS / "search"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     r = bash(TUTORIALS / "ray-cluster-mlflow" / "cluster.sh", work, "seeds=[0]", "train.steps=100",
-             "eval.interval=10", timeout=600, RAY_PORT=str(free_port()), MLFLOW_PORT=str(free_port()),
-             INTERRUPT_AFTER="25")
+             "eval.interval=10", *held, timeout=600, RAY_PORT=str(free_port()), MLFLOW_PORT=str(free_port()),
+             PYTHONPATH=path, INTERRUPT_ON=str(hold / "held.25"))
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     assert "Interrupted with" in out and "atlaslab resume" in out         # step 3 was cut short by Ctrl-C

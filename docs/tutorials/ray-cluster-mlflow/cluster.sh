@@ -2,8 +2,9 @@
 # A sweep on a Ray cluster, tracked on an MLflow server: both started here, on 127.0.0.1, and stopped at the end.
 # From the repository root:  bash docs/tutorials/ray-cluster-mlflow/cluster.sh [WORK_DIR [key=value ...]]
 # WORK_DIR (default runs/cluster-tutorial) receives the run folder, the MLflow store and the logs.
-# RAY_PORT / MLFLOW_PORT choose the ports (default 6380 / 5000), INTERRUPT_AFTER when step 3 presses Ctrl-C
-# (default 45 s); extra arguments go to `atlaslab run`.
+# RAY_PORT / MLFLOW_PORT choose the ports (default 6380 / 5000); extra arguments go to `atlaslab run`.
+# Step 3 presses Ctrl-C once the first trial checkpoint is stored (an event, not a time; INTERRUPT_ON, a file
+# pattern, names another event).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 work="${1:-runs/cluster-tutorial}"; shift || true
@@ -53,7 +54,15 @@ wait_for "MLflow" curl -sf "http://127.0.0.1:$mlflow_port/health"
 # --8<-- [start:run]
 # 3. The sweep: every trial runs on the cluster and is tracked on the server.
 run=(--run-dir "$work/run" --ray-address "127.0.0.1:$ray_port" --tracking-uri "http://127.0.0.1:$mlflow_port")
-timeout --signal=INT "${INTERRUPT_AFTER:-45}" atlaslab run "$here/experiment.yaml" "$@" "${run[@]}" || true  # Ctrl-C at 45 s
+set -m                       # job control: the sweep runs in its own process group and Ctrl-C (SIGINT) reaches it
+atlaslab run "$here/experiment.yaml" "$@" "${run[@]}" &
+sweep=$!
+set +m
+# Ctrl-C once Tune has stored a trial's first checkpoint in the run folder (or when the sweep has ended by itself)
+event="${INTERRUPT_ON:-$work/run/ray/*/*/checkpoint_*/atlaslab_trial.json}"
+until compgen -G "$event" > /dev/null || ! kill -0 "$sweep" 2> /dev/null; do sleep 1; done
+kill -INT "$sweep" 2> /dev/null || true
+wait "$sweep" || true
 # --8<-- [end:run]
 
 # --8<-- [start:resume]
