@@ -66,6 +66,29 @@ def suggest(trial: Any, key: str, p: ParamNode) -> Any:
     return float(trial.suggest_float(key, float(p.low), float(p.high), **kw))
 
 
+def optuna_distributions(space: Mapping[str, ParamNode]) -> Dict[str, Any]:
+    """The Optuna distribution of each parameter, as :func:`suggest` asks for it (categoricals by label)."""
+    import optuna
+    out: Dict[str, Any] = {}
+    for key, p in space.items():
+        if p.type == "categorical":
+            out[key] = optuna.distributions.CategoricalDistribution(choice_labels(p))
+        elif p.type == "int":
+            out[key] = optuna.distributions.IntDistribution(int(p.low), int(p.high), log=p.log,
+                                                            step=int(p.step) if p.step is not None else 1)
+        else:
+            out[key] = optuna.distributions.FloatDistribution(float(p.low), float(p.high), log=p.log,
+                                                              step=float(p.step) if p.step is not None else None)
+    return out
+
+
+def optuna_value(p: ParamNode, value: Any) -> Any:
+    """A sampled (decoded) value as Optuna recorded it: a categorical's label, a number as itself."""
+    if p.type != "categorical":
+        return value
+    return choice_labels(p)[p.choices.index(value)]
+
+
 def sample(space: Mapping[str, ParamNode], trial: Any) -> Dict[str, Any]:
     """Sampled values (dotted key → value) of one Optuna trial; conditional keys only when active."""
     values: Dict[str, Any] = {}

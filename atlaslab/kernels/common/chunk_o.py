@@ -14,6 +14,7 @@ if triton is not None:
                                                slot_rows, slot_tokens, token_rows)
     from atlaslab.kernels.common.decay import _channel_scores, _masked_decay
 
+    @triton.jit
     def read_scores(b_q, b_x, b_gq, b_g, b_gs, causal, m_t, o_i, o_s, C: tl.constexpr, BT: tl.constexpr,
                      BS: tl.constexpr, READ_TOKEN: tl.constexpr, CHANNEL: tl.constexpr, PRECISION: tl.constexpr):
         """The intra-chunk read P ``[BT, BS]``: P[t, r] = e^{gq_t − g_τr} q_t·x_r (per head; on the ``causal``
