@@ -24,12 +24,10 @@ RESULTS = ROOT / "bench" / "results"
 #: their count were fixed before any of these runs; a comparison whose file is missing or incomplete says so.
 HELDOUT = {
     "transformer": ("learning_heldout_transformer_cpu.json",
-                    "python bench/learning.py --presets none --refs softmax_transformer --softmax-positions "
-                    "learned_small --seeds 3,4,5 --out bench/results/learning_heldout_softmax_cpu && python "
-                    "bench/learning.py --presets transformer --refs softmax_transformer --softmax-positions "
-                    "learned_small --seeds 3,4,5 --reuse-from bench/results/learning_heldout_transformer_ours_cpu.json "
-                    "--reuse-from bench/results/learning_heldout_softmax_cpu.json "
-                    "--out bench/results/learning_heldout_transformer_cpu"),
+                    "python bench/learning.py --presets transformer --refs softmax_transformer --seeds 3,4,5 "
+                    "--out bench/results/learning_heldout_transformer_cpu (it ran as four commands, one per file "
+                    "learning_heldout_{transformer_ours,softmax,transformer_seed5,transformer_ours_seed5}_cpu, pooled "
+                    "by --reuse-from)"),
     "deltanet": ("learning_heldout_deltanet_cpu.json",
                  "python bench/learning.py --presets deltanet --refs fla_deltanet --seeds 3,4,5 "
                  "--out bench/results/learning_heldout_deltanet_cpu"),
