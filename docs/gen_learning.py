@@ -92,7 +92,8 @@ def heldout_verdicts() -> str:
         data = _load(file)
         ours, theirs = (_runs(data, "preset", preset), _runs(data, "ref", ref)) if data else ([], [])
         if data is None or sorted(data["seeds"]) != HELDOUT_SEEDS or len(ours) < 3 or len(theirs) < 3:
-            lines.append(f"| {preset} | {ref} | — | — | — | — | — | — | not run on the held-out seeds yet: "
+            done = f" ({len(ours) + len(theirs)} of 6 runs recorded in `bench/results/{file}`)" if data else ""
+            lines.append(f"| {preset} | {ref} | — | — | — | — | — | — | not run on the held-out seeds yet{done}: "
                          f"`{command}` |")
             continue
         c = bl.compare(ours, theirs, budget=data["steps"])
