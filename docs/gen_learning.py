@@ -24,12 +24,10 @@ RESULTS = ROOT / "bench" / "results"
 #: their count were fixed before any of these runs; a comparison whose file is missing or incomplete says so.
 HELDOUT = {
     "transformer": ("learning_heldout_transformer_cpu.json",
-                    "python bench/learning.py --presets none --refs softmax_transformer --softmax-positions "
-                    "learned_small --seeds 3,4,5 --out bench/results/learning_heldout_softmax_cpu && python "
-                    "bench/learning.py --presets transformer --refs softmax_transformer --softmax-positions "
-                    "learned_small --seeds 3,4,5 --reuse-from bench/results/learning_heldout_transformer_ours_cpu.json "
-                    "--reuse-from bench/results/learning_heldout_softmax_cpu.json "
-                    "--out bench/results/learning_heldout_transformer_cpu"),
+                    "python bench/learning.py --presets transformer --refs softmax_transformer --seeds 3,4,5 "
+                    "--out bench/results/learning_heldout_transformer_cpu (it ran as four commands, one per file "
+                    "learning_heldout_{transformer_ours,softmax,transformer_seed5,transformer_ours_seed5}_cpu, pooled "
+                    "by --reuse-from)"),
     "deltanet": ("learning_heldout_deltanet_cpu.json",
                  "python bench/learning.py --presets deltanet --refs fla_deltanet --seeds 3,4,5 "
                  "--out bench/results/learning_heldout_deltanet_cpu"),
@@ -94,7 +92,8 @@ def heldout_verdicts() -> str:
         data = _load(file)
         ours, theirs = (_runs(data, "preset", preset), _runs(data, "ref", ref)) if data else ([], [])
         if data is None or sorted(data["seeds"]) != HELDOUT_SEEDS or len(ours) < 3 or len(theirs) < 3:
-            lines.append(f"| {preset} | {ref} | — | — | — | — | — | — | not run on the held-out seeds yet: "
+            done = f" ({len(ours) + len(theirs)} of 6 runs recorded in `bench/results/{file}`)" if data else ""
+            lines.append(f"| {preset} | {ref} | — | — | — | — | — | — | not run on the held-out seeds yet{done}: "
                          f"`{command}` |")
             continue
         c = bl.compare(ours, theirs, budget=data["steps"])

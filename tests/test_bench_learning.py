@@ -10,6 +10,7 @@
 """
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -35,10 +36,15 @@ bl = _load("bench_learning", "learning.py")
 V, T = 32, 16
 
 
+#: set by .ci/run after ``bench/peers.py --install``: a missing peer then fails the test instead of skipping it
+REQUIRE_PEERS = os.environ.get("ATLASLAB_REQUIRE_PEERS") == "1"
+
+
 def _require(name):
     ok, why = refs.available(name)
     if not ok:
         assert name not in ("softmax_transformer", "lact", "ours_in_ref_lm")
+        assert not REQUIRE_PEERS, f"ATLASLAB_REQUIRE_PEERS=1 but {name}: {why}"
         pytest.skip(why)
 
 
@@ -389,7 +395,17 @@ AS_FLA = {
 def test_our_mixer_configured_as_fla_computes_fla_layer(preset, fla_kw, one_thread, monkeypatch):
     """With fla's weights copied in, our preset's mixer (configured as :data:`AS_FLA`, and with fla's output-norm ε:
     fla normalises S·(D_k^-1/2 q) with ε = 1e-5, i.e. our unscaled read with ε = 1e-5 · D_k) gives fla's layer's
-    output and gradients, so the two differ in initialisation and parameter sharing only. fla's ℓ2 norm
+    output and gradients, so the two differ in initialisation and parameter sharing only.
+
+    What the reference is: fla's layer classes (``fla.layers.DeltaNet`` / ``GatedDeltaNet`` of the
+    flash-linear-attention package) run only through Triton kernels (``chunk_delta_rule``, ``l2norm``,
+    ``FusedRMSNormGated``, ``ShortConvolution``), which do not run on a CPU: under ``TRITON_INTERPRET=1`` the layer
+    stops with "0 active drivers" (flash-linear-attention 0.6.0, Triton 3.9, tried 2026-12-06), and its package
+    root imports ``transformers``. So the fla side here is ``learning_refs.FlaGatedDeltaNetMixer``: fla's layer
+    re-written around fla's own plain-PyTorch recurrences, ``fla.ops.delta_rule.naive.delta_rule_chunkwise`` and
+    ``fla.ops.gated_delta_rule.naive.naive_chunk_gated_delta_rule`` (fla-core 0.6.0, installed by
+    ``bench/peers.py --install``, which CI runs), which are the reference for the recurrence; the projections,
+    convolutions, gates and norms around it are our reading of fla's layer code. fla's ℓ2 norm
     x·rsqrt(Σx² + 1e-6) is swapped for ours, x / max(‖x‖, 1e-6), which differs at small ‖x‖; fla's naive
     recurrence runs in float32, hence the tolerance."""
     _require("fla_gated_deltanet" if fla_kw["decay"] else "fla_deltanet")

@@ -49,3 +49,14 @@ def test_bench_report_regenerates_from_its_json(path, tmp_path):
     md = bl.render(tmp_path / path.name)
     assert md == path.with_suffix(".md").read_text(), f"{path.name}: python bench/learning.py --render {path}"
     assert out.with_suffix(".md").read_text() == md
+
+
+def test_verdict_files_use_only_held_out_seeds():
+    """The held-out rule, checked on the committed data: tuning and verdict seeds are disjoint, and every
+    learning_heldout_* file ran on held-out seeds only (verdict files pool them; none may hold a tuning seed)."""
+    bl = gen._bench()
+    assert not set(bl.TUNING_SEEDS) & set(bl.HELDOUT_SEEDS) and list(bl.HELDOUT_SEEDS) == gen.HELDOUT_SEEDS
+    for path in (ROOT / "bench" / "results").glob("learning_heldout_*.json"):
+        data = json.loads(path.read_text())
+        assert set(data["seeds"]) <= set(bl.HELDOUT_SEEDS), path.name
+        assert {r["seed"] for r in data["runs"]} <= set(bl.HELDOUT_SEEDS), path.name
