@@ -148,28 +148,9 @@ TABLES: Dict[str, Callable[[], str]] = {
 }
 
 
-BLOCK = r"(<!-- generated: {name} -->\n).*?(<!-- end generated -->)"
-
-
-def write_pages() -> List[Path]:
-    """Rewrite every generated block of the learning pages in place; returns the pages that changed."""
-    import re
-    changed = []
-    for page in [ROOT / "docs" / "results.md", *sorted((ROOT / "docs" / "results").glob("learning*.md"))]:
-        text = new = page.read_text()
-        for name, table in TABLES.items():
-            new = re.sub(BLOCK.format(name=re.escape(name)), lambda m: m.group(1) + table() + "\n" + m.group(2), new,
-                         flags=re.S)
-        if new != text:
-            page.write_text(new)
-            changed.append(page)
-    return changed
-
-
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--write"]:
-        for page in write_pages():
-            print(f"rewrote {page.relative_to(ROOT)}")
-        sys.exit(0)
+    if sys.argv[1:] == ["--write"]:       # every generated block of the site, these among them (one writer)
+        import subprocess
+        sys.exit(subprocess.call([sys.executable, str(Path(__file__).with_name("gen_tables.py")), "--write"]))
     for key in (sys.argv[1:] or TABLES):
         print(f"<!-- generated: {key} -->\n{TABLES[key]()}\n<!-- end generated -->\n")
