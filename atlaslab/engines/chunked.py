@@ -99,18 +99,6 @@ def window_grads_at(parts: "MemoryParts", weights: Weights, C: torch.Tensor, x, 
     return vmap(one, in_dims=(2, 2), out_dims=2)(weights, C)
 
 
-def window_grads(parts: "MemoryParts", weights: Weights, C: torch.Tensor, x, v, d) -> Weights:
-    """g_s = Σ_i C[s, i] ∇ℓ(W; x_i, v_i) at shared weights W: ``C [B, H, L, n]`` → ``{name: [B, H, L, ...]}``.
-
-    For a tape-capable memory the per-token gradients are rank-1, δ_i h_iᵀ, so g_s = (C[s, :] ⊙ δ)ᵀ h is one
-    batched matmul over the n window tokens; the per-token gradients ``[B, H, n, out, in]`` are never formed.
-    """
-    if not parts.memory.supports_tape:
-        return _contract(C, per_token_grads(parts, weights, x, v, d))
-    return {name: (C.unsqueeze(-1) * dl.unsqueeze(2)).mT @ h.unsqueeze(2)
-            for name, (dl, h) in gradient_factors(parts, weights, x, v, d).items()}
-
-
 def _contract(C: torch.Tensor, u: Weights) -> Weights:
     """Σ_i C[s, i] u_i for every weight: ``[B,H,L,n] × [B,H,n,...] → [B,H,L,...]``."""
     return {name: torch.einsum("bhsn,bhnx->bhsx", C, g.reshape(*g.shape[:3], -1)).reshape(
@@ -164,7 +152,7 @@ def _updates(parts, state, W_a, C, x, v, d, lr, theta, alpha, chunk_alpha, L):
     if before:    # a different point for every position: differentiate the window loss at each
         g = window_grads_at(parts, at, C, x, v, d)
     else:
-        g = window_grads(parts, W_a, C, x, v, d)
+        g = _contract(C, per_token_grads(parts, W_a, x, v, d))
     if name == "gd":
         return {n: -_bcast(lr, gi) * gi for n, gi in g.items()}, None
     if name == "momentum":

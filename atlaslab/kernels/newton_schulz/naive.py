@@ -45,12 +45,9 @@ def newton_schulz(s: torch.Tensor, steps: int = 5, eps: float = 1e-7,
     rows, cols = s.shape[-2:]
     x = s.mT if rows > cols else s
     x = x / (torch.linalg.matrix_norm(x, keepdim=True) + eps)
-    lead = x.shape[:-2]
-    x = x.reshape(-1, *x.shape[-2:])          # [N, small, big]: the scalings ride in baddbmm's α, β (no extra ops)
     for a, b, c in step_coefficients(coefficients, steps):
-        gram = torch.bmm(x, x.mT)
-        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)   # aX + (bA + cA²)X
-    x = x.reshape(*lead, *x.shape[-2:])
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
     x = x.mT if rows > cols else x
     if shape_factor:
         x = x * math.sqrt(max(1.0, rows / cols))
