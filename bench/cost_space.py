@@ -1,7 +1,7 @@
 """What a training step costs for every part choice the discovery search can make, before vs after an engine change.
 
     python bench/cost_space.py                        # → bench/results/cost_space_cpu.{json,md}
-    python bench/cost_space.py --quick                # small size only, fewer rows and shapes (minutes)
+    python bench/cost_space.py --quick                # fewer rows, GDN shapes and trials (minutes)
     python bench/cost_space.py --baseline main        # "before" = the atlaslab package of git ref ``main``
     python bench/cost_space.py --render               # rewrite the .md from the committed .json
 
@@ -245,11 +245,11 @@ def best_of(sides, req: dict, repeats: int, log) -> dict:
 
 
 def run(args) -> dict:
-    sizes = args.sizes or (["small"] if args.quick else list(SIZES))
+    sizes = args.sizes or list(SIZES)
     rows = [r for r in ROWS if (not args.quick or r[1] in QUICK_ROWS) and (not args.only or r[1] in args.only)]
     if args.only and "transformer" not in args.only:
         rows.insert(0, ROWS[0])                      # every ratio needs the Transformer's step of the same run
-    repeats = args.repeats or (2 if args.quick else 3)
+    repeats = args.repeats or 3
     tmp = tempfile.TemporaryDirectory(prefix="cost_space_")
     sides = [Side("after", ROOT)]
     if args.baseline:
