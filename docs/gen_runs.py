@@ -138,6 +138,12 @@ def quickstart() -> str:
     return run_table(RESULTS / "quickstart" / "data")
 
 
+def table6_cpu() -> str:
+    """docs/results/table6-cpu.md: the quickstart's grid over seeds 0, 1, 2 (seed 0 is the quickstart's own run,
+    seeds 1 and 2 the run ``atlaslab run experiments/quickstart.yaml 'seeds=[1,2]'``)."""
+    return run_table([RESULTS / "quickstart" / "data", RESULTS / "table6-cpu" / "data"])
+
+
 def lm_table2_cpu() -> str:
     """docs/results/lm-table2.md: the CPU-sized Table 2 run, with the final validation loss (no steps column: the
     metric is a loss)."""
@@ -190,10 +196,12 @@ def plots(folders: Sequence[Path], out: Path, curve_metric: str = None) -> List[
 
 
 #: the figures of the pages: folder of the PNGs → the committed runs they are drawn from
-PLOTS = {"lm-table2": ([RESULTS / "lm-table2" / "data"], "val/loss")}
+PLOTS = {"lm-table2": ([RESULTS / "lm-table2" / "data"], "val/loss"),
+         "table6-cpu": ([RESULTS / "quickstart" / "data", RESULTS / "table6-cpu" / "data"], None)}
 
 
-TABLES = {"quickstart": quickstart, "quickstart-machines": quickstart_machines, "lm-table2-cpu": lm_table2_cpu}
+TABLES = {"quickstart": quickstart, "quickstart-machines": quickstart_machines, "lm-table2-cpu": lm_table2_cpu,
+          "table6-cpu": table6_cpu}
 
 
 if __name__ == "__main__":

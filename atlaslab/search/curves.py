@@ -13,23 +13,14 @@ store. The columns are sorted, the lines in the records' order, so a run folder 
 from __future__ import annotations
 
 import csv
-import math
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
+from atlaslab.search.formatting import finite_number
+
+_value = finite_number          # a finite number, or None (missing, NaN, text)
 CURVES_NAME = "curves.csv"
 PLACE = ("key", "variant", "row", "seed", "step")
-
-
-def _value(v: Any) -> Optional[float]:
-    """A finite number, or None (missing, NaN, text)."""
-    if isinstance(v, bool) or v is None:
-        return None
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return None
-    return f if math.isfinite(f) else None
 
 
 def curve_metrics(records: Sequence[Mapping[str, Any]]) -> List[str]:
