@@ -182,7 +182,8 @@ def records(d: RunData) -> List[Dict]:
 def plots(folders: Sequence[Path], out: Path, curve_metric: str = None) -> List[Path]:
     """The run report's bar chart of its first metric, its learning curves and its length plot, drawn with the
     report's own functions from the committed data, into ``out``."""
-    from atlaslab.search.report import aggregate, plot_bars, plot_curves, plot_lengths
+    from atlaslab.search.aggregate import aggregate
+    from atlaslab.search.plots import plot_bars, plot_curves, plot_lengths
     from atlaslab.search.schema import load_experiment
     d = RunData(*folders)
     exp = load_experiment(node=d.exp)
