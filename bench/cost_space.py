@@ -23,7 +23,7 @@ Rows:
   (forward + backward, B 2, H 4, same inputs; needs ``python bench/peers.py --install``).
 - ``trials``: trials per hour of a small discovery-like space on 2 cores: a trial is model build + ``TRIAL_STEPS``
   AdamW steps on MQAR-sized batches (quickstart size), two one-thread trials at a time; Ray / MLflow start-up
-  (≈ 5 s per worker, DESIGN §5) and evaluation are not included.
+  (≈ 5 s per worker) and evaluation are not included.
 """
 from __future__ import annotations
 
