@@ -226,7 +226,11 @@ class Side:
 
 def unpack(ref: str, into: Path) -> Path:
     """The ``atlaslab`` package (and the presets it loads) of git ``ref`` under ``into`` (git archive; no worktree is created)."""
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "atlaslab", "experiments/presets"], capture_output=True, check=True)
+    # the presets are package data (atlaslab/presets) since 2026-12-06; older refs keep them in experiments/presets
+    old = subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{ref}:experiments/presets"],
+                         capture_output=True).returncode == 0
+    paths = ["atlaslab"] + (["experiments/presets"] if old else [])
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, *paths], capture_output=True, check=True)
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
     return into
 

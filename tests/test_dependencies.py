@@ -21,7 +21,7 @@ PACKAGE = ROOT / "atlaslab"
 RUNTIME_ONLY: set = set()
 #: modules of an extra: their top-level imports are optional because nothing imports them but from inside a
 #: function (tests/test_layout.py DEFERRED)
-OPTIONAL_MODULES = {"atlaslab/eval/harness.py": "eval"}
+OPTIONAL_MODULES = {"atlaslab/eval/harness.py": "eval", "atlaslab/hf/modeling.py": "hf"}
 
 
 def canonical(name: str) -> str:
