@@ -61,10 +61,14 @@ def best_record(records: List[Mapping[str, Any]], metric: str, mode: str) -> Map
 
 
 def checkpoint_of(record: Mapping[str, Any]) -> Path:
-    """The trial's last ``checkpoint.pt`` (``<trial folder>/work/``)."""
-    path = Path(str(record.get("path") or "")) / "work" / CHECKPOINT_NAME
+    """The trial's last ``checkpoint.pt``: in the newest Ray checkpoint the trial reported to the run's storage
+    (``<trial folder>/checkpoint_<n>/``; the loop's own working copy lives on the node that ran it), else in a run
+    folder written before that change, ``<trial folder>/work/``."""
+    folder = Path(str(record.get("path") or ""))
+    reported = sorted(folder.glob(f"checkpoint_*/{CHECKPOINT_NAME}"))
+    path = reported[-1] if reported else folder / "work" / CHECKPOINT_NAME
     if not path.is_file():
-        raise ConfigError("trial", f"trial {record.get('key')} has no checkpoint at {path}.", value=record.get("key"))
+        raise ConfigError("trial", f"trial {record.get('key')} has no checkpoint in {folder}.", value=record.get("key"))
     return path
 
 

@@ -88,7 +88,8 @@ def test_parallel_trials_nan_failure_and_mlflow(local_ray, tmp_path):
     for k in ("t000", "t001"):
         want = [(h["step"], h["val/accuracy"]) for h in recs[k]["history"] if h.get("val/accuracy") is not None]
         assert [(c["step"], c["val/accuracy"]) for c in curves[k] if "val/accuracy" in c] == want
-        assert [c["step"] for c in curves[k] if "train/loss" in c] == [5, 10, 15, 20, 25, 30]
+        losses = [h["step"] for h in recs[k]["history"] if h.get("train/loss") is not None]
+        assert losses and [c["step"] for c in curves[k] if "train/loss" in c] == losses
 
     # MLflow: one parent, one child per trial, with params, per-step metrics, tags and the config artifact
     state = json.loads((run_dir / "state.json").read_text())
