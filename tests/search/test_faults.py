@@ -18,6 +18,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import faultpoints  # noqa: E402,F401
 from ray.tune import Stopper  # noqa: E402
 from test_search_ray import mlflow_runs, tiny  # noqa: E402
+from test_workers_per_trial import InterruptAtStep  # noqa: E402
 
 
 def held(name, hold_dir, steps, hold_steps, **extra):
@@ -28,21 +29,8 @@ def held(name, hold_dir, steps, hold_steps, **extra):
     return node
 
 
-class InterruptAtResult(Stopper):
-    """Ctrl-C (SIGINT to this process) when the driver handles the result of ``step``, once (a flag file keeps it
-    from firing in the restored experiment)."""
-
-    def __init__(self, flag, step):
-        self.flag, self.step = str(flag), step
-
-    def __call__(self, trial_id, result):
-        if result.get("step") == self.step and not os.path.exists(self.flag):
-            Path(self.flag).write_text("fired")
-            os.kill(os.getpid(), signal.SIGINT)
-        return False
-
-    def stop_all(self):
-        return False
+class InterruptAtResult(InterruptAtStep, Stopper):
+    """Ctrl-C (SIGINT to this process) when the driver handles the result of ``step``, once."""
 
 
 def flip_a_tensor_byte(path):
