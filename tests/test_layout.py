@@ -22,6 +22,7 @@ DEFERRED = {
     ("atlaslab.cli", "atlaslab.search.train_tracking"): "mlflow loads only when `atlaslab train` runs",
     ("atlaslab.cli", "atlaslab.search.export"): "transformers (atlaslab[hf]) loads only for export",
     ("atlaslab.search.driver", "atlaslab.search.progress"): "ray.tune (a Tune callback)",
+    ("atlaslab.search.driver", "atlaslab.search.searcher"): "ray.tune (a Tune searcher)",
     ("atlaslab.eval.lm_eval", "atlaslab.eval.harness"): "lm_eval, an optional extra",
     ("atlaslab.kernels.newton_schulz", "atlaslab.kernels.newton_schulz.fused"): "triton",
 }

@@ -51,13 +51,13 @@ from omegaconf import OmegaConf
 from atlaslab.registry import ConfigError, import_user_modules
 from atlaslab.registry.config import BASE_DIR_ENV
 from atlaslab.search import tracking as T
-from atlaslab.search.expand import Prepared, Validator, expand_grid, protocol_points, trial_from_params
+from atlaslab.search.admission import Admission, preflight
+from atlaslab.search.expand import Prepared, expand_grid, protocol_points
 from atlaslab.search.formatting import fmt_value, human_count
 from atlaslab.search.report import write_report
 from atlaslab.search.results import RESULTS_NAME, WAITING, collect, saved_statuses
 from atlaslab.search.schema import ExperimentConfig, load_experiment, load_experiment_node, validate_experiment
 from atlaslab.search.settings import TrialSettings
-from atlaslab.search.space import corner_points, define_by_run, make_sampler
 from atlaslab.search.trainable import run_trial
 
 TUNE_NAME = "tune"
@@ -73,18 +73,13 @@ def prepare(path: Optional[str] = None, overrides: Sequence[str] = (), node: Any
     exp = validate_experiment(cfg, source=str(path or ""))
     import_user_modules(exp.imports)
     raw.setdefault("name", exp.name)
-    v = Validator(exp)
+    adm = Admission(exp)
+    rejected: List[Dict[str, Any]] = []
     if exp.kind == "grid":
-        trials = expand_grid(exp)
-        for t in trials:
-            v.validate(t)
-    else:
-        trials = []
-        for i, params in enumerate(corner_points(exp.space)):
-            t = trial_from_params(exp, params, key=f"corner{i:02d}", index=i)
-            v.validate(t)
-            trials.append(t)
-    return Prepared(raw, exp, trials, str(path or ""), time.time() - t0, list(overrides), v.resolved)
+        trials = [adm.admit(t) for t in expand_grid(exp)]
+    else:                                # every choice of the space admitted in one combination at least
+        trials, rejected = preflight(adm, seed=exp.search.seed)
+    return Prepared(raw, exp, trials, str(path or ""), time.time() - t0, list(overrides), adm.resolved, rejected)
 
 
 def trial_table(p: Prepared) -> str:
@@ -102,7 +97,15 @@ def trial_table(p: Prepared) -> str:
                 desc = f"{prm.type} [{prm.low}, {prm.high}]" + (" log" if prm.log else "")
             cond = ("  when " + ", ".join(f"{c}={fmt_value(v)}" for c, v in prm.when.items())) if prm.when else ""
             lines.append(f"  {k}: {desc}{cond}")
-        lines.append(f"validated {len(p.trials)} corner configs of the space:")
+        if exp.search.objectives:
+            lines.append("objectives: " + ", ".join(f"{m} ({d})" for m, d in
+                                                    exp.search.objective_pairs(exp.metric, exp.mode)))
+        if exp.budget.active:
+            lines.append(f"state budget: {exp.budget.state} ± {exp.budget.tolerance:.0%}, sized by "
+                         + ", ".join(exp.budget.size_by))
+        lines.append(f"admitted {len(p.trials)} configs covering every choice of the space "
+                     f"({len(p.preflight_rejected)} draws rejected on the way, e.g. a combination that cannot be "
+                     f"built or sized; the searcher rejects and counts such draws):")
     else:
         lines.append(f"grid '{exp.name}': {len(p.trials)} trials ({len(exp.settings())} setting(s) × "
                      f"{max(1, len(exp.grid.variants))} variant(s) × axes × {max(1, len(_proto(exp)))} lr/wd × "
@@ -256,9 +259,8 @@ def build_tuner(p: Prepared, run_dir: Path, settings: TrialSettings, num_cpus: O
         space = {"experiment": settings, "trial": tune.grid_search(p.trials_for_tune)}
         num_samples = 1
     else:
-        from ray.tune.search.optuna import OptunaSearch
-        search_alg = OptunaSearch(space=define_by_run(exp.space), metric=exp.metric, mode=exp.mode,
-                                  sampler=make_sampler(exp))
+        from atlaslab.search.searcher import PartSearcher
+        search_alg = PartSearcher(exp, run_dir)
         space = {"experiment": settings}
         num_samples = exp.num_samples
     tune_config = tune.TuneConfig(scheduler=_scheduler(exp), search_alg=search_alg, num_samples=num_samples,

@@ -49,12 +49,14 @@ class Prepared:
 
     node: Dict[str, Any]
     exp: ExperimentConfig
-    trials: List[Dict[str, Any]]          # grid: every trial; search: the corner configs validated
+    trials: List[Dict[str, Any]]          # grid: every trial; search: one admitted trial per choice of the space
     source: str = ""
     validate_s: float = 0.0
     overrides: List[str] = field(default_factory=list)
     #: trial key → its typed model config (ResolvedLM), what the trial builds without validating it again
     resolved: Dict[str, Any] = field(default_factory=dict)
+    #: a search's draws rejected while every choice of its space was checked (``{params, reason}``)
+    preflight_rejected: List[Dict[str, Any]] = field(default_factory=list)
 
 
 class TrialConfigError(ConfigError):

@@ -16,8 +16,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from atlaslab.search.aggregate import OK, mean_std
 from atlaslab.search.formatting import finite_number as _num
 from atlaslab.search.formatting import fmt_value, human_count, short_key
+from atlaslab.search.mattered import finished, objective_value, pareto_front, search_study
 from atlaslab.search.schema import ExperimentConfig
-from atlaslab.search.space import optuna_distributions, optuna_value
 
 #: line styles (and bar hatches) that tell apart the rows of one variant (axis values, settings)
 LINE_STYLES = ("-", "--", ":", "-.")
@@ -329,6 +329,8 @@ def search_plots(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]], ra
     """A search's figures: each parameter against the metric, Optuna's parameter importances and parallel
     coordinates (:func:`search_study`), the curves of the best eight (``ranked``: best first)."""
     figs = plot_search(records, exp.metric, list(exp.space), plots)
+    pareto = plot_pareto(exp, records, plots / "pareto.png")
+    figs += [pareto] if pareto else []
     study = search_study(exp, records)
     figs += [p for p in (plot_importance(study, plots / "search_importance.png"),
                          plot_parallel(study, plots / "search_parallel.png")) if p]
@@ -339,25 +341,28 @@ def search_plots(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]], ra
     return figs
 
 
-def search_study(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]):
-    """An in-memory Optuna study holding a search's finished trials (their sampled values and ``metric``), for
-    Optuna's importance and parallel-coordinate plots (the run's own sampler state lives in Ray's checkpoint)."""
-    import optuna
-    level = optuna.logging.get_verbosity()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    try:
-        study = optuna.create_study(direction="maximize" if exp.mode == "max" else "minimize")
-    finally:
-        optuna.logging.set_verbosity(level)
-    dists = optuna_distributions(exp.space)
-    for r in records:
-        value = _num(r["metrics"].get(exp.metric))
-        if value is None or r["status"] not in OK:
-            continue
-        params = {k: optuna_value(exp.space[k], r["params"][k]) for k in exp.space if k in (r.get("params") or {})}
-        study.add_trial(optuna.trial.create_trial(params=params, distributions={k: dists[k] for k in params},
-                                                  value=value))
-    return study
+def plot_pareto(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]], path: Path) -> Optional[Path]:
+    """A multi-objective search's trials: the metric against its second objective (log scale for a size or a
+    time), every finished trial a dot and the Pareto front (:func:`atlaslab.search.mattered.pareto_front`) joined."""
+    pairs = exp.search.objective_pairs(exp.metric, exp.mode)
+    if len(pairs) < 2:
+        return None
+    done = finished(records, exp)
+    (ym, _), (xm, _) = pairs[0], pairs[1]
+    pts = [(objective_value(r, xm), objective_value(r, ym)) for r in done]
+    pts = [(x, y) for x, y in pts if x is not None and y is not None]
+    if len(pts) < 2:
+        return None
+    front = [(objective_value(r, xm), objective_value(r, ym)) for r in pareto_front(done, pairs[:2])]
+    front.sort()
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.2, 3.6))
+    ax.scatter([x for x, _ in pts], [y for _, y in pts], s=14, color="0.6", label="trials")
+    ax.plot([x for x, _ in front], [y for _, y in front], "o-", color="C3", ms=5, label="Pareto front")
+    if all(x > 0 for x, _ in pts):
+        ax.set_xscale("log")
+    _fraction_axis(ax, ym)
+    return _save_line_plot(fig, ax, path, xm, ym, f"{ym} vs {xm} ({len(pts)} trials)")
 
 
 def _optuna_figure(draw, study, path: Path, size: Tuple[float, float]) -> Optional[Path]:

@@ -24,6 +24,7 @@ from atlaslab.search.aggregate import (_mean_std, aggregate, mad_scores, mean_st
                                        steps_to, with_averages)
 from atlaslab.search.curves import write_curves
 from atlaslab.search.expand import Prepared
+from atlaslab.search.mattered import search_analysis
 from atlaslab.search.plots import grid_plots, plot_state, search_plots
 from atlaslab.search.results import read_records
 from atlaslab.search.schema import ExperimentConfig, load_experiment
@@ -50,6 +51,7 @@ def write_report(run_dir: Path, exp: ExperimentConfig, records: Sequence[Mapping
     else:
         ranked = ranked_trials(exp, records)
         lines += search_section(exp, records, ranked, metrics)
+        lines += search_analysis(exp, records, run_dir)
         figs = search_plots(exp, records, ranked, plots) if exp.report.plots else []
     lines += waiting_section(exp, records) + failed_section(records)
     if figs:

@@ -22,6 +22,8 @@ from atlaslab.search.expand import Prepared, trial_from_params
 from atlaslab.search.space import decode_params
 
 RESULTS_NAME = "results.json"
+#: a search's draws rejected before training (:mod:`atlaslab.search.searcher` writes it)
+REJECTED_NAME = "rejected.json"
 #: the trial fields a record keeps
 PLACE_KEYS = ("key", "index", "setting", "variant", "label", "row", "axes", "protocol", "seed", "params")
 #: Tune statuses of a trial that a resume continues
@@ -155,4 +157,13 @@ def _clean_metrics(m: Mapping[str, Any]) -> Dict[str, Any]:
     return out
 
 
-__all__ = ["RESULTS_NAME", "collect", "read_records", "saved_statuses"]
+def read_rejected(run_dir: Path) -> Dict[str, Any]:
+    """``{"rejected": [{number, params, reason, path}, …], "stopped": why the search stopped drawing, or ""}`` of a
+    search's run folder (nothing rejected: empty)."""
+    path = Path(run_dir) / REJECTED_NAME
+    if not path.is_file():
+        return {"rejected": [], "stopped": ""}
+    return json.loads(path.read_text())
+
+
+__all__ = ["REJECTED_NAME", "RESULTS_NAME", "collect", "read_records", "read_rejected", "saved_statuses"]

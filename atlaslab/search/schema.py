@@ -74,7 +74,10 @@ from atlaslab.registry import (
 
 #: roots a dotted key may start with
 KEY_ROOTS = ("model", "task", "tasks", "train", "eval")
-SAMPLERS = ("tpe", "random")
+SAMPLERS = ("tpe", "random", "nsga2")
+#: what a search objective may name besides the metrics a trial reports (recorded from the validated model and the
+#: trial's own clock): recurrent-state scalars per sequence, parameters, seconds per training step
+MODEL_OBJECTIVES = ("state_size", "num_parameters", "step_time_s")
 SCHEDULERS = ("none", "asha")
 PARAM_TYPES = ("float", "int", "categorical")
 
@@ -183,11 +186,62 @@ class ParamNode:
 @dataclass
 class SearchNode:
     space: Dict[str, Any] = field(default_factory=dict)   # dotted key → ParamNode (or a list: categorical)
-    sampler: str = "tpe"
+    sampler: str = "tpe"               # tpe | random | nsga2 (NSGA-II: multi-objective)
     seed: int = 0
+    #: further objectives after the experiment's ``metric``, each "<name>:min|max" (a reported metric, or one of
+    #: MODEL_OBJECTIVES): the search is then multi-objective and the report draws its Pareto front
+    objectives: List[str] = field(default_factory=list)
+    #: draws in a row the searcher may reject (a combination that cannot be built, or cannot be sized to the
+    #: budget) before it stops drawing: the search then ends with the trials it has
+    max_rejections: int = 200
 
     def check(self) -> None:
         check_choice("sampler", self.sampler, SAMPLERS)
+        check_range("max_rejections", self.max_rejections, 1, None)
+        for i, obj in enumerate(self.objectives):
+            name, _, mode = str(obj).rpartition(":")
+            if not name or mode not in ("min", "max"):
+                raise ConfigError(f"objectives.{i}", f"an objective is '<metric>:min' or '<metric>:max' (e.g. "
+                                  f"state_size:min, step_time_s:min), got {obj!r}.", value=obj,
+                                  choices=[f"{m}:min" for m in MODEL_OBJECTIVES])
+            if name not in MODEL_OBJECTIVES and "/" not in name:
+                raise ConfigError(f"objectives.{i}", f"'{name}' is neither a reported metric ('<split>/<name>') nor "
+                                  f"one of the model's own measures.", value=name, choices=list(MODEL_OBJECTIVES))
+
+    def objective_pairs(self, metric: str, mode: str) -> List[tuple]:
+        """``[(metric, mode), …]``: the experiment's metric first, then :attr:`objectives`."""
+        return [(metric, mode)] + [tuple(str(o).rsplit(":", 1)) for o in self.objectives]
+
+
+@dataclass
+class BudgetNode:
+    """A recurrent-state budget every trial is sized to: of the values of the ``size_by`` keys (tried as a
+    cross product), the one whose state (scalars per sequence after the task's ``seq_len`` tokens, KV caches
+    included; ``LanguageModel.state_size``) lies within ``tolerance`` of ``state`` and nearest to it is chosen; a
+    trial that no size brings within the tolerance is rejected with the states it could reach."""
+
+    state: int = 0                      # scalars per sequence (0: no budget)
+    tolerance: float = 0.1              # |state / budget − 1| ≤ tolerance
+    size_by: Dict[str, List[Any]] = field(default_factory=dict)   # model.<path> → the values to try, in order
+
+    @property
+    def active(self) -> bool:
+        return self.state > 0
+
+    def check(self) -> None:
+        check_range("state", self.state, 0, None)
+        if not 0 <= self.tolerance < 1:
+            raise ConfigError("tolerance", f"must be in [0, 1), got {self.tolerance!r}.", value=self.tolerance)
+        if self.active and not self.size_by:
+            raise ConfigError("size_by", "a state budget needs at least one model key to size by, e.g. "
+                              "{model.mixers.*.num_heads: [1, 2, 4, 8, 16]}.", value={})
+        for key, values in self.size_by.items():
+            if not str(key).startswith("model.") or str(key) == "model.preset":
+                raise ConfigError(f"size_by.{key}", "a budget sizes the model: the key is model.<path> (e.g. "
+                                  "model.mixers.*.num_heads, model.d_model).", value=str(key))
+            if not isinstance(values, list) or not values:
+                raise ConfigError(f"size_by.{key}", f"a non-empty list of values to try, got {values!r}.",
+                                  value=values)
 
 
 @dataclass
@@ -283,10 +337,11 @@ class ExperimentConfig:
     resources: ResourcesNode = field(default_factory=ResourcesNode)
     tracking: TrackingNode = field(default_factory=TrackingNode)
     report: ReportNode = field(default_factory=ReportNode)
+    budget: BudgetNode = field(default_factory=BudgetNode)
     space: Dict[str, ParamNode] = field(default_factory=dict)   # filled from search.space (validated)
 
     def check(self) -> None:
-        for name in ("eval", "protocol", "scheduler", "resources", "report"):
+        for name in ("eval", "protocol", "scheduler", "resources", "report", "budget"):
             try:
                 getattr(self, name).check()
             except ConfigError as exc:
@@ -359,6 +414,7 @@ def validate_experiment(cfg: Any, source: str = "") -> ExperimentConfig:
         _validate_search(exp, raw_search, settings)
     else:
         _validate_grid(exp, raw_grid, settings)
+    _check_budget(exp, settings)
     if exp.eval.lm_eval is not None:          # lm-eval installed and every task known, before any trial
         resolve_lm_eval(exp.eval.lm_eval, "eval.lm_eval")
     return exp
@@ -441,6 +497,22 @@ def _validate_search(exp: ExperimentConfig, raw_search: Any, settings: Sequence[
                           "train.weight_decay in search.space instead.")
     if len(exp.seeds) > 1:
         raise ConfigError("seeds", "a search runs each sampled config once; give one seed.", value=exp.seeds)
+
+
+def _check_budget(exp: ExperimentConfig, settings: Sequence[str]) -> None:
+    """The budget's size keys address the model, and none of them is also set by the grid or the search (the
+    budget would overwrite it)."""
+    searched = set(exp.space) | set((exp.grid.axes if exp.grid else {}) or {})
+    for key in exp.budget.size_by:
+        _check_key(key, f"budget.size_by.{key}", settings)
+        if key in searched:
+            raise ConfigError(f"budget.size_by.{key}", "this key is also searched or a grid axis; the budget sets it "
+                              "for every trial, so it can be one or the other.", value=key)
+    if exp.search is not None:
+        for i, (name, _) in enumerate(exp.search.objective_pairs(exp.metric, exp.mode)[1:]):
+            if name == exp.metric:
+                raise ConfigError(f"search.objectives.{i}", "the experiment's metric is already the first objective.",
+                                  value=name)
 
 
 def _check_conditions(exp: ExperimentConfig, p: ParamNode, path: str) -> None:
@@ -567,6 +639,7 @@ __all__ = [
     "GridNode",
     "ModelNode",
     "ParamNode",
+    "BudgetNode",
     "ProtocolNode",
     "ReportNode",
     "ResourcesNode",

@@ -8,16 +8,14 @@ every condition holds on the values sampled before it (so ``ns_steps`` exists on
       model.mixers.atlas.memory.inner_optimizer.ns_steps:
         {type: int, low: 1, high: 5, when: {model.mixers.atlas.memory.inner_optimizer.name: muon}}
 
-:func:`define_by_run` returns the function ``OptunaSearch(space=fn)`` calls with an Optuna trial (nested
-``tune.choice`` does not survive OptunaSearch). Categorical choices that are not plain
-scalars (e.g. component nodes ``{name: gd, lr: 0.1}``) are suggested by label and mapped back.
-:func:`corner_points` lists the configs validation builds before Ray starts: a covering set in which every
-categorical choice appears, with numbers at their low and then their high ends (conditions respected).
+:func:`sample` suggests a point of the space on an Optuna trial (the searcher's ask-and-tell,
+:mod:`atlaslab.search.searcher`); categorical choices that are not plain scalars (e.g. component nodes
+``{name: gd, lr: 0.1}``) are suggested by label and mapped back.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 from atlaslab.search.formatting import fmt_value
 from atlaslab.search.schema import ExperimentConfig, ParamNode
@@ -98,21 +96,6 @@ def sample(space: Mapping[str, ParamNode], trial: Any) -> Dict[str, Any]:
     return values
 
 
-class DefineByRun:
-    """The define-by-run function for ``OptunaSearch(space=fn)``: suggests only, computes nothing.
-    A class rather than a closure: OptunaSearch pickles itself into Tune's experiment checkpoint."""
-
-    def __init__(self, space: Mapping[str, ParamNode]):
-        self.space = dict(space)
-
-    def __call__(self, trial: Any) -> None:
-        sample(self.space, trial)
-
-
-def define_by_run(space: Mapping[str, ParamNode]) -> Callable[[Any], None]:
-    return DefineByRun(space)
-
-
 def decode_params(space: Mapping[str, ParamNode], config: Mapping[str, Any]) -> Dict[str, Any]:
     """The sampled values in a Tune trial config (OptunaSearch puts raw suggestions at the top level)."""
     out = {}
@@ -122,56 +105,13 @@ def decode_params(space: Mapping[str, ParamNode], config: Mapping[str, Any]) -> 
     return out
 
 
-class _Fixed:
-    """A stand-in Optuna trial that returns predetermined values (for enumerating corner points)."""
-
-    def __init__(self, picks: Mapping[str, Any]):
-        self.picks = picks
-
-    def suggest_categorical(self, key, choices):
-        return self.picks.get(key, choices[0])
-
-    def suggest_int(self, key, low, high, step=1, log=False):
-        return self.picks.get(key, low)
-
-    def suggest_float(self, key, low, high, step=None, log=False):
-        return self.picks.get(key, low)
-
-
-def corner_points(space: Mapping[str, ParamNode], limit: int = 64) -> List[Dict[str, Any]]:
-    """A small covering set of reachable configs: every categorical choice appears, numbers at their low end
-    in the first half and at their high end in the second; conditions are respected (so a conditional
-    parameter appears whenever its condition is met by one of the rows)."""
-    cats = [len(choice_labels(p)) for p in space.values() if p.type == "categorical"]
-    n = max(cats, default=1)
-    out: List[Dict[str, Any]] = []
-    seen = set()
-    for i in range(2 * n):
-        end = "low" if i < n else "high"
-        picks: Dict[str, Any] = {}
-        for j, (key, p) in enumerate(space.items()):
-            if p.type == "categorical":
-                labels = choice_labels(p)
-                picks[key] = labels[(i + j) % len(labels)]
-            elif p.type == "int":
-                picks[key] = int(p.low) if end == "low" else int(p.high)
-            else:
-                picks[key] = float(p.low) if end == "low" else float(p.high)
-        vals = sample(space, _Fixed(picks))
-        sig = repr(sorted(vals.items(), key=lambda kv: kv[0]))
-        if sig not in seen:
-            seen.add(sig)
-            out.append(vals)
-        if len(out) >= limit:
-            break
-    return out
-
-
 def make_sampler(exp: ExperimentConfig):
     import optuna
     s = exp.search
     if s.sampler == "random":
         return optuna.samplers.RandomSampler(seed=s.seed)
+    if s.sampler == "nsga2":
+        return optuna.samplers.NSGAIISampler(seed=s.seed, population_size=max(4, min(50, exp.num_samples // 4)))
     return optuna.samplers.TPESampler(seed=s.seed, n_startup_trials=min(10, max(2, exp.num_samples // 3)))
 
 
@@ -190,5 +130,5 @@ def grid_size(space: Mapping[str, ParamNode]) -> Optional[int]:
     return n
 
 
-__all__ = ["choice_labels", "condition_holds", "corner_points", "decode", "decode_params", "define_by_run",
-           "grid_size", "make_sampler", "sample", "suggest"]
+__all__ = ["choice_labels", "condition_holds", "decode", "decode_params", "grid_size", "make_sampler",
+           "optuna_distributions", "optuna_value", "sample", "suggest"]

@@ -262,7 +262,9 @@ def _final_result(result: TrainResult, settings: TrialSettings, trial: Mapping[s
     final = {**result.metrics, "step": result.steps, "final": 1, "status": result.status,
              "message": result.message, "failed": int(result.diverged), "wall_time_s": result.wall_time_s,
              "setup_s": reporter.setup_s, "t_start": reporter.t_start, "t_end": time.time(), "node_id": _node_id(),
-             "num_parameters": info.get("num_parameters", 0), "state_size": info.get("state_size", 0)}
+             "num_parameters": info.get("num_parameters", 0), "state_size": info.get("state_size", 0),
+             # the search's step-cost objective: seconds of the training loop per step, evaluations included
+             "step_time_s": result.wall_time_s / max(1, result.steps)}
     if result.resumed_from is not None:           # the step the loop resumed from (a restored trial)
         final["resumed_from"] = result.resumed_from
     if "workers" in result.model_info:           # trained on several Ray Train workers

@@ -222,18 +222,17 @@ def test_conditional_search_space_produces_only_valid_configs():
     import optuna
 
     from atlaslab.search.expand import Validator, trial_from_params
-    from atlaslab.search.space import define_by_run, sample
+    from atlaslab.search.space import sample
     node = _exp(**SEARCH)
     exp = load_experiment(node=node)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
-    fn = define_by_run(exp.space)
     v = Validator(exp)
     seen = set()
     opt, ns, mom = ("model.mixers.atlas.memory.inner_optimizer." + k for k in ("name", "ns_steps", "momentum"))
     for i in range(40):
         trial = study.ask()
-        fn(trial)
+        sample(exp.space, trial)
         params = sample(exp.space, optuna.trial.FixedTrial(trial.params))
         assert (ns in params) == (params[opt] == "muon")
         assert (mom in params) == (params[opt] in ("muon", "momentum"))
@@ -263,13 +262,12 @@ def test_a_trial_builds_the_model_the_driver_validated(tmp_path):
     assert trial["model_config"]["d_model"] == 16 and tcfg.steps == 20
 
 
-def test_search_dry_run_validates_corner_configs():
+def test_search_dry_run_admits_every_choice_of_the_space():
     p = prepare(node=_exp(**SEARCH))
     opts = [t["params"]["model.mixers.atlas.memory.inner_optimizer.name"] for t in p.trials]
     assert set(opts) == {"muon", "gd", "momentum"}
     assert {t["params"]["model.mixers.atlas.memory.memory"]["name"] for t in p.trials} == {"linear", "mlp"}
-    assert len(p.trials) <= 6               # a covering set, not the product
-    assert {t["params"]["train.lr"] for t in p.trials} == {1e-4, 1e-2}
+    assert len(p.trials) <= 5               # one admitted draw per choice at most, not the product
     assert all(("model.mixers.atlas.memory.inner_optimizer.ns_steps" in t["params"]) == (
         t["params"]["model.mixers.atlas.memory.inner_optimizer.name"] == "muon") for t in p.trials)
     assert "when model.mixers.atlas.memory.inner_optimizer.name=muon" in trial_table(p)

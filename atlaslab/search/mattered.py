@@ -1,0 +1,219 @@
+"""What a search learned about its space: the candidates it tried, its Pareto front, and which choices mattered.
+
+    lines = search_analysis(exp, records, run_dir)      # markdown sections of a search's report
+
+* **Candidates.** Every draw the searcher made: trained (by status) and rejected before training
+  (``rejected.json``, :mod:`atlaslab.search.searcher`), the rejections grouped by reason with an example of each.
+* **Pareto front.** With ``search.objectives``, the trials no other finished trial dominates on every objective
+  (the metric, then each objective in its own direction), best metric first.
+* **Importance.** Optuna's PED-ANOVA importance of each searched key for the metric (the share of the metric's
+  variation over the good trials a key explains; Optuna ≥ 3.6), computed from the finished trials.
+* **Marginals.** For each categorical key, each choice's finished trials: count, mean ± std and best of the metric.
+  A marginal averages over everything else the search varied, so it says which choice did well *in this search*,
+  not which is best alone.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from atlaslab.search.aggregate import OK, mean_std
+from atlaslab.search.formatting import finite_number as _num
+from atlaslab.search.formatting import fmt_value, short_key
+from atlaslab.search.schema import ExperimentConfig
+from atlaslab.search.results import read_rejected
+from atlaslab.search.space import optuna_distributions, optuna_value
+from atlaslab.search.tables import fmt_mean_std, md_table
+
+#: characters of a rejection reason that group rejections (the trial's own label is cut off first)
+REASON_KEY_CHARS = 90
+
+
+def objective_value(record: Mapping[str, Any], name: str) -> Optional[float]:
+    """A trial's value of objective ``name``: a reported metric, else a measure of its validated model (``info``)."""
+    v = _num((record.get("metrics") or {}).get(name))
+    return v if v is not None else _num((record.get("info") or {}).get(name))
+
+
+def finished(records: Sequence[Mapping[str, Any]], exp: ExperimentConfig) -> List[Mapping[str, Any]]:
+    """The trials that finished training with a finite metric."""
+    return [r for r in records if r["status"] in OK and objective_value(r, exp.metric) is not None]
+
+
+def dominates(a: Sequence[float], b: Sequence[float], modes: Sequence[str]) -> bool:
+    """Whether point ``a`` is at least as good as ``b`` on every objective and better on one."""
+    better = False
+    for x, y, m in zip(a, b, modes):
+        if (x < y) if m == "max" else (x > y):
+            return False
+        if x != y:
+            better = True
+    return better
+
+
+def pareto_front(records: Sequence[Mapping[str, Any]], pairs: Sequence[Tuple[str, str]]) -> List[Mapping[str, Any]]:
+    """The records no other record dominates on ``pairs`` (objective, mode); those missing a value are left out.
+    Best first by the first objective."""
+    pts = []
+    for r in records:
+        vals = [objective_value(r, n) for n, _ in pairs]
+        if all(v is not None for v in vals):
+            pts.append((r, vals))
+    modes = [m for _, m in pairs]
+    front = [(r, v) for r, v in pts if not any(dominates(w, v, modes) for _, w in pts)]
+    front.sort(key=lambda rv: rv[1][0], reverse=modes[0] == "max")
+    return [r for r, _ in front]
+
+
+def marginals(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]) -> "OrderedDict[str, List[Dict[str, Any]]]":
+    """Categorical key → per choice ``{choice, n, mean, std, best}`` of the metric over the finished trials."""
+    out: "OrderedDict[str, List[Dict[str, Any]]]" = OrderedDict()
+    done = finished(records, exp)
+    for key, p in exp.space.items():
+        if p.type != "categorical":
+            continue
+        rows = []
+        for choice in p.choices:
+            vals = [objective_value(r, exp.metric) for r in done if key in r["params"] and r["params"][key] == choice]
+            mean, std = mean_std(vals)
+            best = (max(vals) if exp.mode == "max" else min(vals)) if vals else None
+            rows.append({"choice": choice, "n": len(vals), "mean": mean, "std": std, "best": best})
+        out[key] = rows
+    return out
+
+
+def importances(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]) -> Dict[str, float]:
+    """Searched key → PED-ANOVA importance for the metric (empty with fewer than 4 finished trials or an Optuna
+    without PED-ANOVA)."""
+    import optuna
+
+    if len(finished(records, exp)) < 4:
+        return {}
+    pedanova = getattr(optuna.importance, "PedAnovaImportanceEvaluator", None)
+    if pedanova is None:
+        return {}
+    study = search_study(exp, records)
+    try:
+        return dict(optuna.importance.get_param_importances(study, evaluator=pedanova()))
+    except (ValueError, RuntimeError, ZeroDivisionError):
+        return {}
+
+
+def search_study(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]):
+    """An in-memory Optuna study holding a search's finished trials (their sampled values and ``metric``), for
+    Optuna's importance and parallel-coordinate plots (the run's own sampler state lives in Ray's checkpoint)."""
+    import optuna
+    level = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        study = optuna.create_study(direction="maximize" if exp.mode == "max" else "minimize")
+    finally:
+        optuna.logging.set_verbosity(level)
+    dists = optuna_distributions(exp.space)
+    for r in records:
+        value = _num(r["metrics"].get(exp.metric))
+        if value is None or r["status"] not in OK:
+            continue
+        params = {k: optuna_value(exp.space[k], r["params"][k]) for k in exp.space if k in (r.get("params") or {})}
+        study.add_trial(optuna.trial.create_trial(params=params, distributions={k: dists[k] for k in params},
+                                                  value=value))
+    return study
+
+
+def _reason_key(reason: str) -> str:
+    """A rejection's reason without the trial's label (``trial … (…): ``), cut to group alike ones."""
+    head, sep, rest = reason.partition("): ")
+    text = rest if sep and head.startswith("trial ") else reason
+    if "(tried " in text:                       # a budget rejection: the states tried differ per draw
+        text = text.split("(tried ")[0].rstrip()
+    return text[:REASON_KEY_CHARS]
+
+
+def candidates_section(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]],
+                       rejected: Mapping[str, Any]) -> List[str]:
+    """``## Candidates``: draws trained (by status) and rejected before training, with the reasons."""
+    rej = list(rejected.get("rejected") or [])
+    counts: Dict[str, int] = OrderedDict()
+    for r in records:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    trained = ", ".join(f"{n} {s}" for s, n in counts.items())
+    lines = ["## Candidates", "",
+             f"The search drew {len(records) + len(rej)} candidates: {len(records)} trained ({trained or 'none'}) and "
+             f"{len(rej)} rejected before training (they could not be built, or sized to the state budget; each was "
+             f"told to the sampler as failed).", ""]
+    if rejected.get("stopped"):
+        lines += [f"The search stopped early: {rejected['stopped']}.", ""]
+    if rej:
+        groups: "OrderedDict[str, List[Mapping[str, Any]]]" = OrderedDict()
+        for r in rej:
+            groups.setdefault(_reason_key(str(r.get("reason", ""))), []).append(r)
+        table = []
+        for reason, rs in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+            ex = rs[0]["params"]
+            table.append([str(len(rs)), reason, ", ".join(f"{short_key(k)}={fmt_value(v)}" for k, v in ex.items())])
+        lines += ["Rejected, by reason (the full list with every reason is `rejected.json`):", ""]
+        lines += md_table(["draws", "reason", "an example"], table)
+        lines.append("")
+    return lines
+
+
+def pareto_section(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]) -> List[str]:
+    """``## Pareto front`` of a multi-objective search."""
+    pairs = exp.search.objective_pairs(exp.metric, exp.mode)
+    if len(pairs) < 2:
+        return []
+    front = pareto_front(finished(records, exp), pairs)
+    lines = ["## Pareto front", "",
+             "Trials no other finished trial beats on every objective (" +
+             ", ".join(f"{n} {'↑' if m == 'max' else '↓'}" for n, m in pairs) + "):", ""]
+    keys = list(exp.space)
+    head = ["trial"] + [n for n, _ in pairs] + [short_key(k) for k in keys]
+    table = [[r["key"]] + [_fmt_objective(objective_value(r, n)) for n, _ in pairs]
+             + [fmt_value(r["params"][k]) if k in r["params"] else "—" for k in keys] for r in front]
+    lines += md_table(head, table)
+    lines.append("")
+    return lines
+
+
+def mattered_section(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]) -> List[str]:
+    """``## What mattered``: importances and the marginal of every categorical key."""
+    imp = importances(exp, records)
+    marg = marginals(exp, records)
+    n = len(finished(records, exp))
+    lines = ["## What mattered", "",
+             f"From the {n} trials that finished. Importance: Optuna's PED-ANOVA importance of each key for "
+             f"{exp.metric} (how much of the metric's spread among the good trials the key explains)." +
+             (" Too few trials for importances." if not imp else ""), ""]
+    if imp:
+        lines += md_table(["key", "importance"], [[short_key(k), f"{v:.3f}"] for k, v in imp.items()])
+        lines.append("")
+    if marg:
+        lines += [f"Marginals: {exp.metric} of the finished trials that made each choice (mean ± std, best; "
+                  "averaged over whatever else the search varied).", ""]
+        table = []
+        for key, rows in marg.items():
+            for row in rows:
+                table.append([short_key(key), fmt_value(row["choice"]), str(row["n"]),
+                              fmt_mean_std(row["mean"], row["std"]), fmt_mean_std(row["best"])])
+        lines += md_table(["key", "choice", "trials", "mean ± std", "best"], table)
+        lines.append("")
+    return lines
+
+
+def _fmt_objective(v: Optional[float]) -> str:
+    if v is None:
+        return "—"
+    if float(v).is_integer() and abs(v) >= 10:
+        return str(int(v))
+    return f"{v:.3g}" if abs(v) < 1e-2 else f"{v:.3f}"
+
+
+def search_analysis(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]], run_dir: Path) -> List[str]:
+    """The search report's sections of this module, in order: candidates, Pareto front, what mattered."""
+    return (candidates_section(exp, records, read_rejected(run_dir)) + pareto_section(exp, records)
+            + mattered_section(exp, records))
+
+
+__all__ = ["candidates_section", "dominates", "importances", "marginals", "mattered_section", "objective_value",
+           "pareto_front", "pareto_section", "search_analysis", "search_study"]

@@ -1,0 +1,132 @@
+"""Searching the part space: a state budget every trial is sized to, combinations of parts that cannot be built
+rejected before training (counted, listed, told to the sampler), multi-objective search with a Pareto front, and
+the report's account of what mattered."""
+import json
+
+import pytest
+
+from atlaslab.registry import ConfigError
+from atlaslab.search.admission import Admission, preflight
+from atlaslab.search.driver import prepare, run, trial_table
+from atlaslab.search.expand import expand_grid
+from atlaslab.search.mattered import dominates, marginals, pareto_front
+from atlaslab.search.schema import load_experiment
+from tests.search.test_search_ray import tiny
+
+MEM = "model.mixers.gated_deltanet.memory."
+HEADS = "model.mixers.*.num_heads"
+
+
+def _budget(state, tolerance=0.2, heads=(1, 2, 4, 8)):
+    return {"state": state, "tolerance": tolerance, "size_by": {HEADS: list(heads)}}
+
+
+def test_budget_sizes_each_trial_to_the_state_nearest_the_budget():
+    """d_model 16: a linear memory of H heads of 16/H holds H·(16/H)² = 256/H scalars per layer, plus the
+    short-convolution caches; the budget picks the head count whose total state is nearest within the tolerance."""
+    node = tiny("budget", grid={"variants": {"GDN": {}, "deep": {MEM + "memory": {"name": "mlp", "depth": 2,
+                                                                                   "expansion": 1}}}})
+    exp = load_experiment(node=dict(node, budget=_budget(0)))
+    sizes = {}
+    adm0 = Admission(exp)
+    for h in (1, 2, 4, 8):
+        for t in expand_grid(load_experiment(node=dict(node, model=dict(node["model"], overrides={
+                "d_model": 16, "mixers.*.num_heads": h})))):
+            sizes[(t["variant"], h)] = adm0.admit(t)["info"]["state_size"]
+    target = sizes[("GDN", 2)]
+    exp = load_experiment(node=dict(node, budget=_budget(target, 0.05)))
+    adm = Admission(exp)
+    admitted = adm.admit(expand_grid(exp)[0])
+    assert admitted["info"]["state_size"] == target
+    assert admitted["info"]["budget"] == {"state": target, "tolerance": 0.05, "size": {HEADS: 2}}
+    assert admitted["params"][HEADS] == 2
+    deep = [v for (name, h), v in sizes.items() if name == "deep"]
+    if not any(abs(v / target - 1) <= 0.05 for v in deep):
+        with pytest.raises(ConfigError, match=r"no size brings the state within ±5% of \d+ \(tried num_heads=1 → "):
+            adm.admit(expand_grid(exp)[1])
+    # a grid point that fits no size is an error before Ray starts, naming the trial
+    with pytest.raises(ConfigError, match=r"trial t000 \(GDN\).*budget.state"):
+        prepare(node=dict(node, budget=_budget(10 ** 7, 0.01)))
+
+
+def test_budget_keys_are_checked():
+    node = tiny("budget")
+    with pytest.raises(ConfigError, match="budget.size_by: a state budget needs at least one model key"):
+        load_experiment(node=dict(node, budget={"state": 100}))
+    with pytest.raises(ConfigError, match="budget.size_by.train.lr: a budget sizes the model"):
+        load_experiment(node=dict(node, budget={"state": 100, "size_by": {"train.lr": [1e-3]}}))
+    with pytest.raises(ConfigError, match="also searched or a grid axis"):
+        load_experiment(node=dict(node, budget=_budget(100), grid={"axes": {HEADS: [1, 2]}}))
+    with pytest.raises(ConfigError, match=r"search.objectives.0: .*'<metric>:min'"):
+        load_experiment(node=dict(node, search={"space": {"train.lr": [1e-3]}, "objectives": ["state_size"]}))
+
+
+PARTS = {
+    MEM + "inner_optimizer": [{"name": "gd", "lr": 1.0}, {"name": "implicit_gd", "lr": 1.0}],
+    MEM + "attentional_bias.name": ["l2", "dot"],
+    MEM + "retention.name": ["decay", "none"],
+}
+
+
+def test_preflight_admits_every_choice_and_rejects_a_misspelt_part():
+    """implicit_gd has a closed form only with the l2 bias: (implicit_gd, dot) cannot be built, but each choice can
+    in another combination, so the space passes; a part name that is not registered never can, so it fails."""
+    exp = load_experiment(node=tiny("parts", search={"sampler": "random", "space": dict(PARTS)}, num_samples=4))
+    admitted, rejected = preflight(Admission(exp), seed=0)
+    seen = {(t["params"][MEM + "inner_optimizer"]["name"], t["params"][MEM + "attentional_bias.name"])
+            for t in admitted}
+    assert ("implicit_gd", "dot") not in seen
+    assert {o for o, _ in seen} == {"gd", "implicit_gd"} and {b for _, b in seen} == {"l2", "dot"}
+    assert all("implicit_gd has a closed form only" in r["reason"] for r in rejected)
+    bad = dict(PARTS, **{MEM + "retention.name": ["decay", "decayy"]})
+    with pytest.raises(ConfigError, match=r"search.space.model.mixers.gated_deltanet.memory.retention.name: no "
+                                          r"combination with .*'decayy'"):
+        preflight(Admission(load_experiment(node=tiny("parts", search={"space": bad}))), seed=0)
+
+
+def test_pareto_front_and_marginals():
+    assert dominates([0.9, 100], [0.8, 100], ["max", "min"])
+    assert not dominates([0.9, 200], [0.8, 100], ["max", "min"])
+    assert not dominates([0.9, 100], [0.9, 100], ["max", "min"])
+    recs = []
+    for i, (acc, state, opt) in enumerate([(0.9, 400, "gd"), (0.8, 100, "gd"), (0.7, 300, "momentum"),
+                                           (0.95, 800, "momentum"), (0.6, 100, "gd")]):
+        recs.append({"key": f"t{i}", "status": "completed", "metrics": {"val/accuracy": acc},
+                     "info": {"state_size": state}, "params": {"train.lr": 1e-3, MEM + "inner_optimizer.name": opt}})
+    front = pareto_front(recs, [("val/accuracy", "max"), ("state_size", "min")])
+    assert [r["key"] for r in front] == ["t3", "t0", "t1"]
+    exp = load_experiment(node=tiny("m", search={"space": {MEM + "inner_optimizer.name": ["gd", "momentum", "muon"],
+                                                            "train.lr": [1e-3]}}))
+    marg = marginals(exp, recs)[MEM + "inner_optimizer.name"]
+    assert [(m["choice"], m["n"]) for m in marg] == [("gd", 3), ("momentum", 2), ("muon", 0)]
+    assert marg[0]["mean"] == pytest.approx(0.766666, abs=1e-5) and marg[1]["best"] == 0.95
+
+
+def test_part_search_on_ray_rejects_sizes_and_reports_the_front(local_ray, tmp_path):
+    """A multi-objective search (accuracy up, state down) over parts at a state budget, end to end on Ray: every
+    trained trial fits the budget, the draws that cannot be built are rejected before training and listed, none
+    crashed, and the report has the candidates, the Pareto front and what mattered."""
+    space = dict(PARTS, **{"train.lr": {"type": "float", "low": 1e-3, "high": 1e-2, "log": True}})
+    node = tiny("discover", steps=20, search={"sampler": "random", "seed": 3, "space": space,
+                                              "objectives": ["state_size:min"]},
+                budget=_budget(500, 0.2, heads=(1, 2, 4)), num_samples=5, max_concurrent=2)
+    p = prepare(node=node)
+    assert "objectives: val/accuracy (max), state_size (min)" in trial_table(p)
+    assert "state budget: 500 ± 20%" in trial_table(p)
+    summary = run(p, run_dir=tmp_path / "run", num_cpus=2, quiet=True)
+    recs = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert summary["trials"] == 5 and summary["failed"] == 0
+    for r in recs:
+        assert abs(r["info"]["state_size"] / 500 - 1) <= 0.2
+        assert r["info"]["budget"]["size"][HEADS] in (1, 2, 4)
+        assert not (r["params"][MEM + "inner_optimizer"]["name"] == "implicit_gd"
+                    and r["params"][MEM + "attentional_bias.name"] == "dot")
+        assert r["metrics"]["step_time_s"] > 0
+    rejected = json.loads((tmp_path / "run" / "rejected.json").read_text())["rejected"]
+    assert rejected                     # this seed's draws include (implicit_gd, dot)
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert f"The search drew {5 + len(rejected)} candidates: 5 trained" in report
+    for r in rejected:
+        assert "implicit_gd has a closed form only" in r["reason"] or "no size brings the state" in r["reason"]
+    assert "## Pareto front" in report and "## What mattered" in report
+    assert (tmp_path / "run" / "plots" / "pareto.png").is_file()
