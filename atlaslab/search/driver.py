@@ -54,7 +54,7 @@ from atlaslab.search import tracking as T
 from atlaslab.search.expand import Prepared, Validator, expand_grid, protocol_points, trial_from_params
 from atlaslab.search.formatting import fmt_value, human_count
 from atlaslab.search.report import write_report
-from atlaslab.search.results import RESULTS_NAME, WAITING, collect, saved_statuses
+from atlaslab.search.results import RESULTS_NAME, WAITING, collect, read_state, saved_statuses
 from atlaslab.search.schema import ExperimentConfig, load_experiment, load_experiment_node, validate_experiment
 from atlaslab.search.settings import TrialSettings
 from atlaslab.search.space import corner_points, define_by_run, make_sampler
@@ -151,13 +151,6 @@ def _json_default(x: Any) -> Any:
     except ImportError:  # pragma: no cover
         pass
     return str(x)
-
-
-def read_state(run_dir: Path) -> Dict[str, Any]:
-    p = Path(run_dir) / "state.json"
-    if not p.is_file():
-        raise ConfigError("run_dir", f"{run_dir} is not an experiment run folder (no state.json).", value=str(run_dir))
-    return json.loads(p.read_text())
 
 
 # --------------------------------------------------------------------------------------------------
