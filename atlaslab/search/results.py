@@ -11,7 +11,7 @@ axes, protocol, seed, params), ``status`` (``completed`` / ``early_stopped`` / `
 the ``train`` / ``task`` settings. The driver writes them to ``results.json``; :mod:`.report` reads them.
 
 :func:`pick_trial` finds one trial of a finished run folder, by key or the best by the experiment's ``metric`` and
-``mode``: what ``atlaslab export`` (:mod:`.export`) writes.
+``mode``: what ``atlaslab export`` (:mod:`.export`) and ``atlaslab export-preset`` (:mod:`.preset_export`) write.
 """
 from __future__ import annotations
 
