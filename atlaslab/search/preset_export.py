@@ -78,8 +78,8 @@ def header(picked: PickedTrial, trial: Mapping[str, Any], info: Mapping[str, Any
         + f", seed {rec.get('seed')}, {exp.metric} = "
         + (f"{value:.6g}" if isinstance(value, (int, float)) else "not reported")
         + f" ({rank}; {exp.metric} {exp.mode}).",
-        f"Made of preset {model.get('preset')}" + (" with the overrides (in order) " + "; ".join(overrides) if overrides else "")
-        + ".",
+        f"Made of preset {model.get('preset')}"
+        + (" with the overrides (in order) " + "; ".join(overrides) if overrides else "") + ".",
         "Parts: " + (", ".join(parts) if parts else "not recorded") + ".",
         f"As trained: {info.get('num_parameters', 0):,} parameters, recurrent state {info.get('state_size_fixed', 0):,}"
         + (f" + {per_token:,} per token" if per_token else "")

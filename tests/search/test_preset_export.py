@@ -21,15 +21,9 @@ from atlaslab.registry import ConfigError
 from atlaslab.search.driver import prepare
 from atlaslab.search.preset_export import export_preset
 from atlaslab.search.results import PLACE_KEYS
+from test_search import TINY  # the tiny gated DeltaNet on MQAR of the search tests)
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = {
-    "name": "tiny",
-    "model": {"preset": "gated_deltanet", "overrides": {"d_model": 16, "mixers.*.num_heads": 2}},
-    "task": {"name": "mqar", "vocab_size": 16, "seq_len": 16, "num_kv_pairs": [2], "eval_examples": 32},
-    "eval": {"interval": 10, "examples": 32},
-    "train": {"steps": 20, "batch_size": 8, "lr": 3e-3},
-}
 #: two variants that build different models: the exported preset tells which trial it came from
 GRID = {"grid": {"variants": {"narrow": {}, "wide": {"model.d_model": 32, "model.num_layers": 1}}}, "seeds": [7]}
 
