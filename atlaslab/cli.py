@@ -3,6 +3,7 @@
     atlaslab list [KIND] [--pattern GLOB]     registered parts by kind (one-line descriptions) and presets
     atlaslab show PRESET [key=value ...]      resolved config, parameter count and recurrent-state size
     atlaslab ui RUN_DIR [--port N]            the MLflow UI of a run folder's store, on 127.0.0.1
+    atlaslab export-preset RUN_DIR [TRIAL]    a trial's model (the best by default) as a preset YAML
 
 Subcommands are registered in :data:`COMMANDS`: a new one (``run``, ``resume``, ``report``, ``train``, ``demo``)
 adds a function ``add_<name>(subparsers)`` that creates its parser and sets ``func`` via
@@ -152,6 +153,30 @@ def cmd_export(args) -> int:
     return 0
 
 
+def add_export_preset(sub) -> None:
+    p = sub.add_parser("export-preset", help="write a trial's model (the best by default) as a preset YAML")
+    p.add_argument("run_dir", help="the experiment's run folder")
+    p.add_argument("trial", nargs="?", default=None, help="trial key (t000, ...); default: the best trial")
+    p.add_argument("--name", default=None, help="the preset's name (default: the --out file's, else "
+                   "<experiment>_<trial>)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--out", default=None, help="the YAML file to write (default RUN_DIR/export/<name>.yaml)")
+    where.add_argument("--into-package", action="store_true",
+                       help="write <name>.yaml into the preset folder (atlaslab/presets/, or $ATLASLAB_PRESETS), "
+                       "where `atlaslab show NAME` and the model zoo find it")
+    p.add_argument("--description", default=None, help="the preset's one-line description")
+    p.add_argument("--force", action="store_true", help="replace an existing file")
+    p.set_defaults(func=cmd_export_preset)
+
+
+def cmd_export_preset(args) -> int:
+    from atlaslab.search.preset_export import export_preset       # torch and the search floor load only here
+
+    print(export_preset(args.run_dir, args.trial, name=args.name, out=args.out, description=args.description,
+                        into_package=args.into_package, force=args.force))
+    return 0
+
+
 def add_ui(sub) -> None:
     from atlaslab.search.ui import add_ui as _add
 
@@ -161,7 +186,7 @@ def add_ui(sub) -> None:
 #: name → function adding the subcommand's parser; other modules append to this (run, resume, report, ...).
 COMMANDS: Dict[str, Callable] = {"list": add_list, "show": add_show, "demo": add_demo, "train": add_train,
                                  "run": add_run, "resume": add_resume, "report": add_report, "ui": add_ui,
-                                 "export": add_export}
+                                 "export": add_export, "export-preset": add_export_preset}
 
 
 def build_parser() -> argparse.ArgumentParser:

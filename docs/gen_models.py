@@ -5,7 +5,9 @@
 
 Every number on the page is computed here from the built model (parameters, recurrent-state size), and every
 part from the resolved config, so the page cannot drift from the presets: ``tests/docs/test_docs.py`` compares the
-committed file with :func:`render`.
+committed file with :func:`render`. The presets are those of :func:`atlaslab.models.presets.list_presets` (the preset
+folder, ``$ATLASLAB_PRESETS`` when set), so one that ``atlaslab export-preset --into-package`` wrote is listed too
+(``tests/search/test_preset_export.py``).
 """
 from __future__ import annotations
 
@@ -230,6 +232,11 @@ def render() -> str:
         "accumulators, the last c − 1 window tokens and the SWA window's keys and values. Causal attention and the",
         "φ* kernel trick keep a cache that grows with the context instead: their growth is shown per token.",
         "A different size is an override away: `atlaslab show atlas d_model=128 mixers.atlas.num_heads=8`.",
+        "",
+        "A trial of a finished experiment becomes a preset with `atlaslab export-preset RUN_DIR [TRIAL] --name NAME",
+        "--into-package` ([export a trial as a preset](huggingface.md#export-preset)). The file lands in",
+        "`atlaslab/presets/`, so this page lists it once regenerated, and its header (the experiment, trial, seed, metric",
+        "and overrides it came from) becomes its notes here.",
         "",
         "| preset (mixer) | memory | bias | retention | φ | optimizer | c | b | params | state |",
         "|---|---|---|---|---|---|---|---|---|---|",

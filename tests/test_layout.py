@@ -21,6 +21,7 @@ DEFERRED = {
     ("atlaslab", "atlaslab.search.frame"): "`import atlaslab` loads no pandas (atlaslab.load_results / load_curves)",
     ("atlaslab.cli", "atlaslab.search.train_tracking"): "mlflow loads only when `atlaslab train` runs",
     ("atlaslab.cli", "atlaslab.search.export"): "transformers (atlaslab[hf]) loads only for export",
+    ("atlaslab.cli", "atlaslab.search.preset_export"): "torch and the search floor load only for export-preset",
     ("atlaslab.search.driver", "atlaslab.search.progress"): "ray.tune (a Tune callback)",
     ("atlaslab.search.driver", "atlaslab.search.searcher"): "ray.tune (a Tune searcher)",
     ("atlaslab.eval.lm_eval", "atlaslab.eval.harness"): "lm_eval, an optional extra",

@@ -9,8 +9,10 @@
 * :mod:`.space` — Optuna define-by-run search spaces with conditional parameters;
 * :mod:`.trainable` — the Ray Tune function trainable (build, train, report, checkpoint, MLflow run);
 * :mod:`.driver` — Ray session, Tuner, run and resume; :mod:`.progress` — live progress;
-* :mod:`.results` — the trials' records of a run folder (from Tune's results), read by the driver and the report;
+* :mod:`.results` — the trials' records of a run folder (from Tune's results), read by the driver and the report,
+  and one trial picked from a finished run folder (by key, or the best);
 * :mod:`.tracking` — MLflow parent/child runs; :mod:`.report` — markdown, CSV and PNG reports;
+* :mod:`.export` — a trial as a Hugging Face model folder; :mod:`.preset_export` — a trial's model as a preset file;
 * :mod:`.formatting` — how keys and values are written in labels, tables and plots.
 
 ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is set when this package is imported (before ``import ray``), so a

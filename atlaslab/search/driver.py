@@ -55,7 +55,7 @@ from atlaslab.search.admission import Admission, preflight
 from atlaslab.search.expand import Prepared, expand_grid, protocol_points
 from atlaslab.search.formatting import fmt_value, human_count
 from atlaslab.search.report import write_report
-from atlaslab.search.results import RESULTS_NAME, WAITING, collect, saved_statuses
+from atlaslab.search.results import RESULTS_NAME, WAITING, collect, read_state, saved_statuses
 from atlaslab.search.schema import ExperimentConfig, load_experiment, load_experiment_node, validate_experiment
 from atlaslab.search.settings import TrialSettings
 from atlaslab.search.trainable import run_trial
@@ -154,13 +154,6 @@ def _json_default(x: Any) -> Any:
     except ImportError:  # pragma: no cover
         pass
     return str(x)
-
-
-def read_state(run_dir: Path) -> Dict[str, Any]:
-    p = Path(run_dir) / "state.json"
-    if not p.is_file():
-        raise ConfigError("run_dir", f"{run_dir} is not an experiment run folder (no state.json).", value=str(run_dir))
-    return json.loads(p.read_text())
 
 
 # --------------------------------------------------------------------------------------------------

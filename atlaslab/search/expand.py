@@ -301,6 +301,18 @@ def _no_init():
             setattr(init, n, f)
 
 
+def meta_model(cfg: Any) -> LanguageModel:
+    """The model of a (resolved) model config built on the meta device, for its shapes, parameter count and state
+    size (no memory, no compute); a part that cannot be built there is built for real."""
+    try:
+        with torch.device("meta"), _no_init():
+            return LanguageModel(cfg)
+    except ConfigError:
+        raise
+    except Exception:
+        return LanguageModel(cfg)
+
+
 class Validator:
     """Validates trial configs; caches models by config so repeats (seeds, lr/wd) cost nothing."""
 
@@ -324,13 +336,7 @@ class Validator:
         if k in self._models:
             return self._models[k]
         cfg, resolved_cfg = resolve_model_node(model_node, task.vocab_size)
-        try:
-            with torch.device("meta"), _no_init():
-                model = LanguageModel(resolved_cfg)
-        except ConfigError:
-            raise
-        except Exception:          # a part that cannot be built on the meta device: build it for real
-            model = LanguageModel(resolved_cfg)
+        model = meta_model(resolved_cfg)
         resolved = model.resolved.to_dict()
         info = {
             "num_parameters": int(model.num_parameters()),
@@ -392,5 +398,5 @@ def validate_trials(exp: ExperimentConfig, trials: List[Dict[str, Any]]) -> List
 
 
 __all__ = ["Prepared", "TrialConfigError", "Validator", "build_trial_config", "components", "expand_grid",
-           "flatten_overrides", "model_config", "protocol_points", "row_label", "trial_from_params", "trial_hash",
-           "validate_trials"]
+           "flatten_overrides", "meta_model", "model_config", "protocol_points", "row_label", "trial_from_params",
+           "trial_hash", "validate_trials"]

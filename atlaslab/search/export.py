@@ -17,13 +17,11 @@ support the registry).
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
-from omegaconf import OmegaConf
 
 from atlaslab.eval.checkpoint import tokenizer_for
 from atlaslab.eval.hf_tokenizer import to_transformers
@@ -31,33 +29,11 @@ from atlaslab.hf.modeling import AtlaslabForCausalLM
 from atlaslab.models.lm import LanguageModel
 from atlaslab.registry import ConfigError
 from atlaslab.search import tracking as T
-from atlaslab.search.driver import read_state
-from atlaslab.search.results import RESULTS_NAME
-from atlaslab.search.schema import load_experiment
+from atlaslab.search.results import pick_trial
 from atlaslab.train.loop import CHECKPOINT_NAME
 
 ARTIFACT = "hf_model"
 TRIAL_FILE = "atlaslab_trial.json"
-
-
-def _records(run_dir: Path) -> List[Dict[str, Any]]:
-    path = run_dir / RESULTS_NAME
-    if not path.is_file():
-        raise ConfigError("run_dir", f"{run_dir} has no {RESULTS_NAME} (the experiment has not finished; "
-                          "`atlaslab report` collects a partial one).", value=str(run_dir))
-    return json.loads(path.read_text())
-
-
-def best_record(records: List[Mapping[str, Any]], metric: str, mode: str) -> Mapping[str, Any]:
-    """The completed trial with the best final ``metric`` (``mode`` max or min); ties: the first."""
-    scored = [r for r in records if r.get("status") == "completed"
-              and isinstance((r.get("metrics") or {}).get(metric), (int, float))
-              and math.isfinite(r["metrics"][metric])]
-    if not scored:
-        raise ConfigError("trial", f"no completed trial has a final {metric!r}; name a trial to export.",
-                          choices=[r["key"] for r in records])
-    sign = 1.0 if mode == "max" else -1.0
-    return max(scored, key=lambda r: sign * r["metrics"][metric])
 
 
 def checkpoint_of(record: Mapping[str, Any]) -> Path:
@@ -92,28 +68,16 @@ def export_trial(run_dir: Any, trial: Optional[str] = None, out: Any = None, mlf
             raise ConfigError("trial", f"{run_dir} is a training run (atlaslab train), not a sweep: it has no trials.",
                               value=trial)
         return export_checkpoint(run_dir / CHECKPOINT_NAME, Path(out) if out is not None else run_dir / "export")
-    state = read_state(run_dir)
-    exp = load_experiment(node=OmegaConf.to_container(OmegaConf.load(run_dir / "experiment.yaml")))
-    records = _records(run_dir)
-    best = best_record(records, exp.metric, exp.mode) if any(r.get("status") == "completed" for r in records) \
-        else None
-    if trial is None:
-        if best is None:
-            best = best_record(records, exp.metric, exp.mode)          # raises, naming the trials
-        record = best
-    else:
-        by_key = {r["key"]: r for r in records}
-        if trial not in by_key:
-            raise ConfigError("trial", f"no trial {trial!r} in {run_dir}.", value=trial, choices=list(by_key))
-        record = by_key[trial]
+    picked = pick_trial(run_dir, trial)
+    record, exp = picked.record, picked.exp
     out = Path(out) if out is not None else run_dir / "export" / record["key"]
     tokenizer = _write_folder(checkpoint_of(record), out)
     meta = {k: record.get(k) for k in ("key", "variant", "label", "seed", "status", "metrics")}
     meta.update({"run_dir": str(run_dir.resolve()), "experiment": exp.name, "metric": exp.metric,
-                 "mode": exp.mode, "best": best is not None and record["key"] == best["key"],
+                 "mode": exp.mode, "best": picked.is_best,
                  "tokenizer": type(tokenizer).__name__ if tokenizer is not None else None})
     (out / TRIAL_FILE).write_text(json.dumps(meta, indent=2, default=str))
-    tr = state.get("tracking") or {}
+    tr = picked.state.get("tracking") or {}
     if mlflow and meta["best"] and tr.get("parent_run_id"):
         log_and_register(tr, record["key"], out, registered_name or default_registered_name(exp.name))
     return out
@@ -165,5 +129,5 @@ def log_and_register(tracking: Mapping[str, Any], key: str, folder: Path, name: 
                    tags={"atlaslab.trial_key": key}, what="register the model version")
 
 
-__all__ = ["ARTIFACT", "best_record", "checkpoint_of", "default_registered_name", "export_checkpoint", "export_trial",
+__all__ = ["ARTIFACT", "checkpoint_of", "default_registered_name", "export_checkpoint", "export_trial",
            "load_checkpoint_model", "log_and_register"]

@@ -25,7 +25,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from atlaslab.registry import ConfigError
-from atlaslab.search.results import RESULTS_NAME
+from atlaslab.search.results import RESULTS_NAME, expanded_trials
 
 #: the leading columns of :func:`load_results`, in order (the final metrics follow)
 COLUMNS = ("key", "setting", "variant", "row", "seed", "status", "message", "steps", "num_parameters",
@@ -45,7 +45,7 @@ def load_results(run_dir: str | Path) -> pd.DataFrame:
     """
     run_dir = _folder(run_dir)
     if (run_dir / RESULTS_NAME).is_file():
-        rows = [_row_of_record(r, _configs(run_dir)) for r in json.loads((run_dir / RESULTS_NAME).read_text())]
+        rows = [_row_of_record(r, expanded_trials(run_dir)) for r in json.loads((run_dir / RESULTS_NAME).read_text())]
     elif (run_dir / "trials.csv").is_file():
         rows = _rows_of_csv(run_dir)
     elif (run_dir / "result.json").is_file():
@@ -97,12 +97,6 @@ def _folder(run_dir: str | Path) -> Path:
     return p
 
 
-def _configs(run_dir: Path) -> Dict[str, Mapping[str, Any]]:
-    """Trial key → the trial of ``trials.json`` (a grid's expanded trials; a search's are made as it runs)."""
-    p = run_dir / "trials.json"
-    return {t["key"]: t for t in json.loads(p.read_text())} if p.is_file() else {}
-
-
 def _metrics(m: Mapping[str, Any]) -> Dict[str, float]:
     """The split metrics (``test/accuracy``, ``val/loss``, …) of a record, as numbers (None → NaN)."""
     return {k: (float("nan") if v is None else float(v)) for k, v in m.items()
@@ -123,7 +117,7 @@ def _row_of_record(r: Mapping[str, Any], trials: Mapping[str, Mapping[str, Any]]
 
 
 def _rows_of_csv(run_dir: Path) -> List[Dict[str, Any]]:
-    trials = _configs(run_dir)
+    trials = expanded_trials(run_dir)
     csv = pd.read_csv(run_dir / "trials.csv", dtype={"key": str, "message": str}, keep_default_na=False,
                       na_values=[""])
     rows = []

@@ -2,23 +2,32 @@
 
     records = collect(prepared, tuner.fit(), run_dir, partial=interrupted, statuses=saved_statuses(tune_path))
     records = read_records(run_dir, prepared, state, refresh=True)       # results.json, or Tune's folder
+    picked = pick_trial(run_dir)               # a finished run folder's best trial (or pick_trial(run_dir, "t003"))
 
 A record holds what a report needs of a trial: its place in the experiment (key, setting, variant, row,
 axes, protocol, seed, params), ``status`` (``completed`` / ``early_stopped`` / ``diverged`` / ``error`` /
 ``pruned``, and ``unfinished`` / ``pending`` for an experiment that has not finished), ``failed``,
 ``message``, the final ``metrics``, the learning curve (``history``), the validated model's ``info`` and
 the ``train`` / ``task`` settings. The driver writes them to ``results.json``; :mod:`.report` reads them.
+
+:func:`pick_trial` finds one trial of a finished run folder, by key or the best by the experiment's ``metric`` and
+``mode``: what ``atlaslab export`` (:mod:`.export`) and ``atlaslab export-preset`` (:mod:`.preset_export`) write.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from omegaconf import OmegaConf
+
 from atlaslab.registry import ConfigError
+from atlaslab.search.aggregate import OK
 from atlaslab.search.expand import Prepared, trial_from_params
+from atlaslab.search.schema import ExperimentConfig, load_experiment
 from atlaslab.search.space import decode_params
 
 RESULTS_NAME = "results.json"
@@ -166,4 +175,81 @@ def read_rejected(run_dir: Path) -> Dict[str, Any]:
     return json.loads(path.read_text())
 
 
-__all__ = ["REJECTED_NAME", "RESULTS_NAME", "collect", "read_records", "read_rejected", "saved_statuses"]
+# --------------------------------------------------------------------------------------------------
+# one trial of a finished run folder
+# --------------------------------------------------------------------------------------------------
+def read_state(run_dir: Path) -> Dict[str, Any]:
+    """The run folder's ``state.json`` (ConfigError when the folder is not an experiment's)."""
+    p = Path(run_dir) / "state.json"
+    if not p.is_file():
+        raise ConfigError("run_dir", f"{run_dir} is not an experiment run folder (no state.json).", value=str(run_dir))
+    return json.loads(p.read_text())
+
+
+def finished_records(run_dir: Path) -> List[Dict[str, Any]]:
+    """The records of ``results.json`` (ConfigError without it: the experiment has not finished)."""
+    path = Path(run_dir) / RESULTS_NAME
+    if not path.is_file():
+        raise ConfigError("run_dir", f"{run_dir} has no {RESULTS_NAME} (the experiment has not finished; "
+                          "`atlaslab report` collects a partial one).", value=str(run_dir))
+    return json.loads(path.read_text())
+
+
+def expanded_trials(run_dir: Path) -> Dict[str, Dict[str, Any]]:
+    """Trial key → the trial of ``trials.json`` (a grid's expanded trials, each with its validated
+    ``model_config``; a search's trials are made as it runs, so only its corners are there); {} without it."""
+    p = Path(run_dir) / "trials.json"
+    return {t["key"]: t for t in json.loads(p.read_text())} if p.is_file() else {}
+
+
+def best_record(records: List[Mapping[str, Any]], metric: str, mode: str) -> Mapping[str, Any]:
+    """The finished trial (completed, or stopped early at its threshold) with the best final ``metric`` (``mode`` max
+    or min); ties: the first."""
+    scored = [r for r in records if r.get("status") in OK
+              and isinstance((r.get("metrics") or {}).get(metric), (int, float))
+              and math.isfinite(r["metrics"][metric])]
+    if not scored:
+        raise ConfigError("trial", f"no finished trial has a final {metric!r}; name a trial to export.",
+                          choices=[r["key"] for r in records])
+    sign = 1.0 if mode == "max" else -1.0
+    return max(scored, key=lambda r: sign * r["metrics"][metric])
+
+
+@dataclass
+class PickedTrial:
+    """One trial of a finished run folder (:func:`pick_trial`)."""
+
+    run_dir: Path
+    state: Dict[str, Any]                 # state.json
+    exp: ExperimentConfig                 # experiment.yaml, validated
+    records: List[Dict[str, Any]]         # results.json
+    record: Dict[str, Any]                # the picked trial's record
+    best: Optional[Dict[str, Any]]        # the best completed trial's record (None when no trial completed)
+
+    @property
+    def is_best(self) -> bool:
+        return self.best is not None and self.record["key"] == self.best["key"]
+
+
+def pick_trial(run_dir: Any, trial: Optional[str] = None) -> PickedTrial:
+    """Trial ``trial`` (a key such as ``t003``) of the finished run folder ``run_dir``, or (``None``) the best
+    completed one by the experiment's ``metric`` and ``mode``. An unknown key, or no completed trial to choose
+    from, is a ConfigError that lists the trial keys."""
+    run_dir = Path(run_dir)
+    state = read_state(run_dir)
+    exp = load_experiment(node=OmegaConf.to_container(OmegaConf.load(run_dir / "experiment.yaml")))
+    records = finished_records(run_dir)
+    best = best_record(records, exp.metric, exp.mode) if any(r.get("status") in OK for r in records) \
+        else None
+    if trial is None:
+        record = best if best is not None else best_record(records, exp.metric, exp.mode)   # raises, naming them
+    else:
+        by_key = {r["key"]: r for r in records}
+        if trial not in by_key:
+            raise ConfigError("trial", f"no trial {trial!r} in {run_dir}.", value=trial, choices=list(by_key))
+        record = by_key[trial]
+    return PickedTrial(run_dir, state, exp, records, record, best)
+
+
+__all__ = ["PickedTrial", "REJECTED_NAME", "RESULTS_NAME", "best_record", "collect", "expanded_trials", "finished_records",
+           "pick_trial", "read_records", "read_rejected", "read_state", "saved_statuses"]

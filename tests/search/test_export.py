@@ -1,6 +1,7 @@
 """``atlaslab export`` end to end: a tiny two-trial sweep on a local Ray (127.0.0.1), its best trial written as a
 Hugging Face folder that AutoModelForCausalLM loads after ``import atlaslab``, with the trained weights, logged
-to its MLflow run and registered; another trial by key, without MLflow."""
+to its MLflow run and registered, and as a preset file (``atlaslab export-preset``) that builds the trial's model;
+another trial by key, without MLflow."""
 import json
 import os
 
@@ -11,6 +12,7 @@ pytest.importorskip("transformers")
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 from atlaslab.cli import main  # noqa: E402
+from atlaslab.models.presets import build_model  # noqa: E402
 from atlaslab.search.driver import prepare, run  # noqa: E402
 from atlaslab.search.export import ARTIFACT, checkpoint_of, load_checkpoint_model  # noqa: E402
 
@@ -57,6 +59,13 @@ def test_export_the_best_trial_and_register_it(local_ray, tmp_path, capsys):
     child = c.get_run(versions[0].run_id)
     assert child.data.tags["atlaslab.trial_key"] == best
     assert "model.safetensors" in {a.path.split("/")[-1] for a in c.list_artifacts(child.info.run_id, ARTIFACT)}
+
+    # the same trial as a preset (atlaslab export-preset): the model of the real run's record, by its sizes
+    assert main(["export-preset", str(run_dir), "--out", str(tmp_path / "best.yaml")]) == 0
+    preset = build_model(capsys.readouterr().out.strip())
+    info = recs[best]["info"]
+    assert (preset.num_parameters(), preset.state_size(), preset.state_size_per_token()) == (
+        info["num_parameters"], info["state_size_fixed"], info["state_size_per_token"])
 
     other = next(k for k in recs if k != best)
     assert main(["export", str(run_dir), other, "--out", str(tmp_path / "other")]) == 0
