@@ -66,7 +66,7 @@ class Admission:
             state = int(candidate["info"]["state_size"])
             reached.append((size, state))
             dev = abs(state / budget.state - 1.0)
-            if dev <= budget.tolerance and (best_dev is None or dev < best_dev):
+            if dev <= budget.tolerance + 1e-9 and (best_dev is None or dev < best_dev):   # 1e-9: 2080 / 1600 − 1 > 0.3
                 best, best_dev = (candidate, size), dev
         if best is None:
             if all(s is None for _, s in reached) and first_error is not None:
