@@ -142,7 +142,7 @@ class PartSearcher(Searcher):
         self.in_a_row += 1
         labels = {k: optuna_value(self.exp.space[k], v) for k, v in params.items()}
         self.rejected.append({"number": ot.number, "params": {k: _jsonable(v) for k, v in labels.items()},
-                              "reason": str(exc), "path": exc.path})
+                              "reason": f"{exc.path}: {exc.reason}" if exc.path else exc.reason, "path": exc.path})
         self._write()
 
     def _write(self) -> None:

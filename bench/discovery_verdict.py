@@ -1,0 +1,112 @@
+"""Write the verdict experiment of the discovery study from its committed search and preset-tuning data.
+
+    python bench/discovery_verdict.py            # → experiments/discovery_verdict.yaml
+
+The discovery study has three runs (docs/results/discovery.md):
+
+1. ``experiments/discovery.yaml``: the search over parts at the state budget, seed 0;
+2. ``experiments/discovery_presets.yaml``: the presets sized to the same budget, each at 4 learning rates, seed 0;
+3. ``experiments/discovery_verdict.yaml`` (this script writes it): the search's winner and every preset at its
+   best learning rate, retrained from scratch on the held-out seeds 10, 11, 12 (fixed before any run).
+
+The winner is the finished search trial (completed, or stopped early at the threshold) with the highest
+``val/accuracy`` on seed 0, ties broken by the lower ``step_time_s``; a preset's learning rate is the one of its
+trials with the highest ``val/accuracy``. Each verdict row pins the size the budget chose for it (the head count,
+and a deep memory's expansion), so that it trains exactly the model that was admitted. Nothing here reads a
+held-out seed.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "docs" / "results" / "discovery"
+FINISHED = ("completed", "early_stopped")
+#: the verdict's seeds, fixed before the search ran (experiments/discovery.yaml says so)
+VERDICT_SEEDS = [10, 11, 12]
+
+
+def trials(folder: Path) -> List[Dict[str, Any]]:
+    """The finished trials of a committed run folder, params decoded."""
+    with open(folder / "trials.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    out = []
+    for r in rows:
+        if r["status"] not in FINISHED or not r.get("val/accuracy"):
+            continue
+        out.append({**r, "params": json.loads(r["params"] or "{}"), "protocol": json.loads(r["protocol"] or "{}")})
+    return out
+
+
+def winner(search: Path) -> Dict[str, Any]:
+    """The search's best finished trial: highest val/accuracy, then lowest step_time_s."""
+    done = trials(search)
+    if not done:
+        raise SystemExit(f"{search}: no finished trial")
+    return max(done, key=lambda r: (float(r["val/accuracy"]), -float(r.get("step_time_s") or 0.0)))
+
+
+def tuned_presets(presets: Path) -> List[Tuple[str, Dict[str, Any]]]:
+    """(row, its best trial) per preset row of the tuning run, in the run's order."""
+    best: Dict[str, Dict[str, Any]] = {}
+    for r in trials(presets):
+        row = r["row"]
+        if row not in best or float(r["val/accuracy"]) > float(best[row]["val/accuracy"]):
+            best[row] = r
+    return list(best.items())
+
+
+def verdict_experiment(search: Path, presets: Path) -> Dict[str, Any]:
+    """The verdict experiment: the search's base settings, the winner and the tuned presets, held-out seeds."""
+    base = yaml.safe_load((search / "experiment.yaml").read_text())
+    tuning = yaml.safe_load((presets / "experiment.yaml").read_text())
+    win = winner(search)
+    variants: Dict[str, Dict[str, Any]] = {f"found ({win['key']})": dict(win["params"])}
+    preset_variants = tuning["grid"]["variants"]
+    for row, t in tuned_presets(presets):
+        v = dict(preset_variants.get(row) or {})
+        v.update({k: val for k, val in t["params"].items() if k.startswith("model.")})
+        v["train.lr"] = t["protocol"].get("lr", float(tuning["train"]["lr"]))
+        variants[row] = v
+    exp = {k: base[k] for k in ("model", "task", "eval", "train", "metric", "mode", "max_concurrent", "max_failures",
+                                "resources", "report") if k in base}
+    exp.update({
+        "name": "discovery_verdict",
+        "description": (f"The discovery search's winner ({win['key']}, chosen on seed 0 by val/accuracy) and the "
+                        f"presets at their best learning rate on seed 0, each at the size the state budget chose, "
+                        f"retrained on the held-out seeds {VERDICT_SEEDS}."),
+        "seeds": list(VERDICT_SEEDS),
+        "grid": {"variants": variants, "baseline": next(iter(variants))},
+    })
+    return exp
+
+
+HEADER = """\
+# Written by `python bench/discovery_verdict.py` from the committed data of the discovery search
+# (docs/results/discovery/search/data) and of the presets' learning-rate tuning (docs/results/discovery/presets/data);
+# do not edit by hand. The winner and each preset at its tuned learning rate, with the size the state budget chose
+# for it pinned, retrained on the held-out seeds 10, 11, 12 (fixed before the search ran).
+#
+#   atlaslab run experiments/discovery_verdict.yaml
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--search", default=str(DATA / "search" / "data"))
+    ap.add_argument("--presets", default=str(DATA / "presets" / "data"))
+    ap.add_argument("--out", default=str(ROOT / "experiments" / "discovery_verdict.yaml"))
+    args = ap.parse_args()
+    exp = verdict_experiment(Path(args.search), Path(args.presets))
+    Path(args.out).write_text(HEADER + yaml.safe_dump(exp, sort_keys=False, width=120, allow_unicode=True))
+    print(f"wrote {args.out}: {', '.join(exp['grid']['variants'])}")
+
+
+if __name__ == "__main__":
+    main()
