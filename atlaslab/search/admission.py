@@ -11,9 +11,9 @@ included) lies within ``|state / S − 1| ≤ τ`` and nearest to ``S`` is kept,
 (``info.budget``: the budget, the tolerance, the size chosen). A trial no size brings within the tolerance is
 rejected with the states each size reached, so that the reason can be listed in the report.
 
-A search's space is checked before Ray starts by :func:`preflight`: every categorical choice must be admitted in at
-least one combination with the other parameters (tried at random, seeded), so that a misspelt part name or a part
-that never fits the budget is an error at once, while a combination of valid parts that cannot be built together
+A search's space is checked before Ray starts by :func:`preflight`: every categorical choice and both ends of every
+numeric range must be admitted in at least one combination with the other parameters (tried at random, seeded), so
+that a misspelt part name, a bound out of range or a part that never fits the budget is an error at once, while a combination of valid parts that cannot be built together
 is left for the searcher to reject and count (:mod:`atlaslab.search.searcher`).
 """
 from __future__ import annotations
@@ -127,21 +127,28 @@ def draw(space: Mapping[str, ParamNode], rng: random.Random, fixed: Mapping[str,
 
 
 def preflight(adm: Admission, seed: int = 0, tries: int = PREFLIGHT_TRIES) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
-    """``(admitted, rejected)``: for every categorical choice of the search space, a trial admitted with that choice
-    (random completions, at most ``tries`` each), and the draws rejected on the way (``{params, reason}``).
+    """``(admitted, rejected)``: for every categorical choice of the search space and both ends of every numeric
+    range, a trial admitted with that value (random completions, at most ``tries`` each), and the draws rejected on
+    the way (``{params, reason}``).
 
-    Raises the last :class:`ConfigError` of a choice that no completion admitted: a misspelt part, a value of the
-    wrong type, or a part that never fits the budget is an error before Ray starts. A conditional choice is only
-    tried where its condition can hold."""
+    Raises the last :class:`ConfigError` of a value that no completion admitted: a misspelt part, a value of the
+    wrong type, a bound out of range, or a part that never fits the budget is an error before Ray starts. A
+    conditional parameter is only tried where its condition holds."""
     exp = adm.exp
     rng = random.Random(seed)
     admitted: List[Dict[str, Any]] = []
     rejected: List[Dict[str, Any]] = []
     outcome: Dict[str, Any] = {}          # a drawn point's signature → its admitted trial or its ConfigError
-    targets = [(key, label) for key, p in exp.space.items() if p.type == "categorical" for label in choice_labels(p)]
+    targets = []           # (key, value as suggested): every categorical choice and both ends of every range
+    for key, p in exp.space.items():
+        if p.type == "categorical":
+            targets += [(key, label) for label in choice_labels(p)]
+        else:
+            cast = int if p.type == "int" else float
+            targets += [(key, cast(p.low)), (key, cast(p.high))]
     for key, label in targets or [("", None)]:
-        if key and any(_label_of(exp.space[key], t["params"].get(key, _MISSING)) == label for t in admitted):
-            continue                      # an earlier admitted trial already has this choice
+        if key and any(_suggested(exp.space[key], t["params"].get(key, _MISSING)) == label for t in admitted):
+            continue                      # an earlier admitted trial already has this value
         last: Optional[ConfigError] = None
         for _ in range(tries):
             params = draw(exp.space, rng, {key: label} if key else {})
@@ -161,7 +168,7 @@ def preflight(adm: Admission, seed: int = 0, tries: int = PREFLIGHT_TRIES) -> Tu
             last = outcome[sig]
         else:
             if last is None:
-                raise ConfigError(f"search.space.{key}", f"the choice {label!r} was never reachable (its condition "
+                raise ConfigError(f"search.space.{key}", f"the value {label!r} was never reachable (its condition "
                                   f"never held in {tries} draws).", value=label)
             where = f"search.space.{key}" if key else "search.space"
             what = f"with {key}={label!r} " if key else ""
@@ -170,7 +177,10 @@ def preflight(adm: Admission, seed: int = 0, tries: int = PREFLIGHT_TRIES) -> Tu
     return admitted, rejected
 
 
-def _label_of(p: ParamNode, value: Any) -> Any:
+def _suggested(p: ParamNode, value: Any) -> Any:
+    """``value`` as Optuna suggested it: a categorical's label, a number as itself."""
+    if p.type != "categorical":
+        return value
     labels = choice_labels(p)
     for lab in labels:
         if decode(p, lab) == value:

@@ -84,6 +84,21 @@ def test_preflight_admits_every_choice_and_rejects_a_misspelt_part():
         preflight(Admission(load_experiment(node=tiny("parts", search={"space": bad}))), seed=0)
 
 
+def test_preflight_tries_both_ends_of_every_range():
+    """A range whose low end cannot be built (a window of 0 tokens) fails before Ray starts, naming the key, as the
+    corner configs did; both ends of a valid range appear among the admitted configs."""
+    win = MEM + "window.size"
+    ok = tiny("ends", search={"space": {win: {"type": "int", "low": 1, "high": 4},
+                                        "train.lr": {"type": "float", "low": 1e-3, "high": 1e-2, "log": True}}})
+    p = prepare(node=ok)
+    assert {t["params"][win] for t in p.trials} >= {1, 4}
+    assert {t["params"]["train.lr"] for t in p.trials} >= {1e-3, 1e-2}
+    bad = tiny("ends", search={"space": {win: {"type": "int", "low": 0, "high": 4}}})
+    with pytest.raises(ConfigError, match=r"search.space.model.mixers.gated_deltanet.memory.window.size: no "
+                                          r"combination with .*=0 could be trained"):
+        prepare(node=bad)
+
+
 def test_pareto_front_and_marginals():
     assert dominates([0.9, 100], [0.8, 100], ["max", "min"])
     assert not dominates([0.9, 200], [0.8, 100], ["max", "min"])

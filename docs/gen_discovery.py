@@ -1,0 +1,281 @@
+"""The discovery study's tables (docs/results/discovery.md), from its committed run data.
+
+    python docs/gen_discovery.py discovery-verdict      # print one table (the names are the keys of TABLES)
+
+Three runs, each committed under ``docs/results/discovery/<run>/data/`` as ``atlaslab run`` wrote it (less
+checkpoints, Tune's folder and MLflow's store): ``search`` (experiments/discovery.yaml, with ``rejected.json``),
+``presets`` (experiments/discovery_presets.yaml) and ``verdict`` (experiments/discovery_verdict.yaml, written by
+``bench/discovery_verdict.py`` from the first two). A block whose run is not committed yet says so.
+
+The verdict rule, fixed before the verdict ran: on the held-out seeds (10, 11, 12), the best preset is the one with
+the highest mean test accuracy. **no verdict** when that preset did not learn the task (mean test accuracy below
+:data:`LEARNED`); **met** when the found model beats it by at least :data:`MARGIN` test accuracy on every seed, or
+reaches 0.9 validation accuracy in at most :data:`STEP_RATIO` of its steps on every seed; **not met** otherwise.
+The mean margin comes with a 90 % bootstrap interval over the seeds (paired: a seed's margin is one draw).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import random
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import yaml
+
+DOCS = Path(__file__).resolve().parent
+ROOT = DOCS.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from atlaslab.search.curves import first_step, read_curves  # noqa: E402
+from atlaslab.search.formatting import fmt_value, human_count, short_key  # noqa: E402
+
+DATA = DOCS / "results" / "discovery"
+FINISHED = ("completed", "early_stopped")
+#: the verdict's thresholds (see the module docstring)
+LEARNED = 0.5
+MARGIN = 0.05
+STEP_RATIO = 2 / 3
+THRESHOLD = 0.9
+#: how many of the search's finished trials the trials table shows
+TOP = 10
+
+
+def _folder(run: str) -> Path:
+    return DATA / run / "data"
+
+
+def _missing(run: str) -> Optional[str]:
+    if not (_folder(run) / "trials.csv").is_file():
+        return f"_(the {run} run is not committed yet: `docs/results/discovery/{run}/data/` is empty)_"
+    return None
+
+
+def _trials(run: str) -> List[Dict[str, Any]]:
+    with open(_folder(run) / "trials.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        r["params"] = json.loads(r.get("params") or "{}")
+        r["protocol"] = json.loads(r.get("protocol") or "{}")
+    return rows
+
+
+def _num(r: Dict[str, Any], key: str) -> Optional[float]:
+    v = r.get(key)
+    return float(v) if v not in (None, "") else None
+
+
+def _curves(run: str) -> Dict[str, List[Dict[str, Any]]]:
+    path = _folder(run) / "curves.csv"
+    return read_curves(path) if path.is_file() else {}
+
+
+def _experiment(run: str) -> Dict[str, Any]:
+    return yaml.safe_load((_folder(run) / "experiment.yaml").read_text())
+
+
+def _fmt(vals: Sequence[float], digits: int = 3) -> str:
+    if not vals:
+        return "—"
+    mu = statistics.mean(vals)
+    return f"{mu:.{digits}f}" + (f" ± {statistics.stdev(vals):.{digits}f}" if len(vals) > 1 else "")
+
+
+def _records(run: str) -> List[Dict[str, Any]]:
+    """The run's trials as the report's records (what :mod:`atlaslab.search.mattered` reads)."""
+    out = []
+    for r in _trials(run):
+        metrics = {k: float(v) for k, v in r.items() if ("/" in k or k == "step_time_s") and v not in ("", None)}
+        out.append({"key": r["key"], "status": r["status"], "params": r["params"], "metrics": metrics,
+                    "info": {"state_size": _num(r, "state_size"), "num_parameters": _num(r, "num_parameters")}})
+    return out
+
+
+def _search_exp():
+    from atlaslab.search.schema import load_experiment
+    return load_experiment(node=_experiment("search"))
+
+
+def _parts(params: Dict[str, Any], keys: Sequence[str]) -> str:
+    return ", ".join(f"{short_key(k)}={fmt_value(params[k])}" for k in keys if k in params and k != "train.lr")
+
+
+# --------------------------------------------------------------------------------------------------
+# search
+# --------------------------------------------------------------------------------------------------
+def search() -> str:
+    """The search's candidates (trained by status, rejected) and its best finished trials."""
+    if _missing("search"):
+        return _missing("search")
+    rows = _trials("search")
+    rej_path = _folder("search") / "rejected.json"
+    rejected = json.loads(rej_path.read_text())["rejected"] if rej_path.is_file() else []
+    counts: Dict[str, int] = {}
+    for r in rows:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    exp = _experiment("search")
+    keys = list(exp["search"]["space"])
+    size_keys = list((exp.get("budget") or {}).get("size_by") or {})
+    steps = sum(int(float(r["steps"] or 0)) for r in rows)
+    full = len(rows) * int(exp["train"]["steps"])
+    lines = [f"{len(rows) + len(rejected)} candidates drawn: {len(rows)} trained "
+             f"({', '.join(f'{n} {s}' for s, n in counts.items())}), {len(rejected)} rejected before training. "
+             f"Steps trained: {steps} of the {full} a full budget would take ({steps / full:.0%}).", ""]
+    done = [r for r in rows if r["status"] in FINISHED and _num(r, "val/accuracy") is not None]
+    done.sort(key=lambda r: (-_num(r, "val/accuracy"), _num(r, "step_time_s") or 0.0))
+    head = ["trial", "parts", "size", "lr", "val/accuracy", "test/accuracy", "steps", "state", "s/step"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in done[:TOP]:
+        lines.append("| " + " | ".join([
+            r["key"], _parts(r["params"], keys), _parts(r["params"], size_keys),
+            f"{r['params'].get('train.lr', float('nan')):.2g}", f"{_num(r, 'val/accuracy'):.3f}",
+            f"{_num(r, 'test/accuracy'):.3f}" if _num(r, "test/accuracy") is not None else "—",
+            r["steps"], human_count(r["state_size"]),
+            f"{_num(r, 'step_time_s'):.3f}" if _num(r, "step_time_s") is not None else "—"]) + " |")
+    return "\n".join(lines)
+
+
+def mattered() -> str:
+    """Importance of each searched key and the marginal of each categorical one (atlaslab.search.mattered)."""
+    if _missing("search"):
+        return _missing("search")
+    from atlaslab.search.mattered import mattered_section
+    lines = mattered_section(_search_exp(), _records("search"))
+    return "\n".join(lines[2:]).strip()          # without the section's own heading
+
+
+def pareto() -> str:
+    """The search's Pareto front (val/accuracy up, step time down)."""
+    if _missing("search"):
+        return _missing("search")
+    from atlaslab.search.mattered import pareto_section
+    return "\n".join(pareto_section(_search_exp(), _records("search"))[2:]).strip()
+
+
+def rejected() -> str:
+    """The search's rejections grouped by reason."""
+    if _missing("search"):
+        return _missing("search")
+    from atlaslab.search.mattered import candidates_section
+    rej_path = _folder("search") / "rejected.json"
+    rej = json.loads(rej_path.read_text()) if rej_path.is_file() else {"rejected": [], "stopped": ""}
+    lines = candidates_section(_search_exp(), _records("search"), rej)
+    return "\n".join(lines[2:]).strip()
+
+
+# --------------------------------------------------------------------------------------------------
+# presets
+# --------------------------------------------------------------------------------------------------
+def presets() -> str:
+    """Every preset at every learning rate on seed 0 (the tuning run); the lr the verdict uses in bold."""
+    if _missing("presets"):
+        return _missing("presets")
+    rows = _trials("presets")
+    curves = _curves("presets")
+    best: Dict[str, Dict[str, Any]] = {}
+    for r in rows:
+        if r["status"] in FINISHED and _num(r, "val/accuracy") is not None:
+            if r["row"] not in best or _num(r, "val/accuracy") > _num(best[r["row"]], "val/accuracy"):
+                best[r["row"]] = r
+    head = ["preset", "lr", "val/accuracy", "test/accuracy", f"steps to {THRESHOLD:g}", "state", "params", "status"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        chosen = best.get(r["row"]) is r
+        step = first_step(curves.get(r["key"], []), "val/accuracy", THRESHOLD)
+        lr = f"{r['protocol'].get('lr', float('nan')):g}"
+        lines.append("| " + " | ".join([
+            r["row"], f"**{lr}**" if chosen else lr,
+            f"{_num(r, 'val/accuracy'):.3f}" if _num(r, "val/accuracy") is not None else "—",
+            f"{_num(r, 'test/accuracy'):.3f}" if _num(r, "test/accuracy") is not None else "—",
+            str(step) if step is not None else "—", human_count(r["state_size"]), human_count(r["num_parameters"]),
+            r["status"]]) + " |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# verdict
+# --------------------------------------------------------------------------------------------------
+def _bootstrap(diffs: Sequence[float], n: int = 2000, seed: int = 0) -> tuple:
+    rng = random.Random(seed)
+    means = sorted(statistics.mean(rng.choice(diffs) for _ in diffs) for _ in range(n))
+    return means[int(0.05 * n)], means[int(0.95 * n) - 1]
+
+
+def verdict_rows() -> Dict[str, Dict[int, Dict[str, Any]]]:
+    """Row → seed → {acc, steps, state, params, s_per_step} of the verdict run's finished trials."""
+    curves = _curves("verdict")
+    out: Dict[str, Dict[int, Dict[str, Any]]] = {}
+    for r in _trials("verdict"):
+        if r["status"] not in FINISHED or _num(r, "test/accuracy") is None:
+            continue
+        out.setdefault(r["row"], {})[int(r["seed"])] = {
+            "acc": _num(r, "test/accuracy"), "steps": first_step(curves.get(r["key"], []), "val/accuracy", THRESHOLD),
+            "state": r["state_size"], "params": r["num_parameters"], "s_per_step": _num(r, "step_time_s")}
+    return out
+
+
+def verdict() -> str:
+    """Held-out seeds: every row's test accuracy per seed and mean, steps to 0.9, and the verdict line."""
+    if _missing("verdict"):
+        return _missing("verdict")
+    rows = verdict_rows()
+    exp = _experiment("verdict")
+    seeds = list(exp["seeds"])
+    found = next(iter(exp["grid"]["variants"]))
+    head = ["row"] + [f"seed {s}" for s in seeds] + ["mean ± std", f"steps to {THRESHOLD:g}", "state", "params",
+                                                      "s/step"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in exp["grid"]["variants"]:
+        by_seed = rows.get(row, {})
+        accs = [by_seed[s]["acc"] for s in seeds if s in by_seed]
+        steps = [by_seed[s]["steps"] for s in seeds if s in by_seed]
+        got = [s for s in steps if s is not None]
+        first = next(iter(by_seed.values()), {})
+        lines.append("| " + " | ".join(
+            [row] + [f"{by_seed[s]['acc']:.3f}" if s in by_seed else "—" for s in seeds] + [_fmt(accs)]
+            + [(_fmt(got, 0) + (f" ({len(got)}/{len(steps)} seeds)" if len(got) < len(steps) else "")) if got else "—",
+               human_count(first.get("state")), human_count(first.get("params")),
+               _fmt([by_seed[s]["s_per_step"] for s in seeds if s in by_seed and by_seed[s]["s_per_step"]])]) + " |")
+    lines += ["", verdict_line(rows, found, seeds)]
+    return "\n".join(lines)
+
+
+def verdict_line(rows: Dict[str, Dict[int, Dict[str, Any]]], found: str, seeds: Sequence[int]) -> str:
+    """The verdict by the module docstring's rule, with the numbers it rests on."""
+    presets = {row: by for row, by in rows.items() if row != found}
+    mine = rows.get(found, {})
+    if not presets or any(s not in mine for s in seeds):
+        return "**Verdict: no verdict** — a row did not finish on every held-out seed."
+    best = max(presets, key=lambda row: statistics.mean(presets[row][s]["acc"] for s in seeds if s in presets[row]))
+    ref = presets[best]
+    if any(s not in ref for s in seeds):
+        return f"**Verdict: no verdict** — the best preset ({best}) did not finish on every held-out seed."
+    ref_mean = statistics.mean(ref[s]["acc"] for s in seeds)
+    diffs = [mine[s]["acc"] - ref[s]["acc"] for s in seeds]
+    lo, hi = _bootstrap(diffs)
+    margin = (f"found − {best}: {statistics.mean(diffs):+.3f} mean test accuracy (per seed "
+              f"{', '.join(f'{d:+.3f}' for d in diffs)}; 90 % bootstrap interval {lo:+.3f} to {hi:+.3f})")
+    if ref_mean < LEARNED:
+        return (f"**Verdict: no verdict** — the best preset, {best}, did not learn the task (mean test accuracy "
+                f"{ref_mean:.3f} < {LEARNED}); {margin}.")
+    by_margin = all(d >= MARGIN for d in diffs)
+    by_steps = all(mine[s]["steps"] is not None and ref[s]["steps"] is not None
+                   and mine[s]["steps"] <= STEP_RATIO * ref[s]["steps"] for s in seeds)
+    outcome = "met" if (by_margin or by_steps) else "not met"
+    why = ("it beats the best preset by ≥ 0.05 on every held-out seed" if by_margin else
+           "it reaches 0.9 in ≤ 2/3 of the best preset's steps on every held-out seed" if by_steps else
+           f"it does not beat the best preset ({best}) by ≥ {MARGIN} on every held-out seed, nor reach "
+           f"{THRESHOLD:g} in ≤ 2/3 of its steps on every seed")
+    return f"**Verdict: {outcome}** — {why}; {margin}."
+
+
+TABLES = {"discovery-search": search, "discovery-rejected": rejected, "discovery-pareto": pareto,
+          "discovery-mattered": mattered, "discovery-presets": presets, "discovery-verdict": verdict}
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or list(TABLES):
+        print(f"## {name}\n\n{TABLES[name]()}\n")
