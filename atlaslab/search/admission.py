@@ -60,6 +60,8 @@ class Admission:
             try:
                 self.validator.validate(candidate)
             except ConfigError as exc:
+                if not reached and not _about_size(exc, keys):
+                    raise                              # the parts do not go together, at any size: no more builds
                 first_error = first_error or exc
                 reached.append((size, None))
                 continue
@@ -80,6 +82,13 @@ class Admission:
         candidate["info"]["budget"] = {"state": int(budget.state), "tolerance": float(budget.tolerance),
                                        "size": dict(size)}
         return candidate
+
+
+def _about_size(exc: ConfigError, keys) -> bool:
+    """Whether an error may depend on the size being tried: its path or reason names a field the budget sizes
+    (``num_heads``, ``expansion``, …); an error that does not (implicit_gd without the l2 bias) holds at every size."""
+    text = f"{exc.path} {exc.reason} {getattr(exc, 'source', '')}"
+    return any(k.rsplit(".", 1)[-1] in text for k in keys)
 
 
 def sized(trial: Mapping[str, Any], size: Mapping[str, Any]) -> Dict[str, Any]:

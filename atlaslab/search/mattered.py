@@ -141,7 +141,7 @@ def candidates_section(exp: ExperimentConfig, records: Sequence[Mapping[str, Any
     lines = ["## Candidates", "",
              f"The search drew {len(records) + len(rej)} candidates: {len(records)} trained ({trained or 'none'}) and "
              f"{len(rej)} rejected before training (they could not be built, or sized to the state budget; each was "
-             f"told to the sampler as failed).", ""]
+             f"told to the sampler as infeasible, so that it learns to avoid them).", ""]
     if rejected.get("stopped"):
         lines += [f"The search stopped early: {rejected['stopped']}.", ""]
     if rej:

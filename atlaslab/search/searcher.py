@@ -6,7 +6,8 @@ state budget) in the driver before a trial is started.
 For each trial Tune asks for, :meth:`PartSearcher.suggest` asks Optuna for a point of the space
 (:func:`atlaslab.search.space.sample`, conditions respected), turns it into a trial and admits it
 (:class:`~atlaslab.search.admission.Admission`). A point that cannot be built (parts that do not go together) or
-cannot be sized to the budget is told to Optuna as failed (so the sampler learns to avoid it), recorded with its
+cannot be sized to the budget is told to Optuna as infeasible (a violated constraint, which TPE and NSGA-II rank
+below every feasible trial, so the sampler learns to avoid it), recorded with its
 reason in ``rejected.json`` of the run folder and in the report, and the next point is drawn: a rejected
 combination never becomes a crashed trial. After ``search.max_rejections`` rejections in a row the search stops
 drawing (the report says so).
@@ -33,6 +34,10 @@ from atlaslab.search.expand import trial_from_params
 from atlaslab.search.results import REJECTED_NAME
 from atlaslab.search.schema import ExperimentConfig
 from atlaslab.search.space import make_sampler, optuna_value, sample
+
+#: the user attribute of an Optuna trial whose draw was rejected before training (its reason)
+REJECTED_ATTR = "atlaslab_rejected"
+
 
 def _quiet_optuna():
     import optuna
@@ -137,8 +142,12 @@ class PartSearcher(Searcher):
         return out
 
     def _reject(self, ot, params: Dict[str, Any], exc: ConfigError) -> None:
-        optuna = _quiet_optuna()
-        self.study.tell(ot, state=optuna.trial.TrialState.FAIL)
+        """Record a rejected draw and tell it to Optuna as infeasible: complete, with placeholder values and the
+        violated constraint ``rejected`` (``Trial.set_constraint``), which TPE and NSGA-II rank below every feasible
+        trial; a failed trial would be ignored by both, teaching them nothing."""
+        ot.set_user_attr(REJECTED_ATTR, f"{exc.path}: {exc.reason}"[:500])
+        ot.set_constraint("rejected", 1.0)
+        self.study.tell(ot, [0.0] * len(self.pairs) if len(self.pairs) > 1 else 0.0)
         self.in_a_row += 1
         labels = {k: optuna_value(self.exp.space[k], v) for k, v in params.items()}
         self.rejected.append({"number": ot.number, "params": {k: _jsonable(v) for k, v in labels.items()},

@@ -145,3 +145,51 @@ def test_part_search_on_ray_rejects_sizes_and_reports_the_front(local_ray, tmp_p
         assert "implicit_gd has a closed form only" in r["reason"] or "no size brings the state" in r["reason"]
     assert "## Pareto front" in report and "## What mattered" in report
     assert (tmp_path / "run" / "plots" / "pareto.png").is_file()
+
+
+def test_interrupted_part_search_resumes_with_its_sampler_and_rejections(local_ray, tmp_path):
+    """Ctrl-C after the first trial finished, then `resume`: the searcher comes back from Tune's checkpoint (its
+    Optuna study and rejections), the sweep ends with exactly num_samples trials, none trained twice, and the
+    rejections drawn before the interruption are still listed."""
+    from atlaslab.search.driver import resume
+    from tests.search.test_search_ray import InterruptAfterFirstTrial
+    node = tiny("resume", steps=30, search={"sampler": "random", "seed": 3, "space": dict(PARTS)}, num_samples=4,
+                max_concurrent=1)
+    run_dir = tmp_path / "run"
+    s1 = run(prepare(node=node), run_dir=run_dir, num_cpus=2, quiet=True,
+             stop=InterruptAfterFirstTrial(tmp_path / "f", run_dir / "ray" / "tune"))
+    assert s1["status"] == "interrupted"
+    before = json.loads((run_dir / "rejected.json").read_text())["rejected"] if (
+        run_dir / "rejected.json").is_file() else []
+    s2 = resume(run_dir, quiet=True)
+    assert s2["status"] == "finished" and s2["trials"] == 4 and s2["failed"] == 0
+    recs = json.loads((run_dir / "results.json").read_text())
+    assert len({r["key"] for r in recs}) == 4
+    assert all(r["status"] == "completed" for r in recs)
+    after = json.loads((run_dir / "rejected.json").read_text())["rejected"]
+    assert after[:len(before)] == before
+    numbers = [r["number"] for r in after]
+    assert len(set(numbers)) == len(numbers)                 # the restored study did not hand out a number twice
+
+
+def test_rejected_draws_steer_tpe_away():
+    """A rejected draw is told to Optuna as infeasible (a violated constraint), not as failed: TPE ranks it below
+    every feasible trial and draws that combination less than a sampler that ignores it (a failed trial teaches TPE
+    nothing)."""
+    from atlaslab.search.searcher import PartSearcher
+    exp = load_experiment(node=tiny("steer", search={"sampler": "tpe", "seed": 0, "space": dict(PARTS)},
+                                    num_samples=30))
+    searcher = PartSearcher(exp)
+    bad = 0
+    for i in range(30):
+        trial = searcher.suggest(f"t{i}")["trial"]
+        searcher.on_trial_complete(f"t{i}", {"val/accuracy": 0.5, "final": 1})
+    rejected = searcher.rejected
+    assert rejected and all("implicit_gd" in r["reason"] for r in rejected)
+    states = [t for t in searcher.study.trials if t.user_attrs.get("atlaslab_rejected")]
+    assert len(states) == len(rejected) and all(t.state.name == "COMPLETE" for t in states)
+    # draws after TPE's startup trials propose (implicit_gd, dot) less often than the prior's 1 in 4
+    late = [r["number"] for r in rejected if r["number"] >= 15]
+    draws_late = len([t for t in searcher.study.trials if t.number >= 15])
+    bad = len(late) / max(1, draws_late)
+    assert bad < 0.25, (len(late), draws_late)
