@@ -55,7 +55,7 @@ from atlaslab.search.admission import Admission, preflight
 from atlaslab.search.expand import Prepared, expand_grid, protocol_points
 from atlaslab.search.formatting import fmt_value, human_count
 from atlaslab.search.report import write_report
-from atlaslab.search.results import RESULTS_NAME, WAITING, collect, read_state, saved_statuses
+from atlaslab.search.results import RESULTS_NAME, WAITING, collect, read_rejected, read_state, saved_statuses
 from atlaslab.search.schema import ExperimentConfig, load_experiment, load_experiment_node, validate_experiment
 from atlaslab.search.settings import TrialSettings
 from atlaslab.search.trainable import run_trial
@@ -210,8 +210,9 @@ def _trial_dirname(trial) -> str:
 COORDINATOR_MEMORY = 512 * 2**20
 
 
-def _trainable(exp: ExperimentConfig):
-    """``run_trial`` with the trial's resources (see :data:`COORDINATOR_MEMORY` for several workers)."""
+def _trainable(exp: ExperimentConfig, settings: TrialSettings):
+    """``run_trial`` with the experiment's settings bound (``tune.with_parameters``) and the trial's resources (see
+    :data:`COORDINATOR_MEMORY` for several workers)."""
     from ray import tune
     if exp.resources.workers_per_trial > 1:
         res = {"cpu": 0.0, "memory": COORDINATOR_MEMORY}
@@ -219,9 +220,7 @@ def _trainable(exp: ExperimentConfig):
         res = {"cpu": float(exp.resources.cpus_per_trial)}
         if exp.resources.gpus_per_trial:
             res["gpu"] = float(exp.resources.gpus_per_trial)
-    # a search trial builds its config from the sampled params with the experiment the driver validated
-    fn = tune.with_parameters(run_trial, experiment=exp) if exp.kind == "search" else run_trial
-    return tune.with_resources(fn, res)
+    return tune.with_resources(tune.with_parameters(run_trial, settings=settings), res)
 
 
 def _scheduler(exp: ExperimentConfig):
@@ -249,12 +248,12 @@ def build_tuner(p: Prepared, run_dir: Path, settings: TrialSettings, num_cpus: O
     exp = p.exp
     search_alg = None
     if exp.kind == "grid":
-        space = {"experiment": settings, "trial": tune.grid_search(p.trials_for_tune)}
+        space = {"trial": tune.grid_search(p.trials_for_tune)}
         num_samples = 1
     else:
         from atlaslab.search.searcher import PartSearcher
-        search_alg = PartSearcher(exp, run_dir)
-        space = {"experiment": settings}
+        search_alg = PartSearcher(exp, run_dir)         # suggests {"trial": the admitted draw}
+        space = {}
         num_samples = exp.num_samples
     tune_config = tune.TuneConfig(scheduler=_scheduler(exp), search_alg=search_alg, num_samples=num_samples,
                                   max_concurrent_trials=_max_concurrent(exp, num_cpus), reuse_actors=True,
@@ -265,7 +264,7 @@ def build_tuner(p: Prepared, run_dir: Path, settings: TrialSettings, num_cpus: O
         checkpoint_config=tune.CheckpointConfig(num_to_keep=2),     # the last and the one a torn last falls back to
         sync_config=tune.SyncConfig(sync_artifacts=False),   # trials' working folders are never copied (trainable)
         verbose=0, callbacks=[progress], log_to_file=True, stop=stop)
-    return tune.Tuner(_trainable(exp), param_space=space, tune_config=tune_config, run_config=run_config)
+    return tune.Tuner(_trainable(exp, settings), param_space=space, tune_config=tune_config, run_config=run_config)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -429,7 +428,7 @@ def _tuner(p: Prepared, run_dir: Path, state: Dict[str, Any], resume: bool, num_
     p.trials_for_tune = tune_trials(p)   # type: ignore[attr-defined]
     progress = Progress(exp.name, exp.metric, exp.mode, tracking, "stderr" if quiet else "stdout", total)
     if resume:
-        tuner = tune.Tuner.restore(state["tune_path"], trainable=_trainable(exp), resume_unfinished=True,
+        tuner = tune.Tuner.restore(state["tune_path"], trainable=_trainable(exp, settings), resume_unfinished=True,
                                    resume_errored=True)
         if not quiet:
             print(f"[{exp.name}] resuming {state['tune_path']}", flush=True)
@@ -485,7 +484,9 @@ def _collect_fit(p: Prepared, results, run_dir: Path, state: Mapping[str, Any], 
     """``(records, interrupted)`` of a fit: interrupted when Tune returned fewer trials than the experiment
     has or its saved state still has trials to run."""
     statuses = saved_statuses(state["tune_path"])
-    interrupted = len(results) < total or any(v in WAITING for v in statuses.values())
+    # a search whose searcher stopped drawing (too many rejections in a row) has fewer trials, and has finished
+    short = len(results) < total and not (p.exp.kind == "search" and read_rejected(run_dir).get("stopped"))
+    interrupted = short or any(v in WAITING for v in statuses.values())
     return collect(p, results, run_dir, partial=interrupted, statuses=statuses), interrupted
 
 

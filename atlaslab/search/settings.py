@@ -1,7 +1,7 @@
 """What every trial of an experiment needs besides its own record, as one typed object across the Ray boundary.
 
-The driver makes one :class:`TrialSettings` from the validated experiment and puts it in Tune's param space
-(``{"experiment": settings, "trial": …}``); the Tune trial (:mod:`.trainable`) and its Ray Train workers
+The driver makes one :class:`TrialSettings` from the validated experiment and binds it to the trainable
+(``tune.with_parameters(run_trial, settings=settings)``); the Tune trial (:mod:`.trainable`) and its Ray Train workers
 (:mod:`.workers`) read its fields, never a dict with restated defaults.
 """
 from __future__ import annotations

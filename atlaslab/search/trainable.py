@@ -43,10 +43,7 @@ import torch
 from atlaslab.eval.lm_eval import PREFIX as LM_EVAL_PREFIX
 from atlaslab.registry import import_user_modules
 from atlaslab.search.build import build_trial, lm_eval_after_training, lm_eval_node
-from atlaslab.search.expand import Validator, trial_from_params
-from atlaslab.search.schema import ExperimentConfig
 from atlaslab.search.settings import TrialSettings
-from atlaslab.search.space import decode_params
 from atlaslab.search.tracking import TrialRun
 from atlaslab.search.workers import train_on_workers
 from atlaslab.train import checkpoint as checkpoint_files
@@ -57,20 +54,21 @@ CKPT_META = "atlaslab_trial.json"
 log = logging.getLogger("atlaslab.search")
 
 
-def run_trial(config: Dict[str, Any], experiment: Optional[ExperimentConfig] = None) -> None:
+def run_trial(config: Dict[str, Any], settings: Optional[TrialSettings] = None) -> None:
     """Ray Tune function trainable (see the module docstring).
 
-    ``config``: ``{"experiment": settings, "trial": trial}`` for a grid (the trial as the driver validated it,
-    with its typed model config ``resolved_model``), ``{"experiment": settings, <sampled params>}`` for a search,
-    whose ``experiment`` (the driver's validated :class:`ExperimentConfig`, through ``tune.with_parameters``)
-    turns the params into the trial; ``settings`` is the experiment's :class:`~atlaslab.search.settings.TrialSettings`."""
+    ``config``: ``{"trial": trial}``, the trial as the driver admitted it (a grid's point, or a search's draw that
+    :class:`~atlaslab.search.searcher.PartSearcher` sized and validated), with its typed model config
+    ``resolved_model``; ``settings``: the experiment's :class:`~atlaslab.search.settings.TrialSettings`, bound by
+    ``tune.with_parameters`` (so that a restored experiment gets them from the driver anew)."""
     t_start = time.time()
     from ray import tune
 
-    settings: TrialSettings = config["experiment"]
+    if settings is None:
+        raise ValueError("run_trial needs the experiment's settings: tune.with_parameters(run_trial, settings=…)")
     import_user_modules(settings.imports)
     torch.set_num_threads(settings.threads)
-    trial = _trial_spec(config, experiment)
+    trial = _trial_spec(config)
     work = _work_dir()
     work.mkdir(parents=True, exist_ok=True)
     restored, fallback, history = _restore_checkpoint(work)
@@ -121,20 +119,12 @@ def run_trial(config: Dict[str, Any], experiment: Optional[ExperimentConfig] = N
             mlrun.end(status, tags)
 
 
-def _trial_spec(config: Mapping[str, Any], experiment: Optional[ExperimentConfig]) -> Dict[str, Any]:
-    """The trial dict: given (grid), or built from the sampled params (search) and validated here (the driver
-    validated the experiment and the corners of the space, not this point of it)."""
-    if "trial" in config:
-        return dict(config["trial"])
-    if experiment is None:
-        raise ValueError("a search trial needs its experiment: tune.with_parameters(run_trial, experiment=exp)")
-    from ray import tune
-    params = decode_params(experiment.space, config)
-    trial = trial_from_params(experiment, params, key=tune.get_context().get_trial_id())
-    v = Validator(experiment)
-    v.validate(trial)
-    trial["resolved_model"] = v.resolved[trial["key"]]
-    return trial
+def _trial_spec(config: Mapping[str, Any]) -> Dict[str, Any]:
+    """The trial dict the driver admitted (a grid's point, or a search's draw from the searcher)."""
+    if "trial" not in config:
+        raise ValueError("this trial's config has no admitted trial: the run folder was started by an atlaslab whose "
+                         "search sent sampled parameters to the trials; finish it with that version")
+    return dict(config["trial"])
 
 
 def _work_dir() -> Path:

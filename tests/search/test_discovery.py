@@ -193,3 +193,17 @@ def test_rejected_draws_steer_tpe_away():
     draws_late = len([t for t in searcher.study.trials if t.number >= 15])
     bad = len(late) / max(1, draws_late)
     assert bad < 0.25, (len(late), draws_late)
+
+
+def test_a_search_that_stops_drawing_has_finished(local_ray, tmp_path):
+    """After search.max_rejections rejected draws in a row the searcher stops drawing: the sweep ends with the
+    trials it has, as finished (not interrupted), and the report says why it stopped."""
+    space = {MEM + "inner_optimizer": PARTS[MEM + "inner_optimizer"],
+             MEM + "attentional_bias.name": ["l2", "dot"]}
+    node = tiny("stops", steps=10, search={"sampler": "random", "seed": 0, "space": space, "max_rejections": 1},
+                num_samples=12, max_concurrent=1)
+    summary = run(prepare(node=node), run_dir=tmp_path / "run", num_cpus=2, quiet=True)
+    rej = json.loads((tmp_path / "run" / "rejected.json").read_text())
+    assert rej["stopped"].startswith("1 draws in a row were rejected")
+    assert summary["status"] == "finished" and 0 < summary["trials"] < 12 and summary["unfinished"] == 0
+    assert "The search stopped early: 1 draws in a row were rejected" in (tmp_path / "run" / "report.md").read_text()
