@@ -41,6 +41,10 @@ def fmt_time(s: Optional[float]) -> str:
     return f"{s // 60}m{s % 60:02d}s"
 
 
+#: what a trial cost, after its metrics in trials.csv (seconds of the training loop per step, and in all)
+TRIAL_COSTS = ("step_time_s", "wall_time_s")
+
+
 def write_csvs(run_dir: Path, exp: ExperimentConfig, rows, records, metrics) -> None:
     if rows:
         with open(run_dir / "report.csv", "w", newline="") as f:
@@ -61,13 +65,13 @@ def write_csvs(run_dir: Path, exp: ExperimentConfig, rows, records, metrics) -> 
     with open(run_dir / "trials.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["key", "setting", "row", "seed", "protocol", "status", "message", "steps", "num_parameters",
-                    "state_size", "params"] + keys)
+                    "state_size", "params"] + keys + list(TRIAL_COSTS))
         for r in records:
             info = r.get("info") or {}
             w.writerow([r["key"], r.get("setting"), r.get("row"), r.get("seed"), json.dumps(r.get("protocol", {})),
                         r["status"], r.get("message", ""), r["metrics"].get("step"), info.get("num_parameters"),
                         info.get("state_size"), json.dumps(r.get("params", {}), default=str)]
-                       + [r["metrics"].get(k) for k in keys])
+                       + [r["metrics"].get(k) for k in keys] + [r["metrics"].get(k) for k in TRIAL_COSTS])
 
 
 def settings_of(records: Sequence[Mapping[str, Any]]) -> "OrderedDict[Any, Any]":
