@@ -279,39 +279,3 @@ TABLES = {"discovery-search": search, "discovery-rejected": rejected, "discovery
 if __name__ == "__main__":
     for name in sys.argv[1:] or list(TABLES):
         print(f"## {name}\n\n{TABLES[name]()}\n")
-
-
-# --------------------------------------------------------------------------------------------------
-# early stopping against the full budget
-# --------------------------------------------------------------------------------------------------
-def asha_check() -> str:
-    """The same random draws trained to the full budget and under ASHA: did ASHA keep the candidates the full budget
-    ranks first, and what fraction of the steps did it train?"""
-    for run in ("asha-full", "asha-pruned"):
-        if _missing(run):
-            return _missing(run)
-    full, pruned = _trials("asha-full"), _trials("asha-pruned")
-    sig = lambda r: json.dumps(r["params"], sort_keys=True)        # noqa: E731
-    by_sig = {sig(r): r for r in pruned}
-    ranked = sorted((r for r in full if r["status"] in FINISHED and _num(r, "val/accuracy") is not None),
-                    key=lambda r: -_num(r, "val/accuracy"))
-    head = ["full-budget rank", "trial (full)", "val/accuracy (full)", "under ASHA", "steps under ASHA",
-            "val/accuracy under ASHA"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for i, r in enumerate(ranked, 1):
-        twin = by_sig.get(sig(r))
-        lines.append("| " + " | ".join([
-            str(i), r["key"], f"{_num(r, 'val/accuracy'):.3f}", twin["status"] if twin else "not drawn",
-            twin["steps"] if twin else "—",
-            f"{_num(twin, 'val/accuracy'):.3f}" if twin and _num(twin, "val/accuracy") is not None else "—"]) + " |")
-    same = sum(sig(r) in by_sig for r in full)
-    steps_full = sum(int(float(r["steps"] or 0)) for r in full)
-    steps_asha = sum(int(float(r["steps"] or 0)) for r in pruned)
-    kept = [r for r in ranked[:3] if by_sig.get(sig(r), {}).get("status") in FINISHED]
-    lines += ["", f"{same} of the {len(full)} draws are the same configuration in both runs. ASHA trained "
-              f"{steps_asha} steps against the full budget's {steps_full} ({steps_asha / max(1, steps_full):.0%}); "
-              f"of the full budget's top {min(3, len(ranked))}, {len(kept)} trained to the end under ASHA."]
-    return "\n".join(lines)
-
-
-TABLES["discovery-asha"] = asha_check
