@@ -411,8 +411,17 @@ class _Laps:
 
 def tune_trials(p: Prepared) -> List[Dict[str, Any]]:
     """The grid trials as Tune gets them: each with its typed model config (``resolved_model``, resolved when the
-    driver validated it), so that the trial builds its model without validating it again."""
-    return [dict(t, resolved_model=p.resolved[t["key"]]) if t["key"] in p.resolved else dict(t) for t in p.trials]
+    driver validated it), so that the trial builds its model without validating it again. On a resume (a new
+    process: the driver's typed configs are gone) each is resolved again from the model config the trial recorded
+    (``model_config``, what the driver validated, not the preset file as it is now)."""
+    from atlaslab.models.lm import resolve_lm_config
+    out = []
+    for t in p.trials:
+        typed = p.resolved.get(t["key"])
+        if typed is None and t.get("model_config") is not None:
+            typed = p.resolved[t["key"]] = resolve_lm_config(t["model_config"])
+        out.append(dict(t, resolved_model=typed) if typed is not None else dict(t))
+    return out
 
 
 def _tuner(p: Prepared, run_dir: Path, state: Dict[str, Any], resume: bool, num_cpus: Optional[int],
@@ -428,8 +437,12 @@ def _tuner(p: Prepared, run_dir: Path, state: Dict[str, Any], resume: bool, num_
     p.trials_for_tune = tune_trials(p)   # type: ignore[attr-defined]
     progress = Progress(exp.name, exp.metric, exp.mode, tracking, "stderr" if quiet else "stdout", total)
     if resume:
+        # Tune keeps a grid's typed configs (not plain values: Tune's placeholders) in memory only, so a trial it had
+        # not created before the interruption gets them from the grid given again (Tune's way: the same
+        # param_space, its objects made anew)
+        again = {"param_space": {"trial": tune.grid_search(p.trials_for_tune)}} if exp.kind == "grid" else {}
         tuner = tune.Tuner.restore(state["tune_path"], trainable=_trainable(exp, settings), resume_unfinished=True,
-                                   resume_errored=True)
+                                   resume_errored=True, **again)
         if not quiet:
             print(f"[{exp.name}] resuming {state['tune_path']}", flush=True)
         return tuner

@@ -39,9 +39,9 @@ PLACE_KEYS = ("key", "index", "setting", "variant", "label", "row", "axes", "pro
 WAITING = ("RUNNING", "PENDING", "PAUSED")
 
 
-def saved_statuses(tune_path: os.PathLike) -> Dict[str, str]:
-    """Trial folder name → status in Tune's newest saved experiment state (what a restore resumes from;
-    after an interruption the in-memory trials read TERMINATED although they will be resumed)."""
+def saved_trials(tune_path: os.PathLike) -> Dict[str, Tuple[str, Dict[str, Any]]]:
+    """Trial folder name → ``(status, last result)`` in Tune's newest saved experiment state (what a restore
+    resumes from: a trial continues from the checkpoint of that result, or the one before it)."""
     files = sorted(Path(tune_path).glob("experiment_state-*.json"))
     if not files:
         return {}
@@ -51,13 +51,22 @@ def saved_statuses(tune_path: os.PathLike) -> Dict[str, str]:
         return {}
     out = {}
     for entry in data.get("trial_data", []):
+        pair = entry if isinstance(entry, (list, tuple)) else [entry]
         try:
-            t = json.loads(entry[0] if isinstance(entry, (list, tuple)) else entry)
+            t = json.loads(pair[0])
+            meta = json.loads(pair[1]) if len(pair) > 1 else {}
         except (TypeError, ValueError):
             continue
         name = t.get("custom_dirname") or t.get("relative_logdir") or t.get("trial_id")
-        out[str(name)] = str(t.get("status"))
+        last = meta.get("last_result") if isinstance(meta, dict) else None
+        out[str(name)] = (str(t.get("status")), last if isinstance(last, dict) else {})
     return out
+
+
+def saved_statuses(tune_path: os.PathLike) -> Dict[str, str]:
+    """Trial folder name → status in Tune's newest saved experiment state (what a restore resumes from;
+    after an interruption the in-memory trials read TERMINATED although they will be resumed)."""
+    return {name: status for name, (status, _) in saved_trials(tune_path).items()}
 
 
 def collect(p: Prepared, result_grid, run_dir: Path, partial: bool = False,
@@ -252,4 +261,4 @@ def pick_trial(run_dir: Any, trial: Optional[str] = None) -> PickedTrial:
 
 
 __all__ = ["PickedTrial", "REJECTED_NAME", "RESULTS_NAME", "best_record", "collect", "expanded_trials", "finished_records",
-           "pick_trial", "read_records", "read_rejected", "read_state", "saved_statuses"]
+           "pick_trial", "read_records", "read_rejected", "read_state", "saved_statuses", "saved_trials"]

@@ -105,6 +105,30 @@ def test_a_torn_ray_checkpoint_falls_back_to_the_previous_one_and_no_copy_sees_t
     assert val == [10, 20, 30, 40, 50, 60]                   # none missing, none twice
 
 
+def test_a_grid_trial_tune_had_not_created_when_interrupted_runs_on_resume(local_ray, tmp_path):
+    """Tune keeps a grid's typed model configs in memory only (its saved state holds placeholders for them): the
+    driver is interrupted on the result of step 10 of the first trial (held at step 15, one trial at a time), so
+    Tune has not created the second one; on resume it gets its typed config again and trains."""
+    from atlaslab.search.driver import prepare, resume, run
+    from atlaslab.search.results import saved_trials
+
+    hold_dir = tmp_path / "hold"
+    hold_dir.mkdir()
+    node = held("late", hold_dir, steps=20, hold_steps=[15], max_concurrent=1,
+                grid={"variants": {"A": {}, "B": {"train.lr": 1e-2}}})
+    run_dir = tmp_path / "run"
+    s1 = run(prepare(node=node), run_dir=run_dir, num_cpus=1, quiet=True,
+             stop=InterruptAtResult(tmp_path / "flag", 10))
+    faultpoints.release(hold_dir, 15)
+    assert s1["status"] == "interrupted"
+    assert [k[:4] for k in saved_trials(run_dir / "ray" / "tune")] == ["t000"]     # t001 not created yet
+    s2 = resume(run_dir, quiet=True)
+    recs = json.loads((run_dir / "results.json").read_text())
+    assert s2["status"] == "finished" and s2["completed"] == 2, [(r["key"], r["message"]) for r in recs]
+    assert [(r["key"], r["status"], r["metrics"]["step"]) for r in recs] == [("t000", "completed", 20),
+                                                                            ("t001", "completed", 20)]
+
+
 # --------------------------------------------------------------------------------------------------
 # the tracking server down
 # --------------------------------------------------------------------------------------------------

@@ -312,39 +312,51 @@ def env():
 
 @pytest.mark.slow
 def test_killed_driver_resumes_every_trial_exactly_once(tmp_path):
-    """SIGKILL of the driver process (and of every process it started), then ``atlaslab resume``."""
+    """SIGKILL of the driver process (and of every process it started), then ``atlaslab resume``. The kill comes on
+    an event, never after a number of seconds: the second trial is held at step 110 (:mod:`faultpoints`), so it
+    cannot finish first, and the test kills once Tune's saved experiment state records the first trial finished
+    and the second one's result of step 100 (its checkpoint), which is what the resume starts from."""
     import yaml
-    node = tiny("res", steps=400, grid={"variants": {"A": {}, "B": {"train.lr": 1e-2}, "C": {"train.lr": 5e-3}}},
-                max_concurrent=1)
+
+    import faultpoints
+    from test_faults import held
+
+    from atlaslab.search.results import saved_trials
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    node = held("res", hold, steps=400, hold_steps=[], max_concurrent=1,
+                grid={"variants": {"A": {}, "B": {"train.lr": 1e-2, "task.hold_steps": [110]},
+                                   "C": {"train.lr": 5e-3}}})
     node["eval"]["interval"] = 50
     node["train"]["log_interval"] = 25
     exp = tmp_path / "res.yaml"
     exp.write_text(yaml.safe_dump(node))
     run_dir = tmp_path / "run"
+    # the driver and its trials import this checkout's atlaslab and faultpoints
+    e = dict(env(), PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), str(Path(faultpoints.__file__).parent),
+                                                         os.environ.get("PYTHONPATH", "")) if p))
     log = open(tmp_path / "driver.log", "w+")
     proc = subprocess.Popen(cli("run", str(exp), "--run-dir", str(run_dir), "--num-cpus", "1"), cwd=tmp_path,
-                            env=env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                            env=e, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     pids = []
     try:
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            text = Path(log.name).read_text()
-            if "completed: t000" in text and "step 100: t001" in text:
-                break                       # t000 finished, t001 has a checkpoint (step 50) and runs on
-            assert proc.poll() is None, text
-            pids = descendants(proc.pid) or pids
-            time.sleep(0.5)
-        else:
-            pytest.fail("the first trial did not finish in time:\n" + Path(log.name).read_text())
-        time.sleep(2.5)                     # Tune saves its experiment state every 2 s
-        pids = sorted(set(pids) | set(descendants(proc.pid)))
+        faultpoints.wait_held(hold, 110, proc)      # t000 finished, t001 reported step 100 and waits at 110
+
+        def recorded():     # … and Tune's saved state has both: t000 finished, t001's result (checkpoint) of step 100
+            s = {k[:4]: (status, last.get("step")) for k, (status, last) in saved_trials(tune_dir).items()}
+            return s.get("t000", (None,))[0] == "TERMINATED" and s.get("t001", (None, None))[1] == 100
+        tune_dir, deadline = run_dir / "ray" / "tune", time.time() + 120    # a bound for a broken test only
+        while not recorded():
+            assert proc.poll() is None and time.time() < deadline, Path(log.name).read_text()
+            time.sleep(faultpoints.POLL_S)
+        pids = descendants(proc.pid)
     finally:
         kill_tree(proc, pids)               # SIGKILL the driver and every process it started
     text = Path(log.name).read_text()
     assert "completed: t001" not in text and "completed: t002" not in text, text
     killed_at = time.time()
 
-    r = subprocess.run(cli("resume", str(run_dir), "--quiet"), cwd=tmp_path, env=env(), capture_output=True,
+    r = subprocess.run(cli("resume", str(run_dir), "--quiet"), cwd=tmp_path, env=e, capture_output=True,
                        text=True, timeout=400)
     assert r.returncode == 0, r.stdout + r.stderr
     recs = json.loads((run_dir / "results.json").read_text())
