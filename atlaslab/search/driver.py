@@ -48,6 +48,7 @@ os.environ.setdefault("DO_NOT_TRACK", "true")
 
 from omegaconf import OmegaConf
 
+from atlaslab.models.lm import resolve_lm_config
 from atlaslab.registry import ConfigError, import_user_modules
 from atlaslab.registry.config import BASE_DIR_ENV
 from atlaslab.search import tracking as T
@@ -414,7 +415,6 @@ def tune_trials(p: Prepared) -> List[Dict[str, Any]]:
     driver validated it), so that the trial builds its model without validating it again. On a resume (a new
     process: the driver's typed configs are gone) each is resolved again from the model config the trial recorded
     (``model_config``, what the driver validated, not the preset file as it is now)."""
-    from atlaslab.models.lm import resolve_lm_config
     out = []
     for t in p.trials:
         typed = p.resolved.get(t["key"])
