@@ -124,7 +124,8 @@ def linear_momentum_reason(parts, channel_wise_ok: bool = False) -> Optional[str
     linear memory, ℓ2 or dot bias, momentum GD, no retention, per-head scalar decay or (``channel_wise_ok``, which
     both kernels now pass) channel-wise decay, either placement, Omega window c = 1, read token or chunk,
     head dims ≤ MAX_D."""
-    from atlaslab.kernels.momentum.naive import BIASES, MAX_D, READS
+    from atlaslab.kernels.momentum.naive import BIASES, READS
+    from atlaslab.kernels.utils import MAX_D
     s, ret = parts.spec, parts.retention
     bias = s.attentional_bias.name
     checks = [
@@ -254,7 +255,7 @@ def mlp_reason(parts) -> Optional[str]:
     the window (any c), scalar decay after the step or no retention, the gates and the read are the caller's
     (``chunked._dual_aligned`` already requires the dual form: GD / momentum, after-step scalar decay).
     """
-    from atlaslab.kernels.mlp.chunk import MAX_D
+    from atlaslab.kernels.utils import MAX_D
     from atlaslab.kernels.mlp.naive import ACTIVATIONS, BIASES
     s = parts.spec
     cfg = getattr(parts.memory, "cfg", None)

@@ -65,6 +65,19 @@ def device_ok(x: torch.Tensor) -> Optional[str]:
 
 # ------------------------------------------------------------------------------------------ sizes and precision
 
+#: largest head dim (D_k, D_v; the MLP memory's D_in, D_out) any kernel here takes: a program holds whole state
+#: rows of up to this many keys (one constant for every op; the engines' dispatch reads it too)
+MAX_D = 256
+
+
+def check_head_dims(op: str, K: int, V: Optional[int] = None) -> None:
+    """ValueError when a head dim is over :data:`MAX_D` (``V`` None: an op that splits the values into blocks and
+    checks only the keys)."""
+    if max(K, V if V is not None else K) > MAX_D:
+        dims = f"D_k = {K}" + (f", D_v = {V}" if V is not None else "")
+        raise ValueError(f"{op}: head dims {dims} must be ≤ {MAX_D}")
+
+
 def pow2(n: int, floor: int = 16) -> int:
     """The smallest power of two ≥ ``n`` and ≥ ``floor`` (16 by default: the smallest side ``tl.dot`` takes)."""
     return max(floor, 1 << (int(n) - 1).bit_length())
@@ -115,6 +128,13 @@ def solve_unit_lower(A: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
 def log_gate(x: torch.Tensor) -> torch.Tensor:
     """log x, x clamped at the smallest positive normal (so log is finite; no gradient below it)."""
     return x.clamp_min(torch.finfo(x.dtype).tiny).log()
+
+
+def log_gate_grad(dlog: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The gradient of :func:`log_gate` at ``x`` for an upstream ``dlog``: dlog / x where x ≥ the smallest positive
+    normal, 0 below it (the clamp passes no gradient there)."""
+    tiny = torch.finfo(x.dtype).tiny
+    return torch.where(x >= tiny, dlog / x.clamp_min(tiny), torch.zeros_like(x))
 
 
 def log_decay(alpha: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atlaslab.memory.fast_weights import apply_linear
+from atlaslab.memory.part import Part
 from atlaslab.registry import ConfigError, PartConfig, check_choice, check_range, register
 from atlaslab.registry.weight_decay import exempt_from_weight_decay
 
@@ -34,7 +35,7 @@ ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu, "relu": F.relu, "tanh": torch.tan
 INITS = ("learned", "shared", "zeros")
 
 
-class Memory(nn.Module):
+class Memory(Part):
     """Base class. Subclasses define ``shapes`` (fast-weight name → per-head shape) and ``forward``."""
 
     #: False for memories whose fast weights include vectors (Muon needs matrices).
@@ -48,8 +49,7 @@ class Memory(nn.Module):
     zero_init: bool = False
 
     def __init__(self, cfg: PartConfig, in_dim: int, out_dim: int, num_heads: int):
-        super().__init__()
-        self.cfg = cfg
+        super().__init__(cfg)
         self.in_dim, self.out_dim, self.num_heads = in_dim, out_dim, num_heads
         self.init_mode = getattr(cfg, "init", "learned")
 

@@ -20,22 +20,18 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch import nn
 
+from atlaslab.memory.part import Part
 from atlaslab.registry import PartConfig, check_choice, check_range, register
 
 
-class AttentionalBias(nn.Module):
+class AttentionalBias(Part):
     """Base class for inner losses."""
 
     #: False when ∇ℓ does not depend on the memory (the Hebbian / dot-product bias).
     depends_on_memory: bool = True
     #: True when the bias reads the input-dependent ``delta`` gate (Huber's δ_t).
     uses_delta: bool = False
-
-    def __init__(self, cfg: PartConfig):
-        super().__init__()
-        self.cfg = cfg
 
     def loss(self, pred: torch.Tensor, target: torch.Tensor, delta: Optional[torch.Tensor] = None):
         raise NotImplementedError

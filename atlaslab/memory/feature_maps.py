@@ -15,10 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atlaslab.memory.part import Part
 from atlaslab.registry import ConfigError, PartConfig, check_choice, check_range, register
 
 
-class FeatureMap(nn.Module):
+class FeatureMap(Part):
     """Base class: ``forward(x)`` maps ``[..., d]`` to ``[..., out_dim]``."""
 
     #: True when the map is only defined through its kernel k(q, k') = φ(q)ᵀφ(k') (φ* on a linear memory).
@@ -27,8 +28,8 @@ class FeatureMap(nn.Module):
     nonnegative: bool = False
 
     def __init__(self, cfg: PartConfig, in_dim: int):
-        super().__init__()
-        self.cfg, self.in_dim = cfg, in_dim
+        super().__init__(cfg)
+        self.in_dim = in_dim
 
     @property
     def out_dim(self) -> int:

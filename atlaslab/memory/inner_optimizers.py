@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import torch
-from torch import nn
 
 from atlaslab.kernels.newton_schulz import LACT_COEFFICIENTS, MUON_COEFFICIENTS, newton_schulz, select_newton_schulz
+from atlaslab.memory.part import Part
 from atlaslab.memory.state import WindowProblem
 from atlaslab.registry import PartConfig, check_choice, check_range, register
 
@@ -36,17 +36,13 @@ def _bcast(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape + (1,) * (like.dim() - x.dim()))
 
 
-class InnerOptimizer(nn.Module):
+class InnerOptimizer(Part):
     """Base class."""
 
     #: True when the optimizer keeps a momentum buffer S (same structure as the fast weights).
     has_momentum: bool = False
     #: True when the optimizer needs matrix-valued fast weights (Muon).
     needs_matrices: bool = False
-
-    def __init__(self, cfg: PartConfig):
-        super().__init__()
-        self.cfg = cfg
 
     @property
     def default_lr(self) -> float:

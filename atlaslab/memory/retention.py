@@ -29,8 +29,8 @@ from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from atlaslab.memory.part import Part
 from atlaslab.registry import PartConfig, check_choice, check_range, register
 
 Weights = Dict[str, torch.Tensor]
@@ -56,7 +56,7 @@ def scale_weights(weights: Weights, alpha: Optional[torch.Tensor], channel_wise:
     return out
 
 
-class Retention(nn.Module):
+class Retention(Part):
     """Base: multiplicative decay by α (no decay when α is absent)."""
 
     #: True for the non-linear retentions that keep a dual accumulator and map it with Ψ.
@@ -67,10 +67,6 @@ class Retention(nn.Module):
     uses_alpha: bool = True
     #: True for the retentions that project the memory itself at every chunk end (:meth:`project_chunk`).
     projects: bool = False
-
-    def __init__(self, cfg: PartConfig):
-        super().__init__()
-        self.cfg = cfg
 
     def decay(self, weights: Weights, alpha: Optional[torch.Tensor]) -> Weights:
         return scale_weights(weights, alpha, self.channel_wise)

@@ -14,17 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from torch import nn
 
+from atlaslab.memory.part import Part
 from atlaslab.registry import PartConfig, check_range, register
 
 
-class Window(nn.Module):
+class Window(Part):
     """Base: ``size`` is c, or ``None`` for the global window."""
-
-    def __init__(self, cfg: PartConfig):
-        super().__init__()
-        self.cfg = cfg
 
     @property
     def size(self) -> Optional[int]:

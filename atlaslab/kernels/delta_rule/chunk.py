@@ -19,15 +19,14 @@ from typing import Optional, Tuple
 import torch
 
 from atlaslab.kernels.delta_rule.naive import check_args, delta_rule_chunk
-from atlaslab.kernels.utils import ChunkLayout, dot_precision, log_decay, pow2, reference_backward, with_torch_fallback
+from atlaslab.kernels.utils import (ChunkLayout, check_head_dims, dot_precision, log_decay, log_gate_grad, pow2,
+                                   reference_backward, with_torch_fallback)
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover
     triton = None
-
-MAX_D = 256
 
 
 if triton is not None:
@@ -229,8 +228,7 @@ def value_block(BK: int, BVV: int) -> int:
 
 def _sizes(K: int, V: int, chunk_size: int):
     """Block sizes: BT (chunk), BK / BVV (padded head dims), BV (value block of the state kernels)."""
-    if max(K, V) > MAX_D:
-        raise ValueError(f"chunk (triton): head dims D_k = {K}, D_v = {V} must be ≤ {MAX_D}")
+    check_head_dims("chunk (triton)", K, V)
     BK, BVV = pow2(K), pow2(V)
     return pow2(chunk_size), BK, BVV, value_block(BK, BVV)
 
@@ -356,11 +354,7 @@ def chunk_backward(q, k, v, beta, alpha, initial_state, do, dht, *, bias="l2", p
         q, k, v, beta, la if la is not None else dummy, st["g"], st["ainv"] if is_l2 else dummy, st["w"], st["hs"],
         dhs, do, dw, dq, dk, dv, dbeta, dla if dla is not None else dummy, lay.cu, lay.table, T, lay.NT,
         BEFORE=placement == "before_step", **meta)
-    dalpha = None
-    if alpha is not None:   # log_decay clamps α at the smallest normal: no gradient below it
-        a = alpha.float()
-        tiny = torch.finfo(a.dtype).tiny
-        dalpha = torch.where(a >= tiny, dla / a.clamp_min(tiny), torch.zeros_like(a)).to(alpha.dtype)
+    dalpha = log_gate_grad(dla, alpha.float()).to(alpha.dtype) if alpha is not None else None
     return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbeta.to(beta.dtype), dalpha,
             dh0.to(initial_state.dtype) if dh0 is not None else None)
 

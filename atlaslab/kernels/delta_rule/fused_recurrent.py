@@ -23,15 +23,13 @@ import torch
 
 from atlaslab.kernels.delta_rule import chunk
 from atlaslab.kernels.delta_rule.naive import check_args, delta_rule_chunk
-from atlaslab.kernels.utils import pow2, reference_backward
+from atlaslab.kernels.utils import check_head_dims, pow2, reference_backward
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover
     triton = None
-
-MAX_DK = 256
 
 
 if triton is not None:
@@ -100,8 +98,7 @@ def fused_recurrent_forward(q, k, v, beta, alpha=None, initial_state=None, *, bi
     N = check_args(q, k, v, beta, alpha, initial_state, bias, placement, read, cu_seqlens)
     B, T, H, K = q.shape
     V = v.shape[-1]
-    if K > MAX_DK:
-        raise ValueError(f"fused_recurrent: D_k = {K} > {MAX_DK} does not fit one program's state rows")
+    check_head_dims("fused_recurrent", K)              # one program holds whole state rows (D_v in blocks)
     q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
     alpha = alpha.contiguous() if alpha is not None else None
     h0 = initial_state.contiguous() if initial_state is not None else None

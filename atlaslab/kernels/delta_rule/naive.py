@@ -27,7 +27,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from atlaslab.kernels.utils import log_decay, packed_sequences, per_sequence, solve_unit_lower
+from atlaslab.kernels.utils import log_decay, log_gate_grad, packed_sequences, per_sequence, solve_unit_lower
 
 def check_args(q, k, v, beta, alpha, initial_state, bias, placement, read, cu_seqlens) -> int:
     """Check the tensors' shapes; returns N, the number of sequences. ``bias``, ``placement`` and ``read`` come
@@ -251,8 +251,7 @@ def delta_rule_chunk_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     S = initial_state if initial_state is not None else q.new_zeros(B, H, V, K)
     if alpha is not None and alpha.dim() == 4:
         dq, dk, dv, dbeta, dla, dh0 = _channel_wise_backward(qh, kh, vh, bh, doh, la_all, S, dht, **kw)
-        tiny = torch.finfo(alpha.dtype).tiny
-        dalpha = torch.where(alpha >= tiny, tr(dla) / alpha.clamp_min(tiny), torch.zeros_like(alpha))
+        dalpha = log_gate_grad(tr(dla), alpha)
         return tr(dq), tr(dk), tr(dv), tr(dbeta), dalpha, (dh0 if initial_state is not None else None)
     L_ = chunk_size
     chunks = [slice(t0, min(T, t0 + L_)) for t0 in range(0, T, L_)]
@@ -334,10 +333,7 @@ def delta_rule_chunk_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             dla_c = dla_c - (qc * dq_c).sum(-1)
         dq.append(dq_c), dk.append(dk_c), dv.append(dv_c), dbeta.append(db_c), dla.append(dla_c)
     cat = lambda xs: torch.cat(xs, 2).transpose(1, 2)   # noqa: E731
-    dalpha = None
-    if alpha is not None:
-        tiny = torch.finfo(alpha.dtype).tiny
-        dalpha = torch.where(alpha >= tiny, cat(dla) / alpha.clamp_min(tiny), torch.zeros_like(alpha))
+    dalpha = log_gate_grad(cat(dla), alpha) if alpha is not None else None
     return cat(dq), cat(dk), cat(dv), cat(dbeta), dalpha, (dh0 if initial_state is not None else None)
 
 

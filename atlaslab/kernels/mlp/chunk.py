@@ -15,7 +15,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from atlaslab.kernels.mlp.naive import ACTIVATIONS, Outputs, check_args, mlp_chunk_reference
-from atlaslab.kernels.utils import dot_precision, pow2, reference_backward
+from atlaslab.kernels.utils import MAX_D, dot_precision, pow2, reference_backward
 
 try:
     import triton
@@ -23,7 +23,6 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
-MAX_D = 256
 MAX_W = 128
 #: the hidden units one program of the update kernel owns (at most)
 MAX_BLOCK_HIDDEN = 64

@@ -16,8 +16,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from atlaslab.kernels.momentum.naive import MAX_D, check_args, momentum_chunk_reference
-from atlaslab.kernels.utils import (ChunkLayout, dot_precision, log_gate, pow2, prepare_chunk_indices,
+from atlaslab.kernels.momentum.naive import check_args, momentum_chunk_reference
+from atlaslab.kernels.utils import (ChunkLayout, check_head_dims, dot_precision, log_gate, pow2, prepare_chunk_indices,
                                     reference_backward, with_torch_fallback)
 
 try:
@@ -113,9 +113,9 @@ def _last_chunks(lay) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
 def _prepare(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read, placement, cu_seqlens):
     check_args(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read, placement, cu_seqlens)
     K, V, b = q.shape[-1], v.shape[-1], int(chunk_size)
-    if max(K, V) > MAX_D or b > MAX_CHUNK or q.shape[1] == 0:
-        raise ValueError(f"chunk_momentum (triton): needs D_k, D_v ≤ {MAX_D}, b ≤ {MAX_CHUNK} and T ≥ 1; "
-                         f"got D_k = {K}, D_v = {V}, b = {b}, T = {q.shape[1]}")
+    check_head_dims("chunk_momentum (triton)", K, V)
+    if b > MAX_CHUNK or q.shape[1] == 0:
+        raise ValueError(f"chunk_momentum (triton): needs b ≤ {MAX_CHUNK} and T ≥ 1; got b = {b}, T = {q.shape[1]}")
     return [x.contiguous() if x is not None else None for x in (q, k, v, beta, theta, alpha, m0, s0)]
 
 

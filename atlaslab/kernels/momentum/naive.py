@@ -9,10 +9,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from atlaslab.kernels.utils import log_gate, packed_sequences
+from atlaslab.kernels.utils import check_head_dims, log_gate, packed_sequences
 
-#: largest head dim (D_k, D_v) the momentum kernels take
-MAX_D = 256
 #: what the momentum kernels compute (the engine's dispatch checks a memory against these; the choices themselves are
 #: defined by the parts in :mod:`atlaslab.memory`, which validate them once)
 BIASES = ("l2", "dot")
@@ -159,8 +157,7 @@ def check_recurrent_args(q, k, v, beta, theta, alpha, m0, s0, a0, p0, position, 
                          f"got {list(p0.shape)}")
     if int(position) < 0:
         raise ValueError(f"position must be ≥ 0, got {position}")
-    if max(q.shape[-1], v.shape[-1]) > MAX_D:
-        raise ValueError(f"fused_recurrent_momentum: needs D_k, D_v ≤ {MAX_D}; got {q.shape[-1]}, {v.shape[-1]}")
+    check_head_dims("fused_recurrent_momentum", q.shape[-1], v.shape[-1])
 
 
 def momentum_recurrent_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,

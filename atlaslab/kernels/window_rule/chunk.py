@@ -14,8 +14,9 @@ from typing import Optional, Tuple
 import torch
 
 from atlaslab.kernels.delta_rule import chunk as delta_chunk
-from atlaslab.kernels.delta_rule.chunk import MAX_D, value_block
-from atlaslab.kernels.utils import ChunkLayout, dot_precision, log_decay, pow2, reference_backward, with_torch_fallback
+from atlaslab.kernels.delta_rule.chunk import value_block
+from atlaslab.kernels.utils import (ChunkLayout, check_head_dims, dot_precision, log_decay, log_gate_grad, pow2,
+                                   reference_backward, with_torch_fallback)
 from atlaslab.kernels.window_rule.naive import MAX_WINDOW, check_window_args, window_rule_chunk
 
 try:
@@ -219,8 +220,7 @@ if triton is not None:
 def _win_sizes(K: int, V: int, c: int, chunk_size: int):
     """Window block sizes: BT tokens per chunk (a power of two ≥ 16, about chunk_size / c), BS = pow2(BT·c) slot
     rows, BK / BVV padded head dims, BV the state kernels' value block."""
-    if max(K, V) > MAX_D:
-        raise ValueError(f"chunk (triton): head dims D_k = {K}, D_v = {V} must be ≤ {MAX_D}")
+    check_head_dims("chunk (triton)", K, V)
     if not 1 <= c <= MAX_WINDOW:
         raise ValueError(f"chunk window (triton): window c = {c} must be in [1, {MAX_WINDOW}]")
     per = max(1, int(chunk_size) // c)
@@ -374,11 +374,7 @@ def window_chunk_backward(q, xs, vs, coef, alpha, initial_state, do, dht, *, bia
         q_, xs_, vs_, coef_, la if la is not None else dummy, g, st["ainv"] if is_l2 else dummy, st["w"], st["hs"],
         dhs, do_, dw, dq, dx, dv, dcoef, dla if dla is not None else dummy, lay.cu, lay.table, T, lay.NT,
         BEFORE=placement == "before_step", **{**meta, "num_warps": _slot_warps(BS)})
-    dalpha = None
-    if alpha is not None:
-        a = alpha.float()
-        tiny = torch.finfo(a.dtype).tiny
-        dalpha = torch.where(a >= tiny, dla / a.clamp_min(tiny), torch.zeros_like(a)).to(alpha.dtype)
+    dalpha = log_gate_grad(dla, alpha.float()).to(alpha.dtype) if alpha is not None else None
     unflat = lambda x, like: x.reshape(like.shape).to(like.dtype)   # noqa: E731
     return (dq.to(q.dtype), unflat(dx, xs), unflat(dv, vs), unflat(dcoef, coef), dalpha,
             dh0.to(initial_state.dtype) if dh0 is not None else None)

@@ -12,8 +12,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from atlaslab.kernels.delta_rule.fused_recurrent import MAX_DK
-from atlaslab.kernels.utils import pow2
+from atlaslab.kernels.utils import check_head_dims, pow2
 from atlaslab.kernels.window_rule.chunk import window_backward
 from atlaslab.kernels.window_rule.naive import check_window_args
 
@@ -95,8 +94,7 @@ def fused_window_forward(q, xs, vs, coef, alpha=None, initial_state=None, *, bia
     B, T, H, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     V = vs.shape[-1]
-    if K > MAX_DK:
-        raise ValueError(f"fused_recurrent: D_k = {K} > {MAX_DK} does not fit one program's state rows")
+    check_head_dims("fused_recurrent", K)              # one program holds whole state rows (D_v in blocks)
     q, xs, vs, coef = (x.contiguous() for x in (q, xs, vs, coef))
     alpha = alpha.contiguous() if alpha is not None else None
     h0 = initial_state.contiguous() if initial_state is not None else None
