@@ -33,6 +33,7 @@ except ImportError:  # pragma: no cover
 
 
 if triton is not None:
+    from atlaslab.kernels.common.index import recurrent_program
 
     @triton.jit
     def _fused_recurrent_kernel(q, k, v, beta, alpha, h0, o, ht, cu_seqlens, T, H: tl.constexpr,
@@ -41,26 +42,8 @@ if triton is not None:
                                 STORE_FINAL: tl.constexpr,
                                 IS_L2: tl.constexpr, BEFORE: tl.constexpr, READ_TOKEN: tl.constexpr,
                                 IS_VARLEN: tl.constexpr):
-        i_v = tl.program_id(0)
-        i_nh = tl.program_id(1)
-        i_n = i_nh // H
-        i_h = i_nh % H
-        if IS_VARLEN:
-            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-            eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-            length = eos - bos
-        else:
-            bos = i_n.to(tl.int64) * T
-            length = T
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_k = o_k < K
-        m_v = o_v < V
-        m_h = m_v[:, None] & m_k[None, :]
-        state_offs = i_nh.to(tl.int64) * V * K + o_v[:, None] * K + o_k[None, :]
-        h = tl.zeros([BV, BK], dtype=tl.float32)
-        if HAS_H0:
-            h += tl.load(h0 + state_offs, mask=m_h, other=0.0).to(tl.float32)
+        i_h, bos, length, o_k, o_v, m_k, m_v, m_h, state_offs, h = recurrent_program(
+            h0, cu_seqlens, T, H, K, V, BK, BV, HAS_H0, IS_VARLEN)
         for t in range(0, length):
             row = (bos + t) * H + i_h                       # flat (token, head) index of [B, T, H, ...]
             b_q = tl.load(q + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)

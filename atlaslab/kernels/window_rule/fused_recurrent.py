@@ -23,6 +23,7 @@ except ImportError:  # pragma: no cover
     triton = None
 
 if triton is not None:
+    from atlaslab.kernels.common.index import recurrent_program
 
     @triton.jit
     def _fused_window_kernel(q, xs, vs, coef, alpha, h0, o, ht, cu_seqlens, T, H: tl.constexpr, K: tl.constexpr,
@@ -34,26 +35,9 @@ if triton is not None:
         the pre-step (decayed, before_step) state, then S ← S Diag(a_t) + Σ_j coef_j (v_j − S x_j) x_jᵀ.
         Varlen (``IS_VARLEN``): sequence i_n is rows ``cu_seqlens[i_n] … cu_seqlens[i_n + 1]`` of the packed B = 1
         tensors (its slots, rows (bos + t)·C + j, never reach before bos: the caller's gather gives them coef 0)."""
-        i_v = tl.program_id(0)
-        i_nh = tl.program_id(1)
-        i_n = i_nh // H
-        i_h = i_nh % H
-        if IS_VARLEN:
-            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-            length = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        else:
-            bos = i_n.to(tl.int64) * T
-            length = T
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_k = o_k < K
-        m_v = o_v < V
-        m_h = m_v[:, None] & m_k[None, :]
-        state_offs = i_nh.to(tl.int64) * V * K + o_v[:, None] * K + o_k[None, :]
-        h = tl.zeros([BV, BK], dtype=tl.float32)
-        if HAS_H0:
-            h += tl.load(h0 + state_offs, mask=m_h, other=0.0).to(tl.float32)
-        for t in range(0, length):
+        i_h, bos, length, o_k, o_v, m_k, m_v, m_h, state_offs, h = recurrent_program(
+            h0, cu_seqlens, T, H, K, V, BK, BV, HAS_H0, IS_VARLEN)
+        for t in range(0, length.to(tl.int32)):
             row = (bos + t) * H + i_h
             b_q = tl.load(q + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
             if not READ_TOKEN:
