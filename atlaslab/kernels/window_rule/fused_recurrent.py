@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from atlaslab.kernels.utils import check_head_dims, pow2
+from atlaslab.kernels.delta_rule.fused_recurrent import recurrent_launch
 from atlaslab.kernels.window_rule.chunk import window_backward
 from atlaslab.kernels.window_rule.naive import check_window_args
 
@@ -75,25 +75,19 @@ def fused_window_forward(q, xs, vs, coef, alpha=None, initial_state=None, *, bia
                          read="token", cu_seqlens=None, output_final_state=True):
     """The token-by-token window kernel alone (no autograd); arguments as :func:`fused_recurrent_window_rule`."""
     c = check_window_args(q, xs, vs, coef, alpha, initial_state, bias, placement, read, cu_seqlens)
-    B, T, H, K = q.shape
+    B, T, H, _ = q.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     V = vs.shape[-1]
-    check_head_dims("fused_recurrent", K)              # one program holds whole state rows (D_v in blocks)
     q, xs, vs, coef = (x.contiguous() for x in (q, xs, vs, coef))
-    alpha = alpha.contiguous() if alpha is not None else None
-    h0 = initial_state.contiguous() if initial_state is not None else None
+    alpha, h0, ht, grid, meta = recurrent_launch(q, alpha, initial_state, cu_seqlens, N, V, bias=bias,
+                                                 placement=placement, read=read,
+                                                 output_final_state=output_final_state)
     o = torch.empty(B, T, H, V, dtype=vs.dtype, device=q.device)
-    ht = torch.empty(N, H, V, K, dtype=torch.float32, device=q.device) if output_final_state else None
-    BK = pow2(K, 16)
-    BV = min(pow2(V, 16), max(16, 8192 // BK))
     dummy = q
     cu = cu_seqlens.to(q.device).contiguous() if cu_seqlens is not None else dummy
-    _fused_window_kernel[(triton.cdiv(V, BV), N * H)](
+    _fused_window_kernel[grid](
         q, xs, vs, coef, alpha if alpha is not None else dummy, h0 if h0 is not None else dummy, o,
-        ht if ht is not None else dummy, cu, T, H=H, K=K, V=V, C=c, BK=BK, BV=BV, HAS_ALPHA=alpha is not None,
-        CHANNEL=alpha is not None and alpha.dim() == 4, HAS_H0=h0 is not None, STORE_FINAL=ht is not None,
-        IS_L2=bias == "l2", BEFORE=placement == "before_step", READ_TOKEN=read == "token",
-        IS_VARLEN=cu_seqlens is not None, num_warps=4)
+        ht if ht is not None else dummy, cu, T, C=c, **meta)
     if ht is not None:
         ht = ht.to(initial_state.dtype if initial_state is not None else q.dtype)
     return o, ht
