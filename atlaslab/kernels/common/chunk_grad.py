@@ -4,11 +4,7 @@ d log α from the chunk-start state, the chunk-end dS, w, dw and (I + A)⁻¹, p
 """
 from __future__ import annotations
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
+from atlaslab.kernels.common.lang import tl, triton
 
 if triton is not None:
     from atlaslab.kernels.common.index import (causal_mask, _chunk_row, chunk_rows, chunk_span, _last_gate, load_gates,

@@ -4,11 +4,7 @@ and channel-wise decay (fla's ``chunk_delta_h`` stage).
 """
 from __future__ import annotations
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
+from atlaslab.kernels.common.lang import tl, triton
 
 if triton is not None:
     from atlaslab.kernels.common.index import _last_gate, _sweep_program, slot_rows, slot_tokens, state_block, sweep_span

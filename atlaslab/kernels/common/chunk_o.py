@@ -3,11 +3,7 @@ head or channel-wise, read token or read chunk; fla's ``chunk_o`` stage).
 """
 from __future__ import annotations
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
+from atlaslab.kernels.common.lang import tl, triton
 
 if triton is not None:
     from atlaslab.kernels.common.index import (causal_mask, _chunk_row, chunk_rows, chunk_span, load_gates, load_tile,

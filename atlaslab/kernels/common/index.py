@@ -8,11 +8,7 @@ themselves for C = 1, the BT·C window slots for C > 1; rows ``srow``, their tok
 """
 from __future__ import annotations
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
+from atlaslab.kernels.common.lang import tl, triton
 
 if triton is not None:
 

@@ -18,15 +18,10 @@ from typing import Optional, Tuple
 
 import torch
 
+from atlaslab.kernels.common.lang import tl, triton
 from atlaslab.kernels.delta_rule.naive import check_args, delta_rule_chunk
 from atlaslab.kernels.utils import (ChunkLayout, check_head_dims, dot_precision, log_decay, log_gate_grad, pow2,
                                    reference_backward, with_torch_fallback)
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
 
 
 if triton is not None:

@@ -21,15 +21,10 @@ from typing import Optional, Tuple
 
 import torch
 
+from atlaslab.kernels.common.lang import tl, triton
 from atlaslab.kernels.delta_rule import chunk
 from atlaslab.kernels.delta_rule.naive import check_args, delta_rule_chunk
 from atlaslab.kernels.utils import check_head_dims, pow2, reference_backward
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
 
 
 if triton is not None:

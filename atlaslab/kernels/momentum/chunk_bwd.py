@@ -4,11 +4,7 @@ in the same loops as the coefficients (docs/kernels.md#momentum).
 """
 from __future__ import annotations
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
+from atlaslab.kernels.common.lang import tl, triton
 
 if triton is not None:
     from atlaslab.kernels.common.index import chunk_program, sweep_span, state_block

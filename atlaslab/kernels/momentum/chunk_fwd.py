@@ -4,11 +4,7 @@ output (stage 3) of the TTT / Titans dual form per chunk (docs/kernels.md#moment
 """
 from __future__ import annotations
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
+from atlaslab.kernels.common.lang import tl, triton
 
 if triton is not None:
     from atlaslab.kernels.common.index import chunk_program, chunk_span, sweep_span, state_block

@@ -16,14 +16,9 @@ from typing import Optional, Tuple
 
 import torch
 
+from atlaslab.kernels.common.lang import tl, triton
 from atlaslab.kernels.momentum.naive import check_recurrent_args, momentum_recurrent_reference
 from atlaslab.kernels.utils import pow2, reference_backward
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
 
 #: fp32 elements of each state block one program holds: three in the forward (M, S, M_a), seven in the backward
 #: (dM, dS, dM_a, M_{t−1}, S_{t−1}, M_a, M_t); sized so that neither spills registers on sm_90 at D_k = 128

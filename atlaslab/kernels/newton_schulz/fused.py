@@ -16,15 +16,10 @@ from typing import Optional
 
 import torch
 
+from atlaslab.kernels.common.lang import tl, triton
 from atlaslab.kernels.newton_schulz.naive import MUON_COEFFICIENTS
 from atlaslab.kernels.newton_schulz.naive import newton_schulz as newton_schulz_torch
 from atlaslab.kernels.utils import dot_precision, pow2, reference_backward, with_torch_fallback
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - the package imports without triton; callers check available()
-    triton = None
 
 #: Largest padded tile (rows × cols after transposing to wide) kept in one program.
 MAX_TILE = 128 * 128

@@ -13,17 +13,12 @@ from typing import Optional, Tuple
 
 import torch
 
+from atlaslab.kernels.common.lang import tl, triton
 from atlaslab.kernels.delta_rule import chunk as delta_chunk
 from atlaslab.kernels.delta_rule.chunk import value_block
 from atlaslab.kernels.utils import (ChunkLayout, check_head_dims, dot_precision, log_decay, log_gate_grad, pow2,
                                    reference_backward, with_torch_fallback)
 from atlaslab.kernels.window_rule.naive import MAX_WINDOW, check_window_args, window_rule_chunk
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
 
 if triton is not None:
     # the shared stage bodies and pieces (C = 1 and window, per-head and channel-wise decay): kernels/common

@@ -12,15 +12,10 @@ from typing import Optional, Tuple
 
 import torch
 
+from atlaslab.kernels.common.lang import tl, triton
 from atlaslab.kernels.delta_rule.fused_recurrent import recurrent_launch
 from atlaslab.kernels.window_rule.chunk import window_backward
 from atlaslab.kernels.window_rule.naive import check_window_args
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
 
 if triton is not None:
     from atlaslab.kernels.common.index import recurrent_program
