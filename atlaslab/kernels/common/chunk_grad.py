@@ -4,15 +4,11 @@ d log α from the chunk-start state, the chunk-end dS, w, dw and (I + A)⁻¹, p
 """
 from __future__ import annotations
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
+from atlaslab.kernels.common.lang import tl, triton
 
 if triton is not None:
-    from atlaslab.kernels.common.index import (causal_mask, _chunk_row, chunk_span, _last_gate, load_gates, load_tile,
-                                               load_vec, slot_rows, slot_tokens, token_rows, _write_gate)
+    from atlaslab.kernels.common.index import (causal_mask, _chunk_row, chunk_rows, chunk_span, _last_gate, load_gates,
+                                               load_tile, load_vec, _write_gate)
     from atlaslab.kernels.common.decay import _decayed_mm, _masked_decay, _slot_decayed_mm
 
     @triton.jit
@@ -31,9 +27,7 @@ if triton is not None:
         o_s = tl.arange(0, BS)
         o_k = tl.arange(0, BK)
         m_k = o_k < K
-        m_t, rows = token_rows(o_i, bos, i_t, i_h, T, H, BT)
-        tau = slot_tokens(o_s, C)
-        m_s, srow, trow = slot_rows(bos, i_t, i_h, o_s, tau, T, H, C, BT)
+        m_t, rows, tau, m_s, srow, trow = chunk_rows(o_i, o_s, bos, i_t, i_h, T, H, C, BT)
         m_tk = m_t[:, None] & m_k[None, :]
         m_sk = m_s[:, None] & m_k[None, :]
         b_q = load_tile(q, rows, o_k, K, m_tk)
@@ -152,11 +146,10 @@ if triton is not None:
                 b_dG -= b_c * e_G * tl.sum(b_dr * b_kS, axis=1)
                 b_dkl -= (b_c * e_G)[:, None] * tl.dot(b_dr, S0, input_precision=PRECISION)
                 b_dA -= tl.dot(b_dr, tl.trans(b_w), input_precision=PRECISION)
-                b_dv = b_c[:, None] * b_dr
+                b_dw = b_dr                                 # dv = c ⊙ dr (ℓ2), c ⊙ dw (dot)
             else:
                 b_db += tl.sum(b_dw * b_v, axis=1)
-                b_dv = b_c[:, None] * b_dw
-            tl.store(dv + srow[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_sv)
+            tl.store(dv + srow[:, None] * V + o_v[None, :], (b_c[:, None] * b_dw).to(dv.dtype.element_ty), mask=m_sv)
         b_dP = b_dP * Eq
         b_dq += tl.dot(b_dP, b_x, input_precision=PRECISION)
         b_dkp = tl.dot(tl.trans(b_dP), b_q, input_precision=PRECISION)
@@ -250,11 +243,10 @@ if triton is not None:
                 b_db += tl.sum(b_dr * (b_v - b_kS), axis=1)
                 b_dkG -= b_c[:, None] * tl.dot(b_dr, S0, input_precision=PRECISION)
                 b_dA -= tl.dot(b_dr, tl.trans(b_w), input_precision=PRECISION)
-                b_dv = b_c[:, None] * b_dr
+                b_dw = b_dr                                 # dv = c ⊙ dr (ℓ2), c ⊙ dw (dot)
             else:
                 b_db += tl.sum(b_dw * b_v, axis=1)
-                b_dv = b_c[:, None] * b_dw
-            tl.store(dv + srow[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_sv)
+            tl.store(dv + srow[:, None] * V + o_v[None, :], (b_c[:, None] * b_dw).to(dv.dtype.element_ty), mask=m_sv)
         b_dq = b_dq * tl.exp(b_gq)
         b_dks = b_dks * decay
         if C == 1:

@@ -4,14 +4,10 @@ and channel-wise decay (fla's ``chunk_delta_h`` stage).
 """
 from __future__ import annotations
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
+from atlaslab.kernels.common.lang import tl, triton
 
 if triton is not None:
-    from atlaslab.kernels.common.index import sequence_span
+    from atlaslab.kernels.common.index import _last_gate, _sweep_program, slot_rows, slot_tokens, state_block, sweep_span
     from atlaslab.kernels.common.decay import _decayed_dot, _masked_decay, _slot_decayed_dot
 
     @triton.jit
@@ -24,39 +20,18 @@ if triton is not None:
         chunk's write rows, and steps S ← e^{g_L} S + Σ_r e^{g_L − g_τr} w_r k_rᵀ (per head) or
         S ← S Diag(e^{g_L}) + Σ_r w_r (k_r ⊙ e^{g_L − g_τr})ᵀ (channel-wise); the last S to ``ht [N, H, V, K]``.
         k, v, beta, u, wk, w_out: the write rows (tokens, or window slots for C > 1); g ``[B, T, H(, K)]``."""
-        i_v = tl.program_id(0)
-        i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
-        i_n = i_bh // H
-        i_h = i_bh % H
-        bos, T, NT, boc = sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
+        i_v, i_bh, i_h, bos, T, NT, boc = sweep_span(cu_seqlens, chunk_offsets, T, NT, H, BT, IS_VARLEN)
         o_s = tl.arange(0, BS)
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_k = o_k < K
-        m_v = o_v < V
-        m_h = m_v[:, None] & m_k[None, :]
-        h_offs = o_v[:, None] * K + o_k[None, :]
-        if C == 1:
-            tau = o_s
-        else:
-            tau = o_s // C
+        o_k, o_v, m_k, m_v, m_h, h_offs = state_block(i_v, K, V, BK, BV)
+        tau = slot_tokens(o_s, C)
         h = tl.zeros([BV, BK], dtype=tl.float32)
         if HAS_H0:
             h += tl.load(h0 + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
-        # (no helper calls inside the loop: their inlined debug scopes put labels in the PTX that shift ptxas'
-        # register allocation; written out, the builds equal the separate kernels' this body replaced)
+        # (the loop's helpers, slot_rows and _last_gate, were checked with bench/compile_sm90.py: every sm_90 build
+        # keeps its registers, stack and shared memory but one C = 2 channel-wise test build, 188 -> 190 registers)
         for i_t in range(0, NT):
             tl.store(hs + ((boc + i_t) * H + i_h) * V * K + h_offs, h, mask=m_h)   # chunk-start state [NC, H, V, K]
-            if C == 1:
-                tok = i_t * BT + o_s
-                m_s = tok < T
-                srow = (bos + tok) * H + i_h
-                trow = srow
-            else:
-                tok = i_t * BT + tau
-                m_s = (o_s < BT * C) & (tok < T)
-                srow = ((bos + i_t * BT) * C + o_s) * H + i_h
-                trow = (bos + tok) * H + i_h
+            m_s, srow, trow = slot_rows(bos, i_t, i_h, o_s, tau, T, H, C, BT)
             m_sk = m_s[:, None] & m_k[None, :]
             m_sv = m_s[:, None] & m_v[None, :]
             b_x = tl.load(k + srow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0).to(tl.float32)
@@ -72,13 +47,7 @@ if triton is not None:
                 b_gs = tl.load(g + trow[:, None] * K + o_k[None, :], mask=m_sk, other=0.0)
             else:
                 b_gs = tl.load(g + trow, mask=m_s, other=0.0)
-            last = tl.minimum(T - i_t * BT, BT) - 1
-            if not CHANNEL:
-                g_last = tl.load(g + (bos + i_t * BT + last) * H + i_h)
-            elif C == 1:
-                g_last = tl.load(g + (bos + i_t * BT + last) * H * K + i_h * K + o_k, mask=m_k, other=0.0)
-            else:
-                g_last = tl.load(g + ((bos + i_t * BT + last) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+            last, g_last = _last_gate(g, bos, i_t, i_h, T, H, K, C, BT, o_k, m_k, CHANNEL)
             if CHANNEL:
                 b_xd = b_x * tl.exp(tl.where(m_sk, g_last[None, :] - b_gs, 0.0))
                 h = h * tl.exp(g_last)[None, :] + tl.dot(tl.trans(b_w), b_xd, input_precision=PRECISION)
@@ -99,25 +68,10 @@ if triton is not None:
         write rows (k: the tokens' keys, or the window slots for C > 1), P the intra-chunk read (causal
         e^{gq_t − g_τr} q_t·x_r, or Σ_c q_tc x_rc e^{gq_tc − g_τr,c}); dS ← e^{g_L} dS + (e^{gq} ⊙ do)ᵀ q (per head)
         or dS Diag(e^{g_L}) + doᵀ (q ⊙ e^{gq}) (channel-wise), − dwᵀ w_k for l2; the last dS is the initial state's
-        gradient (``dh0 [N, H, V, K]``). Written out without nested helpers (their inlined debug scopes put labels in
-        the PTX that shift ptxas' register allocation); the loads keep each variant's order of masks."""
-        i_v = tl.program_id(0)
-        i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
-        i_n = i_bh // H
-        i_h = i_bh % H
-        bos, T, NT, boc = sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
-        o_i = tl.arange(0, BT)
-        o_s = tl.arange(0, BS)
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_k = o_k < K
-        m_v = o_v < V
-        m_h = m_v[:, None] & m_k[None, :]
-        h_offs = o_v[:, None] * K + o_k[None, :]
-        if C == 1:
-            tau = o_s
-        else:
-            tau = o_s // C
+        gradient (``dh0 [N, H, V, K]``). The loop is written out without nested helpers (their inlined debug scopes put
+        labels in the PTX that can shift ptxas' register allocation); the loads keep each variant's order of masks."""
+        i_bh, i_h, bos, T, NT, boc, o_i, o_s, tau, o_k, o_v, m_k, m_v, m_h, h_offs = _sweep_program(
+            cu_seqlens, chunk_offsets, T, NT, H, K, V, C, BT, BS, BK, BV, IS_VARLEN)
         dh = tl.zeros([BV, BK], dtype=tl.float32)
         if HAS_DHT:
             dh += tl.load(dht + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
@@ -164,13 +118,7 @@ if triton is not None:
                     b_gs = b_g
                 else:
                     b_gs = tl.load(g + trow, mask=m_s, other=0.0)
-            last = tl.minimum(T - i_t * BT, BT) - 1
-            if not CHANNEL:
-                g_last = tl.load(g + (bos + i_t * BT + last) * H + i_h)
-            elif C == 1:
-                g_last = tl.load(g + (bos + i_t * BT + last) * H * K + i_h * K + o_k, mask=m_k, other=0.0)
-            else:
-                g_last = tl.load(g + ((bos + i_t * BT + last) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+            last, g_last = _last_gate(g, bos, i_t, i_h, T, H, K, C, BT, o_k, m_k, CHANNEL)
             if READ_TOKEN:
                 b_gq = b_g
             elif CHANNEL:

@@ -3,15 +3,11 @@ head or channel-wise, read token or read chunk; fla's ``chunk_o`` stage).
 """
 from __future__ import annotations
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
+from atlaslab.kernels.common.lang import tl, triton
 
 if triton is not None:
-    from atlaslab.kernels.common.index import (causal_mask, _chunk_row, chunk_span, load_gates, load_tile, read_gate,
-                                               slot_rows, slot_tokens, token_rows)
+    from atlaslab.kernels.common.index import (causal_mask, _chunk_row, chunk_rows, chunk_span, load_gates, load_tile,
+                                               read_gate, state_block)
     from atlaslab.kernels.common.decay import _channel_scores, _masked_decay
 
     @triton.jit
@@ -44,13 +40,8 @@ if triton is not None:
         boc = i_c.to(tl.int64) - i_t      # global index of the sequence's first chunk (rows of hs / dhs)
         o_i = tl.arange(0, BT)
         o_s = tl.arange(0, BS)
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_k = o_k < K
-        m_v = o_v < V
-        m_t, rows = token_rows(o_i, bos, i_t, i_h, T, H, BT)
-        tau = slot_tokens(o_s, C)
-        m_s, srow, trow = slot_rows(bos, i_t, i_h, o_s, tau, T, H, C, BT)
+        o_k, o_v, m_k, m_v, m_h, h_offs = state_block(i_v, K, V, BK, BV)
+        m_t, rows, tau, m_s, srow, trow = chunk_rows(o_i, o_s, bos, i_t, i_h, T, H, C, BT)
         m_tk = m_t[:, None] & m_k[None, :]
         b_q = load_tile(q, rows, o_k, K, m_tk)
         b_x = tl.load(k + srow[:, None] * K + o_k[None, :], mask=m_s[:, None] & m_k[None, :], other=0.0).to(tl.float32)
@@ -59,7 +50,7 @@ if triton is not None:
         causal = causal_mask(o_i, tau, m_s, C, not READ_TOKEN)        # (per head only)
         b_w = tl.load(w + srow[:, None] * V + o_v[None, :], mask=m_s[:, None] & m_v[None, :], other=0.0)
         h = tl.load(hs + (_chunk_row(i_c, i_t, boc, C) * H + i_h) * V * K + o_v[:, None] * K + o_k[None, :],
-                    mask=m_v[:, None] & m_k[None, :], other=0.0)
+                    mask=m_v[:, None] & m_k[None, :], other=0.0)     # (formed as the builds have it)
         if CHANNEL:
             b_o = tl.dot(b_q * tl.exp(b_gq), tl.trans(h), input_precision=PRECISION)
         else:

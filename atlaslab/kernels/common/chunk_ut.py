@@ -3,11 +3,7 @@ the pseudo-keys / values it gives (:func:`atlaslab.kernels.delta_rule.naive.delt
 """
 from __future__ import annotations
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
+from atlaslab.kernels.common.lang import tl, triton
 
 if triton is not None:
     from atlaslab.kernels.common.decay import _decayed_dot, _slot_decayed_dot

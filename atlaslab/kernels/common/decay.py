@@ -3,11 +3,7 @@
 """
 from __future__ import annotations
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
+from atlaslab.kernels.common.lang import tl, triton
 
 if triton is not None:
 
@@ -27,6 +23,17 @@ if triton is not None:
         return tl.sum(tl.where(sel[:, None], x, 0.0), axis=0)
 
     @triton.jit
+    def _causal_column(o_i, s, STRICT: tl.constexpr):
+        """Column s of a chunk's causal mask: (sel, the one-hot [BT] mask of token s; rows, the tokens t that see
+        it: t > s (STRICT) or t ≥ s)."""
+        sel = o_i == s
+        if STRICT:
+            rows = o_i > s
+        else:
+            rows = o_i >= s
+        return sel, rows
+
+    @triton.jit
     def _decayed_dot(x, y, a, b, o_i, BT: tl.constexpr, STRICT: tl.constexpr):
         """M[t, s] = Σ_c x[t, c] y[s, c] e^{a[t, c] − b[s, c]} for s < t (STRICT) or s ≤ t, else 0. [BT, BT].
 
@@ -35,11 +42,7 @@ if triton is not None:
         exp(−b) = inf, which times its zero x is NaN in the column sums of the backward."""
         M = tl.zeros([BT, BT], dtype=tl.float32)
         for s in range(0, BT):
-            sel = o_i == s
-            if STRICT:
-                rows = o_i > s
-            else:
-                rows = o_i >= s
+            sel, rows = _causal_column(o_i, s, STRICT)
             e = tl.exp(tl.minimum(tl.where(rows[:, None], a - _row(b, sel)[None, :], 0.0), 0.0))
             col = tl.sum(x * _row(y, sel)[None, :] * e, axis=1)
             M = tl.where(sel[None, :] & rows[:, None], col[:, None], M)
@@ -52,11 +55,7 @@ if triton is not None:
         R = tl.zeros_like(x)
         C = tl.zeros_like(x)
         for s in range(0, BT):
-            sel = o_i == s
-            if STRICT:
-                rows = o_i > s
-            else:
-                rows = o_i >= s
+            sel, rows = _causal_column(o_i, s, STRICT)
             d_s = tl.where(rows, tl.sum(tl.where(sel[None, :], D, 0.0), axis=1), 0.0)
             e = tl.exp(tl.minimum(tl.where(rows[:, None], a - _row(b, sel)[None, :], 0.0), 0.0))
             R += d_s[:, None] * _row(y, sel)[None, :] * e

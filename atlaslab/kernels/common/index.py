@@ -8,11 +8,7 @@ themselves for C = 1, the BT·C window slots for C > 1; rows ``srow``, their tok
 """
 from __future__ import annotations
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
+from atlaslab.kernels.common.lang import tl, triton
 
 if triton is not None:
 
@@ -32,6 +28,19 @@ if triton is not None:
         return i_t, bos, T
 
     @triton.jit
+    def chunk_program(cu_seqlens, chunk_indices, T, NT, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                      IS_VARLEN: tl.constexpr):
+        """Set-up of a per-chunk program (grid: global chunk × head, all chunks of all sequences in one launch):
+        (i_c, i_h, :func:`chunk_span`'s i_t, bos, T, o_i = arange(BT), o_k = arange(BK), m_k)."""
+        i_c = tl.program_id(0)
+        i_h = tl.program_id(1)
+        i_t, bos, T = chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
+        o_i = tl.arange(0, BT)
+        o_k = tl.arange(0, BK)
+        m_k = o_k < K
+        return i_c, i_h, i_t, bos, T, o_i, o_k, m_k
+
+    @triton.jit
     def sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
         """Sequence ``i_n``'s (first row, length, chunks, first chunk row) for the sequential sweeps."""
         if IS_VARLEN:
@@ -43,6 +52,48 @@ if triton is not None:
             bos = i_n.to(tl.int64) * T
             boc = i_n.to(tl.int64) * NT
         return bos, T, NT, boc
+
+    @triton.jit
+    def sweep_span(cu_seqlens, chunk_offsets, T, NT, H: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+        """Where a sequential sweep program (grid: value block × sequence·head) works: (i_v its value block, i_bh
+        the state row, i_h, and :func:`sequence_span`'s first row bos, length T, chunks NT, first chunk row boc)."""
+        i_v = tl.program_id(0)
+        i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
+        i_n = i_bh // H
+        i_h = i_bh % H
+        bos, T, NT, boc = sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
+        return i_v, i_bh, i_h, bos, T, NT, boc
+
+    @triton.jit
+    def state_rows(H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+        """A token-by-token program's state block (grid: value block × sequence·head): (i_v, i_nh the state row,
+        i_n its sequence, i_h, :func:`state_block`'s o_k, o_v, m_k, m_v, m_h, and state_offs, the block's offsets
+        in the ``[N, H, V, K]`` states)."""
+        i_v = tl.program_id(0)
+        i_nh = tl.program_id(1)
+        i_n = i_nh // H
+        i_h = i_nh % H
+        o_k, o_v, m_k, m_v, m_h, h_offs = state_block(i_v, K, V, BK, BV)
+        state_offs = i_nh.to(tl.int64) * V * K + h_offs
+        return i_v, i_nh, i_n, i_h, o_k, o_v, m_k, m_v, m_h, state_offs
+
+    @triton.jit
+    def recurrent_program(h0, cu_seqlens, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                          BV: tl.constexpr, HAS_H0: tl.constexpr, IS_VARLEN: tl.constexpr):
+        """Set-up of a token-by-token program over one sequence of packed (``cu_seqlens``) or equal ones: (i_h, the
+        sequence's first row bos and its length, :func:`state_rows`' o_k, o_v, m_k, m_v, m_h, state_offs, and the
+        block's fp32 rows of the initial state h ``[BV, BK]`` (0 without ``HAS_H0``))."""
+        i_v, i_nh, i_n, i_h, o_k, o_v, m_k, m_v, m_h, state_offs = state_rows(H, K, V, BK, BV)
+        if IS_VARLEN:
+            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+            length = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+        else:
+            bos = i_n.to(tl.int64) * T
+            length = T
+        h = tl.zeros([BV, BK], dtype=tl.float32)
+        if HAS_H0:
+            h += tl.load(h0 + state_offs, mask=m_h, other=0.0).to(tl.float32)
+        return i_h, bos, length, o_k, o_v, m_k, m_v, m_h, state_offs, h
 
     @triton.jit
     def load_tile(ptr, rows, cols, N, mask):
@@ -66,6 +117,18 @@ if triton is not None:
     def _put_state(ptr, row, h_offs, m_h, V: tl.constexpr, K: tl.constexpr, x):
         """Stores the value block x ``[BV, BK]`` as state ``row`` (layout of :func:`_state_tile`)."""
         tl.store(ptr + row * V * K + h_offs, x, mask=m_h)
+
+    @triton.jit
+    def state_block(i_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+        """Value block i_v of a ``[V, K]`` state: (o_k = arange(BK), o_v = its BV value rows, m_k, m_v, m_h the
+        ``[BV, BK]`` mask, h_offs = o_v·K + o_k the block's offsets within one state)."""
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k = o_k < K
+        m_v = o_v < V
+        m_h = m_v[:, None] & m_k[None, :]
+        h_offs = o_v[:, None] * K + o_k[None, :]
+        return o_k, o_v, m_k, m_v, m_h, h_offs
 
     @triton.jit
     def token_rows(o_i, bos, i_t, i_h, T, H: tl.constexpr, BT: tl.constexpr):
@@ -103,6 +166,15 @@ if triton is not None:
         return m_s, srow, trow
 
     @triton.jit
+    def chunk_rows(o_i, o_s, bos, i_t, i_h, T, H: tl.constexpr, C: tl.constexpr, BT: tl.constexpr):
+        """Chunk i_t's rows: its tokens (:func:`token_rows`: m_t, rows) and its write rows (:func:`slot_tokens`,
+        :func:`slot_rows`: tau, m_s, srow, trow) for o_i = arange(BT), o_s = arange(BS)."""
+        m_t, rows = token_rows(o_i, bos, i_t, i_h, T, H, BT)
+        tau = slot_tokens(o_s, C)
+        m_s, srow, trow = slot_rows(bos, i_t, i_h, o_s, tau, T, H, C, BT)
+        return m_t, rows, tau, m_s, srow, trow
+
+    @triton.jit
     def _sweep_program(cu_seqlens, chunk_offsets, T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        C: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        IS_VARLEN: tl.constexpr):
@@ -110,19 +182,10 @@ if triton is not None:
         sequence's first row bos, length T, chunks NT, first chunk row boc, o_i = arange(BT) (a chunk's tokens),
         o_s = arange(BS) (its write rows), tau = their local tokens, o_k, o_v (this value block), m_k, m_v, and
         m_h, h_offs: a ``[BV, BK]`` state block's mask and offsets o_v·K + o_k)."""
-        i_v = tl.program_id(0)
-        i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
-        i_n = i_bh // H
-        i_h = i_bh % H
-        bos, T, NT, boc = sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
+        i_v, i_bh, i_h, bos, T, NT, boc = sweep_span(cu_seqlens, chunk_offsets, T, NT, H, BT, IS_VARLEN)
         o_i = tl.arange(0, BT)
         o_s = tl.arange(0, BS)
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_k = o_k < K
-        m_v = o_v < V
-        m_h = m_v[:, None] & m_k[None, :]
-        h_offs = o_v[:, None] * K + o_k[None, :]
+        o_k, o_v, m_k, m_v, m_h, h_offs = state_block(i_v, K, V, BK, BV)
         tau = slot_tokens(o_s, C)
         return i_bh, i_h, bos, T, NT, boc, o_i, o_s, tau, o_k, o_v, m_k, m_v, m_h, h_offs
 
@@ -153,7 +216,8 @@ if triton is not None:
     def read_gate(b_g, la, rows, m_t, o_k, m_k, K: tl.constexpr, HAS_ALPHA: tl.constexpr,
                    READ_TOKEN: tl.constexpr, CHANNEL: tl.constexpr):
         """gq, the log-decay a read sees: g for read token (o_t = S_t q_t), g − log α for read chunk
-        (o_t = S_{t−1} q_t); shape of b_g."""
+        (o_t = S_{t−1} q_t); shape of b_g. With READ_TOKEN = before_step, at the window slots' rows, it is also
+        the write gate G of :func:`_write_gate` (g before_step, g − log α after_step) loading log α itself."""
         if READ_TOKEN:
             b_gq = b_g
         elif HAS_ALPHA:

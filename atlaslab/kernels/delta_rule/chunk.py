@@ -18,24 +18,35 @@ from typing import Optional, Tuple
 
 import torch
 
+from atlaslab.kernels.common.lang import tl, triton
 from atlaslab.kernels.delta_rule.naive import check_args, delta_rule_chunk
 from atlaslab.kernels.utils import (ChunkLayout, check_head_dims, dot_precision, log_decay, log_gate_grad, pow2,
                                    reference_backward, with_torch_fallback)
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
-
 
 if triton is not None:
-    from atlaslab.kernels.common.index import (chunk_span, load_tile, load_vec, _put_state, _state_tile, _sweep_program,
-                                               token_rows, _write_gate)
+    from atlaslab.kernels.common.index import (chunk_program, chunk_span, load_tile, load_vec, _put_state, _state_tile,
+                                               _sweep_program, token_rows, _write_gate)
     from atlaslab.kernels.common.chunk_ut import ut_solve
     from atlaslab.kernels.common.chunk_h import dh_sweep, state_sweep
     from atlaslab.kernels.common.chunk_o import out_chunk
     from atlaslab.kernels.common.chunk_grad import grad_channel, grad_per_head
+
+    @triton.jit
+    def _token_ut(b_k, v, beta, b_g, b_la, u_out, wk_out, ainv_out, rows, m_t, o_i, o_k, m_k, K: tl.constexpr,
+                  V: tl.constexpr, BT: tl.constexpr, BVV: tl.constexpr, BEFORE: tl.constexpr, STORE_AINV: tl.constexpr,
+                  CHANNEL: tl.constexpr, PRECISION: tl.constexpr):
+        """The ℓ2 UT system of a C = 1 chunk (:func:`ut_solve`, rows = its tokens) from its keys b_k ``[BT, BK]``,
+        g and log α (per head ``[BT]`` or channel-wise ``[BT, BK]``): loads v and β, G = g (before_step) or
+        g − log α (after_step)."""
+        o_v = tl.arange(0, BVV)
+        m_v = o_v < V
+        b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                      other=0.0).to(tl.float32)
+        b_beta = load_vec(beta, rows, m_t)
+        b_G = _write_gate(b_g, b_la, BEFORE)
+        ut_solve(b_k, b_beta, b_v, b_G, b_g, b_g, u_out, wk_out, ainv_out, rows, m_t, o_i, o_i, o_i, o_k, m_k,
+                  o_v, m_v, K, V, 1, BT, BT, STORE_AINV, CHANNEL, PRECISION)
 
     # ------------------------------------------------------------------ the C = 1 kernels (launched by name)
 
@@ -61,17 +72,11 @@ if triton is not None:
         tl.store(g_out + rows, b_g, mask=m_t)
         if IS_L2:
             o_k = tl.arange(0, BK)
-            o_v = tl.arange(0, BVV)
             m_k = o_k < K
-            m_v = o_v < V
             b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
                           other=0.0).to(tl.float32)
-            b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
-                          other=0.0).to(tl.float32)
-            b_beta = load_vec(beta, rows, m_t)
-            b_G = _write_gate(b_g, b_la, BEFORE)
-            ut_solve(b_k, b_beta, b_v, b_G, b_g, b_g, u_out, wk_out, ainv_out, rows, m_t, o_i, o_i, o_i, o_k, m_k,
-                      o_v, m_v, K, V, 1, BT, BT, STORE_AINV, False, PRECISION)
+            _token_ut(b_k, v, beta, b_g, b_la, u_out, wk_out, ainv_out, rows, m_t, o_i, o_k, m_k, K, V, BT, BVV,
+                      BEFORE, STORE_AINV, False, PRECISION)
 
     @triton.jit
     def _cw_ut_kernel(k, v, beta, la, g_out, u_out, wk_out, ainv_out, cu_seqlens, chunk_indices, T, NT,
@@ -81,27 +86,16 @@ if triton is not None:
         """Stage 1, channel-wise: g = chunk-local cumsum of log α per key channel; for l2 the UT system
         (:func:`ut_solve`): A[t, s] = β_t Σ_c k_tc k_sc e^{G_tc − g_sc} (s < t), (I + A)⁻¹, u = (I + A)⁻¹ β v,
         w_k = (I + A)⁻¹ β (k ⊙ e^G)."""
-        i_c = tl.program_id(0)            # global chunk index: all chunks of all sequences in one launch
-        i_h = tl.program_id(1)
-        i_t, bos, T = chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
-        o_i = tl.arange(0, BT)
-        o_k = tl.arange(0, BK)
-        m_k = o_k < K
+        i_c, i_h, i_t, bos, T, o_i, o_k, m_k = chunk_program(cu_seqlens, chunk_indices, T, NT, K, BT, BK, IS_VARLEN)
         m_t, rows = token_rows(o_i, bos, i_t, i_h, T, H, BT)
         m_tk = m_t[:, None] & m_k[None, :]
         b_la = load_tile(la, rows, o_k, K, m_tk)
         b_g = tl.cumsum(b_la, axis=0)
         tl.store(g_out + rows[:, None] * K + o_k[None, :], b_g, mask=m_tk)
         if IS_L2:
-            o_v = tl.arange(0, BVV)
-            m_v = o_v < V
             b_k = load_tile(k, rows, o_k, K, m_tk)
-            b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
-                          other=0.0).to(tl.float32)
-            b_beta = load_vec(beta, rows, m_t)
-            b_G = _write_gate(b_g, b_la, BEFORE)
-            ut_solve(b_k, b_beta, b_v, b_G, b_g, b_g, u_out, wk_out, ainv_out, rows, m_t, o_i, o_i, o_i, o_k, m_k,
-                      o_v, m_v, K, V, 1, BT, BT, STORE_AINV, True, PRECISION)
+            _token_ut(b_k, v, beta, b_g, b_la, u_out, wk_out, ainv_out, rows, m_t, o_i, o_k, m_k, K, V, BT, BVV,
+                      BEFORE, STORE_AINV, True, PRECISION)
 
     @triton.jit
     def _chunk_state_kernel(k, v, beta, g, u, wk, h0, w_out, hs, ht, cu_seqlens, chunk_offsets, T, NT,

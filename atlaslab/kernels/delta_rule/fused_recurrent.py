@@ -21,18 +21,14 @@ from typing import Optional, Tuple
 
 import torch
 
+from atlaslab.kernels.common.lang import tl, triton
 from atlaslab.kernels.delta_rule import chunk
 from atlaslab.kernels.delta_rule.naive import check_args, delta_rule_chunk
 from atlaslab.kernels.utils import check_head_dims, pow2, reference_backward
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
-
 
 if triton is not None:
+    from atlaslab.kernels.common.index import recurrent_program
 
     @triton.jit
     def _fused_recurrent_kernel(q, k, v, beta, alpha, h0, o, ht, cu_seqlens, T, H: tl.constexpr,
@@ -41,26 +37,8 @@ if triton is not None:
                                 STORE_FINAL: tl.constexpr,
                                 IS_L2: tl.constexpr, BEFORE: tl.constexpr, READ_TOKEN: tl.constexpr,
                                 IS_VARLEN: tl.constexpr):
-        i_v = tl.program_id(0)
-        i_nh = tl.program_id(1)
-        i_n = i_nh // H
-        i_h = i_nh % H
-        if IS_VARLEN:
-            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-            eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-            length = eos - bos
-        else:
-            bos = i_n.to(tl.int64) * T
-            length = T
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_k = o_k < K
-        m_v = o_v < V
-        m_h = m_v[:, None] & m_k[None, :]
-        state_offs = i_nh.to(tl.int64) * V * K + o_v[:, None] * K + o_k[None, :]
-        h = tl.zeros([BV, BK], dtype=tl.float32)
-        if HAS_H0:
-            h += tl.load(h0 + state_offs, mask=m_h, other=0.0).to(tl.float32)
+        i_h, bos, length, o_k, o_v, m_k, m_v, m_h, state_offs, h = recurrent_program(
+            h0, cu_seqlens, T, H, K, V, BK, BV, HAS_H0, IS_VARLEN)
         for t in range(0, length):
             row = (bos + t) * H + i_h                       # flat (token, head) index of [B, T, H, ...]
             b_q = tl.load(q + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
@@ -92,29 +70,43 @@ if triton is not None:
             tl.store(ht + state_offs, h.to(ht.dtype.element_ty), mask=m_h)
 
 
+#: fp32 state elements (BV × BK) one program of the token-by-token delta and window kernels keeps in registers
+STATE_BLOCK = 8192
+
+
+def recurrent_launch(q, alpha, initial_state, cu_seqlens, N: int, V: int, *, bias, placement, read,
+                     output_final_state):
+    """The launch set-up the token-by-token delta and window kernels share: ``(alpha, h0, ht, grid, meta)`` with
+    alpha, h0 contiguous (or None), ``ht`` the fp32 final states ``[N, H, D_v, D_k]`` to fill (or None), the grid
+    (value block × sequence·head) and the sizes and constexpr flags. One program holds whole state rows (D_k ≤
+    :data:`MAX_D <atlaslab.kernels.utils.MAX_D>`), D_v in blocks of ≤ :data:`STATE_BLOCK` elements."""
+    H, K = q.shape[2], q.shape[3]
+    check_head_dims("fused_recurrent", K)
+    alpha = alpha.contiguous() if alpha is not None else None
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    ht = torch.empty(N, H, V, K, dtype=torch.float32, device=q.device) if output_final_state else None
+    BK = pow2(K, 16)
+    BV = min(pow2(V, 16), max(16, STATE_BLOCK // BK))
+    meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, HAS_ALPHA=alpha is not None,
+                CHANNEL=alpha is not None and alpha.dim() == 4, HAS_H0=h0 is not None, STORE_FINAL=ht is not None,
+                IS_L2=bias == "l2", BEFORE=placement == "before_step", READ_TOKEN=read == "token",
+                IS_VARLEN=cu_seqlens is not None, num_warps=4)
+    return alpha, h0, ht, (triton.cdiv(V, BV), N * H), meta
+
+
 def fused_recurrent_forward(q, k, v, beta, alpha=None, initial_state=None, *, bias="l2", placement="before_step",
                             read="token", cu_seqlens=None, output_final_state=True):
     """The kernel alone (no autograd); arguments as :func:`fused_recurrent_delta_rule`."""
     N = check_args(q, k, v, beta, alpha, initial_state, bias, placement, read, cu_seqlens)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    check_head_dims("fused_recurrent", K)              # one program holds whole state rows (D_v in blocks)
     q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
-    alpha = alpha.contiguous() if alpha is not None else None
-    h0 = initial_state.contiguous() if initial_state is not None else None
+    alpha, h0, ht, grid, meta = recurrent_launch(q, alpha, initial_state, cu_seqlens, N, v.shape[-1], bias=bias,
+                                                 placement=placement, read=read,
+                                                 output_final_state=output_final_state)
     o = torch.empty_like(v)
-    ht = torch.empty(N, H, V, K, dtype=torch.float32, device=q.device) if output_final_state else None
-    BK = pow2(K, 16)
-    BV = min(pow2(V, 16), max(16, 8192 // BK))       # ≤ 8K fp32 state elements per program
-    grid = (triton.cdiv(V, BV), N * H)
     dummy = q   # never read: the constexpr flags skip the loads
     _fused_recurrent_kernel[grid](
         q, k, v, beta, alpha if alpha is not None else dummy, h0 if h0 is not None else dummy, o,
-        ht if ht is not None else dummy, cu_seqlens if cu_seqlens is not None else dummy, T,
-        H=H, K=K, V=V, BK=BK, BV=BV, HAS_ALPHA=alpha is not None, CHANNEL=alpha is not None and alpha.dim() == 4,
-        HAS_H0=h0 is not None,
-        STORE_FINAL=ht is not None, IS_L2=bias == "l2", BEFORE=placement == "before_step",
-        READ_TOKEN=read == "token", IS_VARLEN=cu_seqlens is not None, num_warps=4)
+        ht if ht is not None else dummy, cu_seqlens if cu_seqlens is not None else dummy, q.shape[1], **meta)
     if ht is not None:
         ht = ht.to(initial_state.dtype if initial_state is not None else q.dtype)
     return o, ht

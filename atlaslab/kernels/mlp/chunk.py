@@ -14,14 +14,9 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
+from atlaslab.kernels.common.lang import tl, triton
 from atlaslab.kernels.mlp.naive import ACTIVATIONS, Outputs, check_args, mlp_chunk_reference
 from atlaslab.kernels.utils import MAX_D, dot_precision, pow2, reference_backward
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
 
 MAX_W = 128
 #: the hidden units one program of the update kernel owns (at most)

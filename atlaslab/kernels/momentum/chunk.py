@@ -16,14 +16,10 @@ from typing import Optional, Tuple
 
 import torch
 
+from atlaslab.kernels.common.lang import triton
 from atlaslab.kernels.momentum.naive import check_args, momentum_chunk_reference
 from atlaslab.kernels.utils import (ChunkLayout, check_head_dims, dot_precision, log_gate, pow2, prepare_chunk_indices,
                                     reference_backward, with_torch_fallback)
-
-try:
-    import triton
-except ImportError:  # pragma: no cover
-    triton = None
 
 if triton is not None:
     from atlaslab.kernels.momentum.chunk_bwd import _mom_bwd_grad_kernel, _mom_bwd_state_kernel, _mom_cw_gate_kernel

@@ -4,14 +4,10 @@ in the same loops as the coefficients (docs/kernels.md#momentum).
 """
 from __future__ import annotations
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
+from atlaslab.kernels.common.lang import tl, triton
 
 if triton is not None:
-    from atlaslab.kernels.common.index import chunk_span, sequence_span
+    from atlaslab.kernels.common.index import chunk_program, sweep_span, state_block
     from atlaslab.kernels.momentum.chunk_fwd import _cw_chunk_head, _cw_theta_row
 
     @triton.jit
@@ -26,19 +22,10 @@ if triton is not None:
         dM ← P_L dM + (P ⊙ dO)ᵀ q + [ℓ2] dEᵀ k (before_step: (P ⊙ dE)ᵀ k)   (read chunk: dOᵀ q);
         dS ← Q_L dM + Θ_L dS + (Q ⊙ dO)ᵀ q.  ``CHANNEL``: dE = Wᵀ dO + (k ⊙ a_end) dMᵀ + s_end ⊙ (k dSᵀ);
         dM ← dM Diag(P_L) + dOᵀ (q ⊙ P) + [ℓ2] dEᵀ (k [⊙ P, before_step]);  dS ← dM Diag(Q_L) + Θ_L dS + dOᵀ (q ⊙ Q)."""
-        i_v = tl.program_id(0)
-        i_bh = tl.program_id(1)
-        i_n = i_bh // H
-        i_h = i_bh % H
-        bos, T, NT, boc = sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
-        NT = (T + b - 1) // b
+        i_v, i_bh, i_h, bos, T, NT, boc = sweep_span(cu_seqlens, chunk_offsets, T, NT, H, BT, IS_VARLEN)
+        NT = (T + b - 1) // b             # chunks of b tokens (the helper counts BT-token ones)
         o_i = tl.arange(0, BT)
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_k = o_k < K
-        m_v = o_v < V
-        m_h = m_v[:, None] & m_k[None, :]
-        h_offs = o_v[:, None] * K + o_k[None, :]
+        o_k, o_v, m_k, m_v, m_h, h_offs = state_block(i_v, K, V, BK, BV)
         b_dM = tl.zeros([BV, BK], dtype=tl.float32)
         b_dS = tl.zeros([BV, BK], dtype=tl.float32)
         if HAS_DMT:
@@ -130,12 +117,7 @@ if triton is not None:
         (the intra-chunk W terms are added by ``_mom_cw_gate_kernel``), dP = q ⊙ (dO M_a) (+ Σ_v dM ⊙ M_a at L;
         before_step: + k ⊙ (dE M_a)), dQ = q ⊙ (dO S_a) (+ Σ_v dM ⊙ S_a at L), d a_end = k ⊙ (e dM), and G itself
         into ``da``."""
-        i_c = tl.program_id(0)
-        i_h = tl.program_id(1)
-        i_t, bos, T = chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)
-        o_i = tl.arange(0, BT)
-        o_k = tl.arange(0, BK)
-        m_k = o_k < K
+        i_c, i_h, i_t, bos, T, o_i, o_k, m_k = chunk_program(cu_seqlens, chunk_indices, T, NT, K, BT, BK, IS_VARLEN)
         o_t = i_t * b + o_i
         m_t = (o_i < b) & (o_t < T)
         rows = (bos + o_t) * H + i_h
@@ -265,12 +247,7 @@ if triton is not None:
         d log θ ``[B, T, H]`` (:mod:`.chunk`'s docstring): a forward loop over s carrying C_s and a
         reverse loop over r carrying B_r = Â_r + B_{r+1} Diag(α_{r+1}) and R_r = dQ_r + α_{r+1} ⊙ R_{r+1}, then
         reverse cumsums of the log-decay gradients within the chunk."""
-        i_c = tl.program_id(0)
-        i_h = tl.program_id(1)
-        i_t, bos, T = chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)
-        o_i = tl.arange(0, BT)
-        o_k = tl.arange(0, BK)
-        m_k = o_k < K
+        i_c, i_h, i_t, bos, T, o_i, o_k, m_k = chunk_program(cu_seqlens, chunk_indices, T, NT, K, BT, BK, IS_VARLEN)
         n = tl.minimum(T - i_t * b, b)
         m_t = o_i < n
         rows = (bos + i_t * b + o_i) * H + i_h

@@ -4,14 +4,10 @@ output (stage 3) of the TTT / Titans dual form per chunk (docs/kernels.md#moment
 """
 from __future__ import annotations
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
+from atlaslab.kernels.common.lang import tl, triton
 
 if triton is not None:
-    from atlaslab.kernels.common.index import chunk_span, sequence_span
+    from atlaslab.kernels.common.index import chunk_program, chunk_span, sweep_span, state_block
 
     @triton.jit
     def _mom_coef_kernel(q, k, beta, lth, la, p_out, qc_out, th_out, aend_out, send_out, aq_out, a_out,
@@ -95,12 +91,7 @@ if triton is not None:
         a_end = −β ⊙ C_L ``[B, T, H, K]`` by one ``tl.dot``; then a loop over the chunk's rows s carries
         C_s = C_{s−1} Diag(α_s) + D_θ[s, :] ⊗ 1 ([BT, BK]; every factor ≤ 1) and Q_s = α_s ⊙ Q_{s−1} + Θ_s,
         storing Q ``[B, T, H, K]`` and (read token) the read row W[s, :] = −β ⊙ ((C_s ⊙ k) q_s) ``[B, T, H, BT]``."""
-        i_c = tl.program_id(0)
-        i_h = tl.program_id(1)
-        i_t, bos, T = chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)
-        o_i = tl.arange(0, BT)
-        o_k = tl.arange(0, BK)
-        m_k = o_k < K
+        i_c, i_h, i_t, bos, T, o_i, o_k, m_k = chunk_program(cu_seqlens, chunk_indices, T, NT, K, BT, BK, IS_VARLEN)
         n = tl.minimum(T - i_t * b, b)                    # real tokens of this chunk (L = n − 1)
         m_t = o_i < n
         rows = (bos + i_t * b + o_i) * H + i_h
@@ -136,19 +127,10 @@ if triton is not None:
         M ← P_L M + Q_L S + (a_end ⊙ e)ᵀ k and S ← Θ_L S + (s_end ⊙ e)ᵀ k; the last (M, S) → ``mt, st [N, H, V, K]``.
         ``CHANNEL`` (p, qc, aend ``[B, T, H, K]``): e = (k ⊙ P) M_aᵀ − v (before_step),
         M ← M Diag(P_L) + S Diag(Q_L) + eᵀ (k ⊙ a_end)."""
-        i_v = tl.program_id(0)
-        i_bh = tl.program_id(1)           # sequence × head (rows of the initial / final states)
-        i_n = i_bh // H
-        i_h = i_bh % H
-        bos, T, NT, boc = sequence_span(cu_seqlens, chunk_offsets, i_n, T, NT, BT, IS_VARLEN)
+        i_v, i_bh, i_h, bos, T, NT, boc = sweep_span(cu_seqlens, chunk_offsets, T, NT, H, BT, IS_VARLEN)
         NT = (T + b - 1) // b             # chunks of b tokens (the helper counts BT-token ones)
         o_i = tl.arange(0, BT)
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_k = o_k < K
-        m_v = o_v < V
-        m_h = m_v[:, None] & m_k[None, :]
-        h_offs = o_v[:, None] * K + o_k[None, :]
+        o_k, o_v, m_k, m_v, m_h, h_offs = state_block(i_v, K, V, BK, BV)
         b_M = tl.load(m0 + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
         b_S = tl.load(s0 + i_bh.to(tl.int64) * V * K + h_offs, mask=m_h, other=0.0).to(tl.float32)
         for i_t in range(0, NT):
@@ -218,16 +200,12 @@ if triton is not None:
         i_h = tl.program_id(2)
         i_t, bos, T = chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)
         o_i = tl.arange(0, BT)
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_k = o_k < K
-        m_v = o_v < V
-        m_h = m_v[:, None] & m_k[None, :]
+        o_k, o_v, m_k, m_v, m_h, h_offs = state_block(i_v, K, V, BK, BV)
         o_t = i_t * b + o_i
         m_t = (o_i < b) & (o_t < T)
         rows = (bos + o_t) * H + i_h
         m_tv = m_t[:, None] & m_v[None, :]
-        h_offs = (i_c.to(tl.int64) * H + i_h) * V * K + o_v[:, None] * K + o_k[None, :]
+        h_offs = (i_c.to(tl.int64) * H + i_h) * V * K + o_v[:, None] * K + o_k[None, :]   # the chunk's (M_a, S_a)
         b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
                       other=0.0).to(tl.float32)
         b_M = tl.load(hm + h_offs, mask=m_h, other=0.0)

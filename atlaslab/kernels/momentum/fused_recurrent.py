@@ -16,14 +16,9 @@ from typing import Optional, Tuple
 
 import torch
 
+from atlaslab.kernels.common.lang import tl, triton
 from atlaslab.kernels.momentum.naive import check_recurrent_args, momentum_recurrent_reference
 from atlaslab.kernels.utils import pow2, reference_backward
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
 
 #: fp32 elements of each state block one program holds: three in the forward (M, S, M_a), seven in the backward
 #: (dM, dS, dM_a, M_{t−1}, S_{t−1}, M_a, M_t); sized so that neither spills registers on sm_90 at D_k = 128
@@ -35,6 +30,7 @@ STATE_BLOCK_BWD = 1024
 # ------------------------------------------------------------------------------------------ Triton kernel
 
 if triton is not None:
+    from atlaslab.kernels.common.index import state_rows
 
     @triton.jit
     def _load_alpha(alpha, row, o_k, m_k, K: tl.constexpr, HAS_ALPHA: tl.constexpr, CHANNEL: tl.constexpr):
@@ -62,16 +58,7 @@ if triton is not None:
         recompute) also writes every token's pre-step M_{t−1}, S_{t−1} and anchor M_a ``[B, T, H, D_v, D_k]`` and
         P before α_t, P̃_t ``[B, T, H]``. ``CHANNEL``: channel-wise α (``alpha [B, T, H, D_k]``, P a ``[BK]``
         vector, ``p0, pt [B, H, D_k]``, P̃ ``[B, T, H, D_k]``): M ← M Diag(α_t) + S, gradient at M_a Diag(P)."""
-        i_v = tl.program_id(0)
-        i_bh = tl.program_id(1)
-        i_b = i_bh // H
-        i_h = i_bh % H
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_k = o_k < K
-        m_v = o_v < V
-        m_h = m_v[:, None] & m_k[None, :]
-        state_offs = i_bh.to(tl.int64) * V * K + o_v[:, None] * K + o_k[None, :]
+        i_v, i_bh, i_b, i_h, o_k, o_v, m_k, m_v, m_h, state_offs = state_rows(H, K, V, BK, BV)
         b_M = tl.load(m0 + state_offs, mask=m_h, other=0.0).to(tl.float32)
         b_S = tl.load(s0 + state_offs, mask=m_h, other=0.0).to(tl.float32)
         b_A = tl.load(a0 + state_offs, mask=m_h, other=0.0).to(tl.float32)
@@ -140,16 +127,7 @@ if triton is not None:
         backward). Reductions over D_v (dq, dk, dβ, dθ, dα, dP_0) are written per value block (leading ``[NV]``) and
         summed in torch; dv and the initial states' gradients are per row. ``CHANNEL``: channel-wise α, dP and dα
         per key channel (``[BK]``; dα ``[NV, B, T, H, D_k]``, dP_0 ``[NV, B, H, D_k]``)."""
-        i_v = tl.program_id(0)
-        i_bh = tl.program_id(1)
-        i_b = i_bh // H
-        i_h = i_bh % H
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_k = o_k < K
-        m_v = o_v < V
-        m_h = m_v[:, None] & m_k[None, :]
-        state_offs = i_bh.to(tl.int64) * V * K + o_v[:, None] * K + o_k[None, :]
+        i_v, i_bh, i_b, i_h, o_k, o_v, m_k, m_v, m_h, state_offs = state_rows(H, K, V, BK, BV)
         part = i_v.to(tl.int64) * B * T * H                 # this value block's slice of the [NV, B, T, H, ...] sums
         b_dM = tl.zeros([BV, BK], dtype=tl.float32)
         b_dS = tl.zeros([BV, BK], dtype=tl.float32)

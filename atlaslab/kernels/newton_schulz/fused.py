@@ -16,15 +16,10 @@ from typing import Optional
 
 import torch
 
+from atlaslab.kernels.common.lang import tl, triton
 from atlaslab.kernels.newton_schulz.naive import MUON_COEFFICIENTS
 from atlaslab.kernels.newton_schulz.naive import newton_schulz as newton_schulz_torch
 from atlaslab.kernels.utils import dot_precision, pow2, reference_backward, with_torch_fallback
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - the package imports without triton; callers check available()
-    triton = None
 
 #: Largest padded tile (rows × cols after transposing to wide) kept in one program.
 MAX_TILE = 128 * 128
@@ -76,17 +71,24 @@ def supports(s: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _ns_kernel(X_ptr, Y_ptr, Xs_ptr, N_ptr, R, C, stride_b, stride_r, stride_c, eps, ca, cb, cc, scale,
-                   STEPS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, LOW: tl.constexpr,
-                   PRECISION: tl.constexpr, SAVE: tl.constexpr):
-        """One matrix per program. ``stride_r``/``stride_c`` address the (already transposed) wide view.
-        With ``SAVE``: X_i → ``Xs[pid, i]`` (padded fp32 tiles, i < max(STEPS, 1)) and ‖S‖_F → ``N[pid]``."""
+    def _matrix_tile(R, C, stride_b, stride_r, stride_c, BR: tl.constexpr, BC: tl.constexpr):
+        """Program pid's matrix (one per program): (pid, the ``[BR, BC]`` mask of its R × C entries, their offsets
+        in the strided wide view, their offsets in a padded fp32 ``[BR, BC]`` tile)."""
         pid = tl.program_id(0).to(tl.int64)
         rows = tl.arange(0, BR)
         cols = tl.arange(0, BC)
         mask = (rows[:, None] < R) & (cols[None, :] < C)
         offs = pid * stride_b + rows[:, None] * stride_r + cols[None, :] * stride_c
         tile = rows[:, None] * BC + cols[None, :]
+        return pid, mask, offs, tile
+
+    @triton.jit
+    def _ns_kernel(X_ptr, Y_ptr, Xs_ptr, N_ptr, R, C, stride_b, stride_r, stride_c, eps, ca, cb, cc, scale,
+                   STEPS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, LOW: tl.constexpr,
+                   PRECISION: tl.constexpr, SAVE: tl.constexpr):
+        """One matrix per program. ``stride_r``/``stride_c`` address the (already transposed) wide view.
+        With ``SAVE``: X_i → ``Xs[pid, i]`` (padded fp32 tiles, i < max(STEPS, 1)) and ‖S‖_F → ``N[pid]``."""
+        pid, mask, offs, tile = _matrix_tile(R, C, stride_b, stride_r, stride_c, BR, BC)
         x = tl.load(X_ptr + offs, mask=mask, other=0.0).to(tl.float32)   # zero padding stays zero
         norm = tl.sqrt(tl.sum(tl.sum(x * x, axis=1), axis=0))
         x = x / (norm + eps)
@@ -116,12 +118,7 @@ if triton is not None:
                        PRECISION: tl.constexpr):
         """One matrix per program: Ḡ = σ dY, the steps' adjoints in reverse, then the normalisation's
         (module docstring). ``DY``/``DS`` share the wide-view strides; ``Xs``: ``[n, NSAVE, BR, BC]`` fp32."""
-        pid = tl.program_id(0).to(tl.int64)
-        rows = tl.arange(0, BR)
-        cols = tl.arange(0, BC)
-        mask = (rows[:, None] < R) & (cols[None, :] < C)
-        offs = pid * stride_b + rows[:, None] * stride_r + cols[None, :] * stride_c
-        tile = rows[:, None] * BC + cols[None, :]
+        pid, mask, offs, tile = _matrix_tile(R, C, stride_b, stride_r, stride_c, BR, BC)
         g = tl.load(DY_ptr + offs, mask=mask, other=0.0).to(tl.float32) * scale
         for j in range(STEPS):
             x = tl.load(Xs_ptr + (pid * NSAVE + (STEPS - 1 - j)) * BR * BC + tile)

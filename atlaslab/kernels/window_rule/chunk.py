@@ -13,17 +13,12 @@ from typing import Optional, Tuple
 
 import torch
 
+from atlaslab.kernels.common.lang import tl, triton
 from atlaslab.kernels.delta_rule import chunk as delta_chunk
 from atlaslab.kernels.delta_rule.chunk import value_block
 from atlaslab.kernels.utils import (ChunkLayout, check_head_dims, dot_precision, log_decay, log_gate_grad, pow2,
                                    reference_backward, with_torch_fallback)
 from atlaslab.kernels.window_rule.naive import MAX_WINDOW, check_window_args, window_rule_chunk
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
 
 if triton is not None:
     # the shared stage bodies and pieces (C = 1 and window, per-head and channel-wise decay): kernels/common
@@ -31,8 +26,8 @@ if triton is not None:
     from atlaslab.kernels.common.chunk_h import dh_sweep, state_sweep
     from atlaslab.kernels.common.chunk_o import out_chunk, read_scores
     from atlaslab.kernels.common.chunk_ut import ut_solve
-    from atlaslab.kernels.common.index import (causal_mask, chunk_span, load_gates, load_tile, load_vec, read_gate,
-                                               slot_rows, slot_tokens, token_rows)
+    from atlaslab.kernels.common.index import (causal_mask, chunk_rows, chunk_span, load_gates, load_tile, load_vec,
+                                               read_gate, state_block)
 
     @triton.jit
     def _win_ut(xs, vs, coef, la, g, u_out, wk_out, ainv_out, cu_seqlens, chunk_indices, T, NT, H: tl.constexpr,
@@ -47,13 +42,8 @@ if triton is not None:
         i_t, bos, T = chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
         o_i = tl.arange(0, BT)
         o_s = tl.arange(0, BS)
-        o_k = tl.arange(0, BK)
-        o_v = tl.arange(0, BVV)
-        m_k = o_k < K
-        m_v = o_v < V
-        m_t, rows = token_rows(o_i, bos, i_t, i_h, T, H, BT)
-        tau = slot_tokens(o_s, C)
-        m_s, srow, trow = slot_rows(bos, i_t, i_h, o_s, tau, T, H, C, BT)
+        o_k, o_v, m_k, m_v, m_h, h_offs = state_block(0, K, V, BK, BVV)     # all the values: one block of BVV
+        m_t, rows, tau, m_s, srow, trow = chunk_rows(o_i, o_s, bos, i_t, i_h, T, H, C, BT)
         if CHANNEL:
             m_sk = m_s[:, None] & m_k[None, :]
             b_x = load_tile(xs, srow, o_k, K, m_sk)
@@ -67,12 +57,7 @@ if triton is not None:
         b_gs = load_gates(g, trow, m_s, o_k, m_k, K, CHANNEL)
         if not CHANNEL:
             b_g = b_gs
-        if BEFORE:
-            b_G = b_gs
-        elif HAS_ALPHA:
-            b_G = b_gs - load_gates(la, trow, m_s, o_k, m_k, K, CHANNEL)
-        else:
-            b_G = b_gs
+        b_G = read_gate(b_gs, la, trow, m_s, o_k, m_k, K, HAS_ALPHA, BEFORE, CHANNEL)   # (G has gq's form)
         ut_solve(b_x, b_c, b_v, b_G, b_gs, b_g, u_out, wk_out, ainv_out, srow, m_s, o_i, tau, o_s, o_k, m_k, o_v,
                   m_v, K, V, C, BT, BS, STORE_AINV, CHANNEL, PRECISION)
 
@@ -110,13 +95,8 @@ if triton is not None:
         i_t, bos, T = chunk_span(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)   # T: its sequence's length
         o_i = tl.arange(0, BT)
         o_s = tl.arange(0, BS)
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_k = o_k < K
-        m_v = o_v < V
-        m_t, rows = token_rows(o_i, bos, i_t, i_h, T, H, BT)
-        tau = slot_tokens(o_s, C)
-        m_s, srow, trow = slot_rows(bos, i_t, i_h, o_s, tau, T, H, C, BT)
+        o_k, o_v, m_k, m_v, m_h, h_offs = state_block(i_v, K, V, BK, BV)
+        m_t, rows, tau, m_s, srow, trow = chunk_rows(o_i, o_s, bos, i_t, i_h, T, H, C, BT)
         b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_x = tl.load(xs + srow[:, None] * K + o_k[None, :], mask=m_s[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_g = load_vec(g, rows, m_t)

@@ -12,17 +12,13 @@ from typing import Optional, Tuple
 
 import torch
 
-from atlaslab.kernels.utils import check_head_dims, pow2
+from atlaslab.kernels.common.lang import tl, triton
+from atlaslab.kernels.delta_rule.fused_recurrent import recurrent_launch
 from atlaslab.kernels.window_rule.chunk import window_backward
 from atlaslab.kernels.window_rule.naive import check_window_args
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
-
 if triton is not None:
+    from atlaslab.kernels.common.index import recurrent_program
 
     @triton.jit
     def _fused_window_kernel(q, xs, vs, coef, alpha, h0, o, ht, cu_seqlens, T, H: tl.constexpr, K: tl.constexpr,
@@ -34,26 +30,9 @@ if triton is not None:
         the pre-step (decayed, before_step) state, then S ← S Diag(a_t) + Σ_j coef_j (v_j − S x_j) x_jᵀ.
         Varlen (``IS_VARLEN``): sequence i_n is rows ``cu_seqlens[i_n] … cu_seqlens[i_n + 1]`` of the packed B = 1
         tensors (its slots, rows (bos + t)·C + j, never reach before bos: the caller's gather gives them coef 0)."""
-        i_v = tl.program_id(0)
-        i_nh = tl.program_id(1)
-        i_n = i_nh // H
-        i_h = i_nh % H
-        if IS_VARLEN:
-            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-            length = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        else:
-            bos = i_n.to(tl.int64) * T
-            length = T
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_k = o_k < K
-        m_v = o_v < V
-        m_h = m_v[:, None] & m_k[None, :]
-        state_offs = i_nh.to(tl.int64) * V * K + o_v[:, None] * K + o_k[None, :]
-        h = tl.zeros([BV, BK], dtype=tl.float32)
-        if HAS_H0:
-            h += tl.load(h0 + state_offs, mask=m_h, other=0.0).to(tl.float32)
-        for t in range(0, length):
+        i_h, bos, length, o_k, o_v, m_k, m_v, m_h, state_offs, h = recurrent_program(
+            h0, cu_seqlens, T, H, K, V, BK, BV, HAS_H0, IS_VARLEN)
+        for t in range(0, length.to(tl.int32)):
             row = (bos + t) * H + i_h
             b_q = tl.load(q + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
             if not READ_TOKEN:
@@ -91,25 +70,19 @@ def fused_window_forward(q, xs, vs, coef, alpha=None, initial_state=None, *, bia
                          read="token", cu_seqlens=None, output_final_state=True):
     """The token-by-token window kernel alone (no autograd); arguments as :func:`fused_recurrent_window_rule`."""
     c = check_window_args(q, xs, vs, coef, alpha, initial_state, bias, placement, read, cu_seqlens)
-    B, T, H, K = q.shape
+    B, T, H, _ = q.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     V = vs.shape[-1]
-    check_head_dims("fused_recurrent", K)              # one program holds whole state rows (D_v in blocks)
     q, xs, vs, coef = (x.contiguous() for x in (q, xs, vs, coef))
-    alpha = alpha.contiguous() if alpha is not None else None
-    h0 = initial_state.contiguous() if initial_state is not None else None
+    alpha, h0, ht, grid, meta = recurrent_launch(q, alpha, initial_state, cu_seqlens, N, V, bias=bias,
+                                                 placement=placement, read=read,
+                                                 output_final_state=output_final_state)
     o = torch.empty(B, T, H, V, dtype=vs.dtype, device=q.device)
-    ht = torch.empty(N, H, V, K, dtype=torch.float32, device=q.device) if output_final_state else None
-    BK = pow2(K, 16)
-    BV = min(pow2(V, 16), max(16, 8192 // BK))
     dummy = q
     cu = cu_seqlens.to(q.device).contiguous() if cu_seqlens is not None else dummy
-    _fused_window_kernel[(triton.cdiv(V, BV), N * H)](
+    _fused_window_kernel[grid](
         q, xs, vs, coef, alpha if alpha is not None else dummy, h0 if h0 is not None else dummy, o,
-        ht if ht is not None else dummy, cu, T, H=H, K=K, V=V, C=c, BK=BK, BV=BV, HAS_ALPHA=alpha is not None,
-        CHANNEL=alpha is not None and alpha.dim() == 4, HAS_H0=h0 is not None, STORE_FINAL=ht is not None,
-        IS_L2=bias == "l2", BEFORE=placement == "before_step", READ_TOKEN=read == "token",
-        IS_VARLEN=cu_seqlens is not None, num_warps=4)
+        ht if ht is not None else dummy, cu, T, C=c, **meta)
     if ht is not None:
         ht = ht.to(initial_state.dtype if initial_state is not None else q.dtype)
     return o, ht
