@@ -6,7 +6,8 @@
 #   bash .ci/wheel_check.sh [PYTHON]      # PYTHON: an interpreter with `build` (default .venv/bin/python)
 #
 # Environment: WHEEL_CHECK_DIR (work folder, default a new temporary one, removed at the end unless
-# WHEEL_CHECK_KEEP=1), WHEEL_EXTRAS (extras to install with the wheel, e.g. "hf"; default none).
+# WHEEL_CHECK_KEEP=1), WHEEL_EXTRAS (extras to install with the wheel, e.g. "hf"; default none), WHEEL_CHECK_COPIED
+# (a file touched once the checkout is copied, so that a caller can start writing in the checkout).
 # To add a check, write a function check_<name> below and add it to CHECKS: it runs in $OUTSIDE with
 # $VENV/bin on PATH; the checks that need extras install them through WHEEL_EXTRAS.
 set -euo pipefail
@@ -25,6 +26,8 @@ step "build sdist and wheel"
 # build backend (setuptools) of the calling venv, no download
 tar -C "$ROOT" --exclude=./.git --exclude=./.venv --exclude=./runs --exclude=./build --exclude=./site \
     --exclude='*.egg-info' --exclude=__pycache__ -cf - . | tar -C "$SRC" -xf -
+# the copy is taken: a caller running other work in the checkout meanwhile (.ci/run's pytest) may start now
+[ -z "${WHEEL_CHECK_COPIED:-}" ] || touch "$WHEEL_CHECK_COPIED"
 "$PY" -m build --no-isolation --sdist --wheel --outdir "$DIST" "$SRC" >"$WORK/build.log" 2>&1 \
     || { cat "$WORK/build.log"; exit 1; }
 WHEEL=$(ls "$DIST"/atlaslab-*.whl)
