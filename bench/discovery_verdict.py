@@ -1,6 +1,7 @@
 """Write the verdict experiment of the discovery study from its committed search and preset-tuning data.
 
-    python bench/discovery_verdict.py            # → experiments/discovery_verdict.yaml
+    python bench/discovery_verdict.py                    # → experiments/discovery_verdict.yaml
+    python bench/discovery_verdict.py --early-stopping   # → experiments/discovery_early_stopping.yaml
 
 The discovery study has three runs (docs/results/discovery.md):
 
@@ -14,6 +15,13 @@ The winner is the finished search trial (completed, or stopped early at the thre
 trials with the highest ``val/accuracy``. Each verdict row pins the size the budget chose for it (the head count,
 and a deep memory's expansion), so that it trains exactly the model that was admitted. Nothing here reads a
 held-out seed.
+
+The early-stopping check (``--early-stopping``) asks whether the search's ASHA threw away a candidate the full
+budget would have ranked first: every trial ASHA stopped is trained again at the full budget, on the search's own
+seed (0) and settings, with no scheduler. The trials the search completed or that diverged already ran their full
+budget (a divergence ends a run at the same step whatever the scheduler), so with these runs every trained
+candidate has its full-budget result. The search's winner runs again beside them as a control: a faithful rerun
+gives its search result again.
 """
 from __future__ import annotations
 
@@ -87,6 +95,29 @@ def verdict_experiment(search: Path, presets: Path) -> Dict[str, Any]:
     return exp
 
 
+def early_stopping_experiment(search: Path) -> Dict[str, Any]:
+    """Every trial the search's scheduler stopped, at the full budget on the search's seed, no scheduler."""
+    base = yaml.safe_load((search / "experiment.yaml").read_text())
+    with open(search / "trials.csv", newline="") as f:
+        pruned = [r for r in csv.DictReader(f) if r["status"] == "pruned"]
+    if not pruned:
+        raise SystemExit(f"{search}: the search's scheduler stopped no trial")
+    variants = {r["key"]: json.loads(r["params"] or "{}") for r in pruned}
+    win = winner(search)       # a control: it ran its full budget in the search, so this run must give it again
+    variants[f"control {win['key']}"] = dict(win["params"])
+    exp = {k: base[k] for k in ("model", "task", "eval", "train", "seeds", "metric", "mode", "max_concurrent",
+                                "max_failures", "resources", "report") if k in base}
+    exp.update({
+        "name": "discovery_early_stopping",
+        "description": (f"The {len(pruned)} trials the discovery search's ASHA stopped, trained at the full "
+                        f"budget ({base['train']['steps']} steps) on the search's seed {base.get('seeds')}, "
+                        f"no scheduler: would the full budget have ranked any of them first? The search's winner "
+                        f"({win['key']}) reruns as a control."),
+        "grid": {"variants": variants},
+    })
+    return exp
+
+
 HEADER = """\
 # Written by `python bench/discovery_verdict.py` from the committed data of the discovery search
 # (docs/results/discovery/search/data) and of the presets' learning-rate tuning (docs/results/discovery/presets/data);
@@ -97,12 +128,31 @@ HEADER = """\
 """
 
 
+ES_HEADER = """\
+# Written by `python bench/discovery_verdict.py --early-stopping` from the committed data of the discovery search
+# (docs/results/discovery/search/data); do not edit by hand. Every trial the search's ASHA stopped, trained again at
+# the full budget on the search's seed, no scheduler (docs/results/discovery.md, "Early stopping").
+#
+#   atlaslab run experiments/discovery_early_stopping.yaml
+"""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--search", default=str(DATA / "search" / "data"))
     ap.add_argument("--presets", default=str(DATA / "presets" / "data"))
-    ap.add_argument("--out", default=str(ROOT / "experiments" / "discovery_verdict.yaml"))
+    ap.add_argument("--out", default=None, help="default experiments/discovery_verdict.yaml, or "
+                    "experiments/discovery_early_stopping.yaml with --early-stopping")
+    ap.add_argument("--early-stopping", action="store_true",
+                    help="write the early-stopping check (the search's stopped trials at the full budget)")
     args = ap.parse_args()
+    if args.early_stopping:
+        out = Path(args.out or ROOT / "experiments" / "discovery_early_stopping.yaml")
+        exp = early_stopping_experiment(Path(args.search))
+        out.write_text(ES_HEADER + yaml.safe_dump(exp, sort_keys=False, width=120, allow_unicode=True))
+        print(f"wrote {out}: {len(exp['grid']['variants'])} trials")
+        return
+    args.out = args.out or str(ROOT / "experiments" / "discovery_verdict.yaml")
     exp = verdict_experiment(Path(args.search), Path(args.presets))
     Path(args.out).write_text(HEADER + yaml.safe_dump(exp, sort_keys=False, width=120, allow_unicode=True))
     print(f"wrote {args.out}: {', '.join(exp['grid']['variants'])}")

@@ -272,8 +272,65 @@ def verdict_line(rows: Dict[str, Dict[int, Dict[str, Any]]], found: str, seeds: 
     return f"**Verdict: {outcome}** — {why}; {margin}."
 
 
+# --------------------------------------------------------------------------------------------------
+# early stopping: did ASHA throw away a candidate the full budget would rank first?
+# --------------------------------------------------------------------------------------------------
+#: how many of the full budget's best candidates the check follows
+EARLY_TOP = 3
+CONTROL = "control "
+
+
+def _val(r: Dict[str, Any]) -> Optional[float]:
+    """A trial's last validation accuracy (what the search ranks on), or None (diverged, failed)."""
+    return _num(r, "val/accuracy") if r["status"] in FINISHED + ("pruned",) else None
+
+
+def early_stopping() -> str:
+    """The search's trials at the full budget (its completed and diverged ones as they ran, the ones ASHA stopped
+    trained again without a scheduler: ``early_stopping`` run), ranked; where ASHA's decisions fall in that ranking,
+    the steps ASHA used, and the control (the winner rerun) against its search result."""
+    for run in ("search", "early_stopping"):
+        if _missing(run):
+            return _missing(run)
+    search = {r["key"]: r for r in _trials("search")}
+    rerun = {r["row"]: r for r in _trials("early_stopping")}
+    full = {k: (rerun[k] if r["status"] == "pruned" else r) for k, r in search.items()
+            if r["status"] != "pruned" or k in rerun}
+    ranked = sorted((k for k in full if full[k]["status"] in FINISHED and _val(full[k]) is not None),
+                    key=lambda k: -_val(full[k]))
+    rank = {k: i + 1 for i, k in enumerate(ranked)}
+    pruned = [k for k, r in search.items() if r["status"] == "pruned"]
+    steps_asha = sum(int(r["steps"] or 0) for r in search.values())
+    steps_full = sum(int(full[k]["steps"] or 0) for k in full)
+    keys = list(_experiment("search").get("search", {}).get("space", {}))
+    lines = ["| full-budget rank | trial | parts | in the search (ASHA) | at the full budget: status, steps, val acc |",
+             "|---|---|---|---|---|"]
+    for k in sorted(full, key=lambda k: rank.get(k, len(rank) + 1)):
+        a, f = search[k], full[k]
+        lines.append(f"| {rank.get(k, '—')} | `{k}` | {_parts(a['params'], keys)} | {a['status']} at step "
+                     f"{a['steps']}, val acc {fmt_value(_val(a))} | {f['status']}, {f['steps']}, "
+                     f"{fmt_value(_val(f))} |")
+    top = ranked[:EARLY_TOP]
+    lost = [k for k in top if k in pruned]
+    best_pruned = min((rank[k] for k in pruned if k in rank), default=None)
+    controls = [r for row, r in rerun.items() if row.startswith(CONTROL)]
+    control = ""
+    for c in controls:
+        key = c["row"][len(CONTROL):]
+        control += (f" Control: the search's winner `{key}` rerun gives val acc {fmt_value(_val(c))} at step "
+                    f"{c['steps']} (in the search: {fmt_value(_val(search[key]))} at step {search[key]['steps']}).")
+    summary = (f"ASHA stopped {len(pruned)} of the search's {len(search)} trained candidates and trained "
+               f"**{steps_asha} of the {steps_full} steps** the same candidates take at the full budget "
+               f"(**{steps_asha / max(steps_full, 1):.0%}**). Trained to the full budget, the stopped candidates' "
+               f"best rank is **{best_pruned if best_pruned is not None else '—'}** of {len(ranked)} finished; of the "
+               f"full budget's top {EARLY_TOP}, ASHA stopped **{len(lost)}**"
+               f"{' (' + ', '.join(f'`{k}`, rank {rank[k]}' for k in lost) + ')' if lost else ''}.{control}")
+    return summary + "\n\n" + "\n".join(lines)
+
+
 TABLES = {"discovery-search": search, "discovery-rejected": rejected, "discovery-pareto": pareto,
-          "discovery-mattered": mattered, "discovery-presets": presets, "discovery-verdict": verdict}
+          "discovery-mattered": mattered, "discovery-presets": presets, "discovery-verdict": verdict,
+          "discovery-early-stopping": early_stopping}
 
 
 if __name__ == "__main__":
