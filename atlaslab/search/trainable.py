@@ -237,7 +237,9 @@ class _Reporter:
         if not any(k.startswith(self.eval_prefix) for k in metrics):
             return
         if step <= self.reported_step or step >= self.tcfg.steps:
-            return        # trained again after falling back from a torn checkpoint / the last one: the final report
+            # Tune has it already (a step trained again after a fallback from a torn Ray checkpoint, or restored
+            # from a run folder whose checkpoints held the evaluation before their report's) / the final report has it
+            return
         rep = {**self.last_train, **metrics, "step": step, "final": 0,
                "elapsed_s": time.time() - self.t0, "setup_s": self.setup_s, "t_start": self.t_start}
         _report(rep, self.work / CHECKPOINT_NAME, step)
