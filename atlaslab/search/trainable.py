@@ -213,16 +213,17 @@ def _child_run(settings: TrialSettings, trial: Mapping[str, Any]) -> Optional[Tr
 
 
 class _Reporter:
-    """The training loop's callback: every metrics call to MLflow; every evaluation after the first one (but
-    the last, which the final report carries) to Tune with the checkpoint of that step, unless a restored trial
-    reported it already."""
+    """The training loop's callback: every metrics call to MLflow; every evaluation but the last (which the final
+    report carries) to Tune with the checkpoint of that step, unless a restored trial reported it already. The loop
+    writes a step's checkpoint before it calls back for that step (:func:`atlaslab.train.train`), so the Ray
+    checkpoint of the report of step N holds the loop's state at step N, its history up to N included; a trial
+    restored from it resumes after step N."""
 
     def __init__(self, mlrun: Optional[TrialRun], work: Path, tcfg: TrainConfig, reported_step: int,
                  t_start: float):
         self.mlrun, self.work, self.tcfg = mlrun, work, tcfg
         self.reported_step, self.t_start = reported_step, t_start
         self.eval_prefix = tcfg.eval_split + "/"
-        self.prev_eval: Optional[int] = None
         self.last_train: Dict[str, float] = {}
         self.t0 = time.time()
         self.setup_s = self.t0 - t_start          # imports, MLflow run, model build: the per-trial overhead
@@ -235,13 +236,13 @@ class _Reporter:
             self.last_train = train_part
         if not any(k.startswith(self.eval_prefix) for k in metrics):
             return
-        prev = self.prev_eval
-        self.prev_eval = step
         if step <= self.reported_step or step >= self.tcfg.steps:
-            return        # replayed after a restore / the last one: the final report carries it
+            # Tune has it already (a step trained again after a fallback from a torn Ray checkpoint, or restored
+            # from a run folder whose checkpoints held the evaluation before their report's) / the final report has it
+            return
         rep = {**self.last_train, **metrics, "step": step, "final": 0,
                "elapsed_s": time.time() - self.t0, "setup_s": self.setup_s, "t_start": self.t_start}
-        _report(rep, self.work / CHECKPOINT_NAME if prev is not None else None, step)
+        _report(rep, self.work / CHECKPOINT_NAME, step)
 
 
 def _final_result(result: TrainResult, settings: TrialSettings, trial: Mapping[str, Any],

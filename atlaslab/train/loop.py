@@ -22,13 +22,16 @@
 * Early stopping: once the evaluation metric reaches ``early_stop_threshold`` (status
   ``early_stopped``; zoology's rule). A non-finite loss or gradient norm ends the run with status
   ``diverged`` and ``message = "diverged at step N (…)"``, without an exception.
-* Checkpoints (``checkpoint_dir``): ``checkpoint.pt`` is written atomically every
-  ``checkpoint_interval`` steps and at the end, holding the module, the optimiser, the step, the RNG
-  states, the partial metric accumulators, the history, the settings and the task's data cursor
-  (:meth:`~atlaslab.tasks.Task.data_state`, for a streamed corpus), and the resolved model config of an
-  atlaslab language model (``model_config``, what :mod:`atlaslab.eval` rebuilds it from). Calling :func:`train` again
-  with the same directory resumes from it (a finished run returns its stored result at once); a run
-  killed at any point and resumed ends with the same metrics as an uninterrupted one (CPU, same seed).
+* Checkpoints (``checkpoint_dir``): ``checkpoint.pt`` is written atomically every ``checkpoint_interval`` steps
+  (``0``: at every evaluation) and at the end, holding the module, the optimiser, the step, the RNG states, the
+  partial metric accumulators, the history, the settings and the task's data cursor
+  (:meth:`~atlaslab.tasks.Task.data_state`, for a streamed corpus), and the resolved model config of an atlaslab
+  language model (``model_config``, what :mod:`atlaslab.eval` rebuilds it from). The checkpoint of step ``N`` is
+  written after step ``N``'s record joined the history and before the callback sees that record, so a callback
+  that copies the file (the search's Ray checkpoints) gets the state of the step it is called for. Calling
+  :func:`train` again with the same directory resumes from it (a finished run returns its stored result at once;
+  a run that reached its early-stop threshold at the checkpoint's step only runs its end); a run killed at any
+  point and resumed ends with the same metrics as an uninterrupted one (CPU, same seed).
   The checkpoint it replaces stays as ``checkpoint.prev.pt``; a torn ``checkpoint.pt`` (truncated, a record failing
   its CRC) resumes from that one instead, with a warning and ``result.checkpoint_fallback`` saying so
   (:mod:`atlaslab.train.checkpoint`); both torn is an error, never a fresh start or training on garbage.
@@ -222,10 +225,11 @@ def train(model: nn.Module, task: Any, cfg: Any = None, callback: Optional[Callb
     cfg = resolve_train_config(cfg, **overrides)
     task = _token_task(task)
     run = _Run.start(model, task, cfg, Path(checkpoint_dir) if checkpoint_dir is not None else None, parallel)
-    if run.state["status"] != "running":          # a finished run: its stored result
+    if _finished(run.state):                      # a finished run: its stored result
         return run.result()
     run.t_start = time.time() - run.state["elapsed"]
-    _loop(run, callback)
+    if run.state["status"] == "running":          # else stopped early at the checkpoint's step: only the end is left
+        _loop(run, callback)
     _finish(run, callback)
     return run.result()
 
@@ -262,8 +266,14 @@ def _fresh_state() -> Dict[str, Any]:
     return {
         "step": 0, "status": "running", "message": "", "diverged_at": None, "history": [], "best": {},
         "last_train": {}, "last_eval": {}, "final": {}, "acc": {"loss": 0.0, "grad_norm": 0.0, "n": 0},
-        "elapsed": 0.0,
+        "elapsed": 0.0, "finished": False,
     }
+
+
+def _finished(state: Mapping[str, Any]) -> bool:
+    """Whether the run of this loop state has ended (:func:`_finish` ran). A checkpoint written before ``finished``
+    was stored has ended exactly when its status is not ``running`` (only the end wrote such a checkpoint then)."""
+    return bool(state.get("finished", state["status"] != "running"))
 
 
 class _Run:
@@ -384,7 +394,13 @@ def _rank_data_state(data: Optional[Dict[str, Any]], parallel: DataParallel) -> 
 
 def _loop(run: _Run, callback: Optional[Callback]) -> None:
     """Step until ``cfg.steps``, divergence, an early stop or the callback's stop: each step trains, logs the
-    train metrics every ``log_interval``, evaluates every ``eval_interval``, reports and checkpoints."""
+    train metrics every ``log_interval``, evaluates every ``eval_interval``, records, checkpoints and reports.
+
+    The order within a step is what makes a checkpoint mean "this step": the step's record goes into the history,
+    then the checkpoint due at the step is written, and only then does the callback see the record. A callback that
+    copies ``checkpoint.pt`` (the search's trainable, for the Ray checkpoint of each report) therefore copies the
+    state of the step it is told about, history included; a run resumed from it starts after that step and never
+    calls the callback for it again."""
     cfg, state = run.cfg, run.state
     bar = _progress_bar(run)
     try:
@@ -396,16 +412,18 @@ def _loop(run: _Run, callback: Optional[Callback]) -> None:
             record = _train_metrics(run, step, lr)
             evaluated = (cfg.eval_interval and step % cfg.eval_interval == 0) or step == cfg.steps
             if evaluated:
-                record.update(_evaluate(run, step))
+                record.update(_evaluate(run, step))          # may end the run: early_stopped
             if record:
-                _emit(run, record, step, callback)
+                state["history"].append({"step": step, **record})
+            if run.ckpt_dir is not None and ((cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0)
+                                             or (not cfg.checkpoint_interval and evaluated)):
+                run.save()           # a collective with data parallelism: every rank reaches it at the same steps
+            if record:
+                _notify(run, record, step, callback)
             if bar is not None:
                 _update_bar(bar, run, record, evaluated)
             if state["status"] != "running":
                 break
-            if run.ckpt_dir is not None and ((cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0)
-                                             or (not cfg.checkpoint_interval and evaluated)):
-                run.save()
     finally:
         if bar is not None:
             bar.close()
@@ -517,10 +535,9 @@ def _evaluate(run: _Run, step: int) -> Dict[str, float]:
     return dict(state["last_eval"])
 
 
-def _emit(run: _Run, record: Dict[str, float], step: int, callback: Optional[Callback]) -> None:
-    """Add ``record`` to the history and pass it to the callback; a callback returning True stops the run."""
+def _notify(run: _Run, record: Dict[str, float], step: int, callback: Optional[Callback]) -> None:
+    """Pass ``record`` (already in the history) to the callback; a callback returning True stops the run."""
     state = run.state
-    state["history"].append({"step": step, **record})
     stop = run.is_main and callback is not None and callback(dict(record), step) is True
     if run.parallel is not None:           # every rank stops when rank 0's callback says so
         stop = run.parallel.broadcast(stop)
@@ -565,6 +582,7 @@ def _finish(run: _Run, callback: Optional[Callback]) -> None:
         if callback is not None and run.is_main:
             callback(dict(final), state["step"])
     state["elapsed"] = time.time() - run.t_start
+    state["finished"] = True
     run.save()
 
 

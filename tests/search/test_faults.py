@@ -49,11 +49,12 @@ def loop_files(root):
 
 
 def test_a_torn_ray_checkpoint_falls_back_to_the_previous_one_and_no_copy_sees_the_loop_files(local_ray, tmp_path):
-    """The trial reports at steps 20, 30, 40 (each with the loop's checkpoint of the evaluation before); the driver
-    is interrupted on the result of step 40, and a hold at step 45 keeps the trial from finishing before that. The
-    loop's checkpoint files are in none of the folders Tune copies (its trial folders under ``driver_artifacts`` and
-    the run's storage). Ray checkpoints are then torn (one bit of a tensor), and the resumed trial falls back to the
-    one before them, says so in its record and its MLflow run, and ends with the metrics of an uninterrupted run."""
+    """The trial reports at steps 10, 20, 30, 40, each with a Ray checkpoint of the loop's checkpoint of that step
+    (the loop writes it before it calls back); the driver is interrupted on the result of step 40, and a hold at step
+    45 keeps the trial from finishing before that. The loop's checkpoint files are in none of the folders Tune copies
+    (its trial folders under ``driver_artifacts`` and the run's storage). Ray checkpoints are then torn (one bit of a
+    tensor), and the resumed trial falls back to the one before them (step 20), says so in its record and its MLflow
+    run, and ends with the metrics of an uninterrupted run."""
     import ray
 
     from atlaslab.search.build import build_trial
@@ -88,7 +89,7 @@ def test_a_torn_ray_checkpoint_falls_back_to_the_previous_one_and_no_copy_sees_t
     note = rec["metrics"]["checkpoint_fallback"]
     assert f"Ray checkpoint {kept[1].name}" in note and "CRC-32" in note
     assert f"previous Ray checkpoint {kept[0].name} (reported at step 20)" in note
-    assert rec["metrics"]["resumed_from"] == 10             # the loop state that checkpoint holds
+    assert rec["metrics"]["resumed_from"] == 20             # the loop state that checkpoint holds: its own step
 
     plain = dict(node, task={k: v for k, v in node["task"].items() if k not in ("hold_dir", "hold_steps")})
     plain["task"]["name"] = "mqar"

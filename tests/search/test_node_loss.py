@@ -83,7 +83,7 @@ def test_a_lost_node_resumes_its_trial_from_its_checkpoint_on_a_new_node(tmp_pat
         a, b = recs["t000"]["metrics"], recs["t001"]["metrics"]
         assert a["node_id"] == nodes[0].node_id and "resumed_from" not in a   # done on the lost node: kept
         assert b["node_id"] == nodes[1].node_id                 # B finished on the fresh node …
-        assert b["resumed_from"] == 10     # … from the Ray checkpoint reported at step 20 (the loop's state of 10)
+        assert b["resumed_from"] == 20     # … from the Ray checkpoint reported at step 20, which holds step 20
         assert "checkpoint_fallback" not in b
         for d in temps[1:]:      # B's loop kept its own checkpoint in each node's folder: nothing shared them
             assert list(Path(d).rglob("working_dirs/t001/atlaslab-work/checkpoint.pt")), d

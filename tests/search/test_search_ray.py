@@ -381,4 +381,5 @@ def test_killed_driver_resumes_every_trial_exactly_once(tmp_path):
             steps = [m.step for m in c.get_metric_history(ch.info.run_id, metric)]
             assert steps == list(range(every, 401, every)), (key, metric, steps)   # none missing, none twice
     t001 = next(x for x in recs if x["key"] == "t001")
+    assert t001["metrics"]["resumed_from"] == 100            # the Ray checkpoint of the result of step 100 holds it
     assert [h["step"] for h in t001["history"] if h.get("val/accuracy") is not None] == list(range(50, 401, 50))

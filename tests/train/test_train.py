@@ -2,6 +2,7 @@
 config validation and the ``atlaslab train`` command. Tiny self-contained models keep it CPU-fast."""
 import json
 import math
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -14,7 +15,7 @@ from torch import nn
 
 from atlaslab.registry import ConfigError
 from atlaslab.tasks import build_task
-from atlaslab.train import TrainConfig, lr_at, resolve_train_config, train
+from atlaslab.train import TrainConfig, load_checkpoint, lr_at, resolve_train_config, train
 from atlaslab.train.cli import main as cli_main
 from atlaslab.train.cli import run_config
 
@@ -101,12 +102,12 @@ def test_a_run_killed_midway_resumes_to_the_same_result(tmp_path):
     task = build_task(SMALL_TASK)
     ref = train(tiny_model(), task, SMALL_TRAIN)
 
-    def kill_at_13(metrics, step):
-        if step >= 13:
+    def kill_at_12(metrics, step):
+        if step >= 12:
             raise Killed()
 
     with pytest.raises(Killed):                        # dies after the checkpoint of step 10, mid log interval
-        train(tiny_model(), task, SMALL_TRAIN, callback=kill_at_13, checkpoint_dir=tmp_path)
+        train(tiny_model(), task, SMALL_TRAIN, callback=kill_at_12, checkpoint_dir=tmp_path)
     seen = []
     res = train(tiny_model(seed=99), task, SMALL_TRAIN, checkpoint_dir=tmp_path,
                 callback=lambda m, s: seen.append(s))
@@ -120,6 +121,55 @@ def test_a_run_killed_midway_resumes_to_the_same_result(tmp_path):
         train(tiny_model(), task, {**SMALL_TRAIN, "lr": 2e-2}, checkpoint_dir=tmp_path)
     with pytest.raises(ConfigError, match=r"^task: .*another task"):
         train(tiny_model(), build_task({**SMALL_TASK, "seed": 1}), SMALL_TRAIN, checkpoint_dir=tmp_path)
+
+
+@pytest.mark.parametrize("interval", [0, 5])
+def test_the_callback_of_a_step_finds_the_checkpoint_of_that_step(tmp_path, interval):
+    """The checkpoint due at step N is on disk, history included, before the callback of step N runs (the search's
+    Ray checkpoint of the report of step N is a copy of it); with ``checkpoint_interval`` 5 the file of every call is
+    that of the last multiple of 5, with 0 that of the last evaluation."""
+    cfg = {**SMALL_TRAIN, "checkpoint_interval": interval}
+    seen = []
+
+    def check(metrics, step):
+        evaluation = any(k.startswith("val/") for k in metrics)
+        due = step % interval == 0 if interval else evaluation
+        if not due or not any(k.startswith(("train/", "val/")) for k in metrics):
+            return                                     # (the end's test metrics come after the final checkpoint)
+        ckpt = load_checkpoint(tmp_path)
+        assert ckpt is not None, f"no checkpoint on disk at the callback of step {step}"
+        state = ckpt["state"]
+        assert state["step"] == step and state["status"] == "running", (step, state["step"])
+        assert state["history"][-1] == {"step": step, **metrics}
+        seen.append(step)
+
+    res = train(tiny_model(), build_task(SMALL_TASK), cfg, callback=check, checkpoint_dir=tmp_path)
+    assert res.status == "completed" and seen == ([8, 16, 24] if interval == 0 else [15])
+
+
+def test_a_run_stopped_early_at_a_checkpoint_resumes_to_its_end_only(tmp_path):
+    """An early stop at an evaluation (the threshold reached) is checkpointed before the callback too: a run resumed
+    from that checkpoint trains no further, runs only the end (the test metrics) and ends as the run did."""
+    task = build_task(SMALL_TASK)
+    cfg = {**SMALL_TRAIN, "checkpoint_interval": 0, "early_stop_threshold": 0.0}    # reached at the first evaluation
+    copy = tmp_path / "at_8"
+
+    def keep(metrics, step):
+        if any(k.startswith("val/") for k in metrics):
+            shutil.copytree(tmp_path / "run", copy)
+
+    ref = train(tiny_model(), task, cfg, callback=keep, checkpoint_dir=tmp_path / "run")
+    assert ref.status == "early_stopped" and ref.steps == 8
+    state = load_checkpoint(copy)["state"]
+    assert (state["step"], state["status"], state["finished"]) == (8, "early_stopped", False)
+    calls = []
+    res = train(tiny_model(seed=99), task, cfg, checkpoint_dir=copy, callback=lambda m, s: calls.append((s, set(m))))
+    assert res.resumed_from == 8 and res.status == "early_stopped"
+    assert res.metrics == ref.metrics and res.history == ref.history
+    assert len(calls) == 1 and calls[0][0] == 8 and all(k.startswith("test/") for k in calls[0][1])
+    assert load_checkpoint(copy)["state"]["finished"] is True
+    again = train(tiny_model(), task, cfg, checkpoint_dir=copy, callback=lambda m, s: calls.append(s))
+    assert again.metrics == ref.metrics and len(calls) == 1               # finished: its stored result, no call
 
 
 def test_a_sigkilled_process_resumes_to_the_same_result(tmp_path):
