@@ -269,8 +269,8 @@ def _forward_stages(k, v, beta, la, h0, *, bias, placement, chunk_size, prec, st
     return dict(g=g, wk=wk, ainv=ainv, w=w, hs=hs, ht=ht, layout=lay)
 
 
-def chunk_forward(q, k, v, beta, alpha=None, initial_state=None, *, bias="l2", placement,
-                  read="token", cu_seqlens=None, chunk_size: int = 64, allow_tf32: Optional[bool] = None):
+def chunk_forward(q, k, v, beta, alpha=None, initial_state=None, *, bias, placement,
+                  read, cu_seqlens=None, chunk_size: int = 64, allow_tf32: Optional[bool] = None):
     """The three forward kernels, no autograd; arguments as :func:`chunk_delta_rule`. One launch per stage, with
     or without ``cu_seqlens``."""
     check_args(q, k, v, beta, alpha, initial_state, cu_seqlens)
@@ -295,8 +295,8 @@ def chunk_forward(q, k, v, beta, alpha=None, initial_state=None, *, bias="l2", p
     return o, st["ht"].to(initial_state.dtype if initial_state is not None else q.dtype)
 
 
-def chunk_backward(q, k, v, beta, alpha, initial_state, do, dht, *, bias="l2", placement,
-                   read="token", cu_seqlens=None, chunk_size: int = 64, allow_tf32: Optional[bool] = None):
+def chunk_backward(q, k, v, beta, alpha, initial_state, do, dht, *, bias, placement,
+                   read, cu_seqlens=None, chunk_size: int = 64, allow_tf32: Optional[bool] = None):
     """Gradients of :func:`chunk_forward` on the backward kernels (the Triton twin of
     :func:`.naive.delta_rule_chunk_backward`).
 
@@ -393,7 +393,7 @@ def _torch_backward(saved, need, do, dht, opts, chunk_size):
 
 def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                      alpha: Optional[torch.Tensor] = None, initial_state: Optional[torch.Tensor] = None, *,
-                     bias: str = "l2", placement: str, read: str = "token",
+                     bias: str, placement: str, read: str,
                      cu_seqlens: Optional[torch.LongTensor] = None, chunk_size: int = 64,
                      allow_tf32: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Linear-memory delta / Hebbian rule, chunk-parallel on Triton (exact; same results as the token loop).

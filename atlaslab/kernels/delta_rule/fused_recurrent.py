@@ -94,8 +94,8 @@ def recurrent_launch(q, alpha, initial_state, cu_seqlens, N: int, V: int, *, bia
     return alpha, h0, ht, (triton.cdiv(V, BV), N * H), meta
 
 
-def fused_recurrent_forward(q, k, v, beta, alpha=None, initial_state=None, *, bias="l2", placement,
-                            read="token", cu_seqlens=None, output_final_state=True):
+def fused_recurrent_forward(q, k, v, beta, alpha=None, initial_state=None, *, bias, placement,
+                            read, cu_seqlens=None, output_final_state=True):
     """The kernel alone (no autograd); arguments as :func:`fused_recurrent_delta_rule`."""
     N = check_args(q, k, v, beta, alpha, initial_state, cu_seqlens)
     q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
@@ -136,7 +136,7 @@ class FusedRecurrentFunction(torch.autograd.Function):
 
 def fused_recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                                alpha: Optional[torch.Tensor] = None, initial_state: Optional[torch.Tensor] = None,
-                               *, bias: str = "l2", placement: str, read: str = "token",
+                               *, bias: str, placement: str, read: str,
                                cu_seqlens: Optional[torch.LongTensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Linear-memory delta / Hebbian rule, token by token on one fused Triton kernel.
 

@@ -51,7 +51,7 @@ def check_args(q, k, v, beta, alpha, initial_state, cu_seqlens) -> int:
 
 def delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                          alpha: Optional[torch.Tensor] = None, initial_state: Optional[torch.Tensor] = None, *,
-                         bias: str = "l2", placement: str, read: str = "token",
+                         bias: str, placement: str, read: str,
                          cu_seqlens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Token loop. ``q, k: [B, T, H, K]``, ``v: [B, T, H, V]``, ``beta: [B, T, H]``, ``alpha: [B, T, H]`` or
     ``[B, T, H, K]`` (channel-wise: S ← S Diag(α_t)), ``initial_state: [N, H, V, K]`` → ``o: [B, T, H, V]``,
@@ -105,7 +105,7 @@ def decayed_dot(x: torch.Tensor, y: torch.Tensor, decay3: torch.Tensor) -> torch
 
 def delta_rule_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                      alpha: Optional[torch.Tensor] = None, initial_state: Optional[torch.Tensor] = None, *,
-                     bias: str = "l2", placement: str, read: str = "token",
+                     bias: str, placement: str, read: str,
                      cu_seqlens: Optional[torch.Tensor] = None, chunk_size: int = 64
                      ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Exact chunk-parallel form of :func:`delta_rule_recurrent` (same arguments and results)."""
@@ -204,8 +204,8 @@ def reverse_sweep(chunks, cs, doh, retreat, dS):
 
 def delta_rule_chunk_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                               alpha: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
-                              do: torch.Tensor, dht: Optional[torch.Tensor], *, bias: str = "l2",
-                              placement: str, read: str = "token",
+                              do: torch.Tensor, dht: Optional[torch.Tensor], *, bias: str,
+                              placement: str, read: str,
                               cu_seqlens: Optional[torch.Tensor] = None, chunk_size: int = 64):
     """Hand-derived gradients of :func:`delta_rule_chunk`, stage by stage as the Triton backward computes them.
 

@@ -172,7 +172,7 @@ def mlp_chunk_forward(x, v, W1, W2, S1, S2, P_e, Q_e, A_e, Th_e, S_e, *, activat
     """The kernels, no autograd; arguments and results as :func:`mlp_chunk_step`."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("mlp_chunk_forward needs triton")
-    check_args(x, v, W1, W2, S1, S2, P_e, Q_e, A_e, Th_e, S_e, activation, residual)
+    check_args(x, v, W1, W2, S1, S2, P_e, Q_e, A_e, Th_e, S_e, activation, residual, bias)
     why = supports_shapes(x, W1, v)
     if why is not None:
         raise ValueError(f"mlp_chunk (triton): unsupported shape: {why}")

@@ -9,6 +9,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from atlaslab.kernels.utils import KERNEL_BIASES
+
 #: activation name → the kernels' constexpr code
 ACTIVATIONS = {"gelu": 0, "silu": 1, "relu": 2}
 _SQRT1_2 = 1.0 / math.sqrt(2.0)
@@ -18,12 +20,14 @@ Outputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Te
                 Optional[torch.Tensor], Optional[torch.Tensor]]
 
 
-def check_args(x, v, W1, W2, S1, S2, P_e, Q_e, A_e, Th_e, S_e, activation, residual: bool = True) -> None:
-    """Validate shapes and the activation, which the kernels compute for three of the memory's σ (see
-    :func:`.chunk.mlp_chunk_step`; ``bias`` comes already valid from the memory's typed spec, and the engines'
-    dispatch sends only :data:`~atlaslab.kernels.utils.KERNEL_BIASES`)."""
+def check_args(x, v, W1, W2, S1, S2, P_e, Q_e, A_e, Th_e, S_e, activation, residual: bool = True,
+               bias: str = "l2") -> None:
+    """Validate shapes, and that the step computes this activation and bias (three of the memory's σ, two of its
+    biases: :data:`ACTIVATIONS`, :data:`~atlaslab.kernels.utils.KERNEL_BIASES`); see :func:`.chunk.mlp_chunk_step`."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got '{activation}'")
+    if bias not in KERNEL_BIASES:
+        raise ValueError(f"bias must be one of {KERNEL_BIASES}, got '{bias}'")
     if x.dim() != 4 or v.dim() != 4 or v.shape[:3] != x.shape[:3]:
         raise ValueError(f"expected x: [B, H, W, D_in], v: [B, H, W, D_out]; got x {list(x.shape)}, "
                          f"v {list(v.shape)}")
@@ -62,7 +66,7 @@ def mlp_chunk_reference(x, v, W1, W2, S1, S2, P_e, Q_e, A_e, Th_e, S_e, *, activ
                         residual: bool = True, bias: str = "l2") -> Outputs:
     """The step's equations (docs/kernels.md#mlp) in plain torch (differentiable). Arguments and results as
     :func:`.chunk.mlp_chunk_step`."""
-    check_args(x, v, W1, W2, S1, S2, P_e, Q_e, A_e, Th_e, S_e, activation, residual)
+    check_args(x, v, W1, W2, S1, S2, P_e, Q_e, A_e, Th_e, S_e, activation, residual, bias)
     z = x @ W1.mT                                        # z_i = W1 x_i                      [B, H, W, hidden]
     a, da = activation_and_derivative(z, activation)     # a_i = σ(z_i), σ'(z_i)
     if bias == "dot":

@@ -115,8 +115,8 @@ def _prepare(q, k, v, beta, theta, alpha, m0, s0, chunk_size, cu_seqlens):
     return [x.contiguous() if x is not None else None for x in (q, k, v, beta, theta, alpha, m0, s0)]
 
 
-def chunk_momentum_forward(q, k, v, beta, theta, alpha, m0, s0, *, chunk_size: int, bias: str = "l2",
-                           read: str = "token", placement: str, cu_seqlens=None,
+def chunk_momentum_forward(q, k, v, beta, theta, alpha, m0, s0, *, chunk_size: int, bias: str,
+                           read: str, placement: str, cu_seqlens=None,
                            allow_tf32: Optional[bool] = None):
     """The three forward kernels, no autograd; arguments and results as :func:`chunk_momentum`. One launch per
     stage, with or without ``cu_seqlens``."""
@@ -192,7 +192,7 @@ def chunk_coefficients(beta: torch.Tensor, theta: torch.Tensor, alpha: Optional[
 
 
 def chunk_momentum_backward(q, k, v, beta, theta, alpha, m0, s0, do, dmt, dst, dma, *, chunk_size: int,
-                            bias: str = "l2", read: str = "token", placement: str, cu_seqlens=None,
+                            bias: str, read: str, placement: str, cu_seqlens=None,
                             allow_tf32: Optional[bool] = None):
     """Gradients of :func:`chunk_momentum_forward` → ``(dq, dk, dv, dβ, dθ, dα, dM_0, dS_0)`` (dα None without α;
     dM_0, dS_0 ``[N, H, D_v, D_k]``).
@@ -314,7 +314,7 @@ def _torch_backward(saved, need, grads_out, opts):
 
 def chunk_momentum(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, theta: torch.Tensor,
                    alpha: Optional[torch.Tensor], initial_state: torch.Tensor, initial_momentum: torch.Tensor, *,
-                   chunk_size: int, bias: str = "l2", read: str = "token", placement: str,
+                   chunk_size: int, bias: str, read: str, placement: str,
                    cu_seqlens: Optional[torch.Tensor] = None, allow_tf32: Optional[bool] = None
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Linear memory + momentum GD at semantic chunk size b (module docstring), Triton forward and backward.

@@ -244,8 +244,8 @@ def _blocks(K: int, V: int, elements: int = STATE_BLOCK) -> Tuple[int, int]:
 
 
 def fused_recurrent_momentum_forward(q, k, v, beta, theta, alpha, m0, s0, a0, p0, *, position: int,
-                                     chunk_size: int, bias: str = "l2", placement: str,
-                                     read: str = "token", store_states: bool = False):
+                                     chunk_size: int, bias: str, placement: str,
+                                     read: str, store_states: bool = False):
     """The kernel alone (no autograd); arguments and results as :func:`fused_recurrent_momentum`.
 
     ``store_states`` (the backward's recompute) also returns every token's pre-step ``[M_{t−1}, S_{t−1}, M_a]``
@@ -277,8 +277,8 @@ def fused_recurrent_momentum_forward(q, k, v, beta, theta, alpha, m0, s0, a0, p0
 
 
 def fused_recurrent_momentum_backward(q, k, v, beta, theta, alpha, m0, s0, a0, p0, do, dmt, dst, dat, dpt, *,
-                                      position: int, chunk_size: int, bias: str = "l2",
-                                      placement: str, read: str = "token"):
+                                      position: int, chunk_size: int, bias: str,
+                                      placement: str, read: str):
     """Gradients of :func:`fused_recurrent_momentum_forward` → ``(dq, dk, dv, dβ, dθ, dα, dM_0, dS_0, dM_a0, dP_0)``
     (dα None without α; ``dmt, dst, dat, dpt`` may be None).
 
@@ -354,8 +354,8 @@ class FusedRecurrentMomentumFunction(torch.autograd.Function):
 def fused_recurrent_momentum(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                              theta: torch.Tensor, alpha: Optional[torch.Tensor], initial_state: torch.Tensor,
                              initial_momentum: torch.Tensor, initial_anchor: torch.Tensor,
-                             initial_chunk_alpha: torch.Tensor, *, position: int, chunk_size: int, bias: str = "l2",
-                             placement: str, read: str = "token"
+                             initial_chunk_alpha: torch.Tensor, *, position: int, chunk_size: int, bias: str,
+                             placement: str, read: str
                              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Linear memory + momentum GD at semantic chunk size b, token by token on one fused Triton kernel.
 

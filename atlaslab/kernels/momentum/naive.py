@@ -38,7 +38,7 @@ def check_args(q, k, v, beta, theta, alpha, m0, s0, chunk_size, cu_seqlens=None)
 
 def momentum_chunk_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                              theta: torch.Tensor, alpha: Optional[torch.Tensor], m0: torch.Tensor,
-                             s0: torch.Tensor, *, chunk_size: int, bias: str = "l2", read: str = "token",
+                             s0: torch.Tensor, *, chunk_size: int, bias: str, read: str,
                              placement: str, cu_seqlens: Optional[torch.Tensor] = None
                              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The chunk equations (docs/kernels.md#momentum) in plain torch, one chunk at a time (differentiable).
@@ -157,8 +157,8 @@ def check_recurrent_args(q, k, v, beta, theta, alpha, m0, s0, a0, p0, position, 
 def momentum_recurrent_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                                  theta: torch.Tensor, alpha: Optional[torch.Tensor], m0: torch.Tensor,
                                  s0: torch.Tensor, a0: torch.Tensor, p0: torch.Tensor, *, position: int,
-                                 chunk_size: int, bias: str = "l2", placement: str,
-                                 read: str = "token"):
+                                 chunk_size: int, bias: str, placement: str,
+                                 read: str):
     """The token equations (docs/kernels.md#momentum) in plain torch (differentiable).
 
     Args: as :func:`.fused_recurrent.fused_recurrent_momentum`. Returns ``(o [B, T, H, D_v], M_T, S_T, M_a [B, H, D_v, D_k],

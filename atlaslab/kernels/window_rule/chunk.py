@@ -280,8 +280,8 @@ def _win_forward_stages(xs, vs, coef, la, h0, *, c, bias, placement, BT, BS, BK,
     return dict(g=g, wk=wk, ainv=ainv, w=w, hs=hs, ht=ht)
 
 
-def window_forward(q, xs, vs, coef, alpha=None, initial_state=None, *, bias="l2", placement,
-                   read="token", cu_seqlens=None, chunk_size: int = 64, allow_tf32: Optional[bool] = None):
+def window_forward(q, xs, vs, coef, alpha=None, initial_state=None, *, bias, placement,
+                   read, cu_seqlens=None, chunk_size: int = 64, allow_tf32: Optional[bool] = None):
     """The window forward kernels, no autograd; arguments as :func:`chunk_window_rule`. One launch per stage,
     with or without ``cu_seqlens``."""
     c = check_window_args(q, xs, vs, coef, alpha, initial_state, cu_seqlens)
@@ -309,8 +309,8 @@ def window_forward(q, xs, vs, coef, alpha=None, initial_state=None, *, bias="l2"
     return o, st["ht"].to(initial_state.dtype if initial_state is not None else q.dtype)
 
 
-def window_chunk_backward(q, xs, vs, coef, alpha, initial_state, do, dht, *, bias="l2", placement,
-                          read="token", cu_seqlens=None, chunk_size: int = 64, allow_tf32: Optional[bool] = None):
+def window_chunk_backward(q, xs, vs, coef, alpha, initial_state, do, dht, *, bias, placement,
+                          read, cu_seqlens=None, chunk_size: int = 64, allow_tf32: Optional[bool] = None):
     """Gradients of :func:`window_forward` on the window backward kernels: ``(dq, dxs, dvs, dcoef, dalpha, dh0)``
     (``dalpha`` / ``dh0`` None when ``alpha`` / ``initial_state`` are). Re-runs stages 1–2 (storing (I + A)⁻¹),
     sweeps the chunks in reverse for dS and dw (``_win_bwd_dh_kernel``), then forms every chunk's gradients in
@@ -403,7 +403,7 @@ class WindowChunkFunction(torch.autograd.Function):
 
 def chunk_window_rule(q: torch.Tensor, xs: torch.Tensor, vs: torch.Tensor, coef: torch.Tensor,
                       alpha: Optional[torch.Tensor] = None, initial_state: Optional[torch.Tensor] = None, *,
-                      bias: str = "l2", placement: str, read: str = "token",
+                      bias: str, placement: str, read: str,
                       cu_seqlens: Optional[torch.LongTensor] = None, chunk_size: int = 64,
                       allow_tf32: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Omega-window (c ≥ 1) linear rule, chunk-parallel on Triton: the math of

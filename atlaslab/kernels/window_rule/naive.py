@@ -92,7 +92,7 @@ def check_window_args(q, xs, vs, coef, alpha, initial_state, cu_seqlens=None) ->
 
 def window_rule_recurrent(q: torch.Tensor, xs: torch.Tensor, vs: torch.Tensor, coef: torch.Tensor,
                           alpha: Optional[torch.Tensor] = None, initial_state: Optional[torch.Tensor] = None, *,
-                          bias: str = "l2", placement: str, read: str = "token",
+                          bias: str, placement: str, read: str,
                           cu_seqlens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Token loop of the Omega rule over window slots (see the section comment). ``alpha`` ``[B, T, H]`` or
     ``[B, T, H, K]`` (channel-wise); returns ``o [B, T, H, V]`` and the final state ``[B, H, V, K]`` (``[N, H, V,
@@ -126,7 +126,7 @@ def window_rule_recurrent(q: torch.Tensor, xs: torch.Tensor, vs: torch.Tensor, c
 
 def window_rule_chunk(q: torch.Tensor, xs: torch.Tensor, vs: torch.Tensor, coef: torch.Tensor,
                       alpha: Optional[torch.Tensor] = None, initial_state: Optional[torch.Tensor] = None, *,
-                      bias: str = "l2", placement: str, read: str = "token", chunk_size: int = 16,
+                      bias: str, placement: str, read: str, chunk_size: int = 16,
                       cu_seqlens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Exact chunk form of :func:`window_rule_recurrent` (the math of the Triton window kernels; the section
     comment gives the equations), per-head or channel-wise decay. Also the torch recompute of their backward.
