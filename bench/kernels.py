@@ -327,8 +327,9 @@ def gate_recurrent(B, T, H, D, dtype, device):
     from atlaslab.kernels.delta_rule.fused_recurrent import fused_recurrent_forward
     from atlaslab.kernels.delta_rule.naive import delta_rule_chunk
     (q, k, v), gates, _ = memory_problem(CASES["gdn"], B, T, H, D, dtype, device, seed=2)
-    o, h = fused_recurrent_forward(q, k, v, gates["lr"], gates["retention"])
-    o_r, h_r = delta_rule_chunk(q.float(), k.float(), v.float(), gates["lr"].float(), gates["retention"].float())
+    gdn = dict(bias="l2", placement="before_step", read="token")
+    o, h = fused_recurrent_forward(q, k, v, gates["lr"], gates["retention"], **gdn)
+    o_r, h_r = delta_rule_chunk(q.float(), k.float(), v.float(), gates["lr"].float(), gates["retention"].float(), **gdn)
     return compare([o, h], [o_r, h_r])
 
 
@@ -575,7 +576,8 @@ def recurrent_row(T, args, ctx) -> dict:
     (q, k, v), g, _ = memory_problem(CASES["gdn"], B, T, H, D, dtype, device)
     gT = min(T, args.gate_max_T)
     return gated_row("gdn", "triton-fused_recurrent", T, args, lambda: gate_recurrent(B, gT, H, D, dtype, device),
-                     lambda: fused_recurrent_forward(q, k, v, g["lr"], g["retention"]), fl, ctx["tol"], "fwd",
+                     lambda: fused_recurrent_forward(q, k, v, g["lr"], g["retention"], bias="l2",
+                                                     placement="before_step", read="token"), fl, ctx["tol"], "fwd",
                      gate_T=gT)
 
 

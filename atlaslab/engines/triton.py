@@ -17,15 +17,14 @@ import torch
 from atlaslab.engines import chunked
 from atlaslab.engines import packed
 from atlaslab.engines.chunked import memorize_chunked
-from atlaslab.kernels.utils import (FORCE_TORCH_ENV, available, device_ok, forced_torch, interpreting,
-                                    triton_importable, with_torch_fallback)
+from atlaslab.kernels.utils import (AFTER_STEP, FORCE_TORCH_ENV, KERNEL_BIASES, MAX_D, READS, available, device_ok,
+                                    forced_torch, interpreting, triton_importable, with_torch_fallback)
 from atlaslab.memory.state import keep_history, split_time, with_history
 
 #: T at or below which ``auto`` picks the token-by-token kernel (fla switches to fused_recurrent at ≤ 64).
 RECURRENT_MAX_T = 64
 #: T at or below which ``auto`` runs a momentum call that starts mid-chunk wholly on the token-by-token kernel
 MOMENTUM_MID_CHUNK_MAX_T = 128
-MAX_HEAD_DIM = 256
 
 
 def spec_reason(parts, chunk_size: int) -> Optional[str]:
@@ -37,14 +36,15 @@ def spec_reason(parts, chunk_size: int) -> Optional[str]:
     checks = [
         (s.memory.name == "linear", f"memory '{s.memory.name}' (kernels: linear)"),
         (not parts.kernel_trick, "the exp kernel trick"),
-        (s.attentional_bias.name in ("l2", "dot"), f"attentional bias '{s.attentional_bias.name}' (l2, dot)"),
+        (s.attentional_bias.name in KERNEL_BIASES,
+         f"attentional bias '{s.attentional_bias.name}' ({', '.join(KERNEL_BIASES)})"),
         (s.inner_optimizer.name == "gd", f"inner optimizer '{s.inner_optimizer.name}' (gd)"),
         (s.retention.name in ("none", "decay"), f"retention '{s.retention.name}' (none, decay)"),
         (parts.window.size is not None and parts.window.size <= MAX_WINDOW,
          f"window size {parts.window.size} (c ≤ {MAX_WINDOW})"),
         (chunk_size == 1, f"chunk_size b = {chunk_size} (b = 1)"),
-        (parts.read in ("token", "chunk"), f"read '{parts.read}'"),
-        (max(parts.feature_map.out_dim, parts.value_dim) <= MAX_HEAD_DIM, f"head dims > {MAX_HEAD_DIM}"),
+        (parts.read in READS, f"read '{parts.read}'"),
+        (max(parts.feature_map.out_dim, parts.value_dim) <= MAX_D, f"head dims > {MAX_D}"),
     ]
     for ok, why in checks:
         if not ok:
@@ -80,7 +80,7 @@ def _decay(parts, gates):
     (else None), and its placement (``after_step`` without α: the kernels then ignore it)."""
     ret = parts.retention
     alpha = gates.retention if (ret.uses_alpha and gates.retention is not None) else None
-    return alpha, (ret.placement if alpha is not None else "after_step")
+    return alpha, (ret.placement if alpha is not None else AFTER_STEP)
 
 
 def _engine(kind: str) -> Callable:
@@ -124,14 +124,12 @@ def linear_momentum_reason(parts, channel_wise_ok: bool = False) -> Optional[str
     linear memory, ℓ2 or dot bias, momentum GD, no retention, per-head scalar decay or (``channel_wise_ok``, which
     both kernels now pass) channel-wise decay, either placement, Omega window c = 1, read token or chunk,
     head dims ≤ MAX_D."""
-    from atlaslab.kernels.momentum.naive import BIASES, READS
-    from atlaslab.kernels.utils import MAX_D
     s, ret = parts.spec, parts.retention
     bias = s.attentional_bias.name
     checks = [
         (s.memory.name == "linear", f"memory '{s.memory.name}' (momentum kernels: linear)"),
         (not parts.kernel_trick, "the exp kernel trick"),
-        (bias in BIASES, f"attentional bias '{bias}' (momentum kernels: l2, dot)"),
+        (bias in KERNEL_BIASES, f"attentional bias '{bias}' (momentum kernels: {', '.join(KERNEL_BIASES)})"),
         (s.inner_optimizer.name == "momentum", f"inner optimizer '{s.inner_optimizer.name}' (momentum)"),
         (s.retention.name in ("none", "decay"), f"retention '{s.retention.name}' (none, decay)"),
         (channel_wise_ok or not getattr(ret, "channel_wise", False),
@@ -180,12 +178,12 @@ def memorize_chunk_momentum(q, k, v, parts, gates, chunk_size, state, block_size
             return y, state
     state = dataclasses.replace(state)
     T = q.shape[1]
-    fm, ret = parts.feature_map, parts.retention
-    alpha, _ = _decay(parts, gates)
+    fm = parts.feature_map
+    alpha, placement = _decay(parts, gates)
     beta = gates.lr * gates.window                    # c = 1: the window gate scales the step
     o, M, S, anchor = chunk_momentum(fm(q), fm(k), v, beta, gates.momentum, alpha, state.weights["W"],
                                      state.momentum["W"], chunk_size=b, bias=parts.spec.attentional_bias.name,
-                                     read=parts.read, placement=ret.placement)
+                                     read=parts.read, placement=placement)
     state.weights, state.momentum, state.anchor = {"W": M}, {"W": S}, {"W": anchor}
     last = T - (-(-T // b) - 1) * b                  # real tokens of the last chunk
     if alpha is not None:
@@ -255,8 +253,7 @@ def mlp_reason(parts) -> Optional[str]:
     the window (any c), scalar decay after the step or no retention, the gates and the read are the caller's
     (``chunked._dual_aligned`` already requires the dual form: GD / momentum, after-step scalar decay).
     """
-    from atlaslab.kernels.utils import MAX_D
-    from atlaslab.kernels.mlp.naive import ACTIVATIONS, BIASES
+    from atlaslab.kernels.mlp.naive import ACTIVATIONS
     s = parts.spec
     cfg = getattr(parts.memory, "cfg", None)
     ret = parts.retention
@@ -266,7 +263,8 @@ def mlp_reason(parts) -> Optional[str]:
         (not getattr(cfg, "layer_norm", True), "layer norm on (off)"),
         (getattr(cfg, "activation", None) in ACTIVATIONS,
          f"activation '{getattr(cfg, 'activation', None)}' ({', '.join(ACTIVATIONS)})"),
-        (s.attentional_bias.name in BIASES, f"attentional bias '{s.attentional_bias.name}' ({', '.join(BIASES)})"),
+        (s.attentional_bias.name in KERNEL_BIASES,
+         f"attentional bias '{s.attentional_bias.name}' ({', '.join(KERNEL_BIASES)})"),
         (s.inner_optimizer.name in ("gd", "momentum"), f"inner optimizer '{s.inner_optimizer.name}' (gd, momentum)"),
         (not ret.mirror and not ret.projects and not ret.channel_wise,
          "mirror-map, projecting or channel-wise retention"),
@@ -423,7 +421,7 @@ def _finish_sequences(parts, states, offsets, k, v, gates, weights, momentum=Non
 def _run_packed(kind: str, q, k, v, parts, gates, chunk_size: int, states, offsets, block_size: int):
     """Run one packed call on the ``kind`` kernel with ``cu_seqlens`` → ``(o, N final states)``."""
     cu = torch.tensor(offsets, device=q.device, dtype=torch.long)
-    fm, ret = parts.feature_map, parts.retention
+    fm = parts.feature_map
     alpha, placement = _decay(parts, gates)
     bias = parts.spec.attentional_bias.name
     W0 = packed.stack_weights(states, "weights")
@@ -432,7 +430,7 @@ def _run_packed(kind: str, q, k, v, parts, gates, chunk_size: int, states, offse
         b = int(chunk_size)
         o, M, S, anchor = chunk_momentum(fm(q), fm(k), v, gates.lr * gates.window, gates.momentum, alpha, W0,
                                          packed.stack_weights(states, "momentum"), chunk_size=b, bias=bias,
-                                         read=parts.read, placement=ret.placement, cu_seqlens=cu)
+                                         read=parts.read, placement=placement, cu_seqlens=cu)
         chunk_alpha = None
         if alpha is not None:   # Π α over each sequence's last (possibly partial) chunk
             chunk_alpha = torch.cat([alpha[:, offsets[i + 1] - ((offsets[i + 1] - offsets[i] - 1) % b + 1):

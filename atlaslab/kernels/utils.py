@@ -63,6 +63,22 @@ def device_ok(x: torch.Tensor) -> Optional[str]:
     return f"device {x.device} (needs CUDA, or CPU with TRITON_INTERPRET=1)"
 
 
+# ------------------------------------------------------------------------------------------ the options kernels take
+
+#: where a decay sits relative to the inner step (docs/concepts/memory.md#retention-placement): ``after_step`` takes
+#: the gradient at S_{t−1}, ``before_step`` at the decayed state α_t S_{t−1}. Defined here, the lowest floor that
+#: branches on them; the retention part (:mod:`atlaslab.memory.retention`) validates against them and owns the default,
+#: and the linear kernels take ``bias``, ``placement`` and ``read`` as required arguments.
+AFTER_STEP, BEFORE_STEP = "after_step", "before_step"
+PLACEMENTS = (AFTER_STEP, BEFORE_STEP)
+#: how a memory is read (docs/concepts/memory.md#read-granularity): ``token`` reads S_t after token t's write,
+#: ``chunk`` the chunk-start state; :mod:`atlaslab.memory.spec` validates against them, both in every linear kernel
+READS = ("token", "chunk")
+#: the attentional biases (registered parts of :mod:`atlaslab.memory.attentional_biases`) the linear and MLP kernels
+#: compute: ℓ2 (e = M(k) − v) and dot (e = −v); the engines' dispatch sends a kernel no other
+KERNEL_BIASES = ("l2", "dot")
+
+
 # ------------------------------------------------------------------------------------------ sizes and precision
 
 #: largest head dim (D_k, D_v; the MLP memory's D_in, D_out) any kernel here takes: a program holds whole state

@@ -30,13 +30,11 @@ from typing import Dict, Optional
 import torch
 import torch.nn.functional as F
 
+from atlaslab.kernels.utils import AFTER_STEP, BEFORE_STEP, PLACEMENTS
 from atlaslab.memory.part import Part
 from atlaslab.registry import PartConfig, check_choice, check_range, register
 
 Weights = Dict[str, torch.Tensor]
-#: where a decay is placed (docs/concepts/memory.md#retention-placement): the choices, defined here once
-AFTER_STEP, BEFORE_STEP = "after_step", "before_step"
-PLACEMENTS = (AFTER_STEP, BEFORE_STEP)
 
 
 def scale_weights(weights: Weights, alpha: Optional[torch.Tensor], channel_wise: bool) -> Weights:

@@ -13,12 +13,12 @@ from typing import Any, Mapping
 
 from torch import nn
 
+from atlaslab.kernels.utils import READS
 from atlaslab.registry import ConfigError, PartConfig, check_choice, get_registry, resolve_part, to_container
 from atlaslab.registry.errors import join_path
 
 #: The six component axes of a memory, in the order docs/concepts/memory.md lists them.
 PART_KINDS = ("memory", "attentional_bias", "retention", "feature_map", "inner_optimizer", "window")
-READS = ("token", "chunk")
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from torch import nn
 
 from atlaslab.engines import memorize
 from atlaslab.engines.packed import check_cu_seqlens, sequence_positions
+from atlaslab.memory.retention import AFTER_STEP
 from atlaslab.memory.spec import build_memory
 from atlaslab.models.attention import Attention, AttentionConfig, apply_rope, attention_mask, rope_angles
 from atlaslab.models.layers import OUTPUT_GATE_ACTS, RMSNorm, gated_head_output
@@ -41,7 +42,7 @@ FORMS = ("attention", "memory")
 FOX_MEMORY_SPEC = {
     "memory": {"name": "linear", "init": "zeros"},
     "attentional_bias": {"name": "dot"},
-    "retention": {"name": "decay", "placement": "after_step"},
+    "retention": {"name": "decay", "placement": AFTER_STEP},
     "feature_map": {"name": "exp", "mode": "kernel", "normalize": True},
     "inner_optimizer": {"name": "gd", "lr": 1.0},
     "window": {"name": "omega", "size": 1},

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atlaslab.engines import MODES, memorize, read_memory
+from atlaslab.engines import GATE_NAMES, MODES, memorize, read_memory
 from atlaslab.engines import initial_state as fresh_memory_state
 from atlaslab.engines.packed import check_cu_seqlens, sequence_positions, stack_states
 from atlaslab.memory.spec import MemoryParts, MemorySpec, resolve_memory_spec
@@ -55,7 +55,8 @@ from atlaslab.models.attention import head_layout
 from atlaslab.registry import ConfigError, PartConfig, check_range, register
 from atlaslab.registry.weight_decay import exempt_from_weight_decay
 
-GATES = ("lr", "retention", "momentum", "window", "delta")
+#: the gates a layer makes for its memory (the engines' gate names, defined once in :mod:`atlaslab.memory.state`)
+GATES = GATE_NAMES
 GATE_FORMS = {"retention": ("sigmoid", "log_decay"), "other": ("sigmoid",)}
 OUTPUT_GATE_ACTS = ("sigmoid", "swish")
 GATE_WEIGHT_INITS = ("normal", "uniform")

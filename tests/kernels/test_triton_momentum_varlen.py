@@ -183,9 +183,10 @@ def test_chunk_coefficients_restart_at_every_sequence():
 
 def test_cu_seqlens_argument_checks():
     x = _inputs([3, 4])
+    opts = dict(chunk_size=4, bias="l2", placement="after_step", read="token")
     with pytest.raises(ValueError, match="B = 1"):
-        cm.chunk_momentum(*[torch.cat([t, t]) for t in x[:6]], *x[6:], chunk_size=4, cu_seqlens=_cu([3, 4]))
+        cm.chunk_momentum(*[torch.cat([t, t]) for t in x[:6]], *x[6:], cu_seqlens=_cu([3, 4]), **opts)
     with pytest.raises(ValueError, match="offsets"):
-        cm.chunk_momentum(*x, chunk_size=4, cu_seqlens=_cu([3, 3]))
+        cm.chunk_momentum(*x, cu_seqlens=_cu([3, 3]), **opts)
     with pytest.raises(ValueError, match="initial_state"):
-        cm.chunk_momentum(*x, chunk_size=4, cu_seqlens=_cu([3, 2, 2]))
+        cm.chunk_momentum(*x, cu_seqlens=_cu([3, 2, 2]), **opts)

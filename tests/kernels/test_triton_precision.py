@@ -13,6 +13,7 @@ from atlaslab.kernels.utils import dot_precision  # noqa: E402
 from atlaslab.kernels.delta_rule.naive import delta_rule_recurrent  # noqa: E402
 
 DEVICE = triton_device(tk)
+GDN = dict(bias="l2", placement="before_step", read="token")
 
 
 @pytest.fixture
@@ -64,11 +65,11 @@ def test_chunk_kernels_launch_with_the_chosen_precision(monkeypatch, matmul_prec
     v = torch.randn(1, 18, 1, 16, generator=g)
     beta = torch.rand(1, 18, 1, generator=g) * 0.5 + 0.2
     leaves = [x.to(DEVICE, dtype).clone().requires_grad_() for x in (q, k, v, beta)]
-    o, _ = chunk_mod.chunk_delta_rule(*leaves, chunk_size=16)
+    o, _ = chunk_mod.chunk_delta_rule(*leaves, **GDN, chunk_size=16)
     o.float().square().sum().backward()
     assert seen == {want}
     ref = [x.to(DEVICE, torch.float64).requires_grad_() for x in (q, k, v, beta)]
-    o_r, _ = delta_rule_recurrent(*ref)
+    o_r, _ = delta_rule_recurrent(*ref, **GDN)
     o_r.square().sum().backward()
     tol = 1e-3 if dtype == torch.float32 else 2e-2
     assert rms_ratio(o.double(), o_r) <= tol

@@ -246,7 +246,7 @@ def test_chunk_window_kernel_rejects_large_windows():
     q = torch.zeros(1, 4, 1, 8, device=DEVICE)
     big = torch.zeros(1, 4, MAX_WINDOW + 1, 1, 8, device=DEVICE)
     with pytest.raises(ValueError, match="window"):
-        chunk_window_rule(q, big, big, big[..., 0])
+        chunk_window_rule(q, big, big, big[..., 0], bias="l2", placement="before_step", read="token")
 
 
 @pytest.mark.parametrize("c, opts, decay, h0", [

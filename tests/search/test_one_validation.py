@@ -3,12 +3,15 @@ config travels (pickled, as Ray sends it) to the trial, which builds, runs and t
 memory again (the layer, the engine and the kernels take the typed spec as it is)."""
 import pickle
 
+import pytest
 import torch
 
 from atlaslab.memory import spec as memory_spec
 from atlaslab.memory.retention import Decay
+from atlaslab.registry import ConfigError
 from atlaslab.search.build import build_trial
 from atlaslab.search.driver import prepare, tune_trials
+from atlaslab.search.schema import load_experiment
 from atlaslab.search.settings import TrialSettings
 
 NODE = {
@@ -59,3 +62,10 @@ def test_trial_settings_carry_the_resources_typed():
     s = pickle.loads(pickle.dumps(TrialSettings.of(p.exp, {"uri": "x"})))
     assert (s.workers, s.threads, s.imports, s.metric, dict(s.tracking)) == (2, 2, (), "val/accuracy", {"uri": "x"})
     assert s.resources.workers_per_trial == 2 and s.resources.cpus_per_trial == 2
+
+
+def test_an_import_that_fails_is_a_config_error_naming_the_module():
+    """The experiment's ``imports`` go through the one helper (atlaslab.registry.import_user_modules), whose
+    ImportError is a ConfigError at ``imports``, when the experiment is validated (before any trial starts)."""
+    with pytest.raises(ConfigError, match=r"^imports: cannot import module 'no_such_module_xyz'"):
+        load_experiment(node=dict(NODE, imports=["no_such_module_xyz"]))

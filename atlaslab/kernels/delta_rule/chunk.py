@@ -20,8 +20,8 @@ import torch
 
 from atlaslab.kernels.common.lang import tl, triton
 from atlaslab.kernels.delta_rule.naive import check_args, delta_rule_chunk
-from atlaslab.kernels.utils import (ChunkLayout, check_head_dims, dot_precision, log_decay, log_gate_grad, pow2,
-                                   reference_backward, with_torch_fallback)
+from atlaslab.kernels.utils import (BEFORE_STEP, ChunkLayout, check_head_dims, dot_precision, log_decay, log_gate_grad,
+                                   pow2, reference_backward, with_torch_fallback)
 
 
 if triton is not None:
@@ -251,7 +251,7 @@ def _forward_stages(k, v, beta, la, h0, *, bias, placement, chunk_size, prec, st
     hs = torch.empty(lay.NC, H, V, K, **f32)
     ht = torch.empty(lay.N, H, V, K, **f32)
     dummy = g
-    flags = dict(IS_L2=is_l2, BEFORE=placement == "before_step", STORE_AINV=ainv is not None, PRECISION=prec,
+    flags = dict(IS_L2=is_l2, BEFORE=placement == BEFORE_STEP, STORE_AINV=ainv is not None, PRECISION=prec,
                  IS_VARLEN=lay.varlen, num_warps=4)
     if cw:
         _cw_ut_kernel[(lay.NC, H)](
@@ -269,11 +269,11 @@ def _forward_stages(k, v, beta, la, h0, *, bias, placement, chunk_size, prec, st
     return dict(g=g, wk=wk, ainv=ainv, w=w, hs=hs, ht=ht, layout=lay)
 
 
-def chunk_forward(q, k, v, beta, alpha=None, initial_state=None, *, bias="l2", placement="before_step",
-                  read="token", cu_seqlens=None, chunk_size: int = 64, allow_tf32: Optional[bool] = None):
+def chunk_forward(q, k, v, beta, alpha=None, initial_state=None, *, bias, placement,
+                  read, cu_seqlens=None, chunk_size: int = 64, allow_tf32: Optional[bool] = None):
     """The three forward kernels, no autograd; arguments as :func:`chunk_delta_rule`. One launch per stage, with
     or without ``cu_seqlens``."""
-    check_args(q, k, v, beta, alpha, initial_state, bias, placement, read, cu_seqlens)
+    check_args(q, k, v, beta, alpha, initial_state, cu_seqlens)
     B, T, H, K = q.shape
     V = v.shape[-1]
     BT, BK, BVV, BV = _sizes(K, V, chunk_size)
@@ -295,8 +295,8 @@ def chunk_forward(q, k, v, beta, alpha=None, initial_state=None, *, bias="l2", p
     return o, st["ht"].to(initial_state.dtype if initial_state is not None else q.dtype)
 
 
-def chunk_backward(q, k, v, beta, alpha, initial_state, do, dht, *, bias="l2", placement="before_step",
-                   read="token", cu_seqlens=None, chunk_size: int = 64, allow_tf32: Optional[bool] = None):
+def chunk_backward(q, k, v, beta, alpha, initial_state, do, dht, *, bias, placement,
+                   read, cu_seqlens=None, chunk_size: int = 64, allow_tf32: Optional[bool] = None):
     """Gradients of :func:`chunk_forward` on the backward kernels (the Triton twin of
     :func:`.naive.delta_rule_chunk_backward`).
 
@@ -312,7 +312,7 @@ def chunk_backward(q, k, v, beta, alpha, initial_state, do, dht, *, bias="l2", p
     sweep: one program per value block × sequence × head over that sequence's chunks; the others over the
     chunk-index table).
     """
-    check_args(q, k, v, beta, alpha, initial_state, bias, placement, read, cu_seqlens)
+    check_args(q, k, v, beta, alpha, initial_state, cu_seqlens)
     B, T, H, K = q.shape
     V = v.shape[-1]
     BT, BK, BVV, BV = _sizes(K, V, chunk_size)
@@ -347,7 +347,7 @@ def chunk_backward(q, k, v, beta, alpha, initial_state, do, dht, *, bias="l2", p
     (_cw_bwd_grad_kernel if cw else _chunk_bwd_grad_kernel)[(lay.NC, H)](
         q, k, v, beta, la if la is not None else dummy, st["g"], st["ainv"] if is_l2 else dummy, st["w"], st["hs"],
         dhs, do, dw, dq, dk, dv, dbeta, dla if dla is not None else dummy, lay.cu, lay.table, T, lay.NT,
-        BEFORE=placement == "before_step", **meta)
+        BEFORE=placement == BEFORE_STEP, **meta)
     dalpha = log_gate_grad(dla, alpha.float()).to(alpha.dtype) if alpha is not None else None
     return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbeta.to(beta.dtype), dalpha,
             dh0.to(initial_state.dtype) if dh0 is not None else None)
@@ -393,7 +393,7 @@ def _torch_backward(saved, need, do, dht, opts, chunk_size):
 
 def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                      alpha: Optional[torch.Tensor] = None, initial_state: Optional[torch.Tensor] = None, *,
-                     bias: str = "l2", placement: str = "before_step", read: str = "token",
+                     bias: str, placement: str, read: str,
                      cu_seqlens: Optional[torch.LongTensor] = None, chunk_size: int = 64,
                      allow_tf32: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Linear-memory delta / Hebbian rule, chunk-parallel on Triton (exact; same results as the token loop).

@@ -24,7 +24,7 @@ import torch
 from atlaslab.kernels.common.lang import tl, triton
 from atlaslab.kernels.delta_rule import chunk
 from atlaslab.kernels.delta_rule.naive import check_args, delta_rule_chunk
-from atlaslab.kernels.utils import check_head_dims, pow2, reference_backward
+from atlaslab.kernels.utils import BEFORE_STEP, check_head_dims, pow2, reference_backward
 
 
 if triton is not None:
@@ -89,15 +89,15 @@ def recurrent_launch(q, alpha, initial_state, cu_seqlens, N: int, V: int, *, bia
     BV = min(pow2(V, 16), max(16, STATE_BLOCK // BK))
     meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, HAS_ALPHA=alpha is not None,
                 CHANNEL=alpha is not None and alpha.dim() == 4, HAS_H0=h0 is not None, STORE_FINAL=ht is not None,
-                IS_L2=bias == "l2", BEFORE=placement == "before_step", READ_TOKEN=read == "token",
+                IS_L2=bias == "l2", BEFORE=placement == BEFORE_STEP, READ_TOKEN=read == "token",
                 IS_VARLEN=cu_seqlens is not None, num_warps=4)
     return alpha, h0, ht, (triton.cdiv(V, BV), N * H), meta
 
 
-def fused_recurrent_forward(q, k, v, beta, alpha=None, initial_state=None, *, bias="l2", placement="before_step",
-                            read="token", cu_seqlens=None, output_final_state=True):
+def fused_recurrent_forward(q, k, v, beta, alpha=None, initial_state=None, *, bias, placement,
+                            read, cu_seqlens=None, output_final_state=True):
     """The kernel alone (no autograd); arguments as :func:`fused_recurrent_delta_rule`."""
-    N = check_args(q, k, v, beta, alpha, initial_state, bias, placement, read, cu_seqlens)
+    N = check_args(q, k, v, beta, alpha, initial_state, cu_seqlens)
     q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
     alpha, h0, ht, grid, meta = recurrent_launch(q, alpha, initial_state, cu_seqlens, N, v.shape[-1], bias=bias,
                                                  placement=placement, read=read,
@@ -136,7 +136,7 @@ class FusedRecurrentFunction(torch.autograd.Function):
 
 def fused_recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                                alpha: Optional[torch.Tensor] = None, initial_state: Optional[torch.Tensor] = None,
-                               *, bias: str = "l2", placement: str = "before_step", read: str = "token",
+                               *, bias: str, placement: str, read: str,
                                cu_seqlens: Optional[torch.LongTensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Linear-memory delta / Hebbian rule, token by token on one fused Triton kernel.
 

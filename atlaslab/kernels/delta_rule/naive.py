@@ -27,11 +27,12 @@ from typing import Optional, Tuple
 
 import torch
 
-from atlaslab.kernels.utils import log_decay, log_gate_grad, packed_sequences, per_sequence, solve_unit_lower
+from atlaslab.kernels.utils import (AFTER_STEP, BEFORE_STEP, log_decay, log_gate_grad, packed_sequences, per_sequence,
+                                   solve_unit_lower)
 
-def check_args(q, k, v, beta, alpha, initial_state, bias, placement, read, cu_seqlens) -> int:
-    """Check the tensors' shapes; returns N, the number of sequences. ``bias``, ``placement`` and ``read`` come
-    already valid from the memory's typed spec (:mod:`atlaslab.memory`, where their choices are defined)."""
+def check_args(q, k, v, beta, alpha, initial_state, cu_seqlens) -> int:
+    """Check the tensors' shapes; returns N, the number of sequences (``bias``, ``placement`` and ``read`` are not
+    checked here: they come already valid from the memory's typed spec, checked once by the parts)."""
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"expected q, k: [B, T, H, D_k] and v: [B, T, H, D_v]; got q {list(q.shape)}, "
                          f"k {list(k.shape)}, v {list(v.shape)}")
@@ -50,12 +51,12 @@ def check_args(q, k, v, beta, alpha, initial_state, bias, placement, read, cu_se
 
 def delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                          alpha: Optional[torch.Tensor] = None, initial_state: Optional[torch.Tensor] = None, *,
-                         bias: str = "l2", placement: str = "before_step", read: str = "token",
+                         bias: str, placement: str, read: str,
                          cu_seqlens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Token loop. ``q, k: [B, T, H, K]``, ``v: [B, T, H, V]``, ``beta: [B, T, H]``, ``alpha: [B, T, H]`` or
     ``[B, T, H, K]`` (channel-wise: S ← S Diag(α_t)), ``initial_state: [N, H, V, K]`` → ``o: [B, T, H, V]``,
     final state ``[N, H, V, K]``."""
-    check_args(q, k, v, beta, alpha, initial_state, bias, placement, read, cu_seqlens)
+    check_args(q, k, v, beta, alpha, initial_state, cu_seqlens)
     kw = dict(bias=bias, placement=placement, read=read)
     if cu_seqlens is not None:
         return per_sequence(delta_rule_recurrent, q, k, v, beta, alpha, initial_state, cu_seqlens, **kw)
@@ -72,7 +73,7 @@ def delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta
         if read == "chunk":
             outs.append(torch.einsum("bhvk,bhk->bhv", S, q_t))
         if bias == "l2":
-            anchor = S * a_t if (a_t is not None and placement == "before_step") else S
+            anchor = S * a_t if (a_t is not None and placement == BEFORE_STEP) else S
             err = torch.einsum("bhvk,bhk->bhv", anchor, k_t) - v_t
             step = -b_t * err.unsqueeze(-1) * k_t.unsqueeze(-2)
         else:
@@ -104,11 +105,11 @@ def decayed_dot(x: torch.Tensor, y: torch.Tensor, decay3: torch.Tensor) -> torch
 
 def delta_rule_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                      alpha: Optional[torch.Tensor] = None, initial_state: Optional[torch.Tensor] = None, *,
-                     bias: str = "l2", placement: str = "before_step", read: str = "token",
+                     bias: str, placement: str, read: str,
                      cu_seqlens: Optional[torch.Tensor] = None, chunk_size: int = 64
                      ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Exact chunk-parallel form of :func:`delta_rule_recurrent` (same arguments and results)."""
-    check_args(q, k, v, beta, alpha, initial_state, bias, placement, read, cu_seqlens)
+    check_args(q, k, v, beta, alpha, initial_state, cu_seqlens)
     kw = dict(bias=bias, placement=placement, read=read, chunk_size=chunk_size)
     if cu_seqlens is not None:
         return per_sequence(delta_rule_chunk, q, k, v, beta, alpha, initial_state, cu_seqlens, **kw)
@@ -125,7 +126,7 @@ def delta_rule_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: to
         L = qc.shape[2]
         g = la.cumsum(-1)                                   # stage 1: chunk-local gate cumsum
         if bias == "l2":                                    # stage 2: UT transform of the delta rule
-            G = g if placement == "before_step" else g - la
+            G = g if placement == BEFORE_STEP else g - la
             kk = kc @ kc.transpose(-1, -2)
             A = bc.unsqueeze(-1) * kk * causal_exp(G.unsqueeze(-1) - g.unsqueeze(-2), -1)
             A = A + torch.eye(L, dtype=A.dtype, device=A.device)
@@ -162,7 +163,7 @@ def _chunk_channel_wise(qh, kh, vh, bh, lah, S, bias, placement, read, chunk_siz
         L = qc.shape[2]
         g = la.cumsum(-2)
         if bias == "l2":
-            G = g if placement == "before_step" else g - la
+            G = g if placement == BEFORE_STEP else g - la
             A = bc.unsqueeze(-1) * decayed_dot(kc, kc, causal_exp3(G, g, -1))
             A = A + torch.eye(L, dtype=A.dtype, device=A.device)
             rhs = torch.cat([bc.unsqueeze(-1) * vc, bc.unsqueeze(-1) * kc * G.exp()], -1)
@@ -203,8 +204,8 @@ def reverse_sweep(chunks, cs, doh, retreat, dS):
 
 def delta_rule_chunk_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                               alpha: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
-                              do: torch.Tensor, dht: Optional[torch.Tensor], *, bias: str = "l2",
-                              placement: str = "before_step", read: str = "token",
+                              do: torch.Tensor, dht: Optional[torch.Tensor], *, bias: str,
+                              placement: str, read: str,
                               cu_seqlens: Optional[torch.Tensor] = None, chunk_size: int = 64):
     """Hand-derived gradients of :func:`delta_rule_chunk`, stage by stage as the Triton backward computes them.
 
@@ -229,7 +230,7 @@ def delta_rule_chunk_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  dg_L += e^{g_L} ⟨dS, S_0⟩ + Σ_s k_s·((e^{g_L−g} ⊙ w) dS)_s
            d log α = reverse-cumsum(dg) − [after_step] dG − [read chunk] d gq;   dα = d log α / α.
     """
-    check_args(q, k, v, beta, alpha, initial_state, bias, placement, read, cu_seqlens)
+    check_args(q, k, v, beta, alpha, initial_state, cu_seqlens)
     kw = dict(bias=bias, placement=placement, read=read, chunk_size=chunk_size)
     if cu_seqlens is not None:
         bounds = cu_seqlens.tolist()
@@ -261,7 +262,7 @@ def delta_rule_chunk_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         qc, kc, vc, bc, la = qh[:, :, sl], kh[:, :, sl], vh[:, :, sl], bh[:, :, sl], la_all[:, :, sl]
         n = qc.shape[2]
         g = la.cumsum(-1)
-        G = g if placement == "before_step" else g - la
+        G = g if placement == BEFORE_STEP else g - la
         gq = g if read == "token" else g - la
         c = dict(qc=qc, kc=kc, vc=vc, bc=bc, la=la, g=g, G=G, gq=gq)
         if bias == "l2":
@@ -327,7 +328,7 @@ def delta_rule_chunk_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             db_c = (dw * vc).sum(-1)
         dg_tot = dg + dG
         dla_c = dg_tot.flip(-1).cumsum(-1).flip(-1)
-        if placement == "after_step":
+        if placement == AFTER_STEP:
             dla_c = dla_c - dG
         if read == "chunk":
             dla_c = dla_c - (qc * dq_c).sum(-1)
@@ -355,7 +356,7 @@ def _channel_wise_backward(qh, kh, vh, bh, doh, lah, S, dht, *, bias, placement,
     def stage(sl, S0):
         qc, kc, vc, bc, la = qh[:, :, sl], kh[:, :, sl], vh[:, :, sl], bh[:, :, sl], lah[:, :, sl]
         g = la.cumsum(-2)
-        G = g if placement == "before_step" else g - la
+        G = g if placement == BEFORE_STEP else g - la
         gq = g if read == "token" else g - la
         c = dict(qc=qc, kc=kc, vc=vc, bc=bc, g=g, G=G, gq=gq, Pm3=causal_exp3(gq, g, diag))
         if bias == "l2":
@@ -416,7 +417,7 @@ def _channel_wise_backward(qh, kh, vh, bh, doh, lah, S, dht, *, bias, placement,
             dv = bc.unsqueeze(-1) * dw
             db = (dw * vc).sum(-1)
         dla = (dg + dG).flip(-2).cumsum(-2).flip(-2)
-        if placement == "after_step":
+        if placement == AFTER_STEP:
             dla = dla - dG
         if read == "chunk":
             dla = dla - qc * dq

@@ -9,10 +9,10 @@ from typing import Optional, Tuple
 
 import torch
 
+from atlaslab.kernels.utils import KERNEL_BIASES
+
 #: activation name → the kernels' constexpr code
 ACTIVATIONS = {"gelu": 0, "silu": 1, "relu": 2}
-#: attentional bias name → the update kernel's ``DOT`` switch (ℓ2: e = pred − v; dot: e = −v)
-BIASES = {"l2": 0, "dot": 1}
 _SQRT1_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
@@ -22,11 +22,12 @@ Outputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Te
 
 def check_args(x, v, W1, W2, S1, S2, P_e, Q_e, A_e, Th_e, S_e, activation, residual: bool = True,
                bias: str = "l2") -> None:
-    """Validate shapes and options (see :func:`.chunk.mlp_chunk_step`)."""
+    """Validate shapes, and that the step computes this activation and bias (three of the memory's σ, two of its
+    biases: :data:`ACTIVATIONS`, :data:`~atlaslab.kernels.utils.KERNEL_BIASES`); see :func:`.chunk.mlp_chunk_step`."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got '{activation}'")
-    if bias not in BIASES:
-        raise ValueError(f"bias must be one of {tuple(BIASES)}, got '{bias}'")
+    if bias not in KERNEL_BIASES:
+        raise ValueError(f"bias must be one of {KERNEL_BIASES}, got '{bias}'")
     if x.dim() != 4 or v.dim() != 4 or v.shape[:3] != x.shape[:3]:
         raise ValueError(f"expected x: [B, H, W, D_in], v: [B, H, W, D_out]; got x {list(x.shape)}, "
                          f"v {list(v.shape)}")

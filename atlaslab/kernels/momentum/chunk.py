@@ -18,8 +18,8 @@ import torch
 
 from atlaslab.kernels.common.lang import triton
 from atlaslab.kernels.momentum.naive import check_args, momentum_chunk_reference
-from atlaslab.kernels.utils import (ChunkLayout, check_head_dims, dot_precision, log_gate, pow2, prepare_chunk_indices,
-                                    reference_backward, with_torch_fallback)
+from atlaslab.kernels.utils import (BEFORE_STEP, ChunkLayout, check_head_dims, dot_precision, log_gate, pow2,
+                                    prepare_chunk_indices, reference_backward, with_torch_fallback)
 
 if triton is not None:
     from atlaslab.kernels.momentum.chunk_bwd import _mom_bwd_grad_kernel, _mom_bwd_state_kernel, _mom_cw_gate_kernel
@@ -41,11 +41,11 @@ def _channel(alpha) -> bool:
 
 def _before(placement: str, alpha, bias: str) -> bool:
     """Whether e carries the before_step factor P (ℓ2 with decay placed before the step)."""
-    return placement == "before_step" and alpha is not None and bias == "l2"
+    return placement == BEFORE_STEP and alpha is not None and bias == "l2"
 
 
 def _forward_stages(q, k, v, beta, theta, alpha, m0, s0, *, b: int, bias: str, read: str, prec: str,
-                    placement: str = "after_step", cu_seqlens=None, store_a: bool = False) -> dict:
+                    placement: str, cu_seqlens=None, store_a: bool = False) -> dict:
     """Stages 1–2 on contiguous inputs → fp32 ``p, qc, th, aend, send [B, T, H]``, ``aq`` / ``a [B, T, H, BT]``
     (read token / ``store_a``), ``e [B, T, H, V]``, ``hm, hs [NC, H, V, K]`` (chunk-start M, S of every chunk of
     every sequence), ``mt, st [N, H, V, K]`` and the chunk ``layout`` (:class:`atlaslab.kernels.utils.ChunkLayout` over b-token chunks:
@@ -106,8 +106,8 @@ def _last_chunks(lay) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     return (off[1:] - 1).clamp_min(0), (empty if bool(empty.any()) else None)
 
 
-def _prepare(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read, placement, cu_seqlens):
-    check_args(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read, placement, cu_seqlens)
+def _prepare(q, k, v, beta, theta, alpha, m0, s0, chunk_size, cu_seqlens):
+    check_args(q, k, v, beta, theta, alpha, m0, s0, chunk_size, cu_seqlens)
     K, V, b = q.shape[-1], v.shape[-1], int(chunk_size)
     check_head_dims("chunk_momentum (triton)", K, V)
     if b > MAX_CHUNK or q.shape[1] == 0:
@@ -115,13 +115,12 @@ def _prepare(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read, placem
     return [x.contiguous() if x is not None else None for x in (q, k, v, beta, theta, alpha, m0, s0)]
 
 
-def chunk_momentum_forward(q, k, v, beta, theta, alpha, m0, s0, *, chunk_size: int, bias: str = "l2",
-                           read: str = "token", placement: str = "after_step", cu_seqlens=None,
+def chunk_momentum_forward(q, k, v, beta, theta, alpha, m0, s0, *, chunk_size: int, bias: str,
+                           read: str, placement: str, cu_seqlens=None,
                            allow_tf32: Optional[bool] = None):
     """The three forward kernels, no autograd; arguments and results as :func:`chunk_momentum`. One launch per
     stage, with or without ``cu_seqlens``."""
-    q, k, v, beta, theta, alpha, m0, s0 = _prepare(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read,
-                                                   placement, cu_seqlens)
+    q, k, v, beta, theta, alpha, m0, s0 = _prepare(q, k, v, beta, theta, alpha, m0, s0, chunk_size, cu_seqlens)
     T = q.shape[1]
     b = int(chunk_size)
     prec = dot_precision(q.dtype, allow_tf32)
@@ -193,7 +192,7 @@ def chunk_coefficients(beta: torch.Tensor, theta: torch.Tensor, alpha: Optional[
 
 
 def chunk_momentum_backward(q, k, v, beta, theta, alpha, m0, s0, do, dmt, dst, dma, *, chunk_size: int,
-                            bias: str = "l2", read: str = "token", placement: str = "after_step", cu_seqlens=None,
+                            bias: str, read: str, placement: str, cu_seqlens=None,
                             allow_tf32: Optional[bool] = None):
     """Gradients of :func:`chunk_momentum_forward` → ``(dq, dk, dv, dβ, dθ, dα, dM_0, dS_0)`` (dα None without α;
     dM_0, dS_0 ``[N, H, D_v, D_k]``).
@@ -203,8 +202,7 @@ def chunk_momentum_backward(q, k, v, beta, theta, alpha, m0, s0, do, dmt, dst, d
     coefficients' gradients per chunk in parallel, and autograd through :func:`chunk_coefficients` (torch, no
     memory-sized tensor) maps those to dβ, dθ, dα. With ``cu_seqlens`` every stage is still one launch.
     """
-    q, k, v, beta, theta, alpha, m0, s0 = _prepare(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read,
-                                                   placement, cu_seqlens)
+    q, k, v, beta, theta, alpha, m0, s0 = _prepare(q, k, v, beta, theta, alpha, m0, s0, chunk_size, cu_seqlens)
     B, T, H, K = q.shape
     V = v.shape[-1]
     b = int(chunk_size)
@@ -316,7 +314,7 @@ def _torch_backward(saved, need, grads_out, opts):
 
 def chunk_momentum(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, theta: torch.Tensor,
                    alpha: Optional[torch.Tensor], initial_state: torch.Tensor, initial_momentum: torch.Tensor, *,
-                   chunk_size: int, bias: str = "l2", read: str = "token", placement: str = "after_step",
+                   chunk_size: int, bias: str, read: str, placement: str,
                    cu_seqlens: Optional[torch.Tensor] = None, allow_tf32: Optional[bool] = None
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Linear memory + momentum GD at semantic chunk size b (module docstring), Triton forward and backward.

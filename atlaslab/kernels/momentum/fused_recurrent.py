@@ -18,7 +18,7 @@ import torch
 
 from atlaslab.kernels.common.lang import tl, triton
 from atlaslab.kernels.momentum.naive import check_recurrent_args, momentum_recurrent_reference
-from atlaslab.kernels.utils import pow2, reference_backward
+from atlaslab.kernels.utils import BEFORE_STEP, pow2, reference_backward
 
 #: fp32 elements of each state block one program holds: three in the forward (M, S, M_a), seven in the backward
 #: (dM, dS, dM_a, M_{t−1}, S_{t−1}, M_a, M_t); sized so that neither spills registers on sm_90 at D_k = 128
@@ -244,15 +244,15 @@ def _blocks(K: int, V: int, elements: int = STATE_BLOCK) -> Tuple[int, int]:
 
 
 def fused_recurrent_momentum_forward(q, k, v, beta, theta, alpha, m0, s0, a0, p0, *, position: int,
-                                     chunk_size: int, bias: str = "l2", placement: str = "after_step",
-                                     read: str = "token", store_states: bool = False):
+                                     chunk_size: int, bias: str, placement: str,
+                                     read: str, store_states: bool = False):
     """The kernel alone (no autograd); arguments and results as :func:`fused_recurrent_momentum`.
 
     ``store_states`` (the backward's recompute) also returns every token's pre-step ``[M_{t−1}, S_{t−1}, M_a]``
     (``[B, T, H, D_v, D_k]`` fp32 each) and P̃_t (``[B, T, H]``, channel-wise ``[B, T, H, D_k]``; P before α_t):
     ``(outputs, states)``.
     """
-    check_recurrent_args(q, k, v, beta, theta, alpha, m0, s0, a0, p0, position, chunk_size, bias, placement, read)
+    check_recurrent_args(q, k, v, beta, theta, alpha, m0, s0, a0, p0, position, chunk_size)
     B, T, H, K = q.shape
     V = v.shape[-1]
     q, k, v, beta, theta, m0, s0, a0, p0 = (x.contiguous() for x in (q, k, v, beta, theta, m0, s0, a0, p0))
@@ -270,15 +270,15 @@ def fused_recurrent_momentum_forward(q, k, v, beta, theta, alpha, m0, s0, a0, p0
     _fused_momentum_kernel[(triton.cdiv(V, BV), B * H)](
         q, k, v, beta, theta, alpha if alpha is not None else beta, m0, s0, a0, p0, o, mt, st, at, pt, *hist, T,
         int(position) % b, b, H=H, K=K, V=V, BK=BK, BV=BV, HAS_ALPHA=alpha is not None, IS_L2=bias == "l2",
-        BEFORE=placement == "before_step" and alpha is not None, READ_TOKEN=read == "token",
+        BEFORE=placement == BEFORE_STEP and alpha is not None, READ_TOKEN=read == "token",
         STORE_STATES=store_states, CHANNEL=channel, num_warps=4)
     out = (o, mt.to(m0.dtype), st.to(s0.dtype), at.to(a0.dtype), pt.to(p0.dtype))
     return (out, hist) if store_states else out
 
 
 def fused_recurrent_momentum_backward(q, k, v, beta, theta, alpha, m0, s0, a0, p0, do, dmt, dst, dat, dpt, *,
-                                      position: int, chunk_size: int, bias: str = "l2",
-                                      placement: str = "after_step", read: str = "token"):
+                                      position: int, chunk_size: int, bias: str,
+                                      placement: str, read: str):
     """Gradients of :func:`fused_recurrent_momentum_forward` → ``(dq, dk, dv, dβ, dθ, dα, dM_0, dS_0, dM_a0, dP_0)``
     (dα None without α; ``dmt, dst, dat, dpt`` may be None).
 
@@ -312,7 +312,7 @@ def fused_recurrent_momentum_backward(q, k, v, beta, theta, alpha, m0, s0, a0, p
         *(x.contiguous() if x is not None else dummy for x in (dmt, dst, dat)), dpt, dq, dk, dv, dbeta, dtheta,
         dalpha if dalpha is not None else dummy, dm0, ds0, da0, dp0, T, int(position) % b, b, B, H=H, K=K, V=V,
         BK=BK, BV=BV, HAS_ALPHA=alpha is not None, IS_L2=bias == "l2",
-        BEFORE=placement == "before_step" and alpha is not None, READ_TOKEN=read == "token",
+        BEFORE=placement == BEFORE_STEP and alpha is not None, READ_TOKEN=read == "token",
         HAS_DMT=dmt is not None, HAS_DST=dst is not None, HAS_DAT=dat is not None, CHANNEL=channel,
         num_warps=4 if BK * BV <= STATE_BLOCK_BWD else 8)   # D_k ≥ 128 (the 16-row floor): twice the threads
     return (dq.sum(0).to(q.dtype), dk.sum(0).to(k.dtype), dv.to(v.dtype), dbeta.sum(0).to(beta.dtype),
@@ -354,8 +354,8 @@ class FusedRecurrentMomentumFunction(torch.autograd.Function):
 def fused_recurrent_momentum(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                              theta: torch.Tensor, alpha: Optional[torch.Tensor], initial_state: torch.Tensor,
                              initial_momentum: torch.Tensor, initial_anchor: torch.Tensor,
-                             initial_chunk_alpha: torch.Tensor, *, position: int, chunk_size: int, bias: str = "l2",
-                             placement: str = "after_step", read: str = "token"
+                             initial_chunk_alpha: torch.Tensor, *, position: int, chunk_size: int, bias: str,
+                             placement: str, read: str
                              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Linear memory + momentum GD at semantic chunk size b, token by token on one fused Triton kernel.
 

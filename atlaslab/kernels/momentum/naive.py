@@ -9,19 +9,13 @@ from typing import Optional, Tuple
 
 import torch
 
-from atlaslab.kernels.utils import check_head_dims, log_gate, packed_sequences
-
-#: what the momentum kernels compute (the engine's dispatch checks a memory against these; the choices themselves are
-#: defined by the parts in :mod:`atlaslab.memory`, which validate them once)
-BIASES = ("l2", "dot")
-READS = ("token", "chunk")
+from atlaslab.kernels.utils import BEFORE_STEP, check_head_dims, log_gate, packed_sequences
 
 
-def check_args(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read, placement="after_step",
-               cu_seqlens=None) -> int:
+def check_args(q, k, v, beta, theta, alpha, m0, s0, chunk_size, cu_seqlens=None) -> int:
     """Check the tensors' shapes and the chunk size (see :func:`.chunk.chunk_momentum`; ``bias``, ``read`` and
-    ``placement`` come already valid from the memory's typed spec); → N, the number of sequences (B, or the packed
-    sequences of ``cu_seqlens``)."""
+    ``placement`` are not checked here: they come already valid from the memory's typed spec); → N, the number of
+    sequences (B, or the packed sequences of ``cu_seqlens``)."""
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"expected q, k: [B, T, H, D_k] and v: [B, T, H, D_v]; got q {list(q.shape)}, "
                          f"k {list(k.shape)}, v {list(v.shape)}")
@@ -44,8 +38,8 @@ def check_args(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read, plac
 
 def momentum_chunk_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                              theta: torch.Tensor, alpha: Optional[torch.Tensor], m0: torch.Tensor,
-                             s0: torch.Tensor, *, chunk_size: int, bias: str = "l2", read: str = "token",
-                             placement: str = "after_step", cu_seqlens: Optional[torch.Tensor] = None
+                             s0: torch.Tensor, *, chunk_size: int, bias: str, read: str,
+                             placement: str, cu_seqlens: Optional[torch.Tensor] = None
                              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The chunk equations (docs/kernels.md#momentum) in plain torch, one chunk at a time (differentiable).
 
@@ -54,7 +48,7 @@ def momentum_chunk_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     empty sequence). With ``cu_seqlens`` every packed sequence is run alone (its own initial state, its chunks
     from its first token).
     """
-    check_args(q, k, v, beta, theta, alpha, m0, s0, chunk_size, bias, read, placement, cu_seqlens)
+    check_args(q, k, v, beta, theta, alpha, m0, s0, chunk_size, cu_seqlens)
     opts = dict(chunk_size=chunk_size, bias=bias, read=read, placement=placement)
     if cu_seqlens is not None:
         bounds = cu_seqlens.tolist()
@@ -64,7 +58,7 @@ def momentum_chunk_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
             for n, (s, e) in enumerate(zip(bounds[:-1], bounds[1:]))]
         return tuple(torch.cat([p[i] for p in pieces], 1 if i == 0 else 0) for i in range(4))
     b, T = int(chunk_size), q.shape[1]
-    before = placement == "before_step" and alpha is not None and bias == "l2"
+    before = placement == BEFORE_STEP and alpha is not None and bias == "l2"
     if alpha is not None and alpha.dim() == 4:
         return _channel_reference(q, k, v, beta, theta, alpha, m0, s0, b, bias, read, before)
     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))                        # [B, H, T, D]
@@ -141,12 +135,12 @@ def _channel_reference(q, k, v, beta, theta, alpha, m0, s0, b, bias, read, befor
     return o, M, S, anchor
 
 
-def check_recurrent_args(q, k, v, beta, theta, alpha, m0, s0, a0, p0, position, chunk_size, bias, placement, read) -> None:
-    """Validate shapes and options (see :func:`.fused_recurrent.fused_recurrent_momentum`); channel-wise α (``[B, T, H, D_k]``) goes
-    with a ``[B, H, D_k]`` Π α."""
+def check_recurrent_args(q, k, v, beta, theta, alpha, m0, s0, a0, p0, position, chunk_size) -> None:
+    """Validate shapes (see :func:`.fused_recurrent.fused_recurrent_momentum`); channel-wise α (``[B, T, H, D_k]``)
+    goes with a ``[B, H, D_k]`` Π α."""
     channel = p0.dim() == 3
     check_args(q=q, k=k, v=v, beta=beta, theta=theta, alpha=None if channel else alpha, m0=m0, s0=s0,
-                         chunk_size=chunk_size, bias=bias, read=read)
+               chunk_size=chunk_size)
     if channel and alpha is not None and tuple(alpha.shape) != tuple(q.shape):
         raise ValueError(f"alpha (channel-wise): expected [B, T, H, D_k] = {list(q.shape)}, got {list(alpha.shape)}")
     if tuple(a0.shape) != tuple(m0.shape):
@@ -163,17 +157,17 @@ def check_recurrent_args(q, k, v, beta, theta, alpha, m0, s0, a0, p0, position, 
 def momentum_recurrent_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                                  theta: torch.Tensor, alpha: Optional[torch.Tensor], m0: torch.Tensor,
                                  s0: torch.Tensor, a0: torch.Tensor, p0: torch.Tensor, *, position: int,
-                                 chunk_size: int, bias: str = "l2", placement: str = "after_step",
-                                 read: str = "token"):
+                                 chunk_size: int, bias: str, placement: str,
+                                 read: str):
     """The token equations (docs/kernels.md#momentum) in plain torch (differentiable).
 
     Args: as :func:`.fused_recurrent.fused_recurrent_momentum`. Returns ``(o [B, T, H, D_v], M_T, S_T, M_a [B, H, D_v, D_k],
     P [B, H] or, channel-wise, [B, H, D_k])``. Channel-wise α (``[B, T, H, D_k]``) acts on the
     key axis: M ← M Diag(α_t) + S, and ``before_step`` takes the gradient at M_a Diag(P).
     """
-    check_recurrent_args(q, k, v, beta, theta, alpha, m0, s0, a0, p0, position, chunk_size, bias, placement, read)
+    check_recurrent_args(q, k, v, beta, theta, alpha, m0, s0, a0, p0, position, chunk_size)
     b = int(chunk_size)
-    before = placement == "before_step" and alpha is not None
+    before = placement == BEFORE_STEP and alpha is not None
     channel = p0.dim() == 3
     M, S, A, P = m0, s0, a0, p0
     outs = []

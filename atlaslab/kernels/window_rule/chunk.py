@@ -16,8 +16,8 @@ import torch
 from atlaslab.kernels.common.lang import tl, triton
 from atlaslab.kernels.delta_rule import chunk as delta_chunk
 from atlaslab.kernels.delta_rule.chunk import value_block
-from atlaslab.kernels.utils import (ChunkLayout, check_head_dims, dot_precision, log_decay, log_gate_grad, pow2,
-                                   reference_backward, with_torch_fallback)
+from atlaslab.kernels.utils import (BEFORE_STEP, ChunkLayout, check_head_dims, dot_precision, log_decay, log_gate_grad,
+                                   pow2, reference_backward, with_torch_fallback)
 from atlaslab.kernels.window_rule.naive import MAX_WINDOW, check_window_args, window_rule_chunk
 
 if triton is not None:
@@ -260,7 +260,7 @@ def _win_forward_stages(xs, vs, coef, la, h0, *, c, bias, placement, BT, BS, BK,
         if is_l2:
             _win_cw_ut_kernel[(lay.NC, H)](
                 xs, vs, coef, la, g, u, wk, ainv if ainv is not None else dummy, lay.cu, lay.table, T, lay.NT, H=H,
-                IS_VARLEN=lay.varlen, K=K, V=V, C=c, BT=BT, BS=BS, BK=BK, BVV=BVV, BEFORE=placement == "before_step",
+                IS_VARLEN=lay.varlen, K=K, V=V, C=c, BT=BT, BS=BS, BK=BK, BVV=BVV, BEFORE=placement == BEFORE_STEP,
                 STORE_AINV=ainv is not None, PRECISION=prec, num_warps=_slot_warps(BS))
         _win_cw_state_kernel[(triton.cdiv(V, BV), lay.N * H)](
             xs, vs, coef, g, u if is_l2 else dummy, wk if is_l2 else dummy, h0 if h0 is not None else dummy, w, hs,
@@ -271,7 +271,7 @@ def _win_forward_stages(xs, vs, coef, la, h0, *, c, bias, placement, BT, BS, BK,
         _win_ut_kernel[(lay.NC, H)](
             xs, vs, coef, la if la is not None else dummy, g, u, wk, ainv if ainv is not None else dummy, lay.cu,
             lay.table, T, lay.NT, H=H, IS_VARLEN=lay.varlen, K=K, V=V, C=c, BT=BT, BS=BS, BK=BK, BVV=BVV,
-            HAS_ALPHA=la is not None, BEFORE=placement == "before_step", STORE_AINV=ainv is not None,
+            HAS_ALPHA=la is not None, BEFORE=placement == BEFORE_STEP, STORE_AINV=ainv is not None,
             PRECISION=prec, num_warps=_slot_warps(BS))
     _win_state_kernel[(triton.cdiv(V, BV), lay.N * H)](
         xs, vs, coef, g, u if is_l2 else dummy, wk if is_l2 else dummy, h0 if h0 is not None else dummy, w, hs, ht,
@@ -280,11 +280,11 @@ def _win_forward_stages(xs, vs, coef, la, h0, *, c, bias, placement, BT, BS, BK,
     return dict(g=g, wk=wk, ainv=ainv, w=w, hs=hs, ht=ht)
 
 
-def window_forward(q, xs, vs, coef, alpha=None, initial_state=None, *, bias="l2", placement="before_step",
-                   read="token", cu_seqlens=None, chunk_size: int = 64, allow_tf32: Optional[bool] = None):
+def window_forward(q, xs, vs, coef, alpha=None, initial_state=None, *, bias, placement,
+                   read, cu_seqlens=None, chunk_size: int = 64, allow_tf32: Optional[bool] = None):
     """The window forward kernels, no autograd; arguments as :func:`chunk_window_rule`. One launch per stage,
     with or without ``cu_seqlens``."""
-    c = check_window_args(q, xs, vs, coef, alpha, initial_state, bias, placement, read, cu_seqlens)
+    c = check_window_args(q, xs, vs, coef, alpha, initial_state, cu_seqlens)
     B, T, H, K = q.shape
     V = vs.shape[-1]
     BT, BS, BK, BVV, BV = _win_sizes(K, V, c, chunk_size)
@@ -309,15 +309,15 @@ def window_forward(q, xs, vs, coef, alpha=None, initial_state=None, *, bias="l2"
     return o, st["ht"].to(initial_state.dtype if initial_state is not None else q.dtype)
 
 
-def window_chunk_backward(q, xs, vs, coef, alpha, initial_state, do, dht, *, bias="l2", placement="before_step",
-                          read="token", cu_seqlens=None, chunk_size: int = 64, allow_tf32: Optional[bool] = None):
+def window_chunk_backward(q, xs, vs, coef, alpha, initial_state, do, dht, *, bias, placement,
+                          read, cu_seqlens=None, chunk_size: int = 64, allow_tf32: Optional[bool] = None):
     """Gradients of :func:`window_forward` on the window backward kernels: ``(dq, dxs, dvs, dcoef, dalpha, dh0)``
     (``dalpha`` / ``dh0`` None when ``alpha`` / ``initial_state`` are). Re-runs stages 1–2 (storing (I + A)⁻¹),
     sweeps the chunks in reverse for dS and dw (``_win_bwd_dh_kernel``), then forms every chunk's gradients in
     parallel (``_win_bwd_grad_kernel``); channel-wise decay on the ``_win_cw_bwd_*`` kernels (``dalpha``
     ``[B, T, H, D_k]``). With ``cu_seqlens`` each stage is still one launch (the sweeps one program per value
     block × sequence × head, the rest over the chunk-index table)."""
-    c = check_window_args(q, xs, vs, coef, alpha, initial_state, bias, placement, read, cu_seqlens)
+    c = check_window_args(q, xs, vs, coef, alpha, initial_state, cu_seqlens)
     channel = alpha is not None and alpha.dim() == 4
     B, T, H, K = q.shape
     V = vs.shape[-1]
@@ -353,7 +353,7 @@ def window_chunk_backward(q, xs, vs, coef, alpha, initial_state, do, dht, *, bia
     (_win_cw_bwd_grad_kernel if channel else _win_bwd_grad_kernel)[(lay.NC, H)](
         q_, xs_, vs_, coef_, la if la is not None else dummy, g, st["ainv"] if is_l2 else dummy, st["w"], st["hs"],
         dhs, do_, dw, dq, dx, dv, dcoef, dla if dla is not None else dummy, lay.cu, lay.table, T, lay.NT,
-        BEFORE=placement == "before_step", **{**meta, "num_warps": _slot_warps(BS)})
+        BEFORE=placement == BEFORE_STEP, **{**meta, "num_warps": _slot_warps(BS)})
     dalpha = log_gate_grad(dla, alpha.float()).to(alpha.dtype) if alpha is not None else None
     unflat = lambda x, like: x.reshape(like.shape).to(like.dtype)   # noqa: E731
     return (dq.to(q.dtype), unflat(dx, xs), unflat(dv, vs), unflat(dcoef, coef), dalpha,
@@ -403,7 +403,7 @@ class WindowChunkFunction(torch.autograd.Function):
 
 def chunk_window_rule(q: torch.Tensor, xs: torch.Tensor, vs: torch.Tensor, coef: torch.Tensor,
                       alpha: Optional[torch.Tensor] = None, initial_state: Optional[torch.Tensor] = None, *,
-                      bias: str = "l2", placement: str = "before_step", read: str = "token",
+                      bias: str, placement: str, read: str,
                       cu_seqlens: Optional[torch.LongTensor] = None, chunk_size: int = 64,
                       allow_tf32: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Omega-window (c ≥ 1) linear rule, chunk-parallel on Triton: the math of

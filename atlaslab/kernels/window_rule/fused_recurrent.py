@@ -66,10 +66,10 @@ if triton is not None:
             tl.store(ht + state_offs, h.to(ht.dtype.element_ty), mask=m_h)
 
 
-def fused_window_forward(q, xs, vs, coef, alpha=None, initial_state=None, *, bias="l2", placement="before_step",
-                         read="token", cu_seqlens=None, output_final_state=True):
+def fused_window_forward(q, xs, vs, coef, alpha=None, initial_state=None, *, bias, placement,
+                         read, cu_seqlens=None, output_final_state=True):
     """The token-by-token window kernel alone (no autograd); arguments as :func:`fused_recurrent_window_rule`."""
-    c = check_window_args(q, xs, vs, coef, alpha, initial_state, bias, placement, read, cu_seqlens)
+    c = check_window_args(q, xs, vs, coef, alpha, initial_state, cu_seqlens)
     B, T, H, _ = q.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     V = vs.shape[-1]
@@ -109,7 +109,7 @@ class FusedWindowFunction(torch.autograd.Function):
 
 def fused_recurrent_window_rule(q: torch.Tensor, xs: torch.Tensor, vs: torch.Tensor, coef: torch.Tensor,
                                 alpha: Optional[torch.Tensor] = None, initial_state: Optional[torch.Tensor] = None,
-                                *, bias: str = "l2", placement: str = "before_step", read: str = "token",
+                                *, bias: str, placement: str, read: str,
                                 cu_seqlens: Optional[torch.LongTensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Omega-window (c ≥ 1) linear rule, token by token on one fused Triton kernel (the rule of
     :func:`.naive.window_rule_recurrent`).

@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 import torch
 
 from atlaslab.kernels.delta_rule.naive import causal_exp, causal_exp3, check_args, decayed_dot
-from atlaslab.kernels.utils import log_decay, per_sequence, solve_unit_lower
+from atlaslab.kernels.utils import BEFORE_STEP, log_decay, per_sequence, solve_unit_lower
 
 #: The largest Omega window c the Triton window kernels take (a chunk's BT·c slot rows live in one program).
 MAX_WINDOW = 8
@@ -76,7 +76,7 @@ def window_slots(k: torch.Tensor, v: torch.Tensor, gamma: torch.Tensor, c: int,
     return k[:, idx], v[:, idx], gamma[:, idx] * valid
 
 
-def check_window_args(q, xs, vs, coef, alpha, initial_state, bias, placement, read, cu_seqlens=None) -> int:
+def check_window_args(q, xs, vs, coef, alpha, initial_state, cu_seqlens=None) -> int:
     """Validate the slot tensors of a window call; returns c."""
     if q.dim() != 4 or xs.dim() != 5 or vs.dim() != 5 or coef.dim() != 4:
         raise ValueError(f"expected q [B, T, H, K], xs [B, T, c, H, K], vs [B, T, c, H, V], coef [B, T, c, H]; got "
@@ -86,18 +86,18 @@ def check_window_args(q, xs, vs, coef, alpha, initial_state, bias, placement, re
     if xs.shape != (B, T, c, H, K) or vs.shape[:4] != (B, T, c, H) or coef.shape != (B, T, c, H):
         raise ValueError(f"window slots: q {list(q.shape)}, xs {list(xs.shape)}, vs {list(vs.shape)}, "
                          f"coef {list(coef.shape)} do not agree")
-    check_args(q, q, vs[:, :, 0], coef[:, :, 0], alpha, initial_state, bias, placement, read, cu_seqlens)
+    check_args(q, q, vs[:, :, 0], coef[:, :, 0], alpha, initial_state, cu_seqlens)
     return c
 
 
 def window_rule_recurrent(q: torch.Tensor, xs: torch.Tensor, vs: torch.Tensor, coef: torch.Tensor,
                           alpha: Optional[torch.Tensor] = None, initial_state: Optional[torch.Tensor] = None, *,
-                          bias: str = "l2", placement: str = "before_step", read: str = "token",
+                          bias: str, placement: str, read: str,
                           cu_seqlens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Token loop of the Omega rule over window slots (see the section comment). ``alpha`` ``[B, T, H]`` or
     ``[B, T, H, K]`` (channel-wise); returns ``o [B, T, H, V]`` and the final state ``[B, H, V, K]`` (``[N, H, V,
     K]`` with ``cu_seqlens``: each packed sequence run alone, slots as :func:`window_slots` with ``cu_seqlens``)."""
-    check_window_args(q, xs, vs, coef, alpha, initial_state, bias, placement, read, cu_seqlens)
+    check_window_args(q, xs, vs, coef, alpha, initial_state, cu_seqlens)
     if cu_seqlens is not None:
         return per_sequence(window_rule_recurrent, q, xs, vs, coef, alpha, initial_state, cu_seqlens,
                              bias=bias, placement=placement, read=read)
@@ -113,7 +113,7 @@ def window_rule_recurrent(q: torch.Tensor, xs: torch.Tensor, vs: torch.Tensor, c
             outs.append(torch.einsum("bhvk,bhk->bhv", S, q_t))
         x, vv, cf = xs[:, t], vs[:, t], coef[:, t]                      # [B, c, H, ·]
         if bias == "l2":
-            anchor = S * a_t if (a_t is not None and placement == "before_step") else S
+            anchor = S * a_t if (a_t is not None and placement == BEFORE_STEP) else S
             err = torch.einsum("bhvk,bjhk->bjhv", anchor, x) - vv
             w = -cf.unsqueeze(-1) * err
         else:
@@ -126,12 +126,12 @@ def window_rule_recurrent(q: torch.Tensor, xs: torch.Tensor, vs: torch.Tensor, c
 
 def window_rule_chunk(q: torch.Tensor, xs: torch.Tensor, vs: torch.Tensor, coef: torch.Tensor,
                       alpha: Optional[torch.Tensor] = None, initial_state: Optional[torch.Tensor] = None, *,
-                      bias: str = "l2", placement: str = "before_step", read: str = "token", chunk_size: int = 16,
+                      bias: str, placement: str, read: str, chunk_size: int = 16,
                       cu_seqlens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Exact chunk form of :func:`window_rule_recurrent` (the math of the Triton window kernels; the section
     comment gives the equations), per-head or channel-wise decay. Also the torch recompute of their backward.
     ``cu_seqlens``: each packed sequence alone (its chunks restart at its first token)."""
-    c = check_window_args(q, xs, vs, coef, alpha, initial_state, bias, placement, read, cu_seqlens)
+    c = check_window_args(q, xs, vs, coef, alpha, initial_state, cu_seqlens)
     if cu_seqlens is not None:
         return per_sequence(window_rule_chunk, q, xs, vs, coef, alpha, initial_state, cu_seqlens,
                              bias=bias, placement=placement, read=read, chunk_size=chunk_size)
@@ -153,7 +153,7 @@ def window_rule_chunk(q: torch.Tensor, xs: torch.Tensor, vs: torch.Tensor, coef:
         xc, vc, cc = (z[:, :, sl].flatten(2, 3) for z in (xh, vh, ch))   # slots: [B, H, L·c, ·]
         tau = torch.arange(L, device=q.device).repeat_interleave(c)      # the token of every slot
         g = la.cumsum(2)
-        G = g if placement == "before_step" else g - la
+        G = g if placement == BEFORE_STEP else g - la
         gq, diag = (g, 0) if read == "token" else (g - la, -1)
         if channel:
             P = decayed_dot(qc, xc, causal_exp3(gq, g, diag)[:, :, :, tau])          # [B, H, L, n]
