@@ -303,28 +303,48 @@ def early_stopping() -> str:
     steps_asha = sum(int(r["steps"] or 0) for r in search.values())
     steps_full = sum(int(full[k]["steps"] or 0) for k in full)
     keys = list(_experiment("search").get("search", {}).get("space", {}))
-    lines = ["| full-budget rank | trial | parts | in the search (ASHA) | at the full budget: status, steps, val acc |",
-             "|---|---|---|---|---|"]
+    lines = ["| full-budget rank | trial | parts | lr | in the search (ASHA): status at step, val acc | "
+             "full budget: status at step, val acc |", "|---|---|---|---|---|---|"]
+
+    def acc(r):
+        return "—" if _val(r) is None else f"{_val(r):.3f}"
+
     for k in sorted(full, key=lambda k: rank.get(k, len(rank) + 1)):
         a, f = search[k], full[k]
-        lines.append(f"| {rank.get(k, '—')} | `{k}` | {_parts(a['params'], keys)} | {a['status']} at step "
-                     f"{a['steps']}, val acc {fmt_value(_val(a))} | {f['status']}, {f['steps']}, "
-                     f"{fmt_value(_val(f))} |")
+        lines.append(f"| {rank.get(k, '—')} | `{k}` | {_parts(a['params'], keys)} | "
+                     f"{fmt_value(a['params'].get('train.lr'))} | {a['status']} at {a['steps']}, {acc(a)} | "
+                     f"{f['status']} at {f['steps']}, {acc(f)} |")
     top = ranked[:EARLY_TOP]
     lost = [k for k in top if k in pruned]
     best_pruned = min((rank[k] for k in pruned if k in rank), default=None)
+    best_stopped = max((_val(full[k]) for k in pruned if k in rank), default=None)
+    nominal = len(search) * int(_experiment("search")["train"]["steps"])
     controls = [r for row, r in rerun.items() if row.startswith(CONTROL)]
     control = ""
     for c in controls:
         key = c["row"][len(CONTROL):]
-        control += (f" Control: the search's winner `{key}` rerun gives val acc {fmt_value(_val(c))} at step "
-                    f"{c['steps']} (in the search: {fmt_value(_val(search[key]))} at step {search[key]['steps']}).")
+        control += (f" Control: the search's winner `{key}` rerun gives val acc {acc(c)} at step "
+                    f"{c['steps']} (in the search: {acc(search[key])} at step {search[key]['steps']}).")
     summary = (f"ASHA stopped {len(pruned)} of the search's {len(search)} trained candidates and trained "
                f"**{steps_asha} of the {steps_full} steps** the same candidates take at the full budget "
-               f"(**{steps_asha / max(steps_full, 1):.0%}**). Trained to the full budget, the stopped candidates' "
-               f"best rank is **{best_pruned if best_pruned is not None else '—'}** of {len(ranked)} finished; of the "
+               f"(**{steps_asha / max(steps_full, 1):.0%}**; {steps_asha / nominal:.0%} of {len(search)} × "
+               f"{nominal // len(search)} steps, the budget before the diverged trials ended early). Trained to the "
+               f"full budget, the stopped candidates' best rank is **{best_pruned if best_pruned is not None else '—'}"
+               f"** of {len(ranked)} finished (val acc {'—' if best_stopped is None else f'{best_stopped:.3f}'}); of the "
                f"full budget's top {EARLY_TOP}, ASHA stopped **{len(lost)}**"
                f"{' (' + ', '.join(f'`{k}`, rank {rank[k]}' for k in lost) + ')' if lost else ''}.{control}")
+    rung = int(_experiment("search").get("scheduler", {}).get("grace_period") or 0)
+    curves = _curves("search")
+
+    def at(k, step):
+        v = [r.get("val/accuracy") for r in curves.get(k, []) if r["step"] == step]
+        return v[0] if v and v[0] is not None else None
+
+    if rung and curves:
+        tops = [f"`{k}` {at(k, rung):.3f}" for k in top if at(k, rung) is not None]
+        stopped = [at(k, rung) for k in pruned if at(k, rung) is not None]
+        summary += (f" At ASHA's first rung (step {rung}) the full budget's top {EARLY_TOP} stood at val acc "
+                    f"{', '.join(tops)}; the candidates it stopped there, at {min(stopped):.3f}–{max(stopped):.3f}.")
     return summary + "\n\n" + "\n".join(lines)
 
 
