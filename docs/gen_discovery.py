@@ -123,7 +123,7 @@ def search() -> str:
     full = len(rows) * int(exp["train"]["steps"])
     lines = [f"{len(rows) + len(rejected)} candidates drawn: {len(rows)} trained "
              f"({', '.join(f'{n} {s}' for s, n in counts.items())}), {len(rejected)} rejected before training. "
-             f"Steps trained: {steps} of the {full} a full budget would take ({steps / full:.0%}).", ""]
+             f"Steps trained: {steps} of the {full} its trials × the step budget make ({steps / full:.0%}; against what the same trials take at the full budget, diverged ones ending early, see [Early stopping](#early-stopping)).", ""]
     done = [r for r in rows if r["status"] in FINISHED and _num(r, "val/accuracy") is not None]
     done.sort(key=lambda r: (-_num(r, "val/accuracy"), _num(r, "step_time_s") or 0.0))
     head = ["trial", "parts", "size", "lr", "val/accuracy", "test/accuracy", "steps", "state", "s/step"]
