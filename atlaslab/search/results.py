@@ -5,7 +5,7 @@
     picked = pick_trial(run_dir)               # a finished run folder's best trial (or pick_trial(run_dir, "t003"))
 
 A record holds what a report needs of a trial: its place in the experiment (key, setting, variant, row,
-axes, protocol, seed, params), ``status`` (``completed`` / ``early_stopped`` / ``diverged`` / ``error`` /
+axes, protocol, seed, params; ``candidate`` for a search scored on several settings), ``status`` (``completed`` / ``early_stopped`` / ``diverged`` / ``error`` /
 ``pruned``, and ``unfinished`` / ``pending`` for an experiment that has not finished), ``failed``,
 ``message``, the final ``metrics``, the learning curve (``history``), the validated model's ``info`` and
 the ``train`` / ``task`` settings. The driver writes them to ``results.json``; :mod:`.report` reads them.
@@ -34,7 +34,8 @@ RESULTS_NAME = "results.json"
 #: a search's draws rejected before training (:mod:`atlaslab.search.searcher` writes it)
 REJECTED_NAME = "rejected.json"
 #: the trial fields a record keeps
-PLACE_KEYS = ("key", "index", "setting", "variant", "label", "row", "axes", "protocol", "seed", "params")
+PLACE_KEYS = ("key", "index", "setting", "variant", "label", "row", "axes", "protocol", "seed", "params",
+              "candidate")
 #: Tune statuses of a trial that a resume continues
 WAITING = ("RUNNING", "PENDING", "PAUSED")
 

@@ -1,0 +1,200 @@
+"""A fitness of several tasks: each search draw is one candidate trained on every task setting, told to Optuna as one
+score; early stopping compares trials of one setting only; the report ranks candidates by the score."""
+import json
+import types
+
+import pytest
+
+from atlaslab.registry import ConfigError
+from atlaslab.search.fitness import candidates, combine_objective, score
+from atlaslab.search.schema import load_experiment
+from tests.search.test_search_ray import tiny
+
+MEM = "model.mixers.gated_deltanet.memory."
+HEADS = "model.mixers.*.num_heads"
+#: two tiny settings: MQAR and MAD's in-context recall (a 16-token vocabulary, 16 tokens)
+TASKS = {"mqar": {"name": "mqar", "vocab_size": 16, "seq_len": 16, "num_kv_pairs": [2], "eval_examples": 32},
+         "recall": {"name": "in_context_recall", "vocab_size": 16, "seq_len": 16, "num_train_examples": 256,
+                    "eval_examples": 32}}
+
+
+def suite(name="suite", steps=30, search=None, **extra):
+    node = tiny(name, steps=steps, **extra)
+    node.pop("task")
+    node["tasks"] = json.loads(json.dumps(TASKS))
+    node["search"] = search or {"sampler": "random", "seed": 0,
+                                "space": {"train.lr": {"type": "float", "low": 1e-3, "high": 1e-2, "log": True},
+                                          MEM + "retention.name": ["decay", "none"]}}
+    return node
+
+
+def test_score_is_validated_once_naming_the_field():
+    with pytest.raises(ConfigError, match=r"search.score.combine: bad value 'median'.*mean, worst"):
+        load_experiment(node=suite(search={"space": {"train.lr": [1e-3]}, "score": {"combine": "median"}}))
+    with pytest.raises(ConfigError, match=r"search.score.weights.copy: no setting 'copy' in tasks.*mqar, recall"):
+        load_experiment(node=suite(search={"space": {"train.lr": [1e-3]}, "score": {"weights": {"copy": 1.0}}}))
+    with pytest.raises(ConfigError, match=r"search.score.weights.mqar: a weight is a positive number"):
+        load_experiment(node=suite(search={"space": {"train.lr": [1e-3]}, "score": {"weights": {"mqar": 0}}}))
+    with pytest.raises(ConfigError, match=r"search.score.weights: weights apply to combine: mean"):
+        load_experiment(node=suite(search={"space": {"train.lr": [1e-3]},
+                                           "score": {"combine": "worst", "weights": {"mqar": 2}}}))
+
+
+def test_score_and_the_other_objectives_combine_over_the_settings():
+    exp = load_experiment(node=suite())
+    assert score(exp, {"mqar": 0.8, "recall": 0.4}) == pytest.approx(0.6)
+    assert score(exp, {"mqar": 0.8, "recall": float("nan")}) is None
+    assert score(exp, {"mqar": 0.8}) is None
+    w = load_experiment(node=suite(search={"space": {"train.lr": [1e-3]}, "score": {"weights": {"mqar": 3}}}))
+    assert score(w, {"mqar": 0.8, "recall": 0.4}) == pytest.approx((3 * 0.8 + 0.4) / 4)
+    worst = load_experiment(node=suite(search={"space": {"train.lr": [1e-3]}, "score": {"combine": "worst"}}))
+    assert score(worst, {"mqar": 0.8, "recall": 0.4}) == 0.4
+    assert combine_objective(exp, "step_time_s", {"mqar": 0.01, "recall": 0.03}, "min") == pytest.approx(0.02)
+    assert combine_objective(exp, "state_size", {"mqar": 500, "recall": 700}, "min") == 700
+
+
+def _fake_result(acc, final=True, state=None):
+    r = {"val/accuracy": acc, "step": 30, "step_time_s": 0.01}
+    if final:
+        r["final"] = 1
+    return r
+
+
+def test_searcher_trains_each_draw_on_every_setting_and_tells_the_mean():
+    """One draw → a trial per setting (the second queued for the next suggest), each sized to the budget at its
+    own length; the candidate is told once all settings finished: the mean of their metric, the mean step time,
+    the largest state; a failed setting fails the draw, a stopped one prunes it."""
+    from atlaslab.search.searcher import PartSearcher
+    node = suite(search={"sampler": "random", "seed": 0, "objectives": ["step_time_s:min", "state_size:min"],
+                         "space": {"train.lr": {"type": "float", "low": 1e-3, "high": 1e-2, "log": True}}},
+                 budget={"state": 600, "tolerance": 0.5, "size_by": {HEADS: [1, 2, 4]}})
+    exp = load_experiment(node=node)
+    s = PartSearcher(exp)
+    got = [s.suggest(f"t{i}")["trial"] for i in range(6)]
+    assert [t["setting"] for t in got] == ["mqar", "recall"] * 3
+    assert [t["candidate"] for t in got] == ["c000", "c000", "c001", "c001", "c002", "c002"]
+    assert [t["key"] for t in got] == [f"t{i}" for i in range(6)]
+    for a, b in zip(got[::2], got[1::2]):
+        assert a["params"]["train.lr"] == b["params"]["train.lr"]
+        assert a["config"]["task"]["name"] == "mqar" and b["config"]["task"]["name"] == "in_context_recall"
+    for t in got:
+        assert t["info"]["budget"]["state"] == 600 and abs(t["info"]["state_size"] / 600 - 1) <= 0.5
+        assert t["resolved_model"] is not None
+    s.on_trial_complete("t0", _fake_result(0.8))
+    assert s.study.trials[0].state.name == "RUNNING"          # waits for the other setting
+    r1 = dict(_fake_result(0.4), step_time_s=0.03)
+    s.on_trial_complete("t1", r1)
+    t0 = s.study.trials[0]
+    states = [got[0]["info"]["state_size"], got[1]["info"]["state_size"]]
+    assert t0.state.name == "COMPLETE" and t0.values == pytest.approx([0.6, 0.02, max(states)])
+    s.on_trial_complete("t2", _fake_result(0.9))
+    s.on_trial_complete("t3", _fake_result(float("nan")))       # diverged: final, metric NaN
+    assert s.study.trials[1].state.name == "FAIL"
+    s.on_trial_complete("t4", _fake_result(0.9))
+    s.on_trial_complete("t5", _fake_result(0.3, final=False))  # stopped by the scheduler
+    assert s.study.trials[2].state.name == "PRUNED"
+    assert not s.draws and not s.queue
+
+
+def test_a_draw_one_setting_rejects_is_rejected_naming_the_setting():
+    """MAD's recall needs an even length; a draw with an odd one is rejected as a whole (its MQAR trial is never
+    started), told to Optuna as infeasible, and its reason names the setting."""
+    from atlaslab.search.searcher import PartSearcher
+    exp = load_experiment(node=suite(search={"sampler": "random", "seed": 1,
+                                             "space": {"tasks.recall.seq_len": [16, 17], "train.lr": [1e-3, 3e-3]}}))
+    s = PartSearcher(exp)
+    got = [s.suggest(f"t{i}")["trial"] for i in range(6)]
+    assert all(t["params"]["tasks.recall.seq_len"] == 16 for t in got)
+    assert [t["setting"] for t in got] == ["mqar", "recall"] * 3
+    assert s.rejected, "seed 1 draws an odd length"
+    for r in s.rejected:
+        assert r["setting"] == "recall" and r["reason"].startswith("setting recall: ") and "even" in r["reason"]
+        told = s.study.trials[r["number"]]
+        assert told.state.name == "COMPLETE" and told.user_attrs["atlaslab_rejected"].startswith("setting recall")
+
+
+def test_searcher_saved_mid_draw_resumes_its_queue_and_partial_results(tmp_path):
+    """Saved after the first setting of a draw finished (and its second was queued): the restored searcher hands
+    out the queued setting, then tells the draw its score from the result it saved and the new one."""
+    from atlaslab.search.searcher import PartSearcher
+    exp = load_experiment(node=suite())
+    a = PartSearcher(exp)
+    first = a.suggest("t0")["trial"]
+    a.on_trial_complete("t0", _fake_result(0.8))
+    a.save(str(tmp_path / "searcher.pkl"))
+    b = PartSearcher(exp)
+    b.restore(str(tmp_path / "searcher.pkl"))
+    second = b.suggest("t1")["trial"]
+    assert (second["candidate"], second["setting"]) == (first["candidate"], "recall")
+    assert second["params"] == first["params"]
+    b.on_trial_complete("t1", _fake_result(0.2))
+    assert b.study.trials[0].state.name == "COMPLETE" and b.study.trials[0].value == pytest.approx(0.5)
+    third = b.suggest("t2")["trial"]
+    assert third["candidate"] == "c001" and len(b.study.trials) == 2
+
+
+def _trial(tid, setting):
+    return types.SimpleNamespace(trial_id=tid, config={"trial": {"setting": setting}})
+
+
+def test_per_setting_asha_compares_a_trial_with_its_own_setting_only():
+    """At the first rung, an easy setting's trials score 0.9-0.95 and a hard one's 0.2-0.3: one ASHA over all stops
+    the hard setting's best trial (0.35 is below the cut set by the easy ones), one ASHA per setting keeps it (the
+    best of its setting) and still stops the hard setting's worst."""
+    from ray.tune.schedulers import ASHAScheduler, TrialScheduler
+
+    from atlaslab.search.schedulers import PerSettingScheduler
+
+    def make():
+        return ASHAScheduler(time_attr="step", metric="val/accuracy", mode="max", grace_period=1, max_t=9,
+                             reduction_factor=2)
+
+    def feed(sched):
+        trials = [_trial("e0", "easy"), _trial("e1", "easy"), _trial("h0", "hard"), _trial("h1", "hard"),
+                  _trial("h2", "hard"), _trial("h3", "hard")]
+        for t in trials:
+            sched.on_trial_add(None, t)
+        acts = {}
+        for t, acc in zip(trials, [0.9, 0.95, 0.2, 0.3, 0.35, 0.1]):
+            acts[t.trial_id] = sched.on_trial_result(None, t, {"step": 1, "val/accuracy": acc})
+        return acts
+
+    shared = feed(make())
+    assert shared["h2"] == TrialScheduler.STOP
+    per = PerSettingScheduler(make, ["easy", "hard"])
+    acts = feed(per)
+    assert acts["h2"] == TrialScheduler.CONTINUE and acts["h3"] == TrialScheduler.STOP
+    assert set(per.by_setting["hard"]._trial_info) == {"h0", "h1", "h2", "h3"}
+    per.on_trial_complete(None, _trial("h2", "hard"), {"step": 2, "val/accuracy": 0.4})
+    assert "h2" not in per.by_setting["hard"]._trial_info
+    with pytest.raises(KeyError, match="setting 'other'"):
+        per.on_trial_add(None, _trial("x", "other"))
+
+
+def test_driver_uses_per_setting_asha_and_counts_a_trial_per_setting():
+    from atlaslab.search.driver import _scheduler, n_trials, prepare, trial_table
+    from atlaslab.search.schedulers import PerSettingScheduler
+    p = prepare(node=suite(num_samples=3, scheduler={"name": "asha", "grace_period": 10}))
+    assert isinstance(_scheduler(p.exp), PerSettingScheduler)
+    assert n_trials(p) == 6
+    assert {t["setting"] for t in p.trials} == {"mqar", "recall"}     # preflight admits each draw on every setting
+    assert "score = mean of val/accuracy; 6 trials; ASHA per setting" in trial_table(p)
+
+
+def test_candidates_of_records_rank_by_score():
+    exp = load_experiment(node=suite())
+    recs = []
+    for cid, accs, status in (("c000", (0.8, 0.4), "completed"), ("c001", (0.9, 0.9), "completed"),
+                              ("c002", (0.7, None), "diverged")):
+        for setting, acc in zip(("mqar", "recall"), accs):
+            recs.append({"key": f"{cid}{setting}", "candidate": cid, "setting": setting, "index": int(cid[1:]),
+                         "status": status if acc is None else "completed", "failed": acc is None,
+                         "message": "nan", "params": {"train.lr": 1e-3, MEM + "retention.name": "decay"},
+                         "metrics": {"val/accuracy": acc, "step": 30, "step_time_s": 0.01},
+                         "info": {"state_size": 500 if setting == "mqar" else 600}})
+    cands = {c["key"]: c for c in candidates(exp, recs)}
+    assert cands["c000"]["metrics"]["val/accuracy"] == pytest.approx(0.6)
+    assert cands["c000"]["by_setting"] == {"mqar": 0.8, "recall": 0.4}
+    assert cands["c000"]["info"]["state_size"] == 600 and cands["c000"]["metrics"]["step"] == 60
+    assert cands["c002"]["status"] == "diverged" and cands["c002"]["failed"]
+    assert "val/accuracy" not in cands["c002"]["metrics"]
