@@ -198,3 +198,52 @@ def test_candidates_of_records_rank_by_score():
     assert cands["c000"]["info"]["state_size"] == 600 and cands["c000"]["metrics"]["step"] == 60
     assert cands["c002"]["status"] == "diverged" and cands["c002"]["failed"]
     assert "val/accuracy" not in cands["c002"]["metrics"]
+
+
+def test_a_search_on_two_settings_end_to_end(local_ray, tmp_path):
+    """Three candidates on MQAR and MAD's in-context recall, on Ray with ASHA per setting: every candidate has a
+    trial on each setting, the score it was ranked by is the mean of its two accuracies, and the report has a
+    column per setting, the score, and trials.csv one line per (candidate, setting)."""
+    import csv
+
+    from atlaslab.search.driver import prepare, run
+    node = suite("suite2", steps=10, num_samples=3, max_concurrent=2, eval={"interval": 5, "examples": 32},
+                 scheduler={"name": "asha", "grace_period": 5, "reduction_factor": 2}, tracking={"enabled": False})
+    summary = run(prepare(node=node), run_dir=tmp_path / "run", num_cpus=2, quiet=True)
+    assert summary["status"] == "finished" and summary["trials"] == 6 and summary["failed"] == 0
+    recs = json.loads((tmp_path / "run" / "results.json").read_text())
+    by = {}
+    for r in recs:
+        by.setdefault(r["candidate"], {})[r["setting"]] = r
+    assert sorted(by) == ["c000", "c001", "c002"] and all(sorted(v) == ["mqar", "recall"] for v in by.values())
+    for cid, pair in by.items():
+        assert pair["mqar"]["params"] == pair["recall"]["params"]
+    exp = load_experiment(node=node)
+    cands = {c["key"]: c for c in candidates(exp, recs)}
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "## Candidates by score" in report and "## What mattered" in report
+    head = next(line for line in report.splitlines() if line.startswith("| candidate |"))
+    assert "| mqar | recall | score |" in head
+    for cid, pair in by.items():
+        accs = [pair[s]["metrics"].get("val/accuracy") for s in ("mqar", "recall")]
+        if None in accs:
+            continue
+        mean = sum(accs) / 2
+        assert cands[cid]["metrics"]["val/accuracy"] == pytest.approx(mean)
+        line = next(line for line in report.splitlines() if line.startswith(f"| {cid} |"))
+        assert f"| {accs[0]:.3f} | {accs[1]:.3f} | {mean:.3f} |" in line
+    # what Optuna was told (the searcher's state, as Tune saved it): each completed candidate its score, once
+    import glob
+    import pickle
+    with open(glob.glob(str(tmp_path / "run" / "ray" / "tune" / "searcher-state-*.pkl"))[-1], "rb") as f:
+        study = pickle.load(f)["study"]
+    told = {f"c{t.number:03d}": t for t in study.trials}
+    assert sorted(told) == sorted(by)
+    for cid, c in cands.items():
+        if c["status"] == "completed":
+            assert told[cid].state.name == "COMPLETE" and told[cid].value == pytest.approx(c["metrics"]["val/accuracy"])
+        else:
+            assert told[cid].state.name == "PRUNED" and c["status"] == "pruned"
+    with open(tmp_path / "run" / "trials.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert sorted((r["candidate"], r["setting"]) for r in rows) == sorted((c, s) for c in by for s in by[c])
