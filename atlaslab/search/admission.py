@@ -167,8 +167,8 @@ def preflight(adm: Admission, seed: int = 0, tries: int = PREFLIGHT_TRIES) -> Tu
                 continue
             sig = repr(sorted(params.items(), key=lambda kv: kv[0]))
             if sig not in outcome:
-                key = f"preflight{len(outcome):03d}"
-                trials = [trial_from_params(exp, params, key=f"{key}-{s}" if len(settings) > 1 else key,
+                name = f"preflight{len(outcome):03d}"
+                trials = [trial_from_params(exp, params, key=f"{name}-{s}" if len(settings) > 1 else name,
                                             index=len(outcome), setting=s) for s in settings]
                 try:
                     outcome[sig] = [adm.admit(t) for t in trials]     # a draw is admitted on every setting

@@ -145,6 +145,14 @@ def candidates(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]) -> L
     return out
 
 
+def ranked_candidates(exp: ExperimentConfig, cands: Sequence[Mapping[str, Any]]) -> List[Mapping[str, Any]]:
+    """The candidates with a score, best first: those that finished on every setting first, then those stopped early
+    on some setting (their score mixes shorter training, so it does not outrank a finished one)."""
+    scored = [c for c in cands if finite_number(c["metrics"].get(exp.metric)) is not None]
+    sign = -1.0 if exp.mode == "max" else 1.0
+    return sorted(scored, key=lambda c: (c["status"] not in OK, sign * c["metrics"][exp.metric]))
+
+
 def _value(record: Mapping[str, Any], name: str) -> Optional[float]:
     """A trial's value of ``name``: a reported metric, else a measure of its validated model."""
     v = finite_number((record.get("metrics") or {}).get(name))
@@ -154,4 +162,4 @@ def _value(record: Mapping[str, Any], name: str) -> Optional[float]:
 
 
 __all__ = ["MAX_OBJECTIVES", "MEAN_OBJECTIVES", "candidate_status", "candidates", "combine_objective", "is_multi",
-           "score", "settings_of"]
+           "ranked_candidates", "score", "settings_of"]

@@ -26,7 +26,7 @@ from atlaslab.search.aggregate import (_mean_std, aggregate, mad_scores, mean_st
                                        steps_to, with_averages)
 from atlaslab.search.curves import write_curves
 from atlaslab.search.expand import Prepared
-from atlaslab.search.fitness import candidates, is_multi
+from atlaslab.search.fitness import candidates, is_multi, ranked_candidates
 from atlaslab.search.mattered import search_analysis
 from atlaslab.search.plots import grid_plots, plot_state, search_plots
 from atlaslab.search.results import read_records
@@ -53,7 +53,7 @@ def write_report(run_dir: Path, exp: ExperimentConfig, records: Sequence[Mapping
         lines += length_section(exp, rows)
     elif is_multi(exp):              # candidates scored on several settings: ranked, analysed and drawn by score
         cands = candidates(exp, records)
-        ranked = ranked_trials(exp, cands)
+        ranked = ranked_candidates(exp, cands)
         lines += candidates_table(exp, cands, ranked)
         lines += search_section(exp, records, ranked_trials(exp, records), metrics, title="Trials (per setting)")
         lines += search_analysis(exp, cands, run_dir)

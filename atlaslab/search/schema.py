@@ -29,6 +29,8 @@
         model.mixers.atlas.memory.inner_optimizer.name: [muon, gd]
         model.mixers.atlas.memory.inner_optimizer.ns_steps:
           {type: int, low: 1, high: 5, when: {model.mixers.atlas.memory.inner_optimizer.name: muon}}
+      score: {combine: mean, weights: {mqar: 1}}   # with tasks: {...}: each draw trained on every setting, told the
+                                                   # weighted mean (or the worst) of their metric (search.fitness)
     num_samples: 16                          # configs a search draws
     scheduler: {name: asha, grace_period: 50, reduction_factor: 3}
     metric: val/accuracy                     # what the scheduler / searcher / "best" looks at

@@ -256,8 +256,9 @@ def candidates_table(exp: ExperimentConfig, cands: Sequence[Mapping[str, Any]],
     lines = ["## Candidates by score", "",
              f"Each candidate was trained on every setting; a setting's column is its `{exp.metric}`, the score is "
              f"the {how} `{exp.metric}` (what the sampler was told). Step time: the mean over the settings; "
-             "state: the largest (each setting sized the candidate to the budget at its own length). Best first; "
-             "a candidate stopped early on a setting is ranked by the values it had.", ""]
+             "state: the largest (each setting sized the candidate to the budget at its own length). Best first: "
+             "the candidates that finished every setting, then those stopped early on one (ranked by the values "
+             "they had).", ""]
     head = (["candidate"] + [short_key(k) for k in keys] + [f"{s}" for s in settings] + ["score", "step_time_s",
                                                                                           "state", "status"])
     table = []

@@ -247,3 +247,44 @@ def test_a_search_on_two_settings_end_to_end(local_ray, tmp_path):
     with open(tmp_path / "run" / "trials.csv") as f:
         rows = list(csv.DictReader(f))
     assert sorted((r["candidate"], r["setting"]) for r in rows) == sorted((c, s) for c in by for s in by[c])
+
+
+def test_finished_candidates_rank_before_those_stopped_early():
+    from atlaslab.search.fitness import ranked_candidates
+    exp = load_experiment(node=suite())
+    cands = [{"key": "a", "status": "pruned", "metrics": {"val/accuracy": 0.9}},
+             {"key": "b", "status": "completed", "metrics": {"val/accuracy": 0.5}},
+             {"key": "c", "status": "completed", "metrics": {"val/accuracy": 0.7}},
+             {"key": "d", "status": "error", "metrics": {}}]
+    assert [c["key"] for c in ranked_candidates(exp, cands)] == ["c", "b", "a"]
+
+
+@pytest.mark.slow
+def test_an_interrupted_search_on_two_settings_resumes_its_draws(local_ray, tmp_path):
+    """Ctrl-C after the first setting's trial of the first candidate finished, then `resume`: Tune restores the
+    searcher with its queue and the draw's saved result, so the candidate's other setting is trained (once) and the
+    candidate is told its mean; the sweep ends with every candidate on both settings, no trial twice."""
+    import glob
+    import pickle
+
+    from atlaslab.search.driver import prepare, resume, run
+    from tests.search.test_search_ray import InterruptAfterFirstTrial
+    node = suite("suite_resume", steps=30, num_samples=2, max_concurrent=1, tracking={"enabled": False})
+    run_dir = tmp_path / "run"
+    s1 = run(prepare(node=node), run_dir=run_dir, num_cpus=2, quiet=True,
+             stop=InterruptAfterFirstTrial(tmp_path / "f", run_dir / "ray" / "tune"))
+    assert s1["status"] == "interrupted"
+    s2 = resume(run_dir, quiet=True)
+    assert s2["status"] == "finished" and s2["trials"] == 4 and s2["failed"] == 0
+    recs = json.loads((run_dir / "results.json").read_text())
+    assert len({r["key"] for r in recs}) == 4 and all(r["status"] == "completed" for r in recs)
+    assert sorted((r["candidate"], r["setting"]) for r in recs) == [
+        ("c000", "mqar"), ("c000", "recall"), ("c001", "mqar"), ("c001", "recall")]
+    with open(sorted(glob.glob(str(run_dir / "ray" / "tune" / "searcher-state-*.pkl")))[-1], "rb") as f:
+        saved = pickle.load(f)
+    assert not saved["queue"] and not saved["draws"]
+    exp = load_experiment(node=node)
+    by = {c["key"]: c for c in candidates(exp, recs)}
+    for t in saved["study"].trials:
+        assert t.state.name == "COMPLETE"
+        assert t.value == pytest.approx(by[f"c{t.number:03d}"]["metrics"]["val/accuracy"])
