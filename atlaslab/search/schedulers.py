@@ -8,11 +8,16 @@ candidate) would be stopped for falling below the cut set by an easy setting's t
 scheduler per setting (made by ``make``, e.g. Ray's ``AsyncHyperBandScheduler``) and hands each Tune trial's events to
 the one of its setting (``trial.config["trial"]["setting"]``): each rung's cut is taken over one setting's trials.
 Which pending trial runs next is Tune's first-in-first-out order (``FIFOScheduler``), as with ASHA itself.
+
+A candidate stopped on one setting is told to the sampler as pruned whatever its other settings reach, so with
+``stop_candidate`` (the default) the trials of its other settings are stopped too, at their next result: a stopped
+candidate costs about one rung of training per setting, not a full run on every setting but one. The decision to stop
+is still taken by one setting's scheduler over that setting's trials only.
 """
 from __future__ import annotations
 
 import pickle
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence, Set
 
 from ray.tune.schedulers import FIFOScheduler, TrialScheduler
 
@@ -23,12 +28,20 @@ def setting_of(trial: Any) -> str:
     return str((config.get("trial") or {}).get("setting", ""))
 
 
+def candidate_of(trial: Any) -> str:
+    """The search candidate a Tune trial trains ("" where it has none)."""
+    config = getattr(trial, "config", None) or {}
+    return str((config.get("trial") or {}).get("candidate") or "")
+
+
 class PerSettingScheduler(FIFOScheduler):
     """One scheduler per task setting; each trial's events go to its setting's (see the module docstring)."""
 
-    def __init__(self, make: Callable[[], TrialScheduler], settings: Sequence[str]):
+    def __init__(self, make: Callable[[], TrialScheduler], settings: Sequence[str], stop_candidate: bool = True):
         super().__init__()
         self.by_setting: Dict[str, TrialScheduler] = {str(s): make() for s in settings}
+        self.stop_candidate = stop_candidate
+        self.stopped: Set[str] = set()       # candidates one setting's scheduler stopped
 
     def _of(self, trial: Any) -> TrialScheduler:
         setting = setting_of(trial)
@@ -51,7 +64,15 @@ class PerSettingScheduler(FIFOScheduler):
         self._of(trial).on_trial_error(tune_controller, trial)
 
     def on_trial_result(self, tune_controller, trial, result: Dict) -> str:
-        return self._of(trial).on_trial_result(tune_controller, trial, result)
+        action = self._of(trial).on_trial_result(tune_controller, trial, result)
+        if not self.stop_candidate:
+            return action
+        cand = candidate_of(trial)
+        if action == TrialScheduler.STOP and cand:
+            self.stopped.add(cand)
+        if cand in self.stopped:
+            return TrialScheduler.STOP
+        return action
 
     def on_trial_complete(self, tune_controller, trial, result: Dict) -> None:
         self._of(trial).on_trial_complete(tune_controller, trial, result)
@@ -71,4 +92,4 @@ class PerSettingScheduler(FIFOScheduler):
             self.__dict__.update(pickle.load(f))
 
 
-__all__ = ["PerSettingScheduler", "setting_of"]
+__all__ = ["PerSettingScheduler", "candidate_of", "setting_of"]

@@ -133,8 +133,8 @@ def test_searcher_saved_mid_draw_resumes_its_queue_and_partial_results(tmp_path)
     assert third["candidate"] == "c001" and len(b.study.trials) == 2
 
 
-def _trial(tid, setting):
-    return types.SimpleNamespace(trial_id=tid, config={"trial": {"setting": setting}})
+def _trial(tid, setting, candidate=None):
+    return types.SimpleNamespace(trial_id=tid, config={"trial": {"setting": setting, "candidate": candidate}})
 
 
 def test_per_setting_asha_compares_a_trial_with_its_own_setting_only():
@@ -169,6 +169,33 @@ def test_per_setting_asha_compares_a_trial_with_its_own_setting_only():
     assert "h2" not in per.by_setting["hard"]._trial_info
     with pytest.raises(KeyError, match="setting 'other'"):
         per.on_trial_add(None, _trial("x", "other"))
+
+
+def test_a_candidate_stopped_on_one_setting_is_stopped_on_the_others():
+    """The candidate is pruned for the sampler as soon as one setting's ASHA stops it: its trial on the other
+    setting stops at its next result although that setting's ASHA would let it go on; other candidates go on."""
+    from ray.tune.schedulers import ASHAScheduler, TrialScheduler
+
+    from atlaslab.search.schedulers import PerSettingScheduler
+    per = PerSettingScheduler(lambda: ASHAScheduler(time_attr="step", metric="val/accuracy", mode="max",
+                                                    grace_period=1, max_t=9, reduction_factor=2), ["a", "b"])
+    trials = {(c, s): _trial(f"{c}{s}", s, c) for c in ("c0", "c1", "c2") for s in ("a", "b")}
+    for t in trials.values():
+        per.on_trial_add(None, t)
+    res = {c: per.on_trial_result(None, trials[(c, "a")], {"step": 1, "val/accuracy": acc})
+           for c, acc in (("c0", 0.9), ("c1", 0.95), ("c2", 0.1))}
+    assert res["c2"] == TrialScheduler.STOP and res["c0"] == res["c1"] == TrialScheduler.CONTINUE
+    assert per.on_trial_result(None, trials[("c1", "b")], {"step": 1, "val/accuracy": 0.5}) == TrialScheduler.CONTINUE
+    assert per.on_trial_result(None, trials[("c2", "b")], {"step": 1, "val/accuracy": 0.99}) == TrialScheduler.STOP
+    keep = PerSettingScheduler(lambda: ASHAScheduler(time_attr="step", metric="val/accuracy", mode="max",
+                                                     grace_period=1, max_t=9, reduction_factor=2), ["a", "b"],
+                               stop_candidate=False)
+    for t in trials.values():
+        keep.on_trial_add(None, t)
+    for c, acc in (("c0", 0.9), ("c1", 0.95), ("c2", 0.1)):
+        keep.on_trial_result(None, trials[(c, "a")], {"step": 1, "val/accuracy": acc})
+    assert keep.on_trial_result(None, trials[("c2", "b")], {"step": 1, "val/accuracy": 0.99}) == \
+        TrialScheduler.CONTINUE
 
 
 def test_driver_uses_per_setting_asha_and_counts_a_trial_per_setting():
