@@ -1,7 +1,7 @@
 """The search's Ray Tune searcher: Optuna's ask-and-tell, with every draw admitted (validated and sized to the
 state budget) in the driver before a trial is started.
 
-    searcher = PartSearcher(exp, run_dir)          # TuneConfig(search_alg=searcher, num_samples=exp.num_samples)
+    searcher = PartSearcher(exp, run_dir)    # TuneConfig(search_alg=searcher, num_samples=num_samples × settings)
 
 For each trial Tune asks for, :meth:`PartSearcher.suggest` asks Optuna for a point of the space
 (:func:`atlaslab.search.space.sample`, conditions respected), turns it into a trial and admits it
