@@ -315,3 +315,24 @@ def test_an_interrupted_search_on_two_settings_resumes_its_draws(local_ray, tmp_
     for t in saved["study"].trials:
         assert t.state.name == "COMPLETE"
         assert t.value == pytest.approx(by[f"c{t.number:03d}"]["metrics"]["val/accuracy"])
+
+
+def test_the_best_candidate_is_exported_not_the_best_single_trial(tmp_path):
+    """`atlaslab export` / `export-preset` pick the candidate with the best score (its trial on the first setting),
+    not the trial with the best metric on one (easy) setting; the preset is built for that setting's task."""
+    from atlaslab.search.preset_export import export_preset
+    from atlaslab.search.results import pick_trial
+    from tests.search.test_preset_export import write_run
+    node = suite("pick")
+    accs = {("c000", "mqar"): 0.3, ("c000", "recall"): 0.99, ("c001", "mqar"): 0.8, ("c001", "recall"): 0.7}
+    trials = []
+    for i, cid in enumerate(("c000", "c001")):
+        for setting in ("mqar", "recall"):
+            key = f"k{cid}{setting}"
+            trials.append({"key": key, "index": i, "setting": setting, "variant": key, "label": key, "row": key,
+                           "candidate": cid, "seed": 0, "params": {"train.lr": 1e-3, MEM + "retention.name": "decay"}})
+    write_run(tmp_path / "run", node, {t["key"]: accs[(t["candidate"], t["setting"])] for t in trials}, trials)
+    picked = pick_trial(tmp_path / "run")
+    assert picked.record["key"] == "kc001mqar" and picked.is_best
+    path = export_preset(tmp_path / "run")
+    assert "the best trial" in path.read_text() and "kc001mqar" in path.read_text()
