@@ -24,6 +24,7 @@ DEFERRED = {
     ("atlaslab.cli", "atlaslab.search.preset_export"): "torch and the search floor load only for export-preset",
     ("atlaslab.search.driver", "atlaslab.search.progress"): "ray.tune (a Tune callback)",
     ("atlaslab.search.driver", "atlaslab.search.searcher"): "ray.tune (a Tune searcher)",
+    ("atlaslab.search.driver", "atlaslab.search.schedulers"): "ray.tune (a Tune scheduler)",
     ("atlaslab.eval.lm_eval", "atlaslab.eval.harness"): "lm_eval, an optional extra",
     ("atlaslab.kernels.newton_schulz", "atlaslab.kernels.newton_schulz.fused"): "triton",
 }

@@ -138,12 +138,14 @@ def draw(space: Mapping[str, ParamNode], rng: random.Random, fixed: Mapping[str,
 def preflight(adm: Admission, seed: int = 0, tries: int = PREFLIGHT_TRIES) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
     """``(admitted, rejected)``: for every categorical choice of the search space and both ends of every numeric
     range, a trial admitted with that value (random completions, at most ``tries`` each), and the draws rejected on
-    the way (``{params, reason}``).
+    the way (``{params, reason}``). With several task settings a draw counts as admitted only when it is admitted on
+    every setting (as the searcher admits a candidate), and ``admitted`` holds its trial on each.
 
     Raises the last :class:`ConfigError` of a value that no completion admitted: a misspelt part, a value of the
     wrong type, a bound out of range, or a part that never fits the budget is an error before Ray starts. A
     conditional parameter is only tried where its condition holds."""
     exp = adm.exp
+    settings = list(exp.settings())
     rng = random.Random(seed)
     admitted: List[Dict[str, Any]] = []
     rejected: List[Dict[str, Any]] = []
@@ -165,10 +167,12 @@ def preflight(adm: Admission, seed: int = 0, tries: int = PREFLIGHT_TRIES) -> Tu
                 continue
             sig = repr(sorted(params.items(), key=lambda kv: kv[0]))
             if sig not in outcome:
-                trial = trial_from_params(exp, params, key=f"preflight{len(outcome):03d}", index=len(outcome))
+                name = f"preflight{len(outcome):03d}"
+                trials = [trial_from_params(exp, params, key=f"{name}-{s}" if len(settings) > 1 else name,
+                                            index=len(outcome), setting=s) for s in settings]
                 try:
-                    outcome[sig] = adm.admit(trial)
-                    admitted.append(outcome[sig])
+                    outcome[sig] = [adm.admit(t) for t in trials]     # a draw is admitted on every setting
+                    admitted.extend(outcome[sig])
                 except ConfigError as exc:
                     outcome[sig] = exc
                     rejected.append({"params": dict(params), "reason": str(exc)})

@@ -54,6 +54,7 @@ from atlaslab.registry.config import BASE_DIR_ENV
 from atlaslab.search import tracking as T
 from atlaslab.search.admission import Admission, preflight
 from atlaslab.search.expand import Prepared, expand_grid, protocol_points
+from atlaslab.search.fitness import is_multi
 from atlaslab.search.formatting import fmt_value, human_count
 from atlaslab.search.report import write_report
 from atlaslab.search.results import RESULTS_NAME, WAITING, collect, read_rejected, read_state, saved_statuses
@@ -90,6 +91,14 @@ def trial_table(p: Prepared) -> str:
     if exp.kind == "search":
         lines.append(f"search '{exp.name}': {exp.num_samples} samples, sampler {exp.search.sampler}, "
                      f"scheduler {exp.scheduler.name}, metric {exp.metric} ({exp.mode})")
+        if is_multi(exp):
+            sc = exp.search.score
+            how = ("weighted mean" if sc.weights else "mean") if sc.combine == "mean" else "worst setting"
+            weights = (" (weights " + ", ".join(f"{k}={fmt_value(v)}" for k, v in sc.weights.items()) + ")"
+                       if sc.weights else "")
+            lines.append(f"fitness: each candidate trained on {len(exp.settings())} settings "
+                         f"({', '.join(exp.settings())}); score = {how} of {exp.metric}{weights}; "
+                         f"{n_trials(p)} trials" + ("; ASHA per setting" if exp.scheduler.name == "asha" else ""))
         lines.append("space:")
         for k, prm in exp.space.items():
             if prm.type == "categorical":
@@ -225,15 +234,31 @@ def _trainable(exp: ExperimentConfig, settings: TrialSettings):
 
 
 def _scheduler(exp: ExperimentConfig):
+    """ASHA on ``step`` and the experiment's metric; for a search with several settings, one ASHA per setting
+    (:class:`~atlaslab.search.schedulers.PerSettingScheduler`), so that a trial is compared only with trials of its
+    own setting."""
     if exp.scheduler.name != "asha":
         return None
     from ray.tune.schedulers import ASHAScheduler
     s = exp.scheduler
     steps = int(exp.train.get("steps", 1000)) if isinstance(exp.train, Mapping) else 1000
     interval = max(1, int(exp.eval.interval or steps))
-    return ASHAScheduler(time_attr="step", metric=exp.metric, mode=exp.mode, max_t=s.max_t or steps,
-                         grace_period=s.grace_period or interval, reduction_factor=s.reduction_factor,
-                         brackets=s.brackets)
+
+    def make():
+        return ASHAScheduler(time_attr="step", metric=exp.metric, mode=exp.mode, max_t=s.max_t or steps,
+                             grace_period=s.grace_period or interval, reduction_factor=s.reduction_factor,
+                             brackets=s.brackets)
+    if is_multi(exp):
+        from atlaslab.search.schedulers import PerSettingScheduler
+        return PerSettingScheduler(make, list(exp.settings()))
+    return make()
+
+
+def n_trials(p: Prepared) -> int:
+    """How many Tune trials the experiment has: a grid's trials; a search's ``num_samples`` candidates, each
+    trained on every setting."""
+    exp = p.exp
+    return len(p.trials) if exp.kind == "grid" else exp.num_samples * len(exp.settings())
 
 
 def _max_concurrent(exp: ExperimentConfig, num_cpus: Optional[int]) -> int:
@@ -255,7 +280,7 @@ def build_tuner(p: Prepared, run_dir: Path, settings: TrialSettings, num_cpus: O
         from atlaslab.search.searcher import PartSearcher
         search_alg = PartSearcher(exp, run_dir)         # suggests {"trial": the admitted draw}
         space = {}
-        num_samples = exp.num_samples
+        num_samples = n_trials(p)                       # a trial per candidate and setting
     tune_config = tune.TuneConfig(scheduler=_scheduler(exp), search_alg=search_alg, num_samples=num_samples,
                                   max_concurrent_trials=_max_concurrent(exp, num_cpus), reuse_actors=True,
                                   trial_dirname_creator=_trial_dirname, trial_name_creator=_trial_dirname)
@@ -323,8 +348,7 @@ def run(p: Prepared, run_dir: Optional[os.PathLike] = None, ray_address: Optiona
     if exp.tracking.enabled:
         # the MLflow store (SQLite migrations: seconds) is set up in a thread while Ray starts
         pool = cf.ThreadPoolExecutor(1)
-        pending = pool.submit(_parent_run, exp, run_dir, uri, p.node,
-                              len(p.trials) if exp.kind == "grid" else exp.num_samples)
+        pending = pool.submit(_parent_run, exp, run_dir, uri, p.node, n_trials(p))
         pool.shutdown(wait=False)
     return _execute(p, run_dir, state, resume=False, ray_address=addr, num_cpus=num_cpus, quiet=quiet,
                     pending_tracking=pending, stop=stop)
@@ -358,7 +382,7 @@ def _execute(p: Prepared, run_dir: Path, state: Dict[str, Any], resume: bool, ra
     """Start (or join) Ray, fit the tuner (fresh or restored), collect the records, write the results and the
     report, and close the MLflow parent run; ``state.json`` records the status and the time of every phase."""
     exp = p.exp
-    total = len(p.trials) if exp.kind == "grid" else exp.num_samples
+    total = n_trials(p)
     t0 = time.time()
     status = "failed"
     lap = _Laps(state.setdefault("timings", {}))

@@ -268,9 +268,10 @@ def expand_grid(exp: ExperimentConfig) -> List[Dict[str, Any]]:
     return trials
 
 
-def trial_from_params(exp: ExperimentConfig, params: Mapping[str, Any], key: str, index: int = 0) -> Dict[str, Any]:
-    """A search trial from sampled ``params`` (dotted key → value)."""
-    setting = next(iter(exp.settings()))
+def trial_from_params(exp: ExperimentConfig, params: Mapping[str, Any], key: str, index: int = 0,
+                      setting: Optional[str] = None) -> Dict[str, Any]:
+    """A search trial from sampled ``params`` (dotted key → value) on ``setting`` (default: the first)."""
+    setting = next(iter(exp.settings())) if setting is None else setting
     assignments = [(k, v, f"search.space.{k}") for k, v in params.items()]
     label = ", ".join(f"{short_key(k)}={fmt_value(v)}" for k, v in params.items())
     return {"key": key, "index": index, "setting": setting, "variant": key, "label": label or key, "row": key,

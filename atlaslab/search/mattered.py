@@ -11,6 +11,9 @@
 * **Marginals.** For each categorical key, each choice's finished trials: count, mean ± std and best of the metric.
   A marginal averages over everything else the search varied, so it says which choice did well *in this search*,
   not which is best alone.
+
+A search scored on several settings passes its candidates (:func:`atlaslab.search.fitness.candidates`) instead of its
+trials: each section then reads the candidate's score where it reads a trial's metric.
 """
 from __future__ import annotations
 
@@ -164,11 +167,15 @@ def pareto_section(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]) 
     if len(pairs) < 2:
         return []
     front = pareto_front(finished(records, exp), pairs)
+    multi = metric_label(exp, records) != exp.metric
+    who = "Candidates no other finished candidate" if multi else "Trials no other finished trial"
     lines = ["## Pareto front", "",
-             "Trials no other finished trial beats on every objective (" +
-             ", ".join(f"{n} {'↑' if m == 'max' else '↓'}" for n, m in pairs) + "):", ""]
+             f"{who} beats on every objective (" +
+             ", ".join(f"{'score' if multi and n == exp.metric else n} {'↑' if m == 'max' else '↓'}"
+                       for n, m in pairs) + "):", ""]
     keys = list(exp.space)
-    head = ["trial"] + [n for n, _ in pairs] + [short_key(k) for k in keys]
+    head = (["candidate" if multi else "trial"] + ["score" if multi and n == exp.metric else n for n, _ in pairs]
+            + [short_key(k) for k in keys])
     table = [[r["key"]] + [_fmt_objective(objective_value(r, n)) for n, _ in pairs]
              + [fmt_value(r["params"][k]) if k in r["params"] else "—" for k in keys] for r in front]
     lines += md_table(head, table)
@@ -181,16 +188,18 @@ def mattered_section(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]
     imp = importances(exp, records)
     marg = marginals(exp, records)
     n = len(finished(records, exp))
+    label = metric_label(exp, records)
+    what = "candidates that finished every setting" if label != exp.metric else "trials that finished"
     lines = ["## What mattered", "",
-             f"From the {n} trials that finished. Importance: Optuna's PED-ANOVA importance of each key for "
-             f"{exp.metric} (how much of the metric's spread among the good trials the key explains)." +
+             f"From the {n} {what}. Importance: Optuna's PED-ANOVA importance of each key for "
+             f"{label} (how much of the metric's spread among the good trials the key explains)." +
              (" Too few trials for importances." if not imp else ""), ""]
     if imp:
         lines += md_table(["key", "importance"], [[short_key(k), f"{v:.3f}"] for k, v in imp.items()])
         lines.append("")
     if marg:
-        lines += [f"Marginals: {exp.metric} of the finished trials that made each choice (mean ± std, best; "
-                  "averaged over whatever else the search varied).", ""]
+        lines += [f"Marginals: {label} of the finished {'candidates' if label != exp.metric else 'trials'} that "
+                  "made each choice (mean ± std, best; averaged over whatever else the search varied).", ""]
         table = []
         for key, rows in marg.items():
             for row in rows:
@@ -199,6 +208,14 @@ def mattered_section(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]
         lines += md_table(["key", "choice", "trials", "mean ± std", "best"], table)
         lines.append("")
     return lines
+
+
+def metric_label(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]) -> str:
+    """How the report names the first objective: the metric, or for candidates scored on several settings
+    (:func:`atlaslab.search.fitness.candidates`) the score of the metric over the settings."""
+    if any("by_setting" in r for r in records):
+        return f"the score ({exp.search.score.combine} of {exp.metric} over the settings)"
+    return exp.metric
 
 
 def _fmt_objective(v: Optional[float]) -> str:
@@ -215,5 +232,6 @@ def search_analysis(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]],
             + mattered_section(exp, records))
 
 
-__all__ = ["candidates_section", "dominates", "importances", "marginals", "mattered_section", "objective_value",
+__all__ = ["candidates_section", "dominates", "importances", "marginals", "mattered_section", "metric_label",
+           "objective_value",
            "pareto_front", "pareto_section", "search_analysis", "search_study"]

@@ -325,17 +325,21 @@ def grid_plots(exp: ExperimentConfig, rows: Sequence[Mapping[str, Any]], records
 
 
 def search_plots(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]], ranked: Sequence[Mapping[str, Any]],
-                 plots: Path) -> List[Path]:
+                 plots: Path, trials: Optional[Sequence[Mapping[str, Any]]] = None) -> List[Path]:
     """A search's figures: each parameter against the metric, Optuna's parameter importances and parallel
-    coordinates (:func:`search_study`), the curves of the best eight (``ranked``: best first)."""
+    coordinates (:func:`search_study`), the curves of the best eight (``ranked``: best first). With several
+    settings ``records`` are the candidates (:func:`atlaslab.search.fitness.candidates`), ``trials`` their trials,
+    and a candidate's curve is the mean over its settings' curves."""
     figs = plot_search(records, exp.metric, list(exp.space), plots)
     pareto = plot_pareto(exp, records, plots / "pareto.png")
     figs += [pareto] if pareto else []
     study = search_study(exp, records)
     figs += [p for p in (plot_importance(study, plots / "search_importance.png"),
                          plot_parallel(study, plots / "search_parallel.png")) if p]
-    rows_like = [{"row": f"{r['key']}", "keys": [r["key"]], "baseline": i == 0} for i, r in enumerate(ranked[:8])]
-    p = plot_curves(rows_like, records, exp.report.curve_metric or exp.metric, plots / "curves.png")
+    rows_like = [{"row": f"{r['key']}", "keys": list((r.get("trials") or {}).values()) or [r["key"]],
+                  "baseline": i == 0} for i, r in enumerate(ranked[:8])]
+    p = plot_curves(rows_like, records if trials is None else trials, exp.report.curve_metric or exp.metric,
+                    plots / "curves.png")
     if p:
         figs.append(p)
     return figs

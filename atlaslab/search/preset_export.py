@@ -49,7 +49,8 @@ def validated_trial(picked: PickedTrial) -> Dict[str, Any]:
     key = picked.record["key"]
     trial = expanded_trials(picked.run_dir).get(key)
     if trial is None and picked.exp.kind == "search":
-        trial = trial_from_params(picked.exp, picked.record.get("params") or {}, key=key)
+        trial = trial_from_params(picked.exp, picked.record.get("params") or {}, key=key,
+                                  setting=picked.record.get("setting") or None)   # its task's vocabulary
     if trial is None:
         raise ConfigError("trial", f"{picked.run_dir} has no trials.json entry for trial {key}.", value=key)
     if trial.get("model_config") is None:               # a search's trial, or a run folder of an older version

@@ -8,7 +8,9 @@ sequence at the task's length, zoology's ``state_size``) come from the validated
 (diverged, errored) are listed with their reason and left out of the means. ``report.averages`` adds columns
 that are each trial's mean of other metrics (ATLAS Table 2's "Avg" of its accuracy columns), averaged over seeds
 like the rest; ``report.labels`` names the columns. The rows come from :mod:`atlaslab.search.aggregate`, the
-markdown and CSVs from :mod:`atlaslab.search.tables`, the figures from :mod:`atlaslab.search.plots`.
+markdown and CSVs from :mod:`atlaslab.search.tables`, the figures from :mod:`atlaslab.search.plots`. A search scored
+on several settings is reported per candidate (:func:`atlaslab.search.fitness.candidates`): a table with each
+setting's metric and the score, ranked by it, and the Pareto front, importances and marginals of the score.
 
     atlaslab report RUN_DIR      # rewrites report.md, report.csv, trials.csv, plots/*.png
 """
@@ -24,12 +26,13 @@ from atlaslab.search.aggregate import (_mean_std, aggregate, mad_scores, mean_st
                                        steps_to, with_averages)
 from atlaslab.search.curves import write_curves
 from atlaslab.search.expand import Prepared
+from atlaslab.search.fitness import candidates, is_multi, ranked_candidates
 from atlaslab.search.mattered import search_analysis
 from atlaslab.search.plots import grid_plots, plot_state, search_plots
 from atlaslab.search.results import read_records
 from atlaslab.search.schema import ExperimentConfig, load_experiment
-from atlaslab.search.tables import (failed_section, grid_sections, header, length_section, search_section,
-                                    settings_of, waiting_section, write_csvs)
+from atlaslab.search.tables import (candidates_table, failed_section, grid_sections, header, length_section,
+                                    search_section, settings_of, waiting_section, write_csvs)
 
 
 def write_report(run_dir: Path, exp: ExperimentConfig, records: Sequence[Mapping[str, Any]],
@@ -48,6 +51,13 @@ def write_report(run_dir: Path, exp: ExperimentConfig, records: Sequence[Mapping
         lines += grid_sections(exp, rows, metrics, multi=len(settings_of(records)) > 1)
         figs = grid_plots(exp, rows, records, metrics, plots) if exp.report.plots else []
         lines += length_section(exp, rows)
+    elif is_multi(exp):              # candidates scored on several settings: ranked, analysed and drawn by score
+        cands = candidates(exp, records)
+        ranked = ranked_candidates(exp, cands)
+        lines += candidates_table(exp, cands, ranked)
+        lines += search_section(exp, records, ranked_trials(exp, records), metrics, title="Trials (per setting)")
+        lines += search_analysis(exp, cands, run_dir)
+        figs = search_plots(exp, cands, ranked, plots, trials=records) if exp.report.plots else []
     else:
         ranked = ranked_trials(exp, records)
         lines += search_section(exp, records, ranked, metrics)

@@ -5,7 +5,7 @@
     picked = pick_trial(run_dir)               # a finished run folder's best trial (or pick_trial(run_dir, "t003"))
 
 A record holds what a report needs of a trial: its place in the experiment (key, setting, variant, row,
-axes, protocol, seed, params), ``status`` (``completed`` / ``early_stopped`` / ``diverged`` / ``error`` /
+axes, protocol, seed, params; ``candidate`` for a search scored on several settings), ``status`` (``completed`` / ``early_stopped`` / ``diverged`` / ``error`` /
 ``pruned``, and ``unfinished`` / ``pending`` for an experiment that has not finished), ``failed``,
 ``message``, the final ``metrics``, the learning curve (``history``), the validated model's ``info`` and
 the ``train`` / ``task`` settings. The driver writes them to ``results.json``; :mod:`.report` reads them.
@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 from atlaslab.registry import ConfigError
 from atlaslab.search.aggregate import OK
 from atlaslab.search.expand import Prepared, trial_from_params
+from atlaslab.search.fitness import candidates, is_multi, ranked_candidates
 from atlaslab.search.schema import ExperimentConfig, load_experiment
 from atlaslab.search.space import decode_params
 
@@ -34,7 +35,8 @@ RESULTS_NAME = "results.json"
 #: a search's draws rejected before training (:mod:`atlaslab.search.searcher` writes it)
 REJECTED_NAME = "rejected.json"
 #: the trial fields a record keeps
-PLACE_KEYS = ("key", "index", "setting", "variant", "label", "row", "axes", "protocol", "seed", "params")
+PLACE_KEYS = ("key", "index", "setting", "variant", "label", "row", "axes", "protocol", "seed", "params",
+              "candidate")
 #: Tune statuses of a trial that a resume continues
 WAITING = ("RUNNING", "PENDING", "PAUSED")
 
@@ -224,6 +226,18 @@ def best_record(records: List[Mapping[str, Any]], metric: str, mode: str) -> Map
     return max(scored, key=lambda r: sign * r["metrics"][metric])
 
 
+def best_candidate_record(exp: ExperimentConfig, records: List[Mapping[str, Any]]) -> Optional[Mapping[str, Any]]:
+    """For a search scored on several settings: the trial, on the experiment's first setting, of the candidate with
+    the best score among those that finished every setting (None when none did). The candidate's model is the same
+    on every setting but for the budget's size, which each setting chose at its own length."""
+    done = [c for c in ranked_candidates(exp, candidates(exp, records)) if c["status"] in OK]
+    if not done:
+        return None
+    first = next(iter(exp.settings()))
+    key = done[0]["trials"].get(first)
+    return next((r for r in records if r["key"] == key), None)
+
+
 @dataclass
 class PickedTrial:
     """One trial of a finished run folder (:func:`pick_trial`)."""
@@ -242,14 +256,21 @@ class PickedTrial:
 
 def pick_trial(run_dir: Any, trial: Optional[str] = None) -> PickedTrial:
     """Trial ``trial`` (a key such as ``t003``) of the finished run folder ``run_dir``, or (``None``) the best
-    completed one by the experiment's ``metric`` and ``mode``. An unknown key, or no completed trial to choose
+    completed one by the experiment's ``metric`` and ``mode`` (a search on several settings: the best candidate's
+    trial on the first setting, :func:`best_candidate_record`). An unknown key, or no completed trial to choose
     from, is a ConfigError that lists the trial keys."""
     run_dir = Path(run_dir)
     state = read_state(run_dir)
     exp = load_experiment(node=OmegaConf.to_container(OmegaConf.load(run_dir / "experiment.yaml")))
     records = finished_records(run_dir)
-    best = best_record(records, exp.metric, exp.mode) if any(r.get("status") in OK for r in records) \
-        else None
+    if is_multi(exp):                    # a search scored on several settings: the best candidate by its score
+        best = best_candidate_record(exp, records)
+    else:
+        best = best_record(records, exp.metric, exp.mode) if any(r.get("status") in OK for r in records) \
+            else None
+    if trial is None and best is None and is_multi(exp):
+        raise ConfigError("trial", "no candidate finished every setting; name a trial to export.",
+                          choices=[r["key"] for r in records])
     if trial is None:
         record = best if best is not None else best_record(records, exp.metric, exp.mode)   # raises, naming them
     else:
@@ -260,5 +281,5 @@ def pick_trial(run_dir: Any, trial: Optional[str] = None) -> PickedTrial:
     return PickedTrial(run_dir, state, exp, records, record, best)
 
 
-__all__ = ["PickedTrial", "REJECTED_NAME", "RESULTS_NAME", "best_record", "collect", "expanded_trials", "finished_records",
+__all__ = ["PickedTrial", "REJECTED_NAME", "RESULTS_NAME", "best_candidate_record", "best_record", "collect", "expanded_trials", "finished_records",
            "pick_trial", "read_records", "read_rejected", "read_state", "saved_statuses", "saved_trials"]

@@ -29,6 +29,8 @@
         model.mixers.atlas.memory.inner_optimizer.name: [muon, gd]
         model.mixers.atlas.memory.inner_optimizer.ns_steps:
           {type: int, low: 1, high: 5, when: {model.mixers.atlas.memory.inner_optimizer.name: muon}}
+      score: {combine: mean, weights: {mqar: 1}}   # with tasks: {...}: each draw trained on every setting, told the
+                                                   # weighted mean (or the worst) of their metric (search.fitness)
     num_samples: 16                          # configs a search draws
     scheduler: {name: asha, grace_period: 50, reduction_factor: 3}
     metric: val/accuracy                     # what the scheduler / searcher / "best" looks at
@@ -79,6 +81,8 @@ SAMPLERS = ("tpe", "random", "nsga2")
 #: trial's own clock): recurrent-state scalars per sequence, parameters, seconds per training step
 MODEL_OBJECTIVES = ("state_size", "num_parameters", "step_time_s")
 SCHEDULERS = ("none", "asha")
+#: how a search with several task settings combines their ``metric`` into one score (:mod:`atlaslab.search.fitness`)
+SCORE_COMBINE = ("mean", "worst")
 PARAM_TYPES = ("float", "int", "categorical")
 
 
@@ -184,6 +188,34 @@ class ParamNode:
 
 
 @dataclass
+class ScoreNode:
+    """A search's fitness over several task settings: each candidate is trained on every setting and told to the
+    sampler as one score of the settings' ``metric`` (:mod:`atlaslab.search.fitness`).
+
+    ``combine: mean`` is the weighted mean Σ_s w_s·m_s / Σ_s w_s (``weights``: setting → w_s > 0, default 1 each);
+    ``combine: worst`` is the setting the candidate does worst on (the lowest ``metric`` when ``mode`` is max)."""
+
+    combine: str = "mean"              # mean | worst
+    weights: Dict[str, float] = field(default_factory=dict)   # setting → weight (mean only; default: 1 each)
+
+    def check(self) -> None:
+        check_choice("combine", self.combine, SCORE_COMBINE)
+        if self.weights and self.combine != "mean":
+            raise ConfigError("weights", f"weights apply to combine: mean, not {self.combine!r}.",
+                              value=dict(self.weights), choices=["mean"])
+        for name, w in self.weights.items():
+            if not (isinstance(w, (int, float)) and math.isfinite(w) and w > 0):
+                raise ConfigError(f"weights.{name}", f"a weight is a positive number, got {w!r}.", value=w)
+
+    def check_settings(self, settings: Sequence[str]) -> None:
+        """Every weighted setting is one of the experiment's (path relative to ``search.score``)."""
+        for name in self.weights:
+            if name not in settings:
+                raise ConfigError(f"weights.{name}", f"no setting '{name}' in tasks.", value=name,
+                                  choices=list(settings))
+
+
+@dataclass
 class SearchNode:
     space: Dict[str, Any] = field(default_factory=dict)   # dotted key → ParamNode (or a list: categorical)
     sampler: str = "tpe"               # tpe | random | nsga2 (NSGA-II: multi-objective)
@@ -194,9 +226,15 @@ class SearchNode:
     #: draws in a row the searcher may reject (a combination that cannot be built, or cannot be sized to the
     #: budget) before it stops drawing: the search then ends with the trials it has
     max_rejections: int = 200
+    #: with several task settings: how the settings' ``metric`` combine into the score the sampler is told
+    score: ScoreNode = field(default_factory=ScoreNode)
 
     def check(self) -> None:
         check_choice("sampler", self.sampler, SAMPLERS)
+        try:
+            self.score.check()
+        except ConfigError as exc:
+            raise exc.prefixed("score") from None
         check_range("max_rejections", self.max_rejections, 1, None)
         for i, obj in enumerate(self.objectives):
             name, _, mode = str(obj).rpartition(":")
@@ -484,6 +522,10 @@ def _check_fields(exp: ExperimentConfig) -> None:
 def _validate_search(exp: ExperimentConfig, raw_search: Any, settings: Sequence[str]) -> None:
     """``search``: the space (into ``exp.space``), conditions on earlier parameters, no protocol, one seed."""
     exp.search = _structured(SearchNode, raw_search, "search")
+    try:
+        exp.search.score.check_settings(settings)
+    except ConfigError as exc:
+        raise exc.prefixed("search.score") from None
     if not exp.search.space:
         raise ConfigError("search.space", "a search needs at least one parameter.", value={})
     for key, pnode in exp.search.space.items():
@@ -644,6 +686,7 @@ __all__ = [
     "ReportNode",
     "ResourcesNode",
     "SchedulerNode",
+    "ScoreNode",
     "SearchNode",
     "TrackingNode",
     "load_experiment",

@@ -1,7 +1,7 @@
 """The search's Ray Tune searcher: Optuna's ask-and-tell, with every draw admitted (validated and sized to the
 state budget) in the driver before a trial is started.
 
-    searcher = PartSearcher(exp, run_dir)          # TuneConfig(search_alg=searcher, num_samples=exp.num_samples)
+    searcher = PartSearcher(exp, run_dir)    # TuneConfig(search_alg=searcher, num_samples=num_samples × settings)
 
 For each trial Tune asks for, :meth:`PartSearcher.suggest` asks Optuna for a point of the space
 (:func:`atlaslab.search.space.sample`, conditions respected), turns it into a trial and admits it
@@ -17,6 +17,16 @@ exactly the sized, validated model. Objectives: the experiment's ``metric`` firs
 (a reported metric, or ``state_size`` / ``num_parameters`` / ``step_time_s``, read from the trial's final
 result); with more than one, Optuna's study is multi-objective (TPE or NSGA-II) and a trial that did not finish
 (stopped by the scheduler, failed, diverged) is told as pruned / failed rather than with a partial value.
+
+**Several settings** (``tasks: {setting: …}``): one draw is one *candidate* trained on every setting. The draw is
+turned into one trial per setting, each admitted and sized to the budget at its own sequence length; if any setting
+rejects it, the whole draw is rejected (the reason names the setting). The first trial goes to Tune at once, the
+others wait in :attr:`PartSearcher.queue` and are handed out by the next ``suggest`` calls, before a new draw.
+When every setting's trial of a draw has ended, Optuna is told the candidate's objectives
+(:func:`atlaslab.search.fitness.combine_objective`: the score of ``search.score`` for the metric, the mean step
+time, the max state): FAIL if a setting's trial failed or diverged, PRUNED if one was stopped by the scheduler.
+The queue and the per-draw results (:attr:`PartSearcher.draws`) are saved with the searcher, so a resumed search
+finishes the draws it had started.
 """
 from __future__ import annotations
 
@@ -31,6 +41,7 @@ from ray.tune.search import Searcher
 from atlaslab.registry import ConfigError
 from atlaslab.search.admission import Admission
 from atlaslab.search.expand import trial_from_params
+from atlaslab.search.fitness import combine_objective
 from atlaslab.search.results import REJECTED_NAME
 from atlaslab.search.schema import ExperimentConfig
 from atlaslab.search.space import make_sampler, optuna_value, sample
@@ -65,28 +76,49 @@ class PartSearcher(Searcher):
         self.in_a_row = 0
         self.stopped = ""                            # why the search stopped drawing ("" while it draws)
         self._admission: Optional[Admission] = None
+        self.settings: List[str] = list(exp.settings())
+        #: several settings: admitted trials of accepted draws waiting for a Tune trial (the draw's other settings)
+        self.queue: List[Dict[str, Any]] = []
+        #: several settings: Optuna number → {"candidate": id, "results": {setting: outcome}} of draws not yet told
+        self.draws: Dict[int, Dict[str, Any]] = {}
+        self.where: Dict[str, str] = {}              # Tune trial id → its setting (several settings)
 
     # -- Tune's interface -------------------------------------------------------------------------------------
     def set_search_properties(self, metric, mode, config, **spec) -> bool:
         return True                                  # the space is ours; Tune's param space holds only settings
 
+    @property
+    def multi(self) -> bool:
+        """Whether each draw is a candidate trained on several settings."""
+        return len(self.settings) > 1
+
     def suggest(self, trial_id: str) -> Optional[Dict[str, Any]]:
-        """The admitted trial of the next accepted draw, or ``Searcher.FINISHED`` after too many rejections."""
+        """The admitted trial of the next accepted draw, or ``Searcher.FINISHED`` after too many rejections. With
+        several settings: the next queued setting of a draw already made, else the first setting of a new draw."""
+        if self.queue:
+            return self._start(trial_id, self.queue.pop(0))
         if self.stopped:
             return Searcher.FINISHED
         adm = self.admission
         while True:
             ot = self.study.ask()
             params = sample(self.exp.space, ot)
+            if self.multi:
+                trials = self._admit_all(ot, params)
+                if trials is None:
+                    if self._too_many():
+                        return Searcher.FINISHED
+                    continue
+                self.in_a_row = 0
+                self.draws[ot.number] = {"candidate": trials[0]["candidate"], "results": {}}
+                self.queue.extend(trials[1:])
+                return self._start(trial_id, trials[0])
             trial = trial_from_params(self.exp, params, key=str(trial_id), index=ot.number)
             try:
                 trial = adm.admit(trial)
             except ConfigError as exc:
                 self._reject(ot, params, exc)
-                if self.in_a_row >= self.exp.search.max_rejections:
-                    self.stopped = (f"{self.in_a_row} draws in a row were rejected (search.max_rejections); the "
-                                    f"search stopped drawing")
-                    self._write()
+                if self._too_many():
                     return Searcher.FINISHED
                 continue
             self.in_a_row = 0
@@ -103,6 +135,9 @@ class PartSearcher(Searcher):
         state = optuna.trial.TrialState
         values = self._values(trial_id, result or {})
         final = bool((result or {}).get("final"))
+        if self.multi:
+            self._setting_done(number, self.where.pop(trial_id, ""), values, final, error)
+            return
         try:
             if error or values is None and final:
                 self.study.tell(number, state=state.FAIL)
@@ -121,6 +156,80 @@ class PartSearcher(Searcher):
         with open(checkpoint_path, "rb") as f:
             self.__dict__.update(pickle.load(f))
         self._admission = None
+
+    # -- several settings ---------------------------------------------------------------------------------------
+    def _admit_all(self, ot, params: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
+        """The draw's trial on every setting, each admitted (sized to the budget at its own length) and carrying
+        its typed model config; None (the draw rejected, the reason naming the setting) if one is not admitted."""
+        cid = f"c{ot.number:03d}"
+        out = []
+        for setting in self.settings:
+            trial = trial_from_params(self.exp, params, key=f"{cid}-{setting}", index=ot.number, setting=setting)
+            try:
+                trial = self.admission.admit(trial)
+            except ConfigError as exc:
+                self._reject(ot, params, exc, setting=setting)
+                return None
+            trial["candidate"] = cid
+            trial["resolved_model"] = self.admission.resolved[trial["key"]]
+            out.append(trial)
+        return out
+
+    def _start(self, trial_id: str, trial: Dict[str, Any]) -> Dict[str, Any]:
+        """Hand a queued (or first) setting's trial to Tune trial ``trial_id``: the trial takes its key."""
+        trial = dict(trial, key=str(trial_id), variant=str(trial_id), row=str(trial_id))
+        self.live[trial_id] = trial["index"]
+        self.where[trial_id] = trial["setting"]
+        self.info[trial_id] = dict(trial.get("info") or {})
+        return {"trial": trial}
+
+    def _setting_done(self, number: int, setting: str, values: Optional[List[float]], final: bool,
+                      error: bool) -> None:
+        """Record one setting's outcome of draw ``number``; once every setting has one, tell Optuna the candidate:
+        FAIL if a setting failed (raised, diverged: final without a value), PRUNED if one stopped early (no final
+        result), else its objectives combined over the settings (:func:`~atlaslab.search.fitness.combine_objective`)."""
+        draw = self.draws.get(number)
+        if draw is None:
+            return
+        draw["results"][setting] = {"values": values, "final": final, "error": bool(error)}
+        if any(s not in draw["results"] for s in self.settings):
+            return
+        del self.draws[number]
+        optuna = _quiet_optuna()
+        state = optuna.trial.TrialState
+        outs = draw["results"].values()
+        try:
+            if any(o["error"] or (o["values"] is None and o["final"]) for o in outs):
+                self.study.tell(number, state=state.FAIL)
+            elif any(o["values"] is None or not o["final"] for o in outs):
+                self.study.tell(number, state=state.PRUNED)
+            else:
+                combined = self.candidate_values(draw["results"])
+                if combined is None:
+                    self.study.tell(number, state=state.FAIL)
+                else:
+                    self.study.tell(number, combined if len(combined) > 1 else combined[0])
+        except (RuntimeError, ValueError):           # already told (a resumed trial that completed twice)
+            pass
+
+    def candidate_values(self, results: Dict[str, Dict[str, Any]]) -> Optional[List[float]]:
+        """The candidate's objectives from its settings' values (``results``: setting → ``{"values": […]}``)."""
+        out = []
+        for i, (name, mode) in enumerate(self.pairs):
+            v = combine_objective(self.exp, name, {s: o["values"][i] for s, o in results.items()}, mode)
+            if v is None:
+                return None
+            out.append(v)
+        return out
+
+    def _too_many(self) -> bool:
+        """Whether the rejections in a row reached ``search.max_rejections`` (the search then stops drawing)."""
+        if self.in_a_row < self.exp.search.max_rejections:
+            return False
+        self.stopped = (f"{self.in_a_row} draws in a row were rejected (search.max_rejections); the "
+                        f"search stopped drawing")
+        self._write()
+        return True
 
     # -- helpers ----------------------------------------------------------------------------------------------
     @property
@@ -141,17 +250,24 @@ class PartSearcher(Searcher):
             out.append(float(v))
         return out
 
-    def _reject(self, ot, params: Dict[str, Any], exc: ConfigError) -> None:
+    def _reject(self, ot, params: Dict[str, Any], exc: ConfigError, setting: Optional[str] = None) -> None:
         """Record a rejected draw and tell it to Optuna as infeasible: complete, with placeholder values and the
         violated constraint ``rejected`` (``Trial.set_constraint``), which TPE and NSGA-II rank below every feasible
-        trial; a failed trial would be ignored by both, teaching them nothing."""
-        ot.set_user_attr(REJECTED_ATTR, f"{exc.path}: {exc.reason}"[:500])
+        trial; a failed trial would be ignored by both, teaching them nothing. ``setting``: the setting that
+        rejected it (several settings), named first in the reason."""
+        reason = f"{exc.path}: {exc.reason}" if exc.path else exc.reason
+        if setting is not None:
+            reason = f"setting {setting}: {reason}"
+        ot.set_user_attr(REJECTED_ATTR, reason[:500])
         ot.set_constraint("rejected", 1.0)
         self.study.tell(ot, [0.0] * len(self.pairs) if len(self.pairs) > 1 else 0.0)
         self.in_a_row += 1
         labels = {k: optuna_value(self.exp.space[k], v) for k, v in params.items()}
-        self.rejected.append({"number": ot.number, "params": {k: _jsonable(v) for k, v in labels.items()},
-                              "reason": f"{exc.path}: {exc.reason}" if exc.path else exc.reason, "path": exc.path})
+        entry = {"number": ot.number, "params": {k: _jsonable(v) for k, v in labels.items()}, "reason": reason,
+                 "path": exc.path}
+        if setting is not None:
+            entry["setting"] = setting
+        self.rejected.append(entry)
         self._write()
 
     def _write(self) -> None:

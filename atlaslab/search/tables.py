@@ -62,15 +62,18 @@ def write_csvs(run_dir: Path, exp: ExperimentConfig, rows, records, metrics) -> 
                 w.writerow(line)
     keys = sorted({k for r in records for k in r.get("metrics", {})
                    if "/" in k and _num(r["metrics"][k]) is not None})
+    # a search scored on several settings: one line per (candidate, setting), the candidate's id in its own column
+    cand = ["candidate"] if any(r.get("candidate") for r in records) else []
     with open(run_dir / "trials.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["key", "setting", "row", "seed", "protocol", "status", "message", "steps", "num_parameters",
-                    "state_size", "params"] + keys + list(TRIAL_COSTS))
+        w.writerow(["key"] + cand + ["setting", "row", "seed", "protocol", "status", "message", "steps",
+                                     "num_parameters", "state_size", "params"] + keys + list(TRIAL_COSTS))
         for r in records:
             info = r.get("info") or {}
-            w.writerow([r["key"], r.get("setting"), r.get("row"), r.get("seed"), json.dumps(r.get("protocol", {})),
-                        r["status"], r.get("message", ""), r["metrics"].get("step"), info.get("num_parameters"),
-                        info.get("state_size"), json.dumps(r.get("params", {}), default=str)]
+            w.writerow([r["key"]] + [r.get("candidate", "") for _ in cand]
+                       + [r.get("setting"), r.get("row"), r.get("seed"), json.dumps(r.get("protocol", {})),
+                          r["status"], r.get("message", ""), r["metrics"].get("step"), info.get("num_parameters"),
+                          info.get("state_size"), json.dumps(r.get("params", {}), default=str)]
                        + [r["metrics"].get(k) for k in keys] + [r["metrics"].get(k) for k in TRIAL_COSTS])
 
 
@@ -211,16 +214,19 @@ def failed_section(records: Sequence[Mapping[str, Any]]) -> List[str]:
 
 
 def search_section(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]],
-                   ranked: Sequence[Mapping[str, Any]], metrics: Sequence[str]) -> List[str]:
+                   ranked: Sequence[Mapping[str, Any]], metrics: Sequence[str],
+                   title: str = "Trials (best first)") -> List[str]:
     """``## Trials (best first)`` of a search (``ranked``: the trials with a result, best first; then the rest) and
-    the steps trained."""
+    the steps trained; trials of a search on several settings also show their candidate and setting."""
     keys = list(exp.space)
-    lines = ["## Trials (best first)", ""]
-    head = (["trial"] + [short_key(k) for k in keys] + [exp.report.labels.get(m, m) for m in metrics]
-            + ["steps", "status", "params", "state"])
+    multi = any(r.get("candidate") for r in records)
+    lines = [f"## {title}", ""]
+    head = (["trial"] + (["candidate", "setting"] if multi else []) + [short_key(k) for k in keys]
+            + [exp.report.labels.get(m, m) for m in metrics] + ["steps", "status", "params", "state"])
     table = []
     for r in list(ranked) + [r for r in records if r not in ranked]:
-        table.append([r["key"]] + [fmt_value(r["params"][k]) if k in r["params"] else "—" for k in keys]
+        table.append([r["key"]] + ([str(r.get("candidate", "")), str(r.get("setting", ""))] if multi else [])
+                     + [fmt_value(r["params"][k]) if k in r["params"] else "—" for k in keys]
                      + [fmt_mean_std(_num(r["metrics"].get(m))) for m in metrics]
                      + [str(r["metrics"].get("step", "?")), r["status"],
                         human_count((r.get("info") or {}).get("num_parameters")),
@@ -234,3 +240,35 @@ def search_section(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]],
     lines.append("")
     return lines
 
+
+
+def candidates_table(exp: ExperimentConfig, cands: Sequence[Mapping[str, Any]],
+                     ranked: Sequence[Mapping[str, Any]]) -> List[str]:
+    """``## Candidates by score`` of a search scored on several settings: one line per candidate (``cands``, from
+    :func:`atlaslab.search.fitness.candidates`; ``ranked``: those with a score, best first), its searched values,
+    each setting's ``metric``, the score, the mean step time, the largest state, its trials' status."""
+    settings = list(exp.settings())
+    sc = exp.search.score
+    how = "the worst setting's" if sc.combine == "worst" else (
+        "weighted mean (" + ", ".join(f"{k}: {fmt_value(v)}" for k, v in sc.weights.items()) + ") of the settings'"
+        if sc.weights else "mean of the settings'")
+    keys = list(exp.space)
+    lines = ["## Candidates by score", "",
+             f"Each candidate was trained on every setting; a setting's column is its `{exp.metric}`, the score is "
+             f"the {how} `{exp.metric}` (what the sampler was told). Step time: the mean over the settings; "
+             "state: the largest (each setting sized the candidate to the budget at its own length). Best first: "
+             "the candidates that finished every setting, then those stopped early on one (ranked by the values "
+             "they had).", ""]
+    head = (["candidate"] + [short_key(k) for k in keys] + [f"{s}" for s in settings] + ["score", "step_time_s",
+                                                                                          "state", "status"])
+    table = []
+    for c in list(ranked) + [c for c in cands if c not in ranked]:
+        table.append([c["key"]] + [fmt_value(c["params"][k]) if k in c["params"] else "—" for k in keys]
+                     + [fmt_mean_std(_num(c["by_setting"].get(s))) for s in settings]
+                     + [fmt_mean_std(_num(c["metrics"].get(exp.metric))),
+                        "—" if _num(c["metrics"].get("step_time_s")) is None
+                        else f"{c['metrics']['step_time_s']:.4f}",
+                        human_count((c.get("info") or {}).get("state_size")), c["status"]])
+    lines += md_table(head, table)
+    lines.append("")
+    return lines
