@@ -163,6 +163,27 @@ def quickstart_machines() -> str:
     return "\n".join(lines)
 
 
+#: ATLAS Table 2's rows as the paper prints them (copied by hand once, the only typed numbers behind a table here)
+PAPER_TABLE2 = RESULTS / "lm-table2" / "paper_table2.csv"
+PAPER_COLUMNS = {"model": "model", "wiki_ppl": "Wiki ppl", "lmb_ppl": "LMB ppl", "lmb_acc": "LMB acc", "piqa": "PIQA",
+                 "hella": "Hella", "wino": "Wino", "arc_e": "ARC-e", "arc_c": "ARC-c", "siqa": "SIQA", "boolq": "BoolQ",
+                 "avg": "Avg"}
+#: the eight accuracy columns whose mean is the paper's Avg
+PAPER_ACCURACIES = ("lmb_acc", "piqa", "hella", "wino", "arc_e", "arc_c", "siqa", "boolq")
+
+
+def paper_rows(block: str) -> List[Dict[str, str]]:
+    """The paper's rows of one size block ("760M" or "1.3B"), values as printed (strings, so 50.1 stays 50.1)."""
+    with open(PAPER_TABLE2, newline="") as f:
+        return [r for r in csv.DictReader(f) if r["block"] == block]
+
+
+def paper_table(block: str) -> str:
+    lines = ["| " + " | ".join(PAPER_COLUMNS.values()) + " |", "|" + "---|" * len(PAPER_COLUMNS)]
+    lines += ["| " + " | ".join(r[c] for c in PAPER_COLUMNS) + " |" for r in paper_rows(block)]
+    return "\n".join(lines)
+
+
 def records(d: RunData) -> List[Dict]:
     """The run's trials as the run report's records (final metrics, learning curve, sizes), for its plots."""
     out = []
@@ -202,7 +223,8 @@ PLOTS = {"lm-table2": ([RESULTS / "lm-table2" / "data"], "val/loss"),
 
 
 TABLES = {"quickstart": quickstart, "quickstart-machines": quickstart_machines, "lm-table2-cpu": lm_table2_cpu,
-          "table6-cpu": table6_cpu}
+          "table6-cpu": table6_cpu, "lm-table2-paper-760m": lambda: paper_table("760M"),
+          "lm-table2-paper-1.3b": lambda: paper_table("1.3B")}
 
 
 if __name__ == "__main__":

@@ -152,3 +152,15 @@ def test_reading_list_cells_and_a_missing_row_is_an_error(tmp_path):
     assert [t["seed"] for t in grl.trials("r", "B", tmp_path)] == ["0"]        # the diverged seed is left out
     with pytest.raises(ValueError, match="no finished trial of row 'C'"):
         grl.trials("r", "C", tmp_path)
+
+
+def test_the_papers_table2_avg_is_the_mean_of_its_eight_accuracies():
+    """The paper's rows are typed once into a CSV; a mistyped cell shows as an Avg that is not the row's mean."""
+    off = []
+    for block in ("760M", "1.3B"):
+        for r in gr.paper_rows(block):
+            mean = sum(float(r[c]) for c in gr.PAPER_ACCURACIES) / len(gr.PAPER_ACCURACIES)
+            if abs(float(r["avg"]) - mean) > 0.07:
+                off.append((block, r["model"]))
+    assert off == [("1.3B", "Memora")]          # the one row the page names as unchecked
+    assert len(gr.paper_rows("760M")) == 16 and len(gr.paper_rows("1.3B")) == 12
