@@ -144,9 +144,9 @@ def mqar_before() -> str:
 def segments() -> str:
     """Accuracy by the query's segment, each seed; the older runs' split came from checkpoints that were not kept."""
     rows = []
-    for label in ("LaCT", "ARMT (memory tokens per layer)", "Titans (MAC)"):
-        rows.append(lost(label + ", seeds 0 / 1 / 2", 5,
-                         "split computed from the final checkpoints of `rlist_long` / `rlist_armt_long`, not kept"))
+    for label, run in (("LaCT", "rlist_long"), ("ARMT (memory tokens per layer)", "rlist_armt_long"),
+                       ("Titans (MAC)", "rlist_long")):
+        rows.append(lost(label + ", seeds 0 / 1 / 2", 5, f"split computed from `{run}`'s final checkpoints, not kept"))
     spec = [("ARMT (through the stack, `rlist_armt_stack`)", "rlist_armt_stack", "ARMT, memory through the stack"),
             ("LaCT, rerun (`rlist_lact_mac_wd`)", "rlist_lact_mac_wd", "LaCT (chunk = window = 16)"),
             ("Titans (MAC), rerun (`rlist_lact_mac_wd`)", "rlist_lact_mac_wd", "Titans (MAC)")]
@@ -184,7 +184,7 @@ def armt_stack() -> str:
     rows = [["memory through the stack"] + [seeds_cell(values(ts, m)) for m in ("test/accuracy",) + SEGMENTS[1:]]]
     per = trials("rlist_armt_long", "ARMT")
     rows.append(["memory tokens per layer (`rlist_armt_long`)", seeds_cell(values(per, "test/accuracy"))]
-                + [f"{LOST} (checkpoint split, not kept)"] * 3)
+                + [f"{LOST} (`rlist_armt_long`'s checkpoint split, not kept)"] * 3)
     return table(["ARMT, test accuracy", "all queries", "segment 2", "segment 3", "segment 4"], rows)
 
 
