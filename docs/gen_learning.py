@@ -147,7 +147,8 @@ def softmax_probes() -> str:
 HARD_DELTANET_PROBES = [
     ("the earlier preset", "learning_hard_deltanet_cpu.json", "preset", "deltanet"),
     ("fla's DeltaNet layer in the reference LM", "learning_hard_deltanet_cpu.json", "ref", "fla_deltanet"),
-    ("our mixer in the reference LM's shell (`ours_in_ref_lm`)", "learning_hard_probe_cpu.json", "ref", "ours_in_ref_lm"),
+    ("our mixer in the reference LM's shell (`ours_in_ref_lm`)", "learning_hard_probe_cpu.json", "ref",
+     "ours_in_ref_lm"),
     ("no output gate (`mixers.deltanet.output_gate=false`)", "learning_hard_deltanet_nogate_cpu.json", "preset",
      "deltanet"),
     ("fixed zero initial memory (`memory.memory.init=zeros`), seed 2, stopped at step 650", None, "", ""),

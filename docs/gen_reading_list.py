@@ -97,7 +97,8 @@ def runs_table() -> str:
     """The committed MQAR runs of the page: the rows each holds and its finished / all trials."""
     runs = {"rlist_rest_long": "", "rlist_long": "", "rlist_armt_long": "",
             "rlist_armt_stack": " ([below](#armt-through-the-stack))",
-            "rlist_titans_wd": ", rerun after the weight-decay change", "rlist_lact_mac_wd": ", rerun after the weight-decay change"}
+            "rlist_titans_wd": ", rerun after the weight-decay change",
+            "rlist_lact_mac_wd": ", rerun after the weight-decay change"}
     rows = []
     for run, note in runs.items():
         with open(RUNS / run / "trials.csv", newline="") as f:
@@ -161,7 +162,8 @@ def first_run() -> str:
     labels = ["Transformer++", "FoX", "Titans (LMM)", "LaCT (chunk = window = 16)", "ARMT", "Titans (MAC)"]
     rows = [lost(m, 2, "`runs/rlist_mqar`") for m in labels]
     rows.append(lost("*SWA, window 16 (calibration)*", 2, "`runs/rlist_swa16`"))
-    rows.append(lost("*LaCT, inner lr 0 / 0.01 / 0.1 (probes, seed 0)*", 2, "`runs/rlist_lact_lr0`, `runs/rlist_lact_lr`"))
+    rows.append(lost("*LaCT, inner lr 0 / 0.01 / 0.1 (probes, seed 0)*", 2,
+                     "`runs/rlist_lact_lr0`, `runs/rlist_lact_lr`"))
     return table(["model", "test accuracy, 800 steps (seeds 0, 1, 2)"], rows)
 
 
@@ -234,7 +236,8 @@ def niah_armt() -> str:
     """ARMT on S-NIAH, each seed: memory tokens per layer, through the stack, and through the stack with
     ``read_floor: 1``; a trial that failed shows its status."""
     spec = [("memory tokens per layer (`rlist_niah_s0`–`s2`)", NIAH, "ARMT"),
-            ("through the stack (`rlist_niah_armt_stack`)", ("rlist_niah_armt_stack",), "ARMT, memory through the stack"),
+            ("through the stack (`rlist_niah_armt_stack`)", ("rlist_niah_armt_stack",),
+             "ARMT, memory through the stack"),
             ("through the stack, `read_floor: 1` (`rlist_niah_armt_floor`, `_s12`)",
              ("rlist_niah_armt_floor", "rlist_niah_armt_floor_s12"), "ARMT, memory through the stack, read floor 1")]
     rows = []
@@ -305,7 +308,8 @@ def fox_bias() -> str:
 TABLES = {"reading-list-runs": runs_table, "reading-list-mqar": mqar, "reading-list-mqar-before": mqar_before,
           "reading-list-segments": segments, "reading-list-first-run": first_run,
           "reading-list-mac-probes": mac_probes, "reading-list-armt-stack": armt_stack,
-          "reading-list-armt-floor": armt_floor, "reading-list-niah-armt": niah_armt, "reading-list-mac-reference-curve": mac_reference_curve,
+          "reading-list-armt-floor": armt_floor, "reading-list-niah-armt": niah_armt,
+          "reading-list-mac-reference-curve": mac_reference_curve,
           "reading-list-mac-reference": mac_reference, "reading-list-niah": niah, "reading-list-niah-wd": niah_wd,
           "reading-list-fox-bias": fox_bias}
 
