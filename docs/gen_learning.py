@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
@@ -141,7 +142,69 @@ def softmax_probes() -> str:
     return "\n".join(lines)
 
 
+#: docs/results/learning-hard-deltanet.md's probes: (label, results file or None, kind, name); a row without a file
+#: is a probe that was stopped or ran in an earlier session and left no committed data
+HARD_DELTANET_PROBES = [
+    ("the earlier preset", "learning_hard_deltanet_cpu.json", "preset", "deltanet"),
+    ("fla's DeltaNet layer in the reference LM", "learning_hard_deltanet_cpu.json", "ref", "fla_deltanet"),
+    ("our mixer in the reference LM's shell (`ours_in_ref_lm`)", "learning_hard_probe_cpu.json", "ref",
+     "ours_in_ref_lm"),
+    ("no output gate (`mixers.deltanet.output_gate=false`)", "learning_hard_deltanet_nogate_cpu.json", "preset",
+     "deltanet"),
+    ("fixed zero initial memory (`memory.memory.init=zeros`), seed 2, stopped at step 650", None, "", ""),
+    ("no output gate and zero initial memory (an earlier session, seed 0)", None, "", ""),
+    ("fla's DeltaNet layer in **our** LM (`ref_in_our_lm`)", "learning_hard_ref_in_our_lm_cpu.json", "ref",
+     "ref_in_our_lm"),
+    ("fla's β gate: `gates.lr: {weight_init: uniform, use_bias: false}`", "learning_hard_deltanet_beta_cpu.json",
+     "preset", "deltanet"),
+    ("no weight decay on the norm gains (the code fix)", "learning_hard_deltanet_wd_cpu.json", "preset", "deltanet"),
+    ("the fix and fla's output-norm ε (`output_norm_eps=1.6e-4`)", "learning_hard_deltanet_eps_cpu.json", "preset",
+     "deltanet"),
+    ("the fix and all four of fla's choices (**the preset now**)", "learning_hard_deltanet_fla_layer_cpu.json",
+     "preset", "deltanet"),
+]
+
+
+def _steps_at(run: dict) -> str:
+    """Steps to 90% with a thousands separator, or "never (final accuracy at the last evaluated step)"."""
+    bl = _bench()
+    s = bl.summarise_run(run)
+    if not s["ok"]:
+        return run.get("status", "failed")
+    if s["steps_to_90"] is not None:
+        return f"{s['steps_to_90']:,}"
+    return f"never ({s['final_accuracy']:.2f} at {run['history'][-1]['step']:,})"
+
+
+#: the Gated DeltaNet comparison on hard MQAR that the same page quotes
+HARD_GDN = [("our `gated_deltanet`", "learning_hard_gdn_cpu.json", "preset", "gated_deltanet"),
+            ("fla's Gated DeltaNet layer", "learning_hard_gdn_cpu.json", "ref", "fla_gated_deltanet")]
+
+
+def hard_deltanet_probes(spec=None, head: str = "probe (what changes against the earlier preset)") -> str:
+    """Steps to 90% validation accuracy of every probe of the DeltaNet gap on hard MQAR, seeds 0, 1, 2 ("—": the seed
+    was not run; "no committed data": the probe left no results file)."""
+    bl = _bench()
+    lines = [f"| {head} | seed 0 | seed 1 | seed 2 | mean ± std (seeds that "
+             "reached 90%) | source |", "|---|---|---|---|---|---|"]
+    for label, file, kind, name in (spec or HARD_DELTANET_PROBES):
+        if file is None:
+            lines.append(f"| {label} | no committed data | | | | no results file |")
+            continue
+        rs = {r["seed"]: r for r in _runs(_load(file), kind, name) if r["seed"] in (0, 1, 2)}
+        cells = [(_steps_at(rs[s]) if s in rs else "—") for s in (0, 1, 2)]
+        reached = [s for s in (bl.summarise_run(r)["steps_to_90"] for r in rs.values()) if s is not None]
+        mean = "—"
+        if len(reached) > 1:
+            mu, sd = statistics.mean(reached), statistics.stdev(reached)
+            mean = f"{mu:,.0f} ± {sd:,.0f}" + (f" ({len(reached)}/{len(rs)})" if len(reached) < len(rs) else "")
+        lines.append(f"| {label} | {' | '.join(cells)} | {mean} | `{file[:-5]}` |")
+    return "\n".join(lines)
+
+
 TABLES: Dict[str, Callable[[], str]] = {
+    "learning-hard-deltanet-probes": hard_deltanet_probes,
+    "learning-hard-gdn-seeds": lambda: hard_deltanet_probes(HARD_GDN, "Gated DeltaNet on hard MQAR"),
     "learning-heldout-verdicts": heldout_verdicts,
     "learning-calibration": calibration,
     "learning-softmax-probes": softmax_probes,

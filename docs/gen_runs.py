@@ -163,6 +163,74 @@ def quickstart_machines() -> str:
     return "\n".join(lines)
 
 
+#: ATLAS Table 2's rows as the paper prints them (copied by hand once, the only typed numbers behind a table here)
+PAPER_TABLE2 = RESULTS / "lm-table2" / "paper_table2.csv"
+PAPER_COLUMNS = {"model": "model", "wiki_ppl": "Wiki ppl", "lmb_ppl": "LMB ppl", "lmb_acc": "LMB acc", "piqa": "PIQA",
+                 "hella": "Hella", "wino": "Wino", "arc_e": "ARC-e", "arc_c": "ARC-c", "siqa": "SIQA", "boolq": "BoolQ",
+                 "avg": "Avg"}
+#: the eight accuracy columns whose mean is the paper's Avg
+PAPER_ACCURACIES = ("lmb_acc", "piqa", "hella", "wino", "arc_e", "arc_c", "siqa", "boolq")
+
+
+def paper_rows(block: str) -> List[Dict[str, str]]:
+    """The paper's rows of one size block ("760M" or "1.3B"), values as printed (strings, so 50.1 stays 50.1)."""
+    with open(PAPER_TABLE2, newline="") as f:
+        return [r for r in csv.DictReader(f) if r["block"] == block]
+
+
+def paper_table(block: str) -> str:
+    lines = ["| " + " | ".join(PAPER_COLUMNS.values()) + " |", "|" + "---|" * len(PAPER_COLUMNS)]
+    lines += ["| " + " | ".join(r[c] for c in PAPER_COLUMNS) + " |" for r in paper_rows(block)]
+    return "\n".join(lines)
+
+
+#: the GPU protocol's model sizes, as ``atlaslab run experiments/lm_table2.yaml … --dry-run`` builds them (meta device)
+LM_SIZES = RESULTS / "lm-table2" / "sizes.json"
+LM_FILE = ROOT / "experiments" / "lm_table2.yaml"
+
+
+def measure_lm_sizes(overrides: Sequence[str] = ()) -> Dict[str, Dict[str, int]]:
+    """Row → parameters and recurrent-state scalars (one sequence at the file's 4,096 tokens) of every trial of
+    ``experiments/lm_table2.yaml``, validated with its two site paths pointed at stand-ins (a jsonl shard and a
+    32,000-id word-level ``tokenizer.json``, written to a temporary folder): the sizes do not depend on the data."""
+    import tempfile
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from atlaslab.search.driver import prepare
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        vocab = {"<unk>": 0, "</s>": 1, **{f"w{i}": i + 2 for i in range(32000 - 2)}}
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        tok.save(str(root / "tokenizer.json"))
+        (root / "shard.jsonl").write_text("".join(json.dumps({"text": f"w{i} w{i + 1}"}) + "\n" for i in range(50)))
+        site = ["task.path=json", f"task.data_files={root / 'shard.jsonl'}",
+                f"task.tokenizer.path={root / 'tokenizer.json'}"]
+        trials = prepare(str(LM_FILE), site + list(overrides)).trials
+    return {t["row"]: {"num_parameters": int(t["info"]["num_parameters"]), "state_size": int(t["info"]["state_size"])}
+            for t in trials}
+
+
+def write_lm_sizes() -> Path:
+    """``python docs/gen_runs.py --lm-sizes``: rebuild the file's 16 models at full size and write :data:`LM_SIZES`."""
+    rows = measure_lm_sizes()
+    LM_SIZES.write_text(json.dumps({"file": "experiments/lm_table2.yaml", "command": "python docs/gen_runs.py --lm-sizes",
+                                    "rows": rows}, indent=1) + "\n")
+    return LM_SIZES
+
+
+def lm_table2_sizes() -> str:
+    """docs/results/lm-table2.md: each row's parameters and state at the 760M width, two rows to a line."""
+    rows = [(r, human_count(s["num_parameters"]), human_count(s["state_size"]))
+            for r, s in json.loads(LM_SIZES.read_text())["rows"].items()]
+    half = (len(rows) + 1) // 2
+    right = rows[half:] + [("", "", "")] * (2 * half - len(rows))
+    lines = ["| row | params | state | row | params | state |", "|---|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(a + b) + " |" for a, b in zip(rows[:half], right)]
+    return "\n".join(lines)
+
+
 def records(d: RunData) -> List[Dict]:
     """The run's trials as the run report's records (final metrics, learning curve, sizes), for its plots."""
     out = []
@@ -202,11 +270,14 @@ PLOTS = {"lm-table2": ([RESULTS / "lm-table2" / "data"], "val/loss"),
 
 
 TABLES = {"quickstart": quickstart, "quickstart-machines": quickstart_machines, "lm-table2-cpu": lm_table2_cpu,
-          "table6-cpu": table6_cpu}
+          "table6-cpu": table6_cpu, "lm-table2-paper-760m": lambda: paper_table("760M"),
+          "lm-table2-paper-1.3b": lambda: paper_table("1.3B"), "lm-table2-sizes": lm_table2_sizes}
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--plots"]:
+    if sys.argv[1:] == ["--lm-sizes"]:
+        print(f"wrote {write_lm_sizes().relative_to(ROOT)}")
+    elif sys.argv[1:] == ["--plots"]:
         for name, (folders, metric) in PLOTS.items():
             for fig in plots(folders, RESULTS / name, metric):
                 print(f"wrote {fig.relative_to(ROOT)}")

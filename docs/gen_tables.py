@@ -37,7 +37,7 @@ if str(ROOT) not in sys.path:
 
 #: the modules (files in docs/) whose ``TABLES`` make the generated blocks; a listed file that does not exist yet is
 #: skipped, and a block that needs one of its tables then fails as "no generator"
-SOURCES = ("gen_runs.py", "gen_recall_vs_state.py", "gen_learning.py", "gen_discovery.py")
+SOURCES = ("gen_runs.py", "gen_recall_vs_state.py", "gen_learning.py", "gen_discovery.py", "gen_reading_list.py")
 
 BLOCK = re.compile(r"<!-- generated: (?P<name>[\w.-]+) -->\n(?P<body>.*?)<!-- end generated -->", re.S)
 OPEN = re.compile(r"<!-- generated: ")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,50 @@ def test_run_table_means_steps_to_and_seed_counts(tmp_path):
     assert lines[2] == "| A | 0.850 ± 0.071 | 0.725 ± 0.035 | 50 (1/2 seeds) | 1k | 64 |"
     # B: the diverged seed is left out and counted
     assert lines[3] == "| B (baseline) (1/2 finished) | 0.990 | 0.545 | 25 | 23.4k | 14.1k |"
+
+
+grl = _load("gen_reading_list")
+
+
+def test_the_reading_list_tables_are_generated_on_their_page():
+    page = (DOCS / "results" / "reading-list.md").read_text()
+    names = [m.group("name") for m in gt.blocks(page)]
+    assert sorted(names) == sorted(grl.TABLES)
+    assert not any(line.startswith("| model") for line in gt.BLOCK.sub("", page).splitlines())
+
+
+def test_every_reading_list_run_without_data_is_in_the_pages_rerun_list():
+    """A row printed as "no committed data" names its lost run, and the page's one rerun list names it too."""
+    page = (DOCS / "results" / "reading-list.md").read_text()
+    rerun = page.split("{#rerun}", 1)[1].split("\n## ", 1)[0]
+    lost = set()
+    for name, fn in grl.TABLES.items():
+        for line in fn().splitlines():
+            if grl.LOST in line:
+                lost |= set(re.findall(r"\b(?:rlist|rvs)_\w+", line.split(grl.LOST, 1)[1]))
+    assert {"rvs_atlas8", "rlist_mqar", "rlist_swa16", "rlist_lact_lr0", "rlist_lact_lr", "rlist_long",
+            "rlist_armt_long"} <= lost
+    assert not [run for run in lost if f"`{run}`" not in rerun and f"`runs/{run}`" not in rerun]
+
+
+def test_reading_list_cells_and_a_missing_row_is_an_error(tmp_path):
+    assert grl.seeds_cell([0.9, 0.8, 1.0]) == "0.900 ± 0.100 (0.900, 0.800, 1.000)"
+    assert grl.seeds_cell([0.0, 0.0]) == "0" and grl.seeds_cell([0.25]) == "0.250" and grl.seeds_cell([]) == "—"
+    assert grl.each_cell([0.0, 0.1234]) == "0 / 0.123"
+    _write_run(tmp_path / "r")
+    assert [t["seed"] for t in grl.trials("r", "A", tmp_path)] == ["0", "1"]
+    assert [t["seed"] for t in grl.trials("r", "B", tmp_path)] == ["0"]        # the diverged seed is left out
+    with pytest.raises(ValueError, match="no finished trial of row 'C'"):
+        grl.trials("r", "C", tmp_path)
+
+
+def test_the_papers_table2_avg_is_the_mean_of_its_eight_accuracies():
+    """The paper's rows are typed once into a CSV; a mistyped cell shows as an Avg that is not the row's mean."""
+    off = []
+    for block in ("760M", "1.3B"):
+        for r in gr.paper_rows(block):
+            mean = sum(float(r[c]) for c in gr.PAPER_ACCURACIES) / len(gr.PAPER_ACCURACIES)
+            if abs(float(r["avg"]) - mean) > 0.07:
+                off.append((block, r["model"]))
+    assert off == [("1.3B", "Memora")]          # the one row the page names as unchecked
+    assert len(gr.paper_rows("760M")) == 16 and len(gr.paper_rows("1.3B")) == 12

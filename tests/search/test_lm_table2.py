@@ -109,6 +109,24 @@ def test_every_row_is_the_size_of_the_transformer_at_table2_width(gpu):
         assert mixer["head_dim"] == 16 and mixer.get("value_dim") is None, row     # values: d_model / heads
 
 
+def test_the_pages_size_table_data_is_what_the_file_builds(gpu, site):
+    """docs/results/lm-table2/sizes.json (the page's size table, generated) holds the sizes the file's 24-block models
+    have. A model's blocks are alike, so its size is linear in the block count: the 1-block build (the ``gpu``
+    fixture) and a 2-block build give the 24-block sizes exactly, without the half minute a full build takes."""
+    import yaml
+    blocks = yaml.safe_load(GPU.read_text())["model"]["overrides"]["num_layers"]
+    assert blocks == 24
+    two = {t["row"]: t["info"] for t in prepare(str(GPU), site + ["model.overrides.num_layers=2"]).trials}
+    built = {}
+    for t in gpu.trials:
+        one = t["info"]
+        built[t["row"]] = {k: one[k] + (blocks - 1) * (two[t["row"]][k] - one[k])
+                           for k in ("num_parameters", "state_size")}
+    committed = json.loads((ROOT / "docs" / "results" / "lm-table2" / "sizes.json").read_text())["rows"]
+    assert committed == built, ("stale sizes: run `python docs/gen_runs.py --lm-sizes` and "
+                                "`python docs/gen_tables.py --write`")
+
+
 def test_the_file_as_written_is_the_760m_block_and_its_headers_1_3b_command_the_1_3b_block(gpu, site):
     """The file's own size (24 blocks), then the command in its header (read from it, so it cannot drift) applied
     as CLI overrides."""
