@@ -13,6 +13,7 @@ once per distinct memory spec and shape; the first step pays for it (docs/engine
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import sysconfig
 from typing import Callable, Dict
@@ -28,14 +29,11 @@ def check_toolchain(device: torch.device) -> None:
     if device.type in _CHECKED:
         return
     if device.type == "cpu":
-        from torch._inductor import cpp_builder
-        try:
-            cpp_builder.get_cpp_compiler()
-        except Exception as exc:   # InvalidCxxCompiler, or the search itself failing
+        cxx = os.environ.get("CXX", "g++")   # Inductor's default: $CXX, else g++ (torch._inductor.config.cpp.cxx)
+        if shutil.which(cxx) is None:
             raise RuntimeError(
-                "compile: true needs a C++ compiler for Inductor's CPU backend (g++ by default, or the compiler "
-                f"named by $CXX, currently {os.environ.get('CXX', 'unset')!r}); none was found ({type(exc).__name__})."
-                " Install g++ (e.g. apt-get install g++) or set compile: false.") from None
+                f"compile: true needs a C++ compiler for Inductor's CPU backend: '{cxx}' (g++ by default, or the "
+                "compiler $CXX names) was not found. Install g++ (e.g. apt-get install g++) or set compile: false.")
         include = sysconfig.get_paths().get("include", "")
         if not os.path.exists(os.path.join(include, "Python.h")):
             raise RuntimeError(

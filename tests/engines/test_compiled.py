@@ -97,10 +97,16 @@ def test_memorize_rejects_compile_outside_the_chunked_engine():
 
 
 def test_missing_cpp_compiler_is_a_clear_error(monkeypatch):
-    from torch._inductor import config
-    monkeypatch.setattr(config.cpp, "cxx", ("atlaslab-no-such-compiler++",))
+    monkeypatch.setenv("CXX", "atlaslab-no-such-compiler++")
     monkeypatch.setattr(compiled_mod, "_CHECKED", set())
     parts = _parts(SPECS["gdn"])
     q, k, v = random_qkv(B, 4, H, D)
     with pytest.raises(RuntimeError, match="needs a C\\+\\+ compiler"):
         memorize(q, k, v, parts, gates_for(parts, T=4), mode="chunked", compile=True)
+
+
+def test_missing_python_headers_are_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(compiled_mod.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
+    monkeypatch.setattr(compiled_mod, "_CHECKED", set())
+    with pytest.raises(RuntimeError, match="Python development headers"):
+        compiled_mod.check_toolchain(torch.device("cpu"))
