@@ -156,7 +156,34 @@ def summary(out: dict) -> list:
         warm = f"{w['first_step_s']['compiled']:.1f}" if "error" not in w else f"error: {w['error']}"
         lines.append(f"| {r['size']} | {r['label']} | {e:.4f} | {k:.4f} | {e / k:.2f} | "
                      f"{c['first_step_s']['compiled']:.1f} | {warm} |")
-    return lines
+    return lines + ["", verdict(out)]
+
+
+#: a row "wins" when compiled is at least this much faster, in the best AND the median of the interleaved repeats
+WIN = 1.10
+
+
+def verdict(out: dict) -> str:
+    """One generated sentence: which rows compiled wins (≥ WIN× faster by best and by median step), and the steps
+    a win needs to repay its cold compile."""
+    wins, rest = [], []
+    for r in out["rows"]:
+        c = r["cold"]
+        if "error" in c:
+            continue
+        e, k = c["step_s"]["eager"], c["step_s"]["compiled"]
+        best, med = min(e) / min(k), statistics.median(e) / statistics.median(k)
+        if best >= WIN and med >= WIN:
+            saved = min(e) - min(k)
+            wins.append(f"{r['label']} ({r['size']}: {best:.2f}× by best step, {med:.2f}× by median; the cold compile "
+                        f"is repaid after {c['first_step_s']['compiled'] / saved:,.0f} steps)")
+        else:
+            rest.append(f"{r['label']} ({r['size']}, {best:.2f}× / {med:.2f}×)")
+    if not wins:
+        return (f"**Verdict:** no row runs {WIN:.2f}× or more faster compiled, by best and by median step: "
+                + ", ".join(rest) + ". At this size `compile: true` does not pay; eager stays the default.")
+    return (f"**Verdict:** compiled is ≥ {WIN:.2f}× faster for " + "; ".join(wins)
+            + ("; not for " + ", ".join(rest) if rest else "") + ".")
 
 
 def render(out: dict) -> str:
