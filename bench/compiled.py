@@ -1,7 +1,7 @@
 """Eager against ``compile: true`` (torch.compile of the chunked engine's per-chunk work), side by side, on CPU.
 
     python bench/compiled.py                 # → bench/results/compiled_cpu.{json,md}
-    python bench/compiled.py --sizes small base --repeats 9
+    python bench/compiled.py --sizes base --out bench/results/compiled_base_cpu
     python bench/compiled.py --render        # rewrite the .md from the committed .json
 
 For each row one worker process (one torch thread, a fresh Inductor cache folder: a cold compile, as on a fresh
@@ -28,6 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
+DEFAULT_OUT = str(RESULTS / "compiled_cpu")
 sys.path.insert(0, str(HERE))
 from cost_space import SIZES  # noqa: E402  (the sizes of the cost benchmark, so the rows compare with its rows)
 
@@ -102,7 +103,8 @@ def run(args) -> dict:
     import torch
     log = lambda m: print(m, file=sys.stderr, flush=True)
     out = {"command": "python bench/compiled.py" + (f" --sizes {' '.join(args.sizes)}" if args.sizes else "")
-           + (f" --repeats {args.repeats}" if args.repeats else ""),
+           + (f" --repeats {args.repeats}" if args.repeats else "")
+           + (f" --out {os.path.relpath(args.out, ROOT)}" if args.out != DEFAULT_OUT else ""),
            "commit": _git("rev-parse", "--short", "HEAD"),
            "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")), "torch": torch.__version__,
            "cxx": _cxx(), "cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(),
@@ -188,7 +190,7 @@ def verdict(out: dict) -> str:
 
 def render(out: dict) -> str:
     la = out["load_average"]
-    lines = ["# Compiled chunked engine on CPU", "",
+    lines = [f"# Compiled chunked engine on CPU: {', '.join(out['sizes'])} size", "",
              f"Command: `{out['command']}` (torch {out['torch']}, {out['cxx']}, {out['cpus']} cores, one torch "
              f"thread; commit {out['commit']}{' + uncommitted changes' if out['dirty'] else ''}). Eager = the "
              "default; compiled = `compile: true` on every memory layer (torch.compile, Inductor's C++ backend, "
@@ -222,7 +224,7 @@ def main() -> None:
     ap.add_argument("--sizes", nargs="+", choices=list(SIZES))
     ap.add_argument("--repeats", type=int)
     ap.add_argument("--render", action="store_true", help="rewrite the .md from the .json only")
-    ap.add_argument("--out", default=str(RESULTS / "compiled_cpu"))
+    ap.add_argument("--out", default=DEFAULT_OUT, help="results path without .json / .md")
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
