@@ -1,7 +1,7 @@
 """Eager against ``compile: true`` (torch.compile of the chunked engine's per-chunk work), side by side, on CPU.
 
-    python bench/compiled.py                 # → bench/results/compiled_cpu.{json,md}
-    python bench/compiled.py --sizes base --out bench/results/compiled_base_cpu
+    python bench/compiled.py --sizes small base   # → bench/results/compiled_cpu.{json,md} (the committed run)
+    python bench/compiled.py                      # the small size only
     python bench/compiled.py --render        # rewrite the .md from the committed .json
 
 For each row one worker process (one torch thread, a fresh Inductor cache folder: a cold compile, as on a fresh
@@ -183,7 +183,8 @@ def verdict(out: dict) -> str:
             rest.append(f"{r['label']} ({r['size']}, {best:.2f}× / {med:.2f}×)")
     if not wins:
         return (f"**Verdict:** no row runs {WIN:.2f}× or more faster compiled, by best and by median step: "
-                + ", ".join(rest) + ". At this size `compile: true` does not pay; eager stays the default.")
+                + ", ".join(rest) + f". At {'these sizes' if len(out['sizes']) > 1 else 'this size'} `compile: true` does not "
+                "pay; eager stays the default.")
     return (f"**Verdict:** compiled is ≥ {WIN:.2f}× faster for " + "; ".join(wins)
             + ("; not for " + ", ".join(rest) if rest else "") + ".")
 
