@@ -36,6 +36,7 @@ def memorize(
     block_size: int = 64,
     checkpoint: bool = False,
     cu_seqlens: Optional[CuSeqlens] = None,
+    compile: bool = False,
 ) -> Tuple[torch.Tensor, Union[MemoryState, List[MemoryState]]]:
     """Run a memory over a sequence: write every (k_t, v_t), read every q_t.
 
@@ -64,6 +65,9 @@ def memorize(
             batch-N state, or the N batch-1 states a previous packed call returned. ``mode="triton"`` runs the
             packed sequences natively (one launch per kernel stage) where its kernels take the spec; every other
             case runs the sequences one after another through the engine.
+        compile: ``chunked`` only: run the per-chunk work through ``torch.compile`` (:mod:`.compiled`; Inductor's
+            C++ backend on a CPU, Triton on a GPU). Equal to eager up to rounding; the first call at each shape
+            compiles.
 
     Returns:
         ``o: [B, T, H, D_v]`` and the final :class:`MemoryState` (``state.weights["W"]: [B, H, D_v, D_k]`` for a
@@ -83,14 +87,19 @@ def memorize(
     b = parts.chunk_size if chunk_size is None else int(chunk_size)
     if b < 1:
         raise ValueError(f"memorize: chunk_size must be ≥ 1, got {b}")
+    options = {"block_size": block_size, "checkpoint": checkpoint}
+    if compile:
+        if mode != "chunked" or checkpoint:
+            raise ValueError(f"memorize: compile=True runs the chunked engine without checkpoint; got mode '{mode}'"
+                             f"{' with checkpoint=True' if checkpoint else ''}")
+        options["compile"] = True
     normalised = normalise_gates(gates, parts, q)
     if cu_seqlens is not None:
         offsets = check_cu_seqlens(cu_seqlens, B, T)
         states = sequence_states(initial_state, parts, len(offsets) - 1, q)
-        return memorize_packed(q, k, v, parts, normalised, b, states, offsets, MODES[mode],
-                               block_size=block_size, checkpoint=checkpoint)
+        return memorize_packed(q, k, v, parts, normalised, b, states, offsets, MODES[mode], **options)
     state = initial_state if initial_state is not None else _recurrent.initial_state(parts, B, q.dtype, q.device)
-    return MODES[mode](q, k, v, parts, normalised, b, state, block_size=block_size, checkpoint=checkpoint)
+    return MODES[mode](q, k, v, parts, normalised, b, state, **options)
 
 
 __all__ = ["GATE_NAMES", "Gates", "MODES", "MemoryState", "initial_state", "memorize", "newton_schulz", "read_memory",

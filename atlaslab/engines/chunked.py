@@ -29,6 +29,7 @@ Paths, in the order :func:`memorize_chunked` tries them:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Dict, Optional
 
 import torch
@@ -36,6 +37,7 @@ import torch.utils.checkpoint
 from torch.func import vjp, vmap
 
 from atlaslab.engines import linear_delta
+from atlaslab.engines.compiled import compiled, maybe_compiled
 from atlaslab.engines.slot_memory import memorize_slot_memory
 from atlaslab.engines.recurrent import _bh
 from atlaslab.memory.fast_weights import DualForm, PerPosition, Tape
@@ -220,11 +222,19 @@ def _pad_chunks(x: Optional[torch.Tensor], n_chunks: int, b: int, value: float) 
     return x.reshape(*x.shape[:2], n_chunks, b, *x.shape[3:])
 
 
-def _dual_step(parts, weights: Weights, momentum: Optional[Weights], x, v, d, P_e, Q_e, A_e, Th_e, S_e):
+def _dual_step(parts, weights: Weights, momentum: Optional[Weights], x, v, d, P_e, Q_e, A_e, Th_e, S_e,
+               end=None):
     """The sequential part of one aligned chunk: the rank-1 gradient factors at its anchor ``weights`` and the
     state after its last real token e, M_e = P_e M + Q_e S + Σ_i A[e, i] l_i r_iᵀ, S_e = Θ_e S + Σ_i
-    S_coef[e, i] l_i r_iᵀ (row e of the dual-form coefficients: ``P_e [B, H]``, ``A_e [B, H, W]``)."""
+    S_coef[e, i] l_i r_iᵀ (row e of the dual-form coefficients: ``P_e [B, H]``, ``A_e [B, H, W]``).
+    ``end`` replaces :func:`_dual_end` (its compiled version); the factors are always eager."""
     factors = gradient_factors(parts, weights, x, v, d)
+    return (factors, *(end or _dual_end)(factors, weights, momentum, P_e, Q_e, A_e, Th_e, S_e))
+
+
+def _dual_end(factors: Dict[str, tuple], weights: Weights, momentum: Optional[Weights], P_e, Q_e, A_e, Th_e, S_e):
+    """The chunk-end state of :func:`_dual_step` from the gradient factors ``{name: (l [B,H,W,out], r [B,H,W,in])}``
+    → (weights, momentum) after the chunk's last real token."""
 
     def at(coef_row, bases):
         return {name: (left * coef_row.unsqueeze(-1)).mT @ r + sum(c[..., None, None] * base[name] for c, base in bases)
@@ -232,7 +242,17 @@ def _dual_step(parts, weights: Weights, momentum: Optional[Weights], x, v, d, P_
 
     new_weights = at(A_e, [(P_e, weights)] + ([(Q_e, momentum)] if Q_e is not None else []))
     new_momentum = at(S_e, [(Th_e, momentum)]) if S_e is not None else momentum
-    return factors, new_weights, new_momentum
+    return new_weights, new_momentum
+
+
+def _dual_read(memory, W_all: Weights, S_all: Optional[Weights], P_all, Q_all, A_all, lefts: Weights,
+               rights: Weights, xq: torch.Tensor) -> torch.Tensor:
+    """The reads of all chunks, folded into the batch (``[B·N, ...]``): each chunk's weights in dual form over its
+    anchor ``W_all``, momentum ``S_all`` and gradient factors ``lefts``, ``rights``; ``xq [B·N, H, b, F]`` →
+    ``[B·N, H, b, V]``."""
+    dual = {n: DualForm([(P_all, W_all[n])] + ([(Q_all, S_all[n])] if Q_all is not None else []), A_all,
+                        lefts[n], rights[n]) for n in W_all}
+    return memory(dual, xq)
 
 
 def _over_chunks(per_chunk: list) -> torch.Tensor:
@@ -246,7 +266,7 @@ def _chunks_as_batch(z: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def _dual_aligned(parts, state: MemoryState, gates: Gates, q, k, v, b: int, checkpoint: bool,
-                  step=None) -> torch.Tensor:
+                  step=None, compile: bool = False) -> torch.Tensor:
     """Whole chunks from a chunk boundary (the last may be partial) in the dual form.
 
     Every coefficient that does not depend on the memory — windows, decay and momentum matrices of all chunks —
@@ -256,9 +276,12 @@ def _dual_aligned(parts, state: MemoryState, gates: Gates, q, k, v, b: int, chec
 
     Padded tail positions have η = 0 and α = θ = 1 (they change no real position); the final state is read at
     the last real token. ``checkpoint`` recomputes each chunk's step in the backward pass; ``step`` replaces
-    :func:`_dual_step` (same contract; e.g. the fused Triton MLP step). Mutates ``state``; returns ``[B, T, H, V]``.
+    :func:`_dual_step` (same contract; e.g. the fused Triton MLP step). ``compile`` runs the coefficients, the chunk
+    ends and the reads through ``torch.compile`` (:mod:`atlaslab.engines.compiled`). Mutates ``state``; returns
+    ``[B, T, H, V]``.
     """
-    step = step or _dual_step
+    if step is None:
+        step = functools.partial(_dual_step, end=compiled(_dual_end, q.device)) if compile else _dual_step
     fm, ret = parts.feature_map, parts.retention
     B, T = q.shape[:2]
     N = -(-T // b)
@@ -274,7 +297,8 @@ def _dual_aligned(parts, state: MemoryState, gates: Gates, q, k, v, b: int, chec
     alpha = gates.retention.transpose(1, 2) if (gates.retention is not None and ret.uses_alpha) else None
     a = _pad_chunks(alpha, N, b, 1.0) if alpha is not None else torch.ones_like(lr)
     theta = _pad_chunks(_bh(gates.momentum), N, b, 1.0) if parts.inner_optimizer.cfg.name == "momentum" else None
-    P, Q, A, Th, S_coef = dual_coefficients(a, theta, lr.unsqueeze(-1) * C)     # each [B, H, N, b(, W)]
+    P, Q, A, Th, S_coef = maybe_compiled(dual_coefficients, compile, q.device)(
+        a, theta, lr.unsqueeze(-1) * C)                                        # each [B, H, N, b(, W)]
 
     # row e of every coefficient: the chunk's last real position (b − 1, or the last token of a partial chunk)
     last = T - (N - 1) * b
@@ -310,10 +334,10 @@ def _dual_aligned(parts, state: MemoryState, gates: Gates, q, k, v, b: int, chec
     else:
         S_all = {n: _over_chunks([s[n] for s in momenta]) for n in names} if Q is not None else None
         P_all, Q_all, A_all = (_chunks_as_batch(z) for z in (P, Q, A))
-        dual = {n: DualForm([(P_all, W_all[n])] + ([(Q_all, S_all[n])] if Q_all is not None else []), A_all,
-                            _over_chunks([f[n][0] for f in factors]), _over_chunks([f[n][1] for f in factors]))
-                for n in names}
-        y = parts.memory(dual, xq)                                              # [B·N, H, b, V]
+        lefts = {n: _over_chunks([f[n][0] for f in factors]) for n in names}
+        rights = {n: _over_chunks([f[n][1] for f in factors]) for n in names}
+        read = maybe_compiled(_dual_read, compile, q.device)
+        y = read(parts.memory, W_all, S_all, P_all, Q_all, A_all, lefts, rights, xq)     # [B·N, H, b, V]
     y = y.reshape(B, N, *y.shape[1:]).permute(0, 1, 3, 2, 4).flatten(1, 2)[:, :T]   # [B, T, H, V]
 
     state.anchor = anchors[-1]
@@ -423,15 +447,17 @@ def _run_piece(parts, state: MemoryState, piece, b: int):
 
 def memorize_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parts: "MemoryParts", gates: Gates,
                      chunk_size: int, state: MemoryState, block_size: int = 64, checkpoint: bool = False,
-                     dual_step=None):
+                     dual_step=None, compile: bool = False):
     """Chunk-parallel engine. ``q, k: [B, T, H, D_k]``, ``v: [B, T, H, D_v]`` → ``([B, T, H, D_v], state)``.
 
     Online (b = 1) linear rules run exactly in blocks of ``block_size`` tokens (``linear_delta.py``); every
     other spec runs with compute block = b. ``checkpoint=True`` keeps only each chunk's inputs and state for
     the backward pass and recomputes the chunk's internals (activation checkpointing, for long sequences).
+    ``compile=True`` runs the per-chunk work of the online linear rules and of the dual form through
+    ``torch.compile`` (:mod:`atlaslab.engines.compiled`); the other paths stay eager.
     """
     if linear_delta.supports(parts, chunk_size):
-        return linear_delta.memorize_linear_delta(q, k, v, parts, gates, state, block_size)
+        return linear_delta.memorize_linear_delta(q, k, v, parts, gates, state, block_size, compile)
     if parts.kernel_trick:   # the φ* slot memory: attention-like, one dual-form piece per chunk
         return memorize_slot_memory(q, k, v, parts, gates, chunk_size, state, block_size)
     state = dataclasses.replace(state)
@@ -446,7 +472,7 @@ def memorize_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parts: "
             y, state = _run_piece(parts, state, first, b)
             outputs.append(y)
         if q.shape[1]:
-            outputs.append(_dual_aligned(parts, state, gates, q, k, v, b, checkpoint, dual_step))
+            outputs.append(_dual_aligned(parts, state, gates, q, k, v, b, checkpoint, dual_step, compile))
         return torch.cat(outputs, 1), state
     pieces = split_time(sizes, q, k, v, gates)
     for piece in pieces:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from atlaslab.engines.compiled import maybe_compiled
 from atlaslab.engines.recurrent import _bh
 from atlaslab.kernels.utils import solve_unit_lower
 from atlaslab.memory.state import Gates, MemoryState, keep_history, with_history
@@ -177,8 +178,19 @@ def chain_blocks(M0: torch.Tensor, phi: torch.Tensor, delta: torch.Tensor):
     return torch.stack(starts, 2), M
 
 
-def memorize_linear_delta(q, k, v, parts: "MemoryParts", gates: Gates, state: MemoryState, block_size: int):
-    """Online linear rules over ``q, k: [B, T, H, D_k]``, ``v: [B, T, H, D_v]`` in blocks of ``block_size``."""
+def block_forms(x, v, coef, q, log_a, M0: torch.Tensor, is_l2: bool, before: bool, read_token: bool, T: int):
+    """All of a call's block work: :func:`block_operators`, the block chain from ``M0 [B,H,V,K]`` and the reads
+    (shapes as :func:`block_operators`) → (y ``[B,H,T,V]``, final state ``[B,H,V,K]``); the unit that
+    ``compile: true`` compiles."""
+    y_u, q_eff, phi, delta = block_operators(x, v, coef, q, log_a, is_l2, before, read_token)
+    starts, M = chain_blocks(M0, phi, delta)
+    return (y_u + q_eff @ starts.mT).flatten(2, 3)[:, :, :T], M                # [B,H,T,V]
+
+
+def memorize_linear_delta(q, k, v, parts: "MemoryParts", gates: Gates, state: MemoryState, block_size: int,
+                          compile: bool = False):
+    """Online linear rules over ``q, k: [B, T, H, D_k]``, ``v: [B, T, H, D_v]`` in blocks of ``block_size``;
+    ``compile`` runs :func:`block_forms` through ``torch.compile`` (:mod:`atlaslab.engines.compiled`)."""
     state = dataclasses.replace(state)
     spec = parts.spec
     ret = parts.retention
@@ -199,11 +211,10 @@ def memorize_linear_delta(q, k, v, parts: "MemoryParts", gates: Gates, state: Me
         a = _bh(gates.retention)
         log_a = a.clamp_min(torch.finfo(a.dtype).tiny).log()
     before = ret.before_step and gates.retention is not None
-    y_u, q_eff, phi, delta = block_operators(
-        _blocks(x, N, L), _blocks(vs, N, L), _blocks(coef, N, L), _blocks(_bh(fm(q)), N, L), _blocks(log_a, N, L),
-        spec.attentional_bias.name == "l2", before, parts.read == "token")
-    starts, M = chain_blocks(state.weights["W"], phi, delta)
-    y = (y_u + q_eff @ starts.mT).flatten(2, 3)[:, :, :T]                   # [B,H,T,V]
+    forms = maybe_compiled(block_forms, compile, q.device)
+    y, M = forms(_blocks(x, N, L), _blocks(vs, N, L), _blocks(coef, N, L), _blocks(_bh(fm(q)), N, L),
+                 _blocks(log_a, N, L), state.weights["W"], spec.attentional_bias.name == "l2", before,
+                 parts.read == "token", T)
 
     keep_history(state, parts.window.history(), k_ext, v_ext, g_ext, d_ext)
     if gates.retention is not None:

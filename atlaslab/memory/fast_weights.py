@@ -84,7 +84,9 @@ def apply_linear(name: str, w, h: torch.Tensor) -> torch.Tensor:
         z = h @ w.mT
     else:
         z = w.apply(h)
-    tape = _TAPE.get()
+    # a compiled region (atlaslab.engines.compiled) never runs under a tape: gradient_factors stays eager, and
+    # Dynamo cannot trace a ContextVar
+    tape = None if torch.compiler.is_compiling() else _TAPE.get()
     if tape is not None:
         if not z.requires_grad:      # e.g. under no_grad: make z a leaf so ∂pred/∂z exists
             z = z.detach().requires_grad_(True)

@@ -225,6 +225,7 @@ class MemoryLayerConfig(PartConfig):
     gates: LayerGates = field(default_factory=LayerGates)
     mode: str = "chunked"              # memorize engine (kernels.MODES): chunked (fast) or recurrent (reference)
     checkpoint: bool = False           # chunked engine: recompute chunks in backward (long sequences)
+    compile: bool = False              # chunked engine: torch.compile its per-chunk work (docs/engines.md#compiled)
 
     def check(self) -> None:
         check_range("num_heads", self.num_heads, 1, None)
@@ -243,6 +244,12 @@ class MemoryLayerConfig(PartConfig):
             getattr(self.gates, name).check(name)
         if self.mode not in MODES:
             raise ConfigError("mode", f"unknown engine '{self.mode}'.", value=self.mode, choices=list(MODES))
+        if self.compile and self.mode != "chunked":
+            raise ConfigError("compile", f"compiles the chunked engine's per-chunk work; mode is '{self.mode}'.",
+                              value=self.compile, choices=["false"])
+        if self.compile and self.checkpoint:
+            raise ConfigError("compile", "is not combined with checkpoint: true (recomputing compiled chunks in the "
+                                         "backward pass is untested).", value=self.compile, choices=["false"])
         self.memory = self.memory_spec()   # resolved once, here; errors carry the path "memory.…"
 
     def memory_spec(self) -> MemorySpec:
@@ -444,7 +451,7 @@ class MemoryLayer(nn.Module):
         k, ck = self._branch(x, "k", conv.get("k"))
         v, cv = self._branch(x, "v", conv.get("v"))
         o, mem_state = memorize(q, k, v, self.parts, self.gates(x), mode=self.cfg.mode,
-                                checkpoint=self.cfg.checkpoint,
+                                checkpoint=self.cfg.checkpoint, compile=self.cfg.compile,
                                 initial_state=state.memory if state is not None else None)
         y = self._output(o, x)
         if not return_state:
@@ -471,7 +478,7 @@ class MemoryLayer(nn.Module):
         k, ck = self._branch(x, "k", caches("k"), offsets)
         v, cv = self._branch(x, "v", caches("v"), offsets)
         o, mem_states = memorize(q, k, v, self.parts, self.gates(x), mode=self.cfg.mode,
-                                 checkpoint=self.cfg.checkpoint, cu_seqlens=offsets,
+                                 checkpoint=self.cfg.checkpoint, compile=self.cfg.compile, cu_seqlens=offsets,
                                  initial_state=[s.memory for s in states] if states is not None else None)
         y = self._output(o, x)
         if not return_state:
