@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from typing import Any, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+import json
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -154,13 +155,28 @@ def changes_structure(key: str, value: Any) -> bool:
         (isinstance(value, Mapping) and "name" in value)
 
 
+#: config (as canonical JSON) → that config with its defaults, for the configs that resolved. A search sizes each
+#: candidate at several head counts from the same overrides, so the config a size wildcard is matched against repeats;
+#: parts are only ever added to the registry, so a config that resolved once resolves the same way again.
+_DEFAULTS: Dict[str, Mapping[str, Any]] = {}
+_DEFAULTS_MAX = 1024
+
+
 def _with_defaults(cfg: DictConfig) -> Mapping[str, Any]:
-    """``cfg`` as a dict with every default filled in; the file's own keys alone while it is not (yet) valid,
-    e.g. between two overrides that are only valid together."""
+    """``cfg`` as a dict with every default filled in (read-only: it may be shared); the file's own keys alone
+    while it is not (yet) valid, e.g. between two overrides that are only valid together."""
+    raw = OmegaConf.to_container(cfg)
+    key = json.dumps(raw, sort_keys=True, default=str)
+    if key in _DEFAULTS:
+        return _DEFAULTS[key]
     try:
-        return resolve_lm_config(cfg).to_dict()
+        full = resolve_lm_config(cfg).to_dict()
     except ConfigError:
-        return OmegaConf.to_container(cfg)
+        return raw
+    if len(_DEFAULTS) >= _DEFAULTS_MAX:
+        _DEFAULTS.pop(next(iter(_DEFAULTS)))
+    _DEFAULTS[key] = full
+    return full
 
 
 # --------------------------------------------------------------------------------------------------

@@ -62,3 +62,22 @@ def test_where_present_in_a_grid_key():
     node["grid"]["variants"]["attention"] = {"model.preset": "transformer", "model.mixers.*.mode": "recurrent"}
     with pytest.raises(ConfigError, match=r"trial t001 .*matches no key.*set by grid\.variants\.attention"):
         prepare(node=node)
+
+
+def test_a_wildcard_is_matched_against_a_config_resolved_once(monkeypatch):
+    """Sizing a search candidate applies the same overrides at several head counts: the config each size wildcard
+    is matched against is the same every time, so its defaults are resolved once, and the result is unchanged."""
+    from atlaslab.models import overrides
+
+    calls = []
+    resolve = overrides.resolve_lm_config
+    monkeypatch.setattr(overrides, "resolve_lm_config", lambda cfg: calls.append(1) or resolve(cfg))
+    monkeypatch.setattr(overrides, "_DEFAULTS", {})
+    built = []
+    for heads in (1, 2, 4, 8):
+        cfg, _ = preset_for_task("gated_deltanet", ["d_model=32", "mixers.swa={name: swa, num_heads: 4}",
+                                                           f"mixers.*.num_heads={heads}"], vocab_size=64)
+        built.append(cfg)
+    assert len(calls) == 1, calls           # the wildcard's config, before num_heads is set: the same each time
+    assert [c.mixers.gated_deltanet.num_heads for c in built] == [1, 2, 4, 8]
+    assert [c.mixers.swa.num_heads for c in built] == [1, 2, 4, 8]

@@ -7,7 +7,6 @@ import math
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -52,7 +51,6 @@ SITE_DATA = {"lm_table2": "task.data_files"}
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.stem)
 def test_shipped_experiment_dry_run_validates(path, capsys):
     from atlaslab.cli import main
-    t0 = time.time()
     if path.stem in SITE_DATA:
         assert main(["run", str(path), "--dry-run"]) == 2
         assert f"): {SITE_DATA[path.stem]}: no file matches" in capsys.readouterr().err
@@ -60,7 +58,6 @@ def test_shipped_experiment_dry_run_validates(path, capsys):
     assert main(["run", str(path), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "validated" in out and "key" in out
-    assert time.time() - t0 < 120
 
 
 def test_quickstart_grid_is_the_readme_ablation():
@@ -85,10 +82,8 @@ def test_bad_variant_names_trial_path_and_choices(tmp_path):
                                                          "mixers.atlas.memory.chunk_size": 4}},
                 grid={"variants": {"ATLAS": {}, "w/o Muon": {"model.mixers.atlas.memory.inner_optimizer":
                                                              {"name": "muom"}}}})
-    t0 = time.time()
     with pytest.raises(TrialConfigError) as ei:
         prepare(node=node)
-    assert time.time() - t0 < 10
     msg = str(ei.value)
     assert msg.startswith("trial t001 (w/o Muon)")
     assert "model.mixers.atlas.memory.inner_optimizer.name" in msg
