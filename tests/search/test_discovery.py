@@ -195,6 +195,7 @@ def test_rejected_draws_steer_tpe_away():
     assert bad < 0.25, (len(late), draws_late)
 
 
+@pytest.mark.slow     # the rejection logic itself is tested without Ray (test_rejected_draws_steer_tpe_away)
 def test_a_search_that_stops_drawing_has_finished(local_ray, tmp_path):
     """After search.max_rejections rejected draws in a row the searcher stops drawing: the sweep ends with the
     trials it has, as finished (not interrupted), and the report says why it stopped."""

@@ -120,6 +120,7 @@ def test_parallel_trials_nan_failure_and_mlflow(local_ray, tmp_path):
     assert "length 4" in raised.data.tags["atlaslab.failure"]
 
 
+@pytest.mark.slow     # CI covers Optuna + ASHA + a conditional space through the optuna-asha tutorial's test
 def test_optuna_search_with_asha_conditional_space(local_ray, tmp_path):
     opt = "model.mixers.gated_deltanet.memory.inner_optimizer."
     node = tiny("srch", steps=40, search={"sampler": "random", "seed": 1, "space": {
@@ -232,6 +233,7 @@ def fail_one_actor_task_with_a_ray_error(monkeypatch, flag, tune_dir):
     monkeypatch.setattr(RayActorManager, "_actor_task_resolved", resolve_or_fail)
 
 
+@pytest.mark.slow     # ~60 s of Ray restarts: in the slow set (the fault table says so)
 def test_sweep_survives_a_crash_of_tunes_controller_on_a_ray_error(local_ray, tmp_path, monkeypatch):
     node = tiny("oom", steps=100, grid={"variants": {"A": {}, "B": {"train.steps": 250}, "C": {}}},
                 max_concurrent=2)
