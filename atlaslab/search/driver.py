@@ -250,6 +250,10 @@ def _scheduler(exp: ExperimentConfig):
                              brackets=s.brackets)
     if is_multi(exp):
         from atlaslab.search.schedulers import PerSettingScheduler
+        print(f"warning: scheduler asha with {len(exp.settings())} settings: a candidate gets a score only if no "
+              f"setting's ASHA stops it, and a stopped candidate is pruned for the sampler (the first "
+              f"discovery_suite run finished 0 of 24 candidates on every setting); scheduler: {{name: none}} scores "
+              f"every candidate", file=sys.stderr)
         return PerSettingScheduler(make, list(exp.settings()))
     return make()
 
