@@ -348,9 +348,111 @@ def early_stopping() -> str:
     return summary + "\n\n" + "\n".join(lines)
 
 
+# --------------------------------------------------------------------------------------------------
+# the multi-task study: a fitness of three settings (experiments/discovery_suite*.yaml)
+# --------------------------------------------------------------------------------------------------
+def _suite_exp(run: str = "suite_search"):
+    from atlaslab.search.schema import load_experiment
+    return load_experiment(node=_experiment(run))
+
+
+def _suite_records(run: str = "suite_search") -> List[Dict[str, Any]]:
+    """The run's trials as the report's records, with their candidate and setting."""
+    out = _records(run)
+    for rec, r in zip(out, _trials(run)):
+        rec["candidate"], rec["setting"] = r.get("candidate") or "", r.get("setting") or ""
+    return out
+
+
+def _suite_candidates():
+    from atlaslab.search.fitness import candidates, ranked_candidates
+    exp = _suite_exp()
+    cands = candidates(exp, _suite_records())
+    return exp, cands, ranked_candidates(exp, cands)
+
+
+def suite_search() -> str:
+    """The multi-task search: what it drew, and every candidate with each setting's metric and the score."""
+    if _missing("suite_search"):
+        return _missing("suite_search")
+    from atlaslab.search.mattered import candidates_section
+    from atlaslab.search.tables import candidates_table
+    exp, cands, ranked = _suite_candidates()
+    rej_path = _folder("suite_search") / "rejected.json"
+    rej = json.loads(rej_path.read_text()) if rej_path.is_file() else {"rejected": [], "stopped": ""}
+    drawn = candidates_section(exp, cands, rej)[2:]
+    table = candidates_table(exp, cands, ranked)[2:]
+    return "\n".join(drawn + table).strip()
+
+
+def suite_mattered() -> str:
+    """Importances and marginals of the multi-task search, on the score."""
+    if _missing("suite_search"):
+        return _missing("suite_search")
+    from atlaslab.search.mattered import mattered_section, pareto_section
+    exp, cands, _ = _suite_candidates()
+    return "\n".join(pareto_section(exp, cands)[2:] + [""] + mattered_section(exp, cands)[2:]).strip()
+
+
+def suite_asha() -> str:
+    """The first multi-task run, with ASHA per setting: how many candidates were scored (finished every setting)."""
+    run = "suite_search_asha"
+    if _missing(run):
+        return _missing(run)
+    from collections import Counter
+    from atlaslab.search.fitness import candidates
+    exp = _suite_exp(run)
+    recs = _suite_records(run)
+    cands = candidates(exp, recs)
+    scored = [c for c in cands if c["status"] in FINISHED]
+    trials = Counter(r["status"] for r in recs)
+    sched = exp.scheduler
+    return (f"With ASHA per setting (grace period {sched.grace_period}, reduction factor {sched.reduction_factor:g}) "
+            f"the first run trained {len(cands)} candidates in {len(recs)} trials "
+            f"({', '.join(f'{n} {s}' for s, n in sorted(trials.items()))}); **{len(scored)} of {len(cands)}** "
+            f"finished every setting, so the sampler was told {len(scored)} scores.")
+
+
+def suite_presets() -> str:
+    """Every preset at every learning rate on the three settings (seed 0), the score as the search computes it; the
+    lr with the best score in bold (the one a verdict would retrain)."""
+    if _missing("suite_presets"):
+        return _missing("suite_presets")
+    from atlaslab.search.fitness import score
+    exp = _suite_exp("suite_presets")
+    settings = list(exp.settings())
+    groups: Dict[tuple, Dict[str, Dict[str, Any]]] = {}
+    for r in _trials("suite_presets"):
+        variant = r["row"].split(" · ", 1)[-1]
+        groups.setdefault((variant, r["protocol"].get("lr")), {})[r["setting"]] = r
+    scores = {}
+    for k, by in groups.items():
+        done = all(s in by and by[s]["status"] in FINISHED for s in settings)
+        scores[k] = score(exp, {s: _num(by[s], exp.metric) for s in settings}) if done else None
+    best: Dict[str, tuple] = {}
+    for (variant, lr), sc in scores.items():
+        if sc is not None and (variant not in best or sc > scores[best[variant]]):
+            best[variant] = (variant, lr)
+    head = ["preset", "lr"] + settings + ["score", "state", "status"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (variant, lr), by in groups.items():
+        chosen = best.get(variant) == (variant, lr)
+        lab = f"{lr:g}" if isinstance(lr, (int, float)) else str(lr)
+        cells = [f"{_num(by[s], exp.metric):.3f}" if s in by and _num(by[s], exp.metric) is not None else "—"
+                 for s in settings]
+        sc = scores[(variant, lr)]
+        states = [human_count(by[s]["state_size"]) for s in settings if s in by]
+        status = ", ".join(sorted({by[s]["status"] for s in settings if s in by}))
+        lines.append("| " + " | ".join([variant, f"**{lab}**" if chosen else lab] + cells
+                                       + ["—" if sc is None else f"{sc:.3f}", " / ".join(states), status]) + " |")
+    return "\n".join(lines)
+
+
 TABLES = {"discovery-search": search, "discovery-rejected": rejected, "discovery-pareto": pareto,
           "discovery-mattered": mattered, "discovery-presets": presets, "discovery-verdict": verdict,
-          "discovery-early-stopping": early_stopping}
+          "discovery-early-stopping": early_stopping, "discovery-suite-search": suite_search,
+          "discovery-suite-mattered": suite_mattered, "discovery-suite-presets": suite_presets,
+          "discovery-suite-asha": suite_asha}
 
 
 if __name__ == "__main__":
