@@ -4,11 +4,11 @@ clear error. The equality tests compile (tens of seconds each on a loaded 2-core
 import pytest
 import torch
 from helpers import random_qkv, rms_ratio
+from test_chunked import build as _parts   # the parts in float64, seeded, with a non-trivial initial memory
 from test_engine import SPECS, gates_for
 
 from atlaslab import memorize
 from atlaslab.engines import compiled as compiled_mod
-from atlaslab.memory import build_memory
 from atlaslab.models.layers import MemoryLayer
 from atlaslab.registry import ConfigError, resolve_part
 
@@ -22,15 +22,6 @@ COMPILED_SPECS = {
     "atlas_gd": {"memory": {"name": "mlp", "residual": False, "expansion": 1}, "feature_map": "polynomial",
                  "retention": "decay", "inner_optimizer": "gd", "window": {"size": 3}, "chunk_size": 4},
 }
-
-
-def _parts(spec):
-    torch.manual_seed(0)
-    parts = build_memory(spec, H, D, D).double()
-    for n, p in parts.named_parameters():
-        if n.startswith("memory.init_"):
-            torch.nn.init.normal_(p, std=0.3)
-    return parts
 
 
 @pytest.mark.slow
