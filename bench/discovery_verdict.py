@@ -118,6 +118,80 @@ def early_stopping_experiment(search: Path) -> Dict[str, Any]:
     return exp
 
 
+def suite_winner(search: Path) -> Tuple[str, Dict[str, Any], float]:
+    """The multi-task search's best candidate that finished every setting: ``(candidate, its params without the
+    budget's sizes, its score)``; the score is the search's (:func:`atlaslab.search.fitness.score`)."""
+    from atlaslab.search.fitness import score
+    from atlaslab.search.schema import load_experiment
+    exp = load_experiment(node=yaml.safe_load((search / "experiment.yaml").read_text()))
+    settings = list(exp.settings())
+    with open(search / "trials.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    by: Dict[str, Dict[str, Dict[str, Any]]] = {}
+    for r in rows:
+        by.setdefault(r["candidate"], {})[r["setting"]] = r
+    best = None
+    for cid, trials_ in by.items():
+        if not all(s in trials_ and trials_[s]["status"] in FINISHED and trials_[s].get(exp.metric) for s in settings):
+            continue
+        sc = score(exp, {s: float(trials_[s][exp.metric]) for s in settings})
+        cost = sum(float(trials_[s].get("step_time_s") or 0.0) for s in settings)
+        if best is None or (sc, -cost) > (best[2], -best[3]):
+            params = {k: v for k, v in json.loads(trials_[settings[0]]["params"] or "{}").items()
+                      if k not in exp.budget.size_by}
+            best = (cid, params, sc, cost)
+    if best is None:
+        raise SystemExit(f"{search}: no candidate finished every setting")
+    return best[0], best[1], best[2]
+
+
+def suite_tuned_presets(presets: Path) -> List[Tuple[str, float, float]]:
+    """(preset row, its learning rate with the best score, that score) per preset of the multi-task tuning run."""
+    from atlaslab.search.fitness import score
+    from atlaslab.search.schema import load_experiment
+    exp = load_experiment(node=yaml.safe_load((presets / "experiment.yaml").read_text()))
+    settings = list(exp.settings())
+    with open(presets / "trials.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    groups: Dict[Tuple[str, float], Dict[str, Dict[str, Any]]] = {}
+    for r in rows:
+        lr = float(json.loads(r["protocol"] or "{}").get("lr", exp.train.get("lr")))
+        groups.setdefault((r["row"].split(" · ", 1)[-1], lr), {})[r["setting"]] = r
+    best: Dict[str, Tuple[float, float]] = {}
+    for (variant, lr), by in groups.items():
+        if not all(s in by and by[s]["status"] in FINISHED and by[s].get(exp.metric) for s in settings):
+            continue
+        sc = score(exp, {s: float(by[s][exp.metric]) for s in settings})
+        if variant not in best or sc > best[variant][1]:
+            best[variant] = (lr, sc)
+    return [(v, lr, sc) for v, (lr, sc) in best.items()]
+
+
+def suite_verdict_experiment(search: Path, presets: Path) -> Dict[str, Any]:
+    """The multi-task verdict: the search's best candidate and each preset at its best learning rate, on every
+    setting, on the held-out seeds; the budget sizes each of them per setting as the search and the tuning did."""
+    base = yaml.safe_load((search / "experiment.yaml").read_text())
+    tuning = yaml.safe_load((presets / "experiment.yaml").read_text())
+    cid, params, sc = suite_winner(search)
+    variants: Dict[str, Dict[str, Any]] = {f"found ({cid})": dict(params)}
+    for row, lr, _ in suite_tuned_presets(presets):
+        v = dict(tuning["grid"]["variants"].get(row) or {})
+        v["train.lr"] = lr
+        variants[row] = v
+    exp = {k: base[k] for k in ("model", "tasks", "eval", "train", "budget", "metric", "mode", "max_concurrent",
+                                "max_failures", "resources", "report") if k in base}
+    exp["budget"] = dict(tuning.get("budget") or base["budget"])    # the tuning's size_by (expansions too)
+    exp.update({
+        "name": "discovery_suite_verdict",
+        "description": (f"The multi-task search's best candidate ({cid}, score {sc:.3f} on seed 0) and the presets at "
+                        f"their best learning rate on seed 0 (by the same score), each sized to the budget on every "
+                        f"setting, retrained on the held-out seeds {VERDICT_SEEDS}."),
+        "seeds": list(VERDICT_SEEDS),
+        "grid": {"variants": variants, "baseline": next(iter(variants))},
+    })
+    return exp
+
+
 HEADER = """\
 # Written by `python bench/discovery_verdict.py` from the committed data of the discovery search
 # (docs/results/discovery/search/data) and of the presets' learning-rate tuning (docs/results/discovery/presets/data);
@@ -128,6 +202,15 @@ HEADER = """\
 """
 
 
+SUITE_HEADER = """\
+# Written by `python bench/discovery_verdict.py --suite` from the committed data of the multi-task discovery search
+# (docs/results/discovery/suite_search/data) and of the presets' tuning on its settings
+# (docs/results/discovery/suite_presets/data); do not edit by hand. The best candidate and each preset at its tuned
+# learning rate, sized to the budget on every setting, retrained on the held-out seeds 10, 11, 12 (fixed in
+# experiments/discovery_suite.yaml before the search ran).
+#
+#   atlaslab run experiments/discovery_suite_verdict.yaml
+"""
 ES_HEADER = """\
 # Written by `python bench/discovery_verdict.py --early-stopping` from the committed data of the discovery search
 # (docs/results/discovery/search/data); do not edit by hand. Every trial the search's ASHA stopped, trained again at
@@ -143,6 +226,9 @@ def main() -> None:
     ap.add_argument("--presets", default=str(DATA / "presets" / "data"))
     ap.add_argument("--out", default=None, help="default experiments/discovery_verdict.yaml, or "
                     "experiments/discovery_early_stopping.yaml with --early-stopping")
+    ap.add_argument("--suite", action="store_true",
+                    help="the multi-task study: --search/--presets default to its runs, out "
+                    "experiments/discovery_suite_verdict.yaml")
     ap.add_argument("--early-stopping", action="store_true",
                     help="write the early-stopping check (the search's stopped trials at the full budget)")
     args = ap.parse_args()
@@ -151,6 +237,15 @@ def main() -> None:
         exp = early_stopping_experiment(Path(args.search))
         out.write_text(ES_HEADER + yaml.safe_dump(exp, sort_keys=False, width=120, allow_unicode=True))
         print(f"wrote {out}: {len(exp['grid']['variants'])} trials")
+        return
+    if args.suite:
+        search = Path(args.search if args.search != str(DATA / "search" / "data") else DATA / "suite_search" / "data")
+        presets = Path(args.presets if args.presets != str(DATA / "presets" / "data")
+                       else DATA / "suite_presets" / "data")
+        out = Path(args.out or ROOT / "experiments" / "discovery_suite_verdict.yaml")
+        exp = suite_verdict_experiment(search, presets)
+        out.write_text(SUITE_HEADER + yaml.safe_dump(exp, sort_keys=False, width=120, allow_unicode=True))
+        print(f"wrote {out}: {', '.join(exp['grid']['variants'])}")
         return
     args.out = args.out or str(ROOT / "experiments" / "discovery_verdict.yaml")
     exp = verdict_experiment(Path(args.search), Path(args.presets))
