@@ -146,8 +146,9 @@ def suite_winner(search: Path) -> Tuple[str, Dict[str, Any], float]:
 
 
 def suite_tuned_presets(presets: Path) -> List[Tuple[str, float, float]]:
-    """(preset row, its learning rate with the best score, that score) per preset of the multi-task tuning run."""
-    from atlaslab.search.fitness import score
+    """(preset row, its learning rate with the best score, that score) per preset of the multi-task tuning run; the
+    score is the mean of the settings' metric, the search's (``search.score: {combine: mean}``, checked in
+    :func:`suite_verdict_experiment`)."""
     from atlaslab.search.schema import load_experiment
     exp = load_experiment(node=yaml.safe_load((presets / "experiment.yaml").read_text()))
     settings = list(exp.settings())
@@ -161,7 +162,7 @@ def suite_tuned_presets(presets: Path) -> List[Tuple[str, float, float]]:
     for (variant, lr), by in groups.items():
         if not all(s in by and by[s]["status"] in FINISHED and by[s].get(exp.metric) for s in settings):
             continue
-        sc = score(exp, {s: float(by[s][exp.metric]) for s in settings})
+        sc = sum(float(by[s][exp.metric]) for s in settings) / len(settings)
         if variant not in best or sc > best[variant][1]:
             best[variant] = (lr, sc)
     return [(v, lr, sc) for v, (lr, sc) in best.items()]
@@ -172,6 +173,9 @@ def suite_verdict_experiment(search: Path, presets: Path) -> Dict[str, Any]:
     setting, on the held-out seeds; the budget sizes each of them per setting as the search and the tuning did."""
     base = yaml.safe_load((search / "experiment.yaml").read_text())
     tuning = yaml.safe_load((presets / "experiment.yaml").read_text())
+    declared = (base.get("search") or {}).get("score") or {}
+    if declared.get("combine", "mean") != "mean" or declared.get("weights"):
+        raise SystemExit(f"the presets are tuned by the plain mean; the search declared score {declared}")
     cid, params, sc = suite_winner(search)
     variants: Dict[str, Dict[str, Any]] = {f"found ({cid})": dict(params)}
     for row, lr, _ in suite_tuned_presets(presets):
