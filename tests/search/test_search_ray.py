@@ -16,6 +16,10 @@ import pytest
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# a held trial imports faultpoints (``imports: [faultpoints]``): Ray's workers inherit PYTHONPATH from this process
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_HERE, os.environ.get("PYTHONPATH", "")) if p)
 
 from ray.tune import Stopper
 
@@ -172,20 +176,67 @@ class InterruptAfterFirstTrial(Stopper):
         return False
 
 
+class InterruptOnceFinalOnDisk:
+    """Ctrl-C (SIGINT to this process) from a watcher thread, on two events: a trial is held by :mod:`faultpoints`
+    at ``hold_step`` (so the sweep cannot end meanwhile) and a final result is on disk under ``tune_dir`` (Tune copies
+    its trial folders to the run's storage every few seconds: a stopper that waits for the next result can see the
+    sweep end first, as CI did once). Used as a context manager around ``run``; on exit the hold is released, so the
+    held trial goes on when the experiment resumes."""
+
+    def __init__(self, tune_dir, hold_dir, hold_step, timeout=300):
+        import threading
+        self.tune_dir, self.hold_dir, self.hold_step, self.timeout = Path(tune_dir), hold_dir, hold_step, timeout
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.fired = False
+
+    def _final_on_disk(self) -> bool:
+        return any('"final": 1' in f.read_text() for f in self.tune_dir.rglob("result.json"))
+
+    def _watch(self):
+        held = Path(self.hold_dir) / f"held.{self.hold_step}"
+        deadline = time.time() + self.timeout
+        while not self.done.is_set() and time.time() < deadline:
+            if held.is_file() and self._final_on_disk():
+                self.fired = True
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.05)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        import faultpoints
+        self.done.set()
+        self.thread.join()
+        faultpoints.release(self.hold_dir, self.hold_step)
+        return False
+
+
 def test_interrupted_experiment_resumes_every_trial_once(local_ray, tmp_path):
+    """Ctrl-C once the first trial's final result is on disk and the long trial (B) is held at step 225, after its
+    report of step 200; ``resume`` ends B from that checkpoint and runs what Tune had not finished, each trial
+    once."""
     import shutil
 
     from atlaslab.models.presets import preset_path
     from atlaslab.search.driver import resume
     preset = tmp_path / "gdn.yaml"
     shutil.copy(preset_path("gated_deltanet"), preset)
+    hold = tmp_path / "hold"
+    hold.mkdir()
     node = tiny("intr", steps=100, grid={"variants": {"A": {}, "B": {"train.steps": 250}, "C": {}}},
                 max_concurrent=2)
+    node["task"] = {**node["task"], "name": "held_mqar", "hold_dir": str(hold), "hold_steps": [225]}
+    node["imports"] = ["faultpoints"]
     node["model"]["preset"] = str(preset)
     node["eval"]["interval"] = 50
     run_dir = tmp_path / "run"
-    s1 = run(prepare(node=node), run_dir=run_dir, num_cpus=2, quiet=True,
-             stop=InterruptAfterFirstTrial(tmp_path / "f", run_dir / "ray" / "tune"))
+    with InterruptOnceFinalOnDisk(run_dir / "ray" / "tune", hold, 225) as interrupt:
+        s1 = run(prepare(node=node), run_dir=run_dir, num_cpus=2, quiet=True)
+    assert interrupt.fired
     assert s1["status"] == "interrupted" and s1["unfinished"] >= 1
     first = {r["key"]: r for r in json.loads((run_dir / "results.json").read_text())}
     done_before = {k for k, r in first.items() if r["status"] == "completed"}
