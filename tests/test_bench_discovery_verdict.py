@@ -26,6 +26,8 @@ def test_the_verdict_and_early_stopping_experiments_regenerate_from_the_committe
         _written(b.HEADER, b.verdict_experiment(search, presets))
     assert (ROOT / "experiments" / "discovery_early_stopping.yaml").read_text() == \
         _written(b.ES_HEADER, b.early_stopping_experiment(search))
+    assert (ROOT / "experiments" / "discovery_suite_verdict.yaml").read_text() == _written(
+        b.SUITE_HEADER, b.suite_verdict_experiment(b.DATA / "suite_search" / "data", b.DATA / "suite_presets" / "data"))
 
 
 def test_the_early_stopping_check_reruns_every_stopped_trial_and_the_winner():
