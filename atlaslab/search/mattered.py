@@ -98,9 +98,12 @@ def importances(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]) -> 
         return {}
     study = search_study(exp, records)
     try:
-        return dict(optuna.importance.get_param_importances(study, evaluator=pedanova()))
+        imp = optuna.importance.get_param_importances(study, evaluator=pedanova())
     except (ValueError, RuntimeError, ZeroDivisionError):
         return {}
+    # largest first; equal values (to 6 places) by name: Optuna's order of ties follows set iteration, which changes
+    # with the process's hash seed, and a report must read the same from the same records
+    return dict(sorted(imp.items(), key=lambda kv: (-round(float(kv[1]), 6), kv[0])))
 
 
 def search_study(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]):
