@@ -394,6 +394,34 @@ def suite_mattered() -> str:
     return "\n".join(pareto_section(exp, cands)[2:] + [""] + mattered_section(exp, cands)[2:]).strip()
 
 
+def suite_verdict() -> str:
+    """The multi-task verdict on the held-out seeds: each row's score (the mean of its settings' test accuracy) per
+    seed and its mean, each setting's mean test accuracy, and the verdict line by the same rule as the single-task
+    study (the module docstring), applied to the score (no steps-to-0.9 criterion: a score has no such step)."""
+    if _missing("suite_verdict"):
+        return _missing("suite_verdict")
+    exp = _experiment("suite_verdict")
+    settings, seeds = list(exp["tasks"]), list(exp["seeds"])
+    acc: Dict[str, Dict[int, Dict[str, float]]] = {}
+    for r in _trials("suite_verdict"):
+        if r["status"] in FINISHED and _num(r, "test/accuracy") is not None:
+            acc.setdefault(r["row"].split(" · ", 1)[-1], {}).setdefault(int(r["seed"]), {})[r["setting"]] = \
+                _num(r, "test/accuracy")
+    rows = {row: {seed: {"acc": statistics.mean(by[x] for x in settings), "steps": None}
+                  for seed, by in per.items() if all(x in by for x in settings)} for row, per in acc.items()}
+    found = next(iter(exp["grid"]["variants"]))
+    head = ["row"] + [f"score, seed {x}" for x in seeds] + ["mean ± std"] + [f"{x} (mean)" for x in settings]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in exp["grid"]["variants"]:
+        by = rows.get(row, {})
+        cells = [f"{by[x]['acc']:.3f}" if x in by else "—" for x in seeds]
+        per_setting = [_fmt([acc[row][x][t] for x in seeds if x in acc.get(row, {}) and t in acc[row][x]])
+                       for t in settings]
+        lines.append("| " + " | ".join([row] + cells + [_fmt([by[x]["acc"] for x in seeds if x in by])]
+                                       + per_setting) + " |")
+    return "\n".join(lines + ["", verdict_line(rows, found, seeds).replace("mean test accuracy", "mean score")])
+
+
 def suite_asha() -> str:
     """The first multi-task run, with ASHA per setting: how many candidates were scored (finished every setting)."""
     run = "suite_search_asha"
@@ -451,7 +479,7 @@ TABLES = {"discovery-search": search, "discovery-rejected": rejected, "discovery
           "discovery-mattered": mattered, "discovery-presets": presets, "discovery-verdict": verdict,
           "discovery-early-stopping": early_stopping, "discovery-suite-search": suite_search,
           "discovery-suite-mattered": suite_mattered, "discovery-suite-presets": suite_presets,
-          "discovery-suite-asha": suite_asha}
+          "discovery-suite-asha": suite_asha, "discovery-suite-verdict": suite_verdict}
 
 
 if __name__ == "__main__":
