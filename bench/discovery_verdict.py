@@ -118,26 +118,35 @@ def early_stopping_experiment(search: Path) -> Dict[str, Any]:
     return exp
 
 
+def _finished_on_every_setting(folder: Path, group_of) -> Tuple[Any, List[str], Dict[Any, Dict[str, Dict[str, Any]]]]:
+    """``(experiment, its settings, group → setting → trial)`` of a committed multi-setting run, keeping only the groups
+    (``group_of(trial row, experiment)``: a candidate, or a preset and its learning rate) whose trials finished with
+    the metric on every setting."""
+    from atlaslab.search.schema import load_experiment
+    exp = load_experiment(node=yaml.safe_load((folder / "experiment.yaml").read_text()))
+    settings = list(exp.settings())
+    with open(folder / "trials.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    groups: Dict[Any, Dict[str, Dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(group_of(r, exp), {})[r["setting"]] = r
+    done = {g: by for g, by in groups.items()
+            if all(s in by and by[s]["status"] in FINISHED and by[s].get(exp.metric) for s in settings)}
+    return exp, settings, done
+
+
 def suite_winner(search: Path) -> Tuple[str, Dict[str, Any], float]:
     """The multi-task search's best candidate that finished every setting: ``(candidate, its params without the
-    budget's sizes, its score)``; the score is the search's (:func:`atlaslab.search.fitness.score`)."""
+    budget's sizes, its score)``; the score is the search's (:func:`atlaslab.search.fitness.score`), ties broken by
+    the lower total step time."""
     from atlaslab.search.fitness import score
-    from atlaslab.search.schema import load_experiment
-    exp = load_experiment(node=yaml.safe_load((search / "experiment.yaml").read_text()))
-    settings = list(exp.settings())
-    with open(search / "trials.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
-    by: Dict[str, Dict[str, Dict[str, Any]]] = {}
-    for r in rows:
-        by.setdefault(r["candidate"], {})[r["setting"]] = r
+    exp, settings, done = _finished_on_every_setting(search, lambda r, exp: r["candidate"])
     best = None
-    for cid, trials_ in by.items():
-        if not all(s in trials_ and trials_[s]["status"] in FINISHED and trials_[s].get(exp.metric) for s in settings):
-            continue
-        sc = score(exp, {s: float(trials_[s][exp.metric]) for s in settings})
-        cost = sum(float(trials_[s].get("step_time_s") or 0.0) for s in settings)
+    for cid, by in done.items():
+        sc = score(exp, {s: float(by[s][exp.metric]) for s in settings})
+        cost = sum(float(by[s].get("step_time_s") or 0.0) for s in settings)
         if best is None or (sc, -cost) > (best[2], -best[3]):
-            params = {k: v for k, v in json.loads(trials_[settings[0]]["params"] or "{}").items()
+            params = {k: v for k, v in json.loads(by[settings[0]]["params"] or "{}").items()
                       if k not in exp.budget.size_by}
             best = (cid, params, sc, cost)
     if best is None:
@@ -149,19 +158,12 @@ def suite_tuned_presets(presets: Path) -> List[Tuple[str, float, float]]:
     """(preset row, its learning rate with the best score, that score) per preset of the multi-task tuning run; the
     score is the mean of the settings' metric, the search's (``search.score: {combine: mean}``, checked in
     :func:`suite_verdict_experiment`)."""
-    from atlaslab.search.schema import load_experiment
-    exp = load_experiment(node=yaml.safe_load((presets / "experiment.yaml").read_text()))
-    settings = list(exp.settings())
-    with open(presets / "trials.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
-    groups: Dict[Tuple[str, float], Dict[str, Dict[str, Any]]] = {}
-    for r in rows:
-        lr = float(json.loads(r["protocol"] or "{}").get("lr", exp.train.get("lr")))
-        groups.setdefault((r["row"].split(" · ", 1)[-1], lr), {})[r["setting"]] = r
+    def preset_and_lr(r, exp):
+        return r["row"].split(" · ", 1)[-1], float(json.loads(r["protocol"] or "{}").get("lr", exp.train.get("lr")))
+
+    exp, settings, done = _finished_on_every_setting(presets, preset_and_lr)
     best: Dict[str, Tuple[float, float]] = {}
-    for (variant, lr), by in groups.items():
-        if not all(s in by and by[s]["status"] in FINISHED and by[s].get(exp.metric) for s in settings):
-            continue
+    for (variant, lr), by in done.items():
         sc = sum(float(by[s][exp.metric]) for s in settings) / len(settings)
         if variant not in best or sc > best[variant][1]:
             best[variant] = (lr, sc)
