@@ -228,6 +228,10 @@ class SearchNode:
     max_rejections: int = 200
     #: with several task settings: how the settings' ``metric`` combine into the score the sampler is told
     score: ScoreNode = field(default_factory=ScoreNode)
+    #: points of the space the sampler evaluates first, in order (Optuna's ``enqueue_trial``): each maps some
+    #: of ``space``'s keys to a value the parameter can take; the keys it leaves out are sampled as usual. Use it
+    #: to start a search from what is known to work (the presets' points), so the sampler's model begins there.
+    enqueue: List[Dict[str, Any]] = field(default_factory=list)
 
     def check(self) -> None:
         check_choice("sampler", self.sampler, SAMPLERS)
@@ -534,6 +538,8 @@ def _validate_search(exp: ExperimentConfig, raw_search: Any, settings: Sequence[
         p = parse_param(key, pnode, path)
         _check_conditions(exp, p, path)
         exp.space[key] = p
+    for i, point in enumerate(exp.search.enqueue):
+        _check_enqueued(exp, point, f"search.enqueue.{i}")
     if exp.protocol.active:
         raise ConfigError("protocol", "the lr × weight-decay protocol is for grids; put train.lr and "
                           "train.weight_decay in search.space instead.")
@@ -571,6 +577,30 @@ def _check_conditions(exp: ExperimentConfig, p: ParamNode, path: str) -> None:
                 if v not in cp.choices:
                     raise ConfigError(f"{path}.when.{ckey}", f"{v!r} is not a choice of {ckey}.", value=v,
                                       choices=[str(c) for c in cp.choices])
+
+
+def _check_enqueued(exp: ExperimentConfig, point: Any, path: str) -> None:
+    """An enqueued point names parameters of the space (only those whose ``when`` holds on the point), each with a
+    value the parameter can take (a choice, or a number within [low, high])."""
+    if not isinstance(point, Mapping) or not point:
+        raise ConfigError(path, f"an enqueued point is a non-empty mapping of space keys to values, got {point!r}.",
+                          value=point, choices=list(exp.space))
+    for key, value in point.items():
+        kpath = f"{path}.{key}"
+        if key not in exp.space:
+            raise ConfigError(kpath, "not a parameter of search.space.", value=key, choices=list(exp.space))
+        p = exp.space[key]
+        for ckey, want in p.when.items():
+            allowed = want if isinstance(want, list) else [want]
+            if point.get(ckey) not in allowed:
+                raise ConfigError(kpath, f"sampled only when {ckey} is one of {allowed}; the point gives "
+                                  f"{point.get(ckey)!r}.", value=point.get(ckey), choices=[str(a) for a in allowed])
+        if p.type == "categorical":
+            if value not in p.choices:
+                raise ConfigError(kpath, f"{value!r} is not a choice of this parameter.", value=value,
+                                  choices=[str(c) for c in p.choices])
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not p.low <= value <= p.high:
+            raise ConfigError(kpath, f"a number in [{p.low}, {p.high}], got {value!r}.", value=value)
 
 
 def _validate_grid(exp: ExperimentConfig, raw_grid: Any, settings: Sequence[str]) -> None:

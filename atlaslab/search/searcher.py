@@ -10,7 +10,8 @@ cannot be sized to the budget is told to Optuna as infeasible (a violated constr
 below every feasible trial, so the sampler learns to avoid it), recorded with its
 reason in ``rejected.json`` of the run folder and in the report, and the next point is drawn: a rejected
 combination never becomes a crashed trial. After ``search.max_rejections`` rejections in a row the search stops
-drawing (the report says so).
+drawing (the report says so). The points of ``search.enqueue`` are Optuna's first trials (``enqueue_trial``), so
+a search can start from known good points (the presets'); they are admitted like any draw.
 
 The trial Tune starts carries the admitted trial (``{"trial": …}``, as a grid's does), so the worker trains
 exactly the sized, validated model. Objectives: the experiment's ``metric`` first, then ``search.objectives``
@@ -70,6 +71,9 @@ class PartSearcher(Searcher):
         optuna = _quiet_optuna()
         directions = ["maximize" if d == "max" else "minimize" for _, d in pairs]
         self.study = optuna.create_study(directions=directions, sampler=make_sampler(exp))
+        for point in exp.search.enqueue:             # evaluated first, in order; keys left out are sampled
+            self.study.enqueue_trial({k: optuna_value(exp.space[k], v) for k, v in point.items()},
+                                     skip_if_exists=True)
         self.live: Dict[str, Any] = {}               # Tune trial id → Optuna trial number
         self.info: Dict[str, Dict[str, Any]] = {}    # Tune trial id → the admitted trial's info (objectives)
         self.rejected: List[Dict[str, Any]] = []     # every rejected draw: {number, params, reason}

@@ -195,6 +195,36 @@ def test_rejected_draws_steer_tpe_away():
     assert bad < 0.25, (len(late), draws_late)
 
 
+def test_enqueued_points_are_drawn_first_and_checked_naming_the_key():
+    """search.enqueue: the listed points are the sampler's first draws, in order (keys left out are sampled); a point
+    naming a key outside the space, a value that is not a choice, a number out of range or a conditional key whose
+    condition the point does not meet is a ConfigError naming the point and key."""
+    from atlaslab.search.searcher import PartSearcher
+    space = {MEM + "retention.name": ["decay", "none"],
+             MEM + "retention.placement": {"type": "categorical", "choices": ["before_step", "after_step"],
+                                           "when": {MEM + "retention.name": "decay"}},
+             MEM + "memory": [{"name": "linear"}, {"name": "mlp", "depth": 2, "expansion": 1}],
+             "train.lr": {"type": "float", "low": 1e-3, "high": 1e-2, "log": True}}
+    points = [{MEM + "retention.name": "none", MEM + "memory": {"name": "mlp", "depth": 2, "expansion": 1},
+               "train.lr": 2e-3},
+              {MEM + "retention.name": "decay", MEM + "retention.placement": "after_step"}]
+    exp = load_experiment(node=tiny("enq", search={"sampler": "tpe", "seed": 0, "space": space, "enqueue": points},
+                                    num_samples=4))
+    searcher = PartSearcher(exp)
+    first, second = (searcher.suggest(f"t{i}")["trial"]["params"] for i in range(2))
+    assert first == points[0]
+    assert {k: second[k] for k in points[1]} == points[1] and MEM + "memory" in second and "train.lr" in second
+    bad = [({"train.steps": 3}, r"search.enqueue.0.train.steps: not a parameter of search.space"),
+           ({MEM + "retention.name": "kl"}, r"search.enqueue.0.model.*retention.name: 'kl' is not a choice.*decay"),
+           ({"train.lr": 0.5}, r"search.enqueue.0.train.lr: a number in \[0.001, 0.01\]"),
+           ({MEM + "retention.name": "none", MEM + "retention.placement": "before_step"},
+            r"search.enqueue.0.model.*retention.placement: sampled only when .*retention.name is one of \['decay'\]"),
+           ({}, r"search.enqueue.0: an enqueued point is a non-empty mapping")]
+    for point, match in bad:
+        with pytest.raises(ConfigError, match=match):
+            load_experiment(node=tiny("enq", search={"space": space, "enqueue": [point]}, num_samples=2))
+
+
 @pytest.mark.slow     # the rejection logic itself is tested without Ray (test_rejected_draws_steer_tpe_away)
 def test_a_search_that_stops_drawing_has_finished(local_ray, tmp_path):
     """After search.max_rejections rejected draws in a row the searcher stops drawing: the sweep ends with the
