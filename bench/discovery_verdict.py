@@ -170,9 +170,20 @@ def suite_tuned_presets(presets: Path) -> List[Tuple[str, float, float]]:
     return [(v, lr, sc) for v, (lr, sc) in best.items()]
 
 
-def suite_verdict_experiment(search: Path, presets: Path) -> Dict[str, Any]:
+#: the multi-task searches: name → (its committed search data, the verdict experiment's name, its held-out seeds,
+#: fixed in the search's experiment file before the search ran)
+SUITE_STUDIES = {
+    "suite": ("suite_search", "discovery_suite_verdict", [10, 11, 12]),
+    "suite_from_presets": ("suite_from_presets", "discovery_suite_from_presets_verdict", [20, 21, 22]),
+}
+
+
+def suite_verdict_experiment(search: Path, presets: Path, name: str = "discovery_suite_verdict",
+                             seeds: List[int] = VERDICT_SEEDS) -> Dict[str, Any]:
     """The multi-task verdict: the search's best candidate and each preset at its best learning rate, on every
-    setting, on the held-out seeds; the budget sizes each of them per setting as the search and the tuning did."""
+    setting, on the held-out ``seeds``; the budget sizes each of them per setting as the search and the tuning
+    did. The base (model, tasks, training) is the search's, so a layer the search's model defines (e.g. DeltaNet's
+    layer as ``mixers.deltanet``) is there for the winner."""
     base = yaml.safe_load((search / "experiment.yaml").read_text())
     tuning = yaml.safe_load((presets / "experiment.yaml").read_text())
     declared = (base.get("search") or {}).get("score") or {}
@@ -188,11 +199,11 @@ def suite_verdict_experiment(search: Path, presets: Path) -> Dict[str, Any]:
                                 "max_failures", "resources", "report") if k in base}
     exp["budget"] = dict(tuning.get("budget") or base["budget"])    # the tuning's size_by (expansions too)
     exp.update({
-        "name": "discovery_suite_verdict",
+        "name": name,
         "description": (f"The multi-task search's best candidate ({cid}, score {sc:.3f} on seed 0) and the presets at "
                         f"their best learning rate on seed 0 (by the same score), each sized to the budget on every "
-                        f"setting, retrained on the held-out seeds {VERDICT_SEEDS}."),
-        "seeds": list(VERDICT_SEEDS),
+                        f"setting, retrained on the held-out seeds {list(seeds)}."),
+        "seeds": list(seeds),
         "grid": {"variants": variants, "baseline": next(iter(variants))},
     })
     return exp
@@ -208,15 +219,20 @@ HEADER = """\
 """
 
 
-SUITE_HEADER = """\
-# Written by `python bench/discovery_verdict.py --suite` from the committed data of the multi-task discovery search
-# (docs/results/discovery/suite_search/data) and of the presets' tuning on its settings
-# (docs/results/discovery/suite_presets/data); do not edit by hand. The best candidate and each preset at its tuned
-# learning rate, sized to the budget on every setting, retrained on the held-out seeds 10, 11, 12 (fixed in
-# experiments/discovery_suite.yaml before the search ran).
-#
-#   atlaslab run experiments/discovery_suite_verdict.yaml
-"""
+def suite_header(study: str) -> str:
+    """The written verdict file's header for a multi-task study of :data:`SUITE_STUDIES`."""
+    folder, name, seeds = SUITE_STUDIES[study]
+    flag = "--suite" if study == "suite" else f"--suite {study}"
+    search_file = "discovery_suite.yaml" if study == "suite" else f"discovery_{study}.yaml"
+    return (f"# Written by `python bench/discovery_verdict.py {flag}` from the committed data of the multi-task "
+            f"discovery search\n# (docs/results/discovery/{folder}/data) and of the presets' tuning on its settings\n"
+            f"# (docs/results/discovery/suite_presets/data); do not edit by hand. The best candidate and each preset "
+            f"at its tuned\n# learning rate, sized to the budget on every setting, retrained on the held-out seeds "
+            f"{', '.join(map(str, seeds))} (fixed in\n# experiments/{search_file} before the search ran).\n#\n"
+            f"#   atlaslab run experiments/{name}.yaml\n")
+
+
+SUITE_HEADER = suite_header("suite")
 ES_HEADER = """\
 # Written by `python bench/discovery_verdict.py --early-stopping` from the committed data of the discovery search
 # (docs/results/discovery/search/data); do not edit by hand. Every trial the search's ASHA stopped, trained again at
@@ -232,9 +248,9 @@ def main() -> None:
     ap.add_argument("--presets", default=str(DATA / "presets" / "data"))
     ap.add_argument("--out", default=None, help="default experiments/discovery_verdict.yaml, or "
                     "experiments/discovery_early_stopping.yaml with --early-stopping")
-    ap.add_argument("--suite", action="store_true",
-                    help="the multi-task study: --search/--presets default to its runs, out "
-                    "experiments/discovery_suite_verdict.yaml")
+    ap.add_argument("--suite", nargs="?", const="suite", choices=list(SUITE_STUDIES), default=None,
+                    help="a multi-task study (default: the first, 'suite'): --search/--presets default to its runs, "
+                    "out experiments/<its verdict name>.yaml")
     ap.add_argument("--early-stopping", action="store_true",
                     help="write the early-stopping check (the search's stopped trials at the full budget)")
     args = ap.parse_args()
@@ -245,12 +261,14 @@ def main() -> None:
         print(f"wrote {out}: {len(exp['grid']['variants'])} trials")
         return
     if args.suite:
-        search = Path(args.search if args.search != str(DATA / "search" / "data") else DATA / "suite_search" / "data")
+        folder, name, seeds = SUITE_STUDIES[args.suite]
+        search = Path(args.search if args.search != str(DATA / "search" / "data") else DATA / folder / "data")
         presets = Path(args.presets if args.presets != str(DATA / "presets" / "data")
                        else DATA / "suite_presets" / "data")
-        out = Path(args.out or ROOT / "experiments" / "discovery_suite_verdict.yaml")
-        exp = suite_verdict_experiment(search, presets)
-        out.write_text(SUITE_HEADER + yaml.safe_dump(exp, sort_keys=False, width=120, allow_unicode=True))
+        out = Path(args.out or ROOT / "experiments" / f"{name}.yaml")
+        exp = suite_verdict_experiment(search, presets, name=name, seeds=seeds)
+        out.write_text(suite_header(args.suite) + yaml.safe_dump(exp, sort_keys=False, width=120,
+                                                                 allow_unicode=True))
         print(f"wrote {out}: {', '.join(exp['grid']['variants'])}")
         return
     args.out = args.out or str(ROOT / "experiments" / "discovery_verdict.yaml")

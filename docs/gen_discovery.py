@@ -16,6 +16,7 @@ The mean margin comes with a 90 % bootstrap interval over the seeds (paired: a s
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import random
 import statistics
@@ -364,46 +365,46 @@ def _suite_records(run: str = "suite_search") -> List[Dict[str, Any]]:
     return out
 
 
-def _suite_candidates():
+def _suite_candidates(run: str = "suite_search"):
     from atlaslab.search.fitness import candidates, ranked_candidates
-    exp = _suite_exp()
-    cands = candidates(exp, _suite_records())
+    exp = _suite_exp(run)
+    cands = candidates(exp, _suite_records(run))
     return exp, cands, ranked_candidates(exp, cands)
 
 
-def suite_search() -> str:
-    """The multi-task search: what it drew, and every candidate with each setting's metric and the score."""
-    if _missing("suite_search"):
-        return _missing("suite_search")
+def suite_search(run: str = "suite_search") -> str:
+    """A multi-task search: what it drew, and every candidate with each setting's metric and the score."""
+    if _missing(run):
+        return _missing(run)
     from atlaslab.search.mattered import candidates_section
     from atlaslab.search.tables import candidates_table
-    exp, cands, ranked = _suite_candidates()
-    rej_path = _folder("suite_search") / "rejected.json"
+    exp, cands, ranked = _suite_candidates(run)
+    rej_path = _folder(run) / "rejected.json"
     rej = json.loads(rej_path.read_text()) if rej_path.is_file() else {"rejected": [], "stopped": ""}
     drawn = candidates_section(exp, cands, rej)[2:]
     table = candidates_table(exp, cands, ranked)[2:]
     return "\n".join(drawn + table).strip()
 
 
-def suite_mattered() -> str:
-    """Importances and marginals of the multi-task search, on the score."""
-    if _missing("suite_search"):
-        return _missing("suite_search")
+def suite_mattered(run: str = "suite_search") -> str:
+    """Importances and marginals of a multi-task search, on the score."""
+    if _missing(run):
+        return _missing(run)
     from atlaslab.search.mattered import mattered_section, pareto_section
-    exp, cands, _ = _suite_candidates()
+    exp, cands, _ = _suite_candidates(run)
     return "\n".join(pareto_section(exp, cands)[2:] + [""] + mattered_section(exp, cands)[2:]).strip()
 
 
-def suite_verdict() -> str:
+def suite_verdict(run: str = "suite_verdict") -> str:
     """The multi-task verdict on the held-out seeds: each row's score (the mean of its settings' test accuracy) per
     seed and its mean, each setting's mean test accuracy, and the verdict line by the same rule as the single-task
     study (the module docstring), applied to the score (no steps-to-0.9 criterion: a score has no such step)."""
-    if _missing("suite_verdict"):
-        return _missing("suite_verdict")
-    exp = _experiment("suite_verdict")
+    if _missing(run):
+        return _missing(run)
+    exp = _experiment(run)
     settings, seeds = list(exp["tasks"]), list(exp["seeds"])
     acc: Dict[str, Dict[int, Dict[str, float]]] = {}
-    for r in _trials("suite_verdict"):
+    for r in _trials(run):
         if r["status"] in FINISHED and _num(r, "test/accuracy") is not None:
             acc.setdefault(r["row"].split(" · ", 1)[-1], {}).setdefault(int(r["seed"]), {})[r["setting"]] = \
                 _num(r, "test/accuracy")
@@ -481,7 +482,11 @@ TABLES = {"discovery-search": search, "discovery-rejected": rejected, "discovery
           "discovery-mattered": mattered, "discovery-presets": presets, "discovery-verdict": verdict,
           "discovery-early-stopping": early_stopping, "discovery-suite-search": suite_search,
           "discovery-suite-mattered": suite_mattered, "discovery-suite-presets": suite_presets,
-          "discovery-suite-asha": suite_asha, "discovery-suite-verdict": suite_verdict}
+          "discovery-suite-asha": suite_asha, "discovery-suite-verdict": suite_verdict,
+          # the second multi-task search (experiments/discovery_suite_from_presets.yaml) and its verdict
+          "discovery-suite2-search": functools.partial(suite_search, "suite_from_presets"),
+          "discovery-suite2-mattered": functools.partial(suite_mattered, "suite_from_presets"),
+          "discovery-suite2-verdict": functools.partial(suite_verdict, "suite_from_presets_verdict")}
 
 
 if __name__ == "__main__":
