@@ -5,7 +5,8 @@
     df.groupby("row")["test/accuracy"].agg(["mean", "std", "count"])   # mean ± std over the seeds
     curves = atlaslab.load_curves("runs/quickstart-20261201-170507")   # one row per (trial, report)
 
-:func:`load_results` columns: ``key``, ``setting``, ``variant``, ``row`` (variant and axes: the report's row),
+:func:`load_results` columns: ``key``, ``setting``, ``candidate`` (a search scored on several settings: the draw
+the trial belongs to, one per setting; "" otherwise: ``df.groupby("candidate")``), ``variant``, ``row`` (variant and axes: the report's row),
 ``seed``, ``status``, ``message``, ``steps``, ``num_parameters``, ``state_size``, ``params`` (the trial's
 parameters, a dict), ``axes`` and ``protocol`` (dicts), ``config`` (the trial's config: ``model``, ``task``,
 ``train``, a dict), then one column per final metric (``test/accuracy``, ``val/loss``, ``test/len_32/accuracy``, …).
@@ -28,7 +29,7 @@ from atlaslab.registry import ConfigError
 from atlaslab.search.results import RESULTS_NAME, expanded_trials
 
 #: the leading columns of :func:`load_results`, in order (the final metrics follow)
-COLUMNS = ("key", "setting", "variant", "row", "seed", "status", "message", "steps", "num_parameters",
+COLUMNS = ("key", "setting", "candidate", "variant", "row", "seed", "status", "message", "steps", "num_parameters",
            "state_size", "params", "axes", "protocol", "config")
 #: the columns of :func:`load_curves` that name the trial (the step and the metrics follow)
 CURVE_KEYS = ("key", "setting", "variant", "row", "seed")
@@ -108,7 +109,8 @@ def _row_of_record(r: Mapping[str, Any], trials: Mapping[str, Mapping[str, Any]]
     info = r.get("info") or {}
     config = t.get("config") or {"task": r.get("task"), "train": r.get("train")}
     m = r.get("metrics") or {}
-    return {"key": r["key"], "setting": r.get("setting"), "variant": r.get("variant", t.get("variant")),
+    return {"key": r["key"], "setting": r.get("setting"), "candidate": r.get("candidate") or "",
+            "variant": r.get("variant", t.get("variant")),
             "row": r.get("row"), "seed": r.get("seed"), "status": r.get("status"), "message": r.get("message", ""),
             "steps": m.get("step"), "num_parameters": info.get("num_parameters"),
             "state_size": info.get("state_size"), "params": dict(r.get("params") or {}),
@@ -124,7 +126,9 @@ def _rows_of_csv(run_dir: Path) -> List[Dict[str, Any]]:
     for rec in csv.to_dict("records"):
         t = trials.get(rec["key"], {})
         msg = rec.get("message")
-        rows.append({"key": rec["key"], "setting": rec.get("setting"), "variant": t.get("variant"),
+        cand = rec.get("candidate")
+        rows.append({"key": rec["key"], "setting": rec.get("setting"),
+                     "candidate": "" if cand is None or pd.isna(cand) else str(cand), "variant": t.get("variant"),
                      "row": rec.get("row"), "seed": rec.get("seed"), "status": rec.get("status"),
                      "message": "" if pd.isna(msg) else msg, "steps": rec.get("steps"),
                      "num_parameters": rec.get("num_parameters"), "state_size": rec.get("state_size"),
@@ -140,7 +144,7 @@ def _row_of_train_run(run_dir: Path) -> Dict[str, Any]:
     config = OmegaConf.to_container(OmegaConf.load(cfg_path)) if cfg_path.is_file() else {}
     info = res.get("model_info") or {}
     name = str(config.get("name") or run_dir.name)
-    return {"key": run_dir.name, "setting": "", "variant": name, "row": name,
+    return {"key": run_dir.name, "setting": "", "candidate": "", "variant": name, "row": name,
             "seed": (res.get("config") or {}).get("seed"), "status": res.get("status"),
             "message": res.get("message", ""), "steps": res.get("steps"),
             "num_parameters": info.get("num_parameters"), "state_size": info.get("state_size"), "params": {},

@@ -105,3 +105,15 @@ def test_run_from_python_and_read_it_back(local_ray, tmp_path, capsys):
         assert row["config"]["train"]["lr"] == rec["train"]["lr"]
         got = curves[curves["key"] == row["key"]].dropna(subset=["val/accuracy"])
         assert got["step"].tolist() == [h["step"] for h in rec["history"] if h.get("val/accuracy") is not None]
+
+
+def test_a_multi_task_search_reads_with_its_candidates():
+    """A search scored on several settings: each trial carries its candidate, so a notebook groups the settings of
+    one draw (the committed multi-task discovery search: 24 candidates × 3 settings)."""
+    run = ROOT / "docs" / "results" / "discovery" / "suite_search" / "data"
+    df = atlaslab.load_results(run)
+    csv = pd.read_csv(run / "trials.csv")
+    assert df["candidate"].tolist() == csv["candidate"].tolist()
+    sizes = df.groupby("candidate")["setting"].nunique()
+    assert len(sizes) == 24 and set(sizes) == {3}
+    assert atlaslab.load_results(COMMITTED)["candidate"].eq("").all()
