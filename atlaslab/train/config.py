@@ -52,6 +52,10 @@ class TrainConfig:
     early_stop_metric: str = ""           # e.g. "accuracy" (an eval metric; default: the task's primary)
     early_stop_threshold: Optional[float] = None   # stop once the eval metric reaches it (None: never)
     early_stop_mode: str = "auto"         # max | min | auto (the task's direction)
+    #: a declared step-cost bound: at each evaluation, a run whose training steps took more than this many wall
+    #: seconds on average ends with status ``over_cost`` (None: no bound). A search uses it to keep parts whose
+    #: arithmetic a machine cannot afford (per-token Newton–Schulz on a CPU) in its space at a bounded cost.
+    max_step_time_s: Optional[float] = None
 
     precision: str = "fp32"               # fp32 | bf16 (bf16 autocast on CUDA; fp32 elsewhere)
     device: str = "auto"                  # auto (cuda if available) | cpu | cuda | cuda:N
@@ -83,6 +87,9 @@ class TrainConfig:
         for i, L in enumerate(self.test_lengths):
             check_range(f"test_lengths.{i}", L, 2, None)
         check_choice("early_stop_mode", self.early_stop_mode, ("auto", "max", "min"))
+        if self.max_step_time_s is not None and not self.max_step_time_s > 0:
+            raise ConfigError("max_step_time_s", f"a bound in seconds > 0 (or null: none), got "
+                              f"{self.max_step_time_s!r}.", value=self.max_step_time_s)
         check_choice("precision", self.precision, ("fp32", "bf16"))
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError("device", f"bad value {self.device!r}.", value=self.device,

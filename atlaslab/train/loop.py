@@ -1,7 +1,7 @@
 """One training loop for every model and task.
 
     result = train(model, task, TrainConfig(steps=250, lr=3e-3), callback=report, checkpoint_dir="runs/x")
-    result.status          # "completed" | "early_stopped" | "stopped" | "diverged"
+    result.status          # "completed" | "early_stopped" | "stopped" | "over_cost" | "diverged"
     result.metrics         # {"train/loss": …, "val/accuracy": …, "test/accuracy": …, "test/len_128/…": …}
 
 * ``model`` is any ``nn.Module`` mapping tokens ``[B, T]`` (long) to logits ``[B, T, V]``; ``task`` a
@@ -22,6 +22,9 @@
 * Early stopping: once the evaluation metric reaches ``early_stop_threshold`` (status
   ``early_stopped``; zoology's rule). A non-finite loss or gradient norm ends the run with status
   ``diverged`` and ``message = "diverged at step N (…)"``, without an exception.
+* A step-cost bound (``max_step_time_s``): at each evaluation, a run whose training steps (forward, backward and
+  optimiser step, not evaluations) took more wall seconds on average than the bound ends with status
+  ``over_cost``; its final evaluation still runs.
 * Checkpoints (``checkpoint_dir``): ``checkpoint.pt`` is written atomically every ``checkpoint_interval`` steps
   (``0``: at every evaluation) and at the end, holding the module, the optimiser, the step, the RNG states, the
   partial metric accumulators, the history, the settings and the task's data cursor
@@ -74,7 +77,7 @@ LOWER_IS_BETTER = ("loss", "bpb", "ppl", "rel_loss")
 class TrainResult:
     """What a training run produced. ``to_dict()`` is JSON-ready (no tensors, no model)."""
 
-    status: str                                   # completed | early_stopped | stopped | diverged
+    status: str                                   # completed | early_stopped | stopped | over_cost | diverged
     steps: int                                    # optimiser steps taken
     metrics: Dict[str, float]                     # final: last train + last val + test metrics
     best: Dict[str, Any] = field(default_factory=dict)      # {"metric", "value", "step"} of the eval metric
@@ -266,7 +269,7 @@ def _fresh_state() -> Dict[str, Any]:
     return {
         "step": 0, "status": "running", "message": "", "diverged_at": None, "history": [], "best": {},
         "last_train": {}, "last_eval": {}, "final": {}, "acc": {"loss": 0.0, "grad_norm": 0.0, "n": 0},
-        "elapsed": 0.0, "finished": False,
+        "elapsed": 0.0, "train_seconds": 0.0, "finished": False,
     }
 
 
@@ -405,7 +408,9 @@ def _loop(run: _Run, callback: Optional[Callback]) -> None:
     bar = _progress_bar(run)
     try:
         while state["step"] < cfg.steps:
+            t0 = time.perf_counter()
             lr = _train_step(run)
+            state["train_seconds"] = state.get("train_seconds", 0.0) + time.perf_counter() - t0
             if lr is None:
                 break
             step = state["step"]
@@ -532,6 +537,12 @@ def _evaluate(run: _Run, step: int) -> Dict[str, float]:
     if threshold is not None and (value >= threshold if mode == "max" else value <= threshold):
         state["status"] = "early_stopped"
         state["message"] = f"{cfg.eval_split}/{name} = {value:.4g} reached {threshold} at step {step}"
+    bound = cfg.max_step_time_s
+    per_step = state.get("train_seconds", 0.0) / max(1, step)
+    if bound is not None and state["status"] == "running" and per_step > bound:
+        state["status"] = "over_cost"
+        state["message"] = (f"a training step took {per_step:.3g} s on average over {step} steps, above "
+                            f"train.max_step_time_s = {bound:g}")
     return dict(state["last_eval"])
 
 

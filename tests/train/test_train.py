@@ -172,6 +172,20 @@ def test_a_run_stopped_early_at_a_checkpoint_resumes_to_its_end_only(tmp_path):
     assert again.metrics == ref.metrics and len(calls) == 1               # finished: its stored result, no call
 
 
+def test_a_step_cost_bound_ends_a_run_over_it_at_an_evaluation():
+    """train.max_step_time_s: at the first evaluation a run whose training steps averaged more wall seconds than the
+    bound ends as ``over_cost`` (the message gives the measured cost and the bound), and its test metrics are still
+    computed; under a generous bound the same run completes. A bound ≤ 0 is a ConfigError naming the field."""
+    task = build_task(SMALL_TASK)
+    slow = train(tiny_model(), task, TrainConfig(**{**SMALL_TRAIN, "max_step_time_s": 1e-9}))
+    assert slow.status == "over_cost" and slow.steps == 8
+    assert "above train.max_step_time_s = 1e-09" in slow.message and "test/accuracy" in slow.metrics
+    fine = train(tiny_model(), task, TrainConfig(**{**SMALL_TRAIN, "max_step_time_s": 60.0}))
+    assert fine.status == "completed" and fine.steps == 24
+    with pytest.raises(ConfigError, match=r"max_step_time_s: a bound in seconds > 0"):
+        TrainConfig(**{**SMALL_TRAIN, "max_step_time_s": 0}).check()
+
+
 def test_a_sigkilled_process_resumes_to_the_same_result(tmp_path):
     """The real thing: the training process is SIGKILLed mid-run, then a new process resumes."""
     script = textwrap.dedent(f"""
