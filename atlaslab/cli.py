@@ -203,7 +203,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # overrides after an option (`atlaslab run EXP --dry-run train.steps=5`): argparse stops collecting a
+    # positional list at the first option, so the dotlist pairs that follow it come back as unknown arguments
+    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides = list(args.overrides or []) + extra
+    elif extra:
+        parser.parse_args(argv)               # argparse's own error for what is really unknown
     try:
         return int(args.func(args) or 0)
     except ConfigError as exc:

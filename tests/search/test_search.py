@@ -257,6 +257,18 @@ def test_a_trial_builds_the_model_the_driver_validated(tmp_path):
     assert trial["model_config"]["d_model"] == 16 and tcfg.steps == 20
 
 
+def test_overrides_are_taken_after_an_option_too(capsys):
+    """`atlaslab run EXP --dry-run train.steps=7` applies the override (argparse alone stops collecting positionals
+    at the first option); a real unknown option is still argparse's error."""
+    from atlaslab.cli import main
+    quick = Path(__file__).resolve().parents[2] / "experiments" / "quickstart.yaml"
+    assert main(["run", str(quick), "--dry-run", "train.steps=7", "seeds=[0]"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("t00")]
+    assert rows and all(r[-1] == "7" for r in rows)
+    with pytest.raises(SystemExit):
+        main(["run", str(quick), "--dry-run", "--no-such-option"])
+
+
 def test_search_dry_run_admits_every_choice_of_the_space():
     p = prepare(node=_exp(**SEARCH))
     opts = [t["params"]["model.mixers.atlas.memory.inner_optimizer.name"] for t in p.trials]
