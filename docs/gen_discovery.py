@@ -1,6 +1,7 @@
 """The discovery study's tables (docs/results/discovery.md), from its committed run data.
 
     python docs/gen_discovery.py discovery-verdict      # print one table (the names are the keys of TABLES)
+    python docs/gen_discovery.py --plots                # redraw the page's figure (discovery/suite_pareto.png)
 
 Three runs, each committed under ``docs/results/discovery/<run>/data/`` as ``atlaslab run`` wrote it (less
 checkpoints, Tune's folder and MLflow's store): ``search`` (experiments/discovery.yaml, with ``rejected.json``),
@@ -477,13 +478,55 @@ def suite_presets() -> str:
     return "\n".join(lines)
 
 
+def _suite_references():
+    """The multi-task presets' run as reference models of the multi-task search (each preset at its best learning
+    rate by the search's score: :mod:`atlaslab.search.references`)."""
+    from atlaslab.search.references import load_reference_run
+    return load_reference_run(_suite_exp(), _folder("suite_presets"))
+
+
+def suite_front() -> str:
+    """The presets against the multi-task search's Pareto front (score up, step time down): each preset's objectives,
+    the front candidates that dominate it, how many candidates the search tried."""
+    for run in ("suite_search", "suite_presets"):
+        if _missing(run):
+            return _missing(run)
+    from atlaslab.search.mattered import references_section
+    exp, cands, _ = _suite_candidates()
+    rej_path = _folder("suite_search") / "rejected.json"
+    rej = json.loads(rej_path.read_text()) if rej_path.is_file() else {"rejected": [], "stopped": ""}
+    return "\n".join(references_section(exp, cands, [_suite_references()], rej)[2:]).strip()
+
+
+#: the page's figure: the multi-task search's candidates, its front and the presets on the same axes
+FIGURE = DATA / "suite_pareto.png"
+
+
+def suite_pareto_points() -> Dict[str, Any]:
+    """The points :func:`plot_suite_pareto` draws (:func:`atlaslab.search.plots.pareto_points`)."""
+    from atlaslab.search.plots import pareto_points
+    exp, cands, _ = _suite_candidates()
+    return pareto_points(exp, cands, [_suite_references()])
+
+
+def plot_suite_pareto(out: Path = FIGURE) -> Optional[Path]:
+    """Draw the multi-task search's Pareto plot with the presets, with the run report's own function."""
+    from atlaslab.search.plots import plot_pareto
+    exp, cands, _ = _suite_candidates()
+    return plot_pareto(exp, cands, Path(out), [_suite_references()])
+
+
 TABLES = {"discovery-search": search, "discovery-rejected": rejected, "discovery-pareto": pareto,
           "discovery-mattered": mattered, "discovery-presets": presets, "discovery-verdict": verdict,
           "discovery-early-stopping": early_stopping, "discovery-suite-search": suite_search,
           "discovery-suite-mattered": suite_mattered, "discovery-suite-presets": suite_presets,
-          "discovery-suite-asha": suite_asha, "discovery-suite-verdict": suite_verdict}
+          "discovery-suite-asha": suite_asha, "discovery-suite-verdict": suite_verdict,
+          "discovery-suite-front": suite_front}
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--plots"]:
+        print(f"wrote {plot_suite_pareto().relative_to(ROOT)}")
+        sys.exit(0)
     for name in sys.argv[1:] or list(TABLES):
         print(f"## {name}\n\n{TABLES[name]()}\n")
