@@ -255,7 +255,8 @@ def references_section(exp: ExperimentConfig, records: Sequence[Mapping[str, Any
             table.append([ref.label, run.name] + [fmt_value(ref.protocol.get(k, "—")) for k in protocol_keys]
                          + [_fmt_objective(ref.by_setting.get(s)) for s in settings]
                          + [_fmt_objective(ref.value(n)) for n, _ in pairs]
-                         + [human_count(ref.value(n)) for n in ("state_size", "num_parameters") if n not in dict(pairs)]
+                         + [human_count(ref.value(n)) if ref.value(n) is not None else "—"
+                            for n in ("state_size", "num_parameters") if n not in dict(pairs)]
                          + [", ".join(row["dominated_by"]) or ("no" if row["point"] else "—"),
                             ", ".join(row["dominates"]) or "—"])
     lines += md_table(head, table)
@@ -284,11 +285,12 @@ def _front_verdict(exp: ExperimentConfig, front: Sequence[Mapping[str, Any]], ro
         text += (f" Not dominated: {r['reference'].label}" + (f" ({'; '.join(better)})" if better else "")
                  + (f", which itself dominates {', '.join(r['dominates'])}" if r["dominates"] else "") + ".")
     own = [r for r in rows if not any(dominates(o["point"], r["point"], modes) for o in rows)]
-    met = all(r["dominated_by"] for r in own)
+    free_own = [r["reference"].label for r in own if not r["dominated_by"]]
+    met = not free_own
     text += (f" The references' own front ({', '.join(r['reference'].label for r in own)}) is "
              + ("dominated by the search's front: every one of them is dominated by a front member." if met else
                 "**not** dominated by the search's front ("
-                + ", ".join(r["reference"].label for r in own if not r["dominated_by"]) + " is not)."))
+                + ", ".join(free_own) + (" is" if len(free_own) == 1 else " are") + " not)."))
     return [text, ""]
 
 
