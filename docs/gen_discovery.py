@@ -525,9 +525,9 @@ TABLES = {"discovery-search": search, "discovery-rejected": rejected, "discovery
           "discovery-early-stopping": early_stopping, "discovery-suite-search": suite_search,
           "discovery-suite-mattered": suite_mattered, "discovery-suite-presets": suite_presets,
           "discovery-suite-asha": suite_asha, "discovery-suite-verdict": suite_verdict}
+
 #: the presets against the multi-task search's Pareto front
 TABLES["discovery-suite-front"] = suite_front
-
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--plots"]:
