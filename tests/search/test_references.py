@@ -3,7 +3,6 @@ at its best learning rate by the search's own score and objectives, the front me
 reference folder refused early by name; and the discovery page's comparison regenerated from the committed runs."""
 from __future__ import annotations
 
-import copy
 import importlib.util
 import json
 from pathlib import Path
