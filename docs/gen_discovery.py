@@ -1,6 +1,7 @@
 """The discovery study's tables (docs/results/discovery.md), from its committed run data.
 
     python docs/gen_discovery.py discovery-verdict      # print one table (the names are the keys of TABLES)
+    python docs/gen_discovery.py --plots                # redraw the page's figure (discovery/suite_pareto.png)
 
 Three runs, each committed under ``docs/results/discovery/<run>/data/`` as ``atlaslab run`` wrote it (less
 checkpoints, Tune's folder and MLflow's store): ``search`` (experiments/discovery.yaml, with ``rejected.json``),
@@ -478,6 +479,48 @@ def suite_presets() -> str:
     return "\n".join(lines)
 
 
+def _suite_references(run: str = "suite_search", presets: str = "suite_presets"):
+    """The multi-task presets' run as reference models of a multi-task search (each preset at its best learning
+    rate by the search's score: :mod:`atlaslab.search.references`)."""
+    from atlaslab.search.references import load_reference_run
+    return load_reference_run(_suite_exp(run), _folder(presets))
+
+
+def suite_front(run: str = "suite_search", presets: str = "suite_presets") -> str:
+    """The presets against a multi-task search's Pareto front (score up, step time down): each preset's objectives,
+    the front candidates that dominate it, how many candidates the search tried."""
+    for name in (run, presets):
+        if _missing(name):
+            return _missing(name)
+    from atlaslab.search.mattered import references_section
+    from atlaslab.search.fitness import candidates
+    exp = _suite_exp(run)
+    cands = candidates(exp, _suite_records(run))
+    rej_path = _folder(run) / "rejected.json"
+    rej = json.loads(rej_path.read_text()) if rej_path.is_file() else {"rejected": [], "stopped": ""}
+    return "\n".join(references_section(exp, cands, [_suite_references(run, presets)], rej)[2:]).strip()
+
+
+#: the page's figure: the multi-task search's candidates, its front and the presets on the same axes
+FIGURE = DATA / "suite_pareto.png"
+
+
+def suite_pareto_points(run: str = "suite_search", presets: str = "suite_presets") -> Dict[str, Any]:
+    """The points :func:`plot_suite_pareto` draws (:func:`atlaslab.search.plots.pareto_points`)."""
+    from atlaslab.search.fitness import candidates
+    from atlaslab.search.plots import pareto_points
+    exp = _suite_exp(run)
+    return pareto_points(exp, candidates(exp, _suite_records(run)), [_suite_references(run, presets)])
+
+
+def plot_suite_pareto(out: Path = FIGURE, run: str = "suite_search", presets: str = "suite_presets") -> Optional[Path]:
+    """Draw a multi-task search's Pareto plot with the presets, with the run report's own function."""
+    from atlaslab.search.fitness import candidates
+    from atlaslab.search.plots import plot_pareto
+    exp = _suite_exp(run)
+    return plot_pareto(exp, candidates(exp, _suite_records(run)), Path(out), [_suite_references(run, presets)])
+
+
 TABLES = {"discovery-search": search, "discovery-rejected": rejected, "discovery-pareto": pareto,
           "discovery-mattered": mattered, "discovery-presets": presets, "discovery-verdict": verdict,
           "discovery-early-stopping": early_stopping, "discovery-suite-search": suite_search,
@@ -488,7 +531,12 @@ TABLES = {"discovery-search": search, "discovery-rejected": rejected, "discovery
           "discovery-suite2-mattered": functools.partial(suite_mattered, "suite_from_presets"),
           "discovery-suite2-verdict": functools.partial(suite_verdict, "suite_from_presets_verdict")}
 
+#: the presets against the multi-task search's Pareto front
+TABLES["discovery-suite-front"] = suite_front
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--plots"]:
+        print(f"wrote {plot_suite_pareto().relative_to(ROOT)}")
+        sys.exit(0)
     for name in sys.argv[1:] or list(TABLES):
         print(f"## {name}\n\n{TABLES[name]()}\n")

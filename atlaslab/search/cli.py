@@ -43,7 +43,7 @@ def _tracking_lost(exc: TrackingUnavailable) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    path = report_from_dir(Path(args.run_dir), refresh=args.refresh)
+    path = report_from_dir(Path(args.run_dir), refresh=args.refresh, compare=args.compare)
     if args.print:
         print(path.read_text())
     else:
@@ -96,6 +96,10 @@ def add_report(sub) -> None:
     p.add_argument("--print", action="store_true", help="print the markdown report")
     p.add_argument("--refresh", action="store_true",
                    help="re-read the results from Tune's folder (automatic while an experiment is unfinished)")
+    p.add_argument("--compare", action="append", default=[], metavar="RUN_DIR",
+                   help="a grid run of reference models (e.g. presets × learning rates, on the search's settings) "
+                   "to draw against a search's Pareto front, each variant at its best learning rate by the search's "
+                   "score; repeatable")
     p.set_defaults(func=cmd_report)
 
 

@@ -6,6 +6,10 @@
   (``rejected.json``, :mod:`atlaslab.search.searcher`), the rejections grouped by reason with an example of each.
 * **Pareto front.** With ``search.objectives``, the trials no other finished trial dominates on every objective
   (the metric, then each objective in its own direction), best metric first.
+* **Presets against the front.** With reference runs (``atlaslab report RUN --compare PRESETS_RUN``,
+  :mod:`atlaslab.search.references`), each reference variant at its best point by the search's objective: its
+  objectives, the front's members that dominate it (:func:`dominates`), those it dominates, and whether the front
+  dominates the references' own front.
 * **Importance.** Optuna's PED-ANOVA importance of each searched key for the metric (the share of the metric's
   variation over the good trials a key explains; Optuna ≥ 3.6), computed from the finished trials.
 * **Marginals.** For each categorical key, each choice's finished trials: count, mean ± std and best of the metric.
@@ -23,7 +27,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from atlaslab.search.aggregate import OK, mean_std
 from atlaslab.search.formatting import finite_number as _num
-from atlaslab.search.formatting import fmt_value, short_key
+from atlaslab.search.formatting import fmt_value, human_count, short_key
 from atlaslab.search.schema import ExperimentConfig
 from atlaslab.search.results import read_rejected
 from atlaslab.search.space import optuna_distributions, optuna_value
@@ -186,6 +190,110 @@ def pareto_section(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]) 
     return lines
 
 
+def against_front(exp: ExperimentConfig, front: Sequence[Mapping[str, Any]],
+                  references: Sequence[Any]) -> List[Dict[str, Any]]:
+    """Per reference (:class:`atlaslab.search.references.Reference`): ``{reference, point, dominated_by,
+    dominates}``, the keys of the ``front`` members that dominate it and of those it dominates on the search's
+    objectives (``point`` None: the reference has no value of one of them, and is compared with nothing)."""
+    pairs = exp.search.objective_pairs(exp.metric, exp.mode)
+    modes = [m for _, m in pairs]
+    pts = [(r["key"], [objective_value(r, n) for n, _ in pairs]) for r in front]
+    out = []
+    for ref in references:
+        point = [ref.value(n) for n, _ in pairs]
+        if any(v is None for v in point):
+            out.append({"reference": ref, "point": None, "dominated_by": [], "dominates": []})
+            continue
+        out.append({"reference": ref, "point": point,
+                    "dominated_by": [k for k, v in pts if dominates(v, point, modes)],
+                    "dominates": [k for k, v in pts if dominates(point, v, modes)]})
+    return out
+
+
+def references_section(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]], runs: Sequence[Any],
+                       rejected: Optional[Mapping[str, Any]] = None) -> List[str]:
+    """``## Presets against the front``: every reference variant of ``runs``
+    (:class:`atlaslab.search.references.ReferenceRun`) at its best point by the search's objective, its objectives,
+    and the front's members that dominate it; how many candidates the search tried; whether the front dominates the
+    references' own front (the references no other reference dominates)."""
+    if not runs:
+        return []
+    pairs = exp.search.objective_pairs(exp.metric, exp.mode)
+    modes = [m for _, m in pairs]
+    multi = metric_label(exp, records) != exp.metric
+    done = finished(records, exp)
+    front = pareto_front(done, pairs)
+    what = "candidates" if multi else "trials"
+    n_rej = len((rejected or {}).get("rejected") or [])
+    settings = list(exp.settings()) if multi else []
+    score = "score" if multi else exp.metric
+    objs = ", ".join(f"{score if n == exp.metric else n} {'↑' if m == 'max' else '↓'}" for n, m in pairs)
+    protocol_keys = sorted({k for run in runs for ref in run.references for k in ref.protocol})
+    lines = ["## Presets against the front", "",
+             f"The search tried {len(records) + n_rej} candidates ({len(records)} {'trained' if multi else 'trials'}"
+             f"{f', {n_rej} rejected before training' if n_rej else ''}; {len(done)} finished"
+             f"{' every setting' if multi else ''}); {len(front)} are on its Pareto front ({objs}). Each reference is a "
+             "variant of a reference run at its best " + ("/".join(protocol_keys) or "point") + " by the search's "
+             f"{'score over the same settings' if multi else exp.metric} (mean over its seeds; only points that "
+             f"finished{' every setting' if multi else ''} count), with the search's other objectives"
+             + (" (step time: mean over the settings; state, parameters: the largest)" if multi else "")
+             + ". A reference is dominated when a front member is at least as good on every objective and better on "
+             "one.", ""]
+    head = (["reference", "run"] + [f"best {k}" for k in protocol_keys] + settings
+            + [score if n == exp.metric else n for n, _ in pairs]
+            + [n for n in ("state_size", "num_parameters") if n not in dict(pairs)]
+            + ["dominated by", "it dominates"])
+    table, placed = [], []
+    for run in runs:
+        for row in against_front(exp, front, run.references):
+            ref = row["reference"]
+            if not ref.placed:
+                table.append([ref.label, run.name] + ["—"] * (len(head) - 3)
+                             + ["not placed: no point finished every setting"])
+                continue
+            placed.append(row)
+            table.append([ref.label, run.name] + [fmt_value(ref.protocol.get(k, "—")) for k in protocol_keys]
+                         + [_fmt_objective(ref.by_setting.get(s)) for s in settings]
+                         + [_fmt_objective(ref.value(n)) for n, _ in pairs]
+                         + [human_count(ref.value(n)) if ref.value(n) is not None else "—"
+                            for n in ("state_size", "num_parameters") if n not in dict(pairs)]
+                         + [", ".join(row["dominated_by"]) or ("no" if row["point"] else "—"),
+                            ", ".join(row["dominates"]) or "—"])
+    lines += md_table(head, table)
+    lines.append("")
+    lines += _front_verdict(exp, front, placed, modes, pairs, score)
+    return lines
+
+
+def _front_verdict(exp: ExperimentConfig, front: Sequence[Mapping[str, Any]], rows: Sequence[Mapping[str, Any]],
+                   modes: Sequence[str], pairs: Sequence[Tuple[str, str]], score: str) -> List[str]:
+    """How many references the front dominates, why each other one is not dominated (the objectives on which it
+    beats every front member), and whether the front dominates the references' own front."""
+    rows = [r for r in rows if r["point"] is not None]
+    if not rows:
+        return []
+    free = [r for r in rows if not r["dominated_by"]]
+    text = f"The search's front dominates {len(rows) - len(free)} of the {len(rows)} references placed."
+    for r in free:
+        better = []
+        for i, (n, m) in enumerate(pairs):
+            vals = [objective_value(c, n) for c in front]
+            vals = [v for v in vals if v is not None]
+            if vals and ((r["point"][i] > max(vals)) if m == "max" else (r["point"][i] < min(vals))):
+                better.append(f"{score if n == exp.metric else n} {_fmt_objective(r['point'][i])} against the "
+                              f"front's best {_fmt_objective(max(vals) if m == 'max' else min(vals))}")
+        text += (f" Not dominated: {r['reference'].label}" + (f" ({'; '.join(better)})" if better else "")
+                 + (f", which itself dominates {', '.join(r['dominates'])}" if r["dominates"] else "") + ".")
+    own = [r for r in rows if not any(dominates(o["point"], r["point"], modes) for o in rows)]
+    free_own = [r["reference"].label for r in own if not r["dominated_by"]]
+    met = not free_own
+    text += (f" The references' own front ({', '.join(r['reference'].label for r in own)}) is "
+             + ("dominated by the search's front: every one of them is dominated by a front member." if met else
+                "**not** dominated by the search's front ("
+                + ", ".join(free_own) + (" is" if len(free_own) == 1 else " are") + " not)."))
+    return [text, ""]
+
+
 def mattered_section(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]) -> List[str]:
     """``## What mattered``: importances and the marginal of every categorical key."""
     imp = importances(exp, records)
@@ -229,12 +337,15 @@ def _fmt_objective(v: Optional[float]) -> str:
     return f"{v:.3g}" if abs(v) < 1e-2 else f"{v:.3f}"
 
 
-def search_analysis(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]], run_dir: Path) -> List[str]:
-    """The search report's sections of this module, in order: candidates, Pareto front, what mattered."""
-    return (candidates_section(exp, records, read_rejected(run_dir)) + pareto_section(exp, records)
-            + mattered_section(exp, records))
+def search_analysis(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]], run_dir: Path,
+                    references: Sequence[Any] = ()) -> List[str]:
+    """The search report's sections of this module, in order: candidates, Pareto front, the references against it
+    (``references``: :class:`atlaslab.search.references.ReferenceRun`), what mattered."""
+    rejected = read_rejected(run_dir)
+    return (candidates_section(exp, records, rejected) + pareto_section(exp, records)
+            + references_section(exp, records, references, rejected) + mattered_section(exp, records))
 
 
-__all__ = ["candidates_section", "dominates", "importances", "marginals", "mattered_section", "metric_label",
+__all__ = ["against_front", "candidates_section", "dominates", "importances", "marginals", "mattered_section", "metric_label",
            "objective_value",
-           "pareto_front", "pareto_section", "search_analysis", "search_study"]
+           "pareto_front", "pareto_section", "references_section", "search_analysis", "search_study"]

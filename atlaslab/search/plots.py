@@ -325,13 +325,15 @@ def grid_plots(exp: ExperimentConfig, rows: Sequence[Mapping[str, Any]], records
 
 
 def search_plots(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]], ranked: Sequence[Mapping[str, Any]],
-                 plots: Path, trials: Optional[Sequence[Mapping[str, Any]]] = None) -> List[Path]:
+                 plots: Path, trials: Optional[Sequence[Mapping[str, Any]]] = None,
+                 references: Sequence[Any] = ()) -> List[Path]:
     """A search's figures: each parameter against the metric, Optuna's parameter importances and parallel
     coordinates (:func:`search_study`), the curves of the best eight (``ranked``: best first). With several
     settings ``records`` are the candidates (:func:`atlaslab.search.fitness.candidates`), ``trials`` their trials,
-    and a candidate's curve is the mean over its settings' curves."""
+    and a candidate's curve is the mean over its settings' curves; ``references``
+    (:class:`atlaslab.search.references.ReferenceRun`) are drawn on the Pareto plot."""
     figs = plot_search(records, exp.metric, list(exp.space), plots)
-    pareto = plot_pareto(exp, records, plots / "pareto.png")
+    pareto = plot_pareto(exp, records, plots / "pareto.png", references)
     figs += [pareto] if pareto else []
     study = search_study(exp, records)
     figs += [p for p in (plot_importance(study, plots / "search_importance.png"),
@@ -345,9 +347,12 @@ def search_plots(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]], ra
     return figs
 
 
-def plot_pareto(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]], path: Path) -> Optional[Path]:
-    """A multi-objective search's trials: the metric against its second objective (log scale for a size or a
-    time), every finished trial a dot and the Pareto front (:func:`atlaslab.search.mattered.pareto_front`) joined."""
+def pareto_points(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]],
+                  references: Sequence[Any] = ()) -> Optional[Dict[str, Any]]:
+    """What :func:`plot_pareto` draws, as numbers: ``{x, y}`` (the search's second objective and its metric),
+    ``points`` (every finished trial or candidate, ``(x, y)``), ``front`` (the Pareto front on those two objectives,
+    by x) and ``references`` (``(label, x, y)`` of each placed reference of ``references``,
+    :class:`atlaslab.search.references.ReferenceRun`); None for a search with one objective or under two points."""
     pairs = exp.search.objective_pairs(exp.metric, exp.mode)
     if len(pairs) < 2:
         return None
@@ -357,16 +362,38 @@ def plot_pareto(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]], pat
     pts = [(x, y) for x, y in pts if x is not None and y is not None]
     if len(pts) < 2:
         return None
-    front = [(objective_value(r, xm), objective_value(r, ym)) for r in pareto_front(done, pairs[:2])]
-    front.sort()
+    front = sorted((objective_value(r, xm), objective_value(r, ym)) for r in pareto_front(done, pairs[:2]))
+    refs = [(ref.label, ref.value(xm), ref.value(ym)) for run in references for ref in run.references
+            if ref.value(xm) is not None and ref.value(ym) is not None]
+    return {"x": xm, "y": ym, "points": pts, "front": front, "references": refs}
+
+
+def plot_pareto(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]], path: Path,
+                references: Sequence[Any] = ()) -> Optional[Path]:
+    """A multi-objective search's trials (or candidates): the metric against its second objective (log scale for a
+    size or a time), every finished one a dot and the Pareto front (:func:`atlaslab.search.mattered.pareto_front`)
+    joined; each placed reference model (``references``) a labelled diamond on the same axes."""
+    data = pareto_points(exp, records, references)
+    if data is None:
+        return None
+    pts, front, refs = data["points"], data["front"], data["references"]
+    multi = any("by_setting" in r for r in records)
+    what = "candidates" if multi else "trials"
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(5.2, 3.6))
-    ax.scatter([x for x, _ in pts], [y for _, y in pts], s=14, color="0.6", label="trials")
+    fig, ax = plt.subplots(figsize=(5.6, 3.8))
+    ax.scatter([x for x, _ in pts], [y for _, y in pts], s=14, color="0.6", label=what)
     ax.plot([x for x, _ in front], [y for _, y in front], "o-", color="C3", ms=5, label="Pareto front")
-    if all(x > 0 for x, _ in pts):
+    if refs:
+        ax.scatter([x for _, x, _ in refs], [y for _, _, y in refs], marker="D", s=30, color="C0", zorder=3,
+                   label="references")
+        for label, x, y in refs:
+            ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7, color="C0")
+    if all(x > 0 for x, _ in pts) and all(x > 0 for _, x, _ in refs):
         ax.set_xscale("log")
-    _fraction_axis(ax, ym)
-    return _save_line_plot(fig, ax, path, xm, ym, f"{ym} vs {xm} ({len(pts)} trials)")
+    _fraction_axis(ax, data["y"])
+    ylabel = f"score ({data['y']})" if multi else data["y"]
+    return _save_line_plot(fig, ax, path, data["x"], ylabel, f"{ylabel} vs {data['x']} ({len(pts)} {what})",
+                           fontsize=7)
 
 
 def _optuna_figure(draw, study, path: Path, size: Tuple[float, float]) -> Optional[Path]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 from omegaconf import OmegaConf
 
@@ -29,6 +29,7 @@ from atlaslab.search.expand import Prepared
 from atlaslab.search.fitness import candidates, is_multi, ranked_candidates
 from atlaslab.search.mattered import search_analysis
 from atlaslab.search.plots import grid_plots, plot_state, search_plots
+from atlaslab.search.references import ReferenceRun, load_reference_run
 from atlaslab.search.results import read_records
 from atlaslab.search.schema import ExperimentConfig, load_experiment
 from atlaslab.search.tables import (candidates_table, failed_section, grid_sections, header, length_section,
@@ -36,8 +37,9 @@ from atlaslab.search.tables import (candidates_table, failed_section, grid_secti
 
 
 def write_report(run_dir: Path, exp: ExperimentConfig, records: Sequence[Mapping[str, Any]],
-                 state: Optional[Mapping[str, Any]] = None) -> Path:
-    """Write report.md, report.csv, trials.csv and plots/ into ``run_dir``; returns report.md's path."""
+                 state: Optional[Mapping[str, Any]] = None, references: Sequence[ReferenceRun] = ()) -> Path:
+    """Write report.md, report.csv, trials.csv and plots/ into ``run_dir``; returns report.md's path. ``references``
+    (a search's report only, :func:`atlaslab.search.references.load_reference_run`) are drawn against its front."""
     run_dir = Path(run_dir)
     state = state or {}
     records = with_averages(exp, records)
@@ -56,13 +58,14 @@ def write_report(run_dir: Path, exp: ExperimentConfig, records: Sequence[Mapping
         ranked = ranked_candidates(exp, cands)
         lines += candidates_table(exp, cands, ranked)
         lines += search_section(exp, records, ranked_trials(exp, records), metrics, title="Trials (per setting)")
-        lines += search_analysis(exp, cands, run_dir)
-        figs = search_plots(exp, cands, ranked, plots, trials=records) if exp.report.plots else []
+        lines += search_analysis(exp, cands, run_dir, references)
+        figs = search_plots(exp, cands, ranked, plots, trials=records, references=references) \
+            if exp.report.plots else []
     else:
         ranked = ranked_trials(exp, records)
         lines += search_section(exp, records, ranked, metrics)
-        lines += search_analysis(exp, records, run_dir)
-        figs = search_plots(exp, records, ranked, plots) if exp.report.plots else []
+        lines += search_analysis(exp, records, run_dir, references)
+        figs = search_plots(exp, records, ranked, plots, references=references) if exp.report.plots else []
     lines += waiting_section(exp, records) + failed_section(records)
     if figs:
         lines += ["## Plots", ""]
@@ -77,17 +80,19 @@ def write_report(run_dir: Path, exp: ExperimentConfig, records: Sequence[Mapping
     return out
 
 
-def report_from_dir(run_dir: Path, refresh: bool = False) -> Path:
+def report_from_dir(run_dir: Path, refresh: bool = False, compare: Sequence[Union[str, Path]] = ()) -> Path:
     """Rewrite the report of a run folder. Without ``results.json`` (an experiment still running or
     interrupted), or with ``refresh``, the records are read from Tune's experiment folder; trials without a
-    final result are then reported as ``unfinished``."""
+    final result are then reported as ``unfinished``. ``compare``: reference run folders (grids of presets) to draw
+    against a search's Pareto front, each validated before anything else is read (a ConfigError under ``compare``)."""
     run_dir = Path(run_dir)
     state = json.loads((run_dir / "state.json").read_text()) if (run_dir / "state.json").is_file() else {}
     node = OmegaConf.to_container(OmegaConf.load(run_dir / "experiment.yaml"))
     exp = load_experiment(node=node)
+    references = [load_reference_run(exp, path) for path in compare]
     trials = json.loads((run_dir / "trials.json").read_text()) if (run_dir / "trials.json").is_file() else []
     records = read_records(run_dir, Prepared(node, exp, trials), state, refresh=refresh)
-    return write_report(run_dir, exp, records, state)
+    return write_report(run_dir, exp, records, state, references)
 
 
 #: (besides its own two functions, the names this module has always offered to the scripts and tests that use them)
