@@ -2,6 +2,7 @@
 
     python bench/atlas_cost.py              # → bench/results/atlas_cost_cpu.{json,md}
     python bench/atlas_cost.py --batch 4    # smaller measured batch (times scale linearly in the batch)
+    python bench/render_results.py bench/results/atlas_cost_cpu.json   # rewrite the .md from the .json only
 
 One LM training step (forward + backward of ``LanguageModel.loss``) at the learning bench's calibration size
 (d_model 64, 2 layers, 4 heads of dimension 16, vocabulary 128, T = 64), one torch thread, best of 2 after a

@@ -2,6 +2,7 @@
 
     python bench/chunked.py                 # full run (a few minutes on 2 CPU cores)
     python bench/chunked.py --quick         # smaller T grid
+    python bench/render_results.py bench/results/chunked_cpu.json   # rewrite the .md from the .json only
 
 Measures forward+backward time (best of repeats; process CPU seconds with one torch thread, so that other
 load on a shared machine distorts the ratios less; wall seconds and the load average are recorded too) and

@@ -4,6 +4,7 @@
     python bench/kernels.py --dtype bf16 --quick # T ∈ {2K, 8K} on a GPU (< 3 min); T = 512 on CPU
     python bench/kernels.py --T 2048 8192 --heads 4 --dim 128 --dtype bf16
     python bench/kernels.py --dtype fp32 --tf32   # fp32 inputs with TF32 dots (torch's "high" matmul precision)
+    python bench/render_results.py bench/results/kernels_cpu.json   # rewrite the .md from the .json only
 
 Rows (each at every T; ``op`` / ``impl``):
 
@@ -867,8 +868,8 @@ def render(out: dict) -> str:
               if "row_budget" in meta else "")
     lines = [f"# Kernel benchmark on {meta['device_name']}", "",
              f"`{meta['command']}` — {versions}, {meta['date']}{wall}.",
-             f"B = {meta['batch']}, H = {meta['heads']}, D = {meta['dim']}, dtype {meta['dtype']}{precision}; median of "
-             f"up to {meta['reps']} runs{budget}.", ""]
+             f"B = {meta['batch']}, H = {meta['heads']}, D = {meta['dim']}, dtype {meta['dtype']}{precision}; "
+             f"median of up to {meta['reps']} runs{budget}.", ""]
     if not meta["triton_timed"]:
         shapes = f" ({meta['gate_shapes']}; ratios in the gate column)" if "gate_shapes" in meta else ""
         lines += ["**Triton kernels were NOT timed: no GPU.** On CPU Triton runs only in its interpreter "

@@ -2,6 +2,7 @@
 
     python bench/peers.py --install      # pip install --no-deps the pinned peers into bench/.peers (not the venv)
     python bench/peers.py                # time them (and ours, same shapes) → bench/results/peers_cpu.{json,md}
+    python bench/render_results.py bench/results/peers_cpu.json   # rewrite the .md from the .json only
 
 The peers are no dependency of the project: they live in bench/.peers (git-ignored), which only the measuring
 subprocesses put on sys.path. fla's package root imports Triton kernels, so only the one file

@@ -3,6 +3,7 @@
     python bench/search.py                  # parallel efficiency + overhead (~8 minutes on 2 CPU cores)
     python bench/search.py --trials 4 --steps 60   # quicker
     python bench/search.py --asha           # also: ASHA vs the full grid on hpo_atlas's space (long)
+    python bench/render_results.py bench/results/search_cpu.json   # rewrite the .md from the .json only
 
 Eight equal trials (a tiny Gated DeltaNet on MQAR, fixed steps, one CPU each) are run
 
