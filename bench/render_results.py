@@ -29,6 +29,7 @@ RENDERERS = [
     ("compile_sm", "compile_sm90.py", "render"),
     ("compiled_", "compiled.py", "render"),
     ("cost_space_", "cost_space.py", "render"),
+    ("gdn_vs_fla_", "gdn_vs_fla.py", "render"),
     ("kernels_", "kernels.py", "render"),
     ("peers_", "peers.py", "render"),
     ("search_", "search.py", "render"),
