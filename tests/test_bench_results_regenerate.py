@@ -61,3 +61,20 @@ def test_unknown_results_file_is_named(tmp_path):
     path.write_text("{}")
     with pytest.raises(ValueError, match="mystery_cpu.json.*known prefixes: learning_"):
         rr.render(path)
+
+
+@pytest.mark.parametrize("script, name, write", [
+    ("chunked.py", "chunked_cpu", lambda m, d: m.report(d["rows"], d["titans_2048"], d["gdn_2048_d32"], d["lengths"],
+                                                        d["threads"], d["ns"])),
+    ("peers.py", "peers_cpu", lambda m, d: m.report(d["fla_check"], d["gdn_2048_d32"], d["titans"])),
+    ("search.py", "search_cpu", lambda m, d: m.write(d)),
+])
+def test_a_bench_run_writes_what_its_json_renders_to(script, name, write, tmp_path, monkeypatch):
+    """The bench's own writer, fed the committed measurements, records every field its renderer reads: the report it
+    writes is the one rendered from the JSON it writes (the machine fields are this machine's, so not compared with
+    the committed report)."""
+    module = rr._module(script)
+    monkeypatch.setattr(module, "RESULTS", tmp_path)
+    write(module, json.loads((RESULTS / f"{name}.json").read_text()))
+    md = (tmp_path / f"{name}.md").read_text()
+    assert md == rr.render(tmp_path / f"{name}.json")
