@@ -2,6 +2,7 @@
 
     python bench/atlas_cost.py              # → bench/results/atlas_cost_cpu.{json,md}
     python bench/atlas_cost.py --batch 4    # smaller measured batch (times scale linearly in the batch)
+    python bench/render_results.py bench/results/atlas_cost_cpu.json   # rewrite the .md from the .json only
 
 One LM training step (forward + backward of ``LanguageModel.loss``) at the learning bench's calibration size
 (d_model 64, 2 layers, 4 heads of dimension 16, vocabulary 128, T = 64), one torch thread, best of 2 after a
@@ -98,13 +99,20 @@ def main() -> None:
         if split is None:
             split = operator_split(model, ids)
         print(f"{label}: {s:.2f} s per step at batch {args.batch}", flush=True)
-    base = next(r for r in rows if r["model"] == "transformer")["seconds"]
     rate = matmul_rate() / 1e9
     out = {"batch": args.batch, "torch": torch.__version__, "machine": platform.machine(), "rows": rows,
            "bmm_gflops_per_s": rate,
            "atlas_operator_split": split, "command": f"python bench/atlas_cost.py --batch {args.batch}"}
     Path(args.out + ".json").write_text(json.dumps(out, indent=2))
-    lines = ["# ATLAS step cost on CPU", "", f"Command: `{out['command']}` (torch {torch.__version__}, one thread, "
+    Path(args.out + ".md").write_text(render(out))
+    print(f"wrote {args.out}.md")
+
+
+def render(out: dict) -> str:
+    """bench/results/atlas_cost_cpu.md from the raw record of :func:`main` (``atlas_cost_cpu.json``) alone."""
+    rows, batch, rate = out["rows"], out["batch"], out["bmm_gflops_per_s"]
+    base = next(r for r in rows if r["model"] == "transformer")["seconds"]
+    lines = ["# ATLAS step cost on CPU", "", f"Command: `{out['command']}` (torch {out['torch']}, one thread, "
              "process CPU seconds, best of 2 after a warm-up).", "",
              "One training step (forward + backward) at d_model 64, 2 layers, 4 heads of 16, T = 64, vocabulary 128.",
              "GFLOP = matmul-class operations of the step (forward + backward) at the measured batch; GFLOP/s = "
@@ -113,17 +121,16 @@ def main() -> None:
              "bound by its arithmetic; one far below it by per-operator overhead. \"At the bmm rate\" is the time "
              "the step's arithmetic alone would take at that rate: a floor that no engine on this core goes below.",
              "", "| model | s / step (batch %d) | s / 64-sequence step | × transformer | 600 steps at batch 64 |"
-             " GFLOP / step | GFLOP/s | 600 steps at batch 64, at the bmm rate | state (T = 64) |" % args.batch,
+             " GFLOP / step | GFLOP/s | 600 steps at batch 64, at the bmm rate | state (T = 64) |" % batch,
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['seconds']:.2f} | {r['per_64']:.1f} | {r['seconds'] / base:.0f} | "
                      f"{r['per_64'] * 600 / 3600:.1f} h | {r['flops'] / 1e9:.1f} | {r['gflops_per_s']:.1f} | "
-                     f"{r['flops'] * 64 / args.batch * 600 / (rate * 1e9) / 3600:.1f} h | {r['state']:,} |")
+                     f"{r['flops'] * 64 / batch * 600 / (rate * 1e9) / 3600:.1f} h | {r['state']:,} |")
     lines += ["", "ATLAS (the preset) by operator, share of the step's self CPU time:", "",
               "| operator | share | calls |", "|---|---|---|"]
-    lines += [f"| {e['op']} | {e['share']:.0%} | {e['calls']} |" for e in split]
-    Path(args.out + ".md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out}.md")
+    lines += [f"| {e['op']} | {e['share']:.0%} | {e['calls']} |" for e in out["atlas_operator_split"]]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python bench/chunked.py                 # full run (a few minutes on 2 CPU cores)
     python bench/chunked.py --quick         # smaller T grid
+    python bench/render_results.py bench/results/chunked_cpu.json   # rewrite the .md from the .json only
 
 Measures forward+backward time (best of repeats; process CPU seconds with one torch thread, so that other
 load on a shared machine distorts the ratios less; wall seconds and the load average are recorded too) and
@@ -182,49 +183,58 @@ def main() -> None:
     report(rows, titans_2k, gdn_issue, lengths, th, ns)
 
 
-def report(rows, titans_2k, gdn_issue, lengths, threads, ns):
+def summarise(rows, lengths) -> dict:
+    """Per spec (in the order measured): chunked seconds at each T, the speed-up over the recurrent reference at
+    the first two T, the exponent of chunked time in T over the last two measured T, the peak MB at the largest T."""
     def t(spec, mode, T):
-        for r in rows:
-            if r.get("spec") == spec and r["mode" if "mode" in r else "kind"] == mode and r["T"] == T:
-                return r.get("seconds")
-        return None
+        return next((r.get("seconds") for r in rows if r.get("spec") == spec and r.get("mode") == mode
+                     and r["T"] == T), None)
 
-    lines = ["# Chunked engine vs recurrent reference (CPU)", "",
-             f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads {threads}. "
-             "Command: `python bench/chunked.py`. B = 2, H = 4, D = 16; forward + backward; process CPU seconds, "
-             "best of 3 (recurrent: 1 run; the T = 2048 issue cases: best of 2).", "",
-             "| spec | " + " | ".join(f"chunked T={T} (s)" for T in lengths)
-             + " | " + " | ".join(f"speed-up T={T}" for T in lengths[:2])
-             + " | exponent (last two T) | peak MB at max T |",
-             "|---|" + "---|" * (len(lengths) + len(lengths[:2]) + 2)]
     summary = {}
-    for spec in SPECS:
+    for spec in dict.fromkeys(r["spec"] for r in rows if r["kind"] == "memory"):
         ch = [t(spec, "chunked", T) for T in lengths]
         ups = []
         for T in lengths[:2]:
             r, c = t(spec, "recurrent", T), t(spec, "chunked", T)
             ups.append(r / c if r and c else None)
         pts = [(T, s) for T, s in zip(lengths, ch) if s]
-        exp = fit_exponent(pts[-2:]) if len(pts) >= 2 else None
         peak = next((r.get("peak_extra_mb") for r in rows if r.get("spec") == spec and r.get("mode") == "chunked"
                      and r["T"] == lengths[-1]), None)
-        summary[spec] = {"chunked_s": ch, "speedup": ups, "exponent": exp, "peak_mb": peak}
-        fmt = lambda x, f: "—" if x is None else f.format(x)  # noqa: E731
-        lines.append(f"| {spec} | " + " | ".join(fmt(x, "{:.3f}") for x in ch) + " | "
-                     + " | ".join(fmt(x, "{:.1f}×") for x in ups)
-                     + f" | {fmt(exp, '{:.2f}')} | {fmt(peak, '{:.0f}')} |")
+        summary[spec] = {"chunked_s": ch, "speedup": ups, "exponent": fit_exponent(pts[-2:]) if len(pts) >= 2 else None,
+                         "peak_mb": peak}
+    return summary
+
+
+def render(out: dict) -> str:
+    """bench/results/chunked_cpu.md from the raw record of :func:`main` (``chunked_cpu.json``) alone."""
+    rows, lengths, ns = out["rows"], out["lengths"], out["ns"]
+    fmt = lambda x, f: "—" if x is None else f.format(x)  # noqa: E731
+    lines = ["# Chunked engine vs recurrent reference (CPU)", "",
+             f"Machine: {out['machine']}, {out['cpus']} cores, torch threads {out['threads']}. "
+             "Command: `python bench/chunked.py`. B = 2, H = 4, D = 16; forward + backward; process CPU seconds, "
+             "best of 3 (recurrent: 1 run; the T = 2048 issue cases: best of 2).", "",
+             "| spec | " + " | ".join(f"chunked T={T} (s)" for T in lengths)
+             + " | " + " | ".join(f"speed-up T={T}" for T in lengths[:2])
+             + " | exponent (last two T) | peak MB at max T |",
+             "|---|" + "---|" * (len(lengths) + len(lengths[:2]) + 2)]
+    summary = summarise(rows, lengths)
+    for spec, m in summary.items():
+        lines.append(f"| {spec} | " + " | ".join(fmt(x, "{:.3f}") for x in m["chunked_s"]) + " | "
+                     + " | ".join(fmt(x, "{:.1f}×") for x in m["speedup"])
+                     + f" | {fmt(m['exponent'], '{:.2f}')} | {fmt(m['peak_mb'], '{:.0f}')} |")
     sd = [next((r.get("seconds") for r in rows if r["kind"] == "sdpa" and r["T"] == T), None) for T in lengths]
-    loads = [r["load_average"] for r in rows + titans_2k + gdn_issue if r.get("load_average") is not None]
+    loads = [r["load_average"] for r in rows + out["titans_2048"] + out["gdn_2048_d32"]
+             if r.get("load_average") is not None]
     if loads:
         lines += ["", f"1-minute load average during the measurements: {min(loads):.1f}–{max(loads):.1f} "
                       f"(2 cores; above ~1 other processes shared the machine)."]
     lines += ["", "SDPA causal attention, same shapes (s): " + ", ".join(
         f"T={T}: {s:.4f}" for T, s in zip(lengths, sd) if s), ""]
-    tc, tr = (r.get("seconds") for r in titans_2k)
+    tc, tr = (r.get("seconds") for r in out["titans_2048"])
     if tc and tr:
         lines.append(f"Titans (MLP, momentum, b = 16, per-token read) at T = 2048: chunked {tc:.2f} s, recurrent "
                      f"{tr:.2f} s → {tr / tc:.1f}× (target ≥ 20×).")
-    gc, gr = (r.get("seconds") for r in gdn_issue)
+    gc, gr = (r.get("seconds") for r in out["gdn_2048_d32"])
     if gc:
         lines.append(f"Gated DeltaNet (b = 1) at B = 2, T = 2048, H = 4, D = 32: chunked {gc:.3f} s fwd+bwd"
                      + (f", recurrent {gr:.2f} s → {gr / gc:.0f}× (target ≥ 50×)" if gr else "")
@@ -234,15 +244,22 @@ def report(rows, titans_2k, gdn_issue, lengths, threads, ns):
         lines.append(f"Newton–Schulz-5 on {ns['N']} matrices of {ns['rows']}×{ns['cols']} (one Atlas chunk's per-token "
                      f"NS for one weight): {ns['ns_gflops']:.1f} GFLOP/s vs a batched matmul of the same shapes "
                      f"{ns['matmul_gflops']:.1f} GFLOP/s → {ns['ns_gflops'] / ns['matmul_gflops']:.0%} (target ≥ 50%).")
-    ca, cn = t("atlas", "chunked", lengths[0]), t("atlas_chunk_ns", "chunked", lengths[0])
+    ca, cn = (summary.get(s, {}).get("chunked_s", [None])[0] for s in ("atlas", "atlas_chunk_ns"))
     if ca and cn:
         lines.append(f"Atlas ns_granularity chunk (+ read chunk) vs per-token NS at T = {lengths[0]}, b = 16: "
                      f"{ca / cn:.1f}× faster (target ≥ 10×).")
+    return "\n".join(lines) + "\n"
+
+
+def report(rows, titans_2k, gdn_issue, lengths, threads, ns):
+    out = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "threads": threads,
+           "lengths": lengths, "rows": rows, "titans_2048": titans_2k, "ns": ns, "gdn_2048_d32": gdn_issue,
+           "summary": summarise(rows, lengths)}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "chunked_cpu.json").write_text(json.dumps({"rows": rows, "titans_2048": titans_2k, "ns": ns,
-                                                          "gdn_2048_d32": gdn_issue, "summary": summary}, indent=1))
-    (RESULTS / "chunked_cpu.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    (RESULTS / "chunked_cpu.json").write_text(json.dumps(out, indent=1))
+    md = render(out)
+    (RESULTS / "chunked_cpu.md").write_text(md)
+    print(md)
 
 
 if __name__ == "__main__":

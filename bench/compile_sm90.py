@@ -300,6 +300,14 @@ def markdown(results, per_kernel, arch: int, command: str, seconds: float, versi
     return "\n".join(lines) + "\n"
 
 
+def render(saved: dict) -> str:
+    """The markdown report from a results JSON alone (``compile_sm<arch>.json``: arch, command, seconds, versions,
+    date and every build); no recording or compiling."""
+    results = saved["builds"]
+    return markdown(results, summarise(results, saved["arch"]), saved["arch"], saved["command"], saved["seconds"],
+                    saved["versions"], saved["date"])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, default=90, help="compute capability × 10 (90: H100 / H200)")
@@ -334,11 +342,7 @@ def main(argv=None) -> int:
         return 0
 
     if args.report_only is not None:
-        saved = json.loads(args.report_only.read_text())
-        results = saved["builds"]
-        per_kernel = summarise(results, saved["arch"])
-        args.report_only.with_suffix(".md").write_text(markdown(results, per_kernel, saved["arch"], saved["command"],
-                                                                saved["seconds"], saved["versions"], saved["date"]))
+        args.report_only.with_suffix(".md").write_text(render(json.loads(args.report_only.read_text())))
         return 0
 
     start = time.perf_counter()

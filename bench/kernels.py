@@ -4,6 +4,7 @@
     python bench/kernels.py --dtype bf16 --quick # T ∈ {2K, 8K} on a GPU (< 3 min); T = 512 on CPU
     python bench/kernels.py --T 2048 8192 --heads 4 --dim 128 --dtype bf16
     python bench/kernels.py --dtype fp32 --tf32   # fp32 inputs with TF32 dots (torch's "high" matmul precision)
+    python bench/render_results.py bench/results/kernels_cpu.json   # rewrite the .md from the .json only
 
 Rows (each at every T; ``op`` / ``impl``):
 
@@ -834,38 +835,53 @@ def row_lines(rows) -> list:
     for r in rows:
         ms = None if r["seconds"] is None else r["seconds"] * 1e3
         lines.append(f"| {r['op']} | {r['impl']} | {r['T']} | {r['pass']} | {fmt(ms, '.2f')} | "
-                     f"{fmt(r['reps'], 'd')} | {fmt(r['tokens_per_s'], '.3g')} | {fmt(r['tflops'], '.3g')} | "
-                     f"{fmt(r['gate_ratio'], '.1e')} | {fmt(r['gate_T'], 'd')} | {r['note']} |")
+                     f"{fmt(r.get('reps'), 'd')} | {fmt(r['tokens_per_s'], '.3g')} | {fmt(r['tflops'], '.3g')} | "
+                     f"{fmt(r['gate_ratio'], '.1e')} | {fmt(r.get('gate_T'), 'd')} | {r['note']} |")
     return lines
 
 
 def write(rows, args, meta) -> Path:
     """``args.out``/kernels_<device>.{json,md}: meta, targets, throughput, every row; → the path stem."""
-    targets, tp = evaluate_targets(rows, args.T), throughput(rows, args.T)
+    out = {"meta": meta, "targets": evaluate_targets(rows, meta["T"]), "throughput": throughput(rows, meta["T"]),
+           "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"kernels_{meta['device']}"
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "targets": targets, "throughput": tp,
-                                                     "rows": rows}, indent=1))
+    stem.with_suffix(".json").write_text(json.dumps(out, indent=1))
+    md = render(out)
+    stem.with_suffix(".md").write_text(md)
+    print(md, end="")
+    print(f"wrote {stem}.json and {stem}.md")
+    return stem
+
+
+def render(out: dict) -> str:
+    """``kernels_<device>.md`` from its JSON alone: the rows and the run's settings in ``meta`` (targets and
+    throughput are recomputed from the rows). A setting the run did not record (a file written before it was) is
+    left out of the header, and a value a row lacks prints as —."""
+    meta, rows = out["meta"], out["rows"]
+    targets, tp = evaluate_targets(rows, meta["T"]), throughput(rows, meta["T"])
+    versions = ", ".join(f"{k} {meta[k]}" for k in ("torch", "triton", "fla") if k in meta)
+    wall = f"; {meta['wall_s']:.0f} s in all" if "wall_s" in meta else ""
+    precision = (f" (float32 matmul precision {meta['float32_matmul_precision']})"
+                 if "float32_matmul_precision" in meta else "")
+    budget = (f" (fewer once a row's {meta['row_budget']:g} s budget is spent: the reps column)"
+              if "row_budget" in meta else "")
     lines = [f"# Kernel benchmark on {meta['device_name']}", "",
-             f"`{meta['command']}` — torch {meta['torch']}, triton {meta['triton']}, fla {meta['fla']}, "
-             f"{meta['date']}; {meta['wall_s']:.0f} s in all.",
-             f"B = {args.batch}, H = {args.heads}, D = {args.dim}, dtype {args.dtype} (float32 matmul precision "
-             f"{meta['float32_matmul_precision']}); median of up to {args.reps} "
-             f"runs (fewer once a row's {args.row_budget:g} s budget is spent: the reps column).", ""]
+             f"`{meta['command']}` — {versions}, {meta['date']}{wall}.",
+             f"B = {meta['batch']}, H = {meta['heads']}, D = {meta['dim']}, dtype {meta['dtype']}{precision}; "
+             f"median of up to {meta['reps']} runs{budget}.", ""]
     if not meta["triton_timed"]:
+        shapes = f" ({meta['gate_shapes']}; ratios in the gate column)" if "gate_shapes" in meta else ""
         lines += ["**Triton kernels were NOT timed: no GPU.** On CPU Triton runs only in its interpreter "
                   "(~1000× slower than torch); its timings would say nothing about the kernels. Their "
-                  f"correctness gates ran in the interpreter on tiny shapes ({TINY}; ratios in the gate column); "
+                  f"correctness gates ran in the interpreter on tiny shapes{shapes}; "
                   "only the torch rows are timed, on CPU (shared cores: indicative).", ""]
     lines += target_lines(targets) + throughput_lines(tp) + row_lines(rows)
     lines += ["", "Model FLOPs per token·head, forward (backward = 2× forward, SDPA 2.5×): delta-rule chunk form "
               "6CK + 4CV + C²/3 + 6KV (C = 64); Omega window c: c × that; linear momentum 8KV + 4b(K + V); MLP "
               "memory (h = 4D) 16Dh + 4b(D + h); causal attention 2TD; Newton–Schulz 5·(4R²C + 2R³) per matrix; "
               "fused_recurrent forward 4KV. The momentum and MLP counts are approximate models."]
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"wrote {stem}.json and {stem}.md")
-    return stem
+    return "\n".join(lines) + "\n"
 
 
 def parse(argv=None):
@@ -917,7 +933,10 @@ def main(argv=None) -> None:
             "date": time.strftime("%Y-%m-%d %H:%M"),
             "command": "python bench/kernels.py " + " ".join(sys.argv[1:] if argv is None else argv),
             "wall_s": time.perf_counter() - args.start,
-            "triton_timed": any(r["impl"].startswith("triton") and r["seconds"] for r in rows)}
+            "triton_timed": any(r["impl"].startswith("triton") and r["seconds"] for r in rows),
+            "T": args.T, "batch": args.batch, "heads": args.heads, "dim": args.dim, "dtype": args.dtype,
+            "reps": args.reps, "row_budget": args.row_budget,
+            "gate_shapes": ", ".join(f"{k} = {v}" for k, v in TINY.items())}
     write(rows, args, meta)
 
 

@@ -382,6 +382,21 @@ def verdict_row(name: str, c: Dict[str, Any]) -> str:
 
 def write_report(data: Dict[str, Any], out: Path) -> str:
     """Write ``<out>.json`` and ``<out>.md`` from the bench's record; returns the markdown."""
+    md, summary, comparisons = report(data)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    Path(str(out) + ".json").write_text(json.dumps({**data, "summary": summary, "comparison": comparisons}, indent=1))
+    Path(str(out) + ".md").write_text(md)
+    return md
+
+
+def markdown(data: Dict[str, Any]) -> str:
+    """``<prefix>.md`` from the record ``<prefix>.json`` alone (bench/render_results.py)."""
+    return report(data)[0]
+
+
+def report(data: Dict[str, Any]) -> tuple:
+    """The report of a bench record (its ``runs``, setting, seeds, command; a stored ``summary`` / ``comparison``
+    is ignored and recomputed) → ``(markdown, summary, comparison)``, written nowhere."""
     refs_mod = _refs_module()
     s = data["setting"]
     runs = data["runs"]
@@ -456,11 +471,7 @@ def write_report(data: Dict[str, Any], out: Path) -> str:
             extra += f" (reused: {r['reused_from']})"
         wall = f", {r['wall_s']:.0f}s" if r.get("wall_s") is not None else ""
         lines.append(f"- {r['name']} seed {r['seed']}{extra}{wall}: {pts}")
-    md = "\n".join(lines) + "\n"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    Path(str(out) + ".json").write_text(json.dumps({**data, "summary": summary, "comparison": comparisons}, indent=1))
-    Path(str(out) + ".md").write_text(md)
-    return md
+    return "\n".join(lines) + "\n", summary, comparisons
 
 
 # --------------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
     python bench/peers.py --install      # pip install --no-deps the pinned peers into bench/.peers (not the venv)
     python bench/peers.py                # time them (and ours, same shapes) → bench/results/peers_cpu.{json,md}
+    python bench/render_results.py bench/results/peers_cpu.json   # rewrite the .md from the .json only
 
 The peers are no dependency of the project: they live in bench/.peers (git-ignored), which only the measuring
 subprocesses put on sys.path. fla's package root imports Triton kernels, so only the one file
@@ -233,10 +234,22 @@ def main() -> None:
 
 
 def report(check: dict, gdn: dict, titans: list) -> None:
+    out = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "fla_check": check,
+           "gdn_2048_d32": gdn, "titans": titans}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "peers_cpu.json").write_text(json.dumps(out, indent=1))
+    md = render(out)
+    (RESULTS / "peers_cpu.md").write_text(md)
+    print(md)
+
+
+def render(out: dict) -> str:
+    """bench/results/peers_cpu.md from the raw record of :func:`report` (``peers_cpu.json``) alone."""
+    check, gdn, titans = out["fla_check"], out["gdn_2048_d32"], out["titans"]
     fmt = lambda r: "—" if r.get("seconds") is None else f"{r['seconds']:.3f}"
     why = lambda r: f" ({r['skipped']})" if r.get("skipped") else ""
     lines = ["# External peers (CPU)", "",
-             (f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads 1. "
+             (f"Machine: {out['machine']}, {out['cpus']} cores, torch threads 1. "
               "Command: `python bench/peers.py` (after `python bench/peers.py --install`). Forward + backward, "
               "process CPU seconds, best of 3 after a warm-up, each in a fresh subprocess."), "",
              "## Gated DeltaNet, B = 2, T = 2048, H = 4, D = 32 (ours: b = 1, block 64; fla: chunk 64)", "",
@@ -279,11 +292,7 @@ def report(check: dict, gdn: dict, titans: list) -> None:
               "batch_size 16 refreshes the weights after each chunk (gradients at chunk-start weights, as ours); "
               "its default (None) takes every chunk's gradient at the initial weights: one parallel pass, a "
               "different model.")]
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "peers_cpu.json").write_text(json.dumps({"fla_check": check, "gdn_2048_d32": gdn,
-                                                        "titans": titans}, indent=1))
-    (RESULTS / "peers_cpu.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     python bench/search.py                  # parallel efficiency + overhead (~8 minutes on 2 CPU cores)
     python bench/search.py --trials 4 --steps 60   # quicker
     python bench/search.py --asha           # also: ASHA vs the full grid on hpo_atlas's space (long)
+    python bench/render_results.py bench/results/search_cpu.json   # rewrite the .md from the .json only
 
 Eight equal trials (a tiny Gated DeltaNet on MQAR, fixed steps, one CPU each) are run
 
@@ -112,8 +113,14 @@ def bench_parallel(trials: int, steps: int) -> dict:
     print("seq_nomlf", out["seq_nomlf"]["timings"], flush=True)
     out["par"] = run_driver(tiny_experiment("bench_par", trials, steps, 2), num_cpus=2)
     print("par", out["par"]["timings"], flush=True)
+    out["summary"] = parallel_summary(out, trials, steps)
+    return out
+
+
+def parallel_summary(out: dict, trials: int, steps: int) -> dict:
+    """Efficiency and overheads from the four runs' timings (``out``: plain, seq, seq_nomlf, par)."""
     fit = {k: out[k]["timings"]["fit_s"] for k in ("seq", "seq_nomlf", "par")}
-    out["summary"] = {
+    return {
         "trials": trials, "steps": steps,
         "parallel_efficiency": fit["seq"] / (2 * fit["par"]),
         "speedup_par_vs_seq": fit["seq"] / fit["par"],
@@ -124,7 +131,6 @@ def bench_parallel(trials: int, steps: int) -> dict:
         "fixed_overhead_s": {k: v for k, v in out["seq"]["timings"].items() if k != "fit_s"},
         "max_concurrent_trials_observed": out["par"]["max_overlap"],
     }
-    return out
 
 
 def bench_asha(steps: int) -> dict:
@@ -156,17 +162,27 @@ def bench_asha(steps: int) -> dict:
         out[name] = {"wall_s": time.time() - t0, "best_val_accuracy": best,
                      "steps": sum(int(r["metrics"].get("step") or 0) for r in recs), "trials": len(recs)}
         print(name, out[name], flush=True)
-    out["summary"] = {"steps_ratio": out["asha"]["steps"] / max(1, out["grid"]["steps"]),
-                      "asha_reaches_grid_best": out["asha"]["best_val_accuracy"] >= out["grid"]["best_val_accuracy"]
-                      - 1e-9}
+    out["summary"] = asha_summary(out)
     return out
+
+
+def asha_summary(out: dict) -> dict:
+    """ASHA's share of the grid's optimiser steps, and whether it kept the grid's best (``out``: grid, asha)."""
+    return {"steps_ratio": out["asha"]["steps"] / max(1, out["grid"]["steps"]),
+            "asha_reaches_grid_best": out["asha"]["best_val_accuracy"] >= out["grid"]["best_val_accuracy"] - 1e-9}
 
 
 def write(results: dict) -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "search_cpu.json").write_text(json.dumps(results, indent=2))
-    s = results["parallel"]["summary"]
+    (RESULTS / "search_cpu.md").write_text(render(results))
+
+
+def render(results: dict) -> str:
+    """bench/results/search_cpu.md from the raw record of :func:`main` (``search_cpu.json``) alone: the summaries
+    are recomputed from the runs' timings."""
     p = results["parallel"]
+    s = parallel_summary(p, p["summary"]["trials"], p["summary"]["steps"])
     lines = ["# Search driver on CPU: parallel efficiency and per-trial overhead", "",
              f"`{' '.join(['python bench/search.py'] + results['argv'])}` on {results['machine']} "
              f"({results['cpus']} CPUs, shared: load average recorded per run), Ray {results['ray']}, "
@@ -193,7 +209,7 @@ def write(results: dict) -> None:
              "The machine is shared with other work: an efficiency above 1 (or a negative overhead) means the load "
              "fell between runs; compare the load averages.", ""]
     if "asha" in results:
-        a = results["asha"]
+        a = {**results["asha"], "summary": asha_summary(results["asha"])}
         lines += ["## ASHA vs the full grid (hpo_atlas's model and task; space reduced to optimiser × window × "
                   "degree)", "",
                   "| run | trials | optimiser steps | best val/accuracy | wall (s) |", "|---|---|---|---|---|",
@@ -206,7 +222,7 @@ def write(results: dict) -> None:
     else:
         lines += ["ASHA vs grid on hpo_atlas: not run (`--asha`; ATLAS with Muon costs ~1 s per step on one CPU "
                   "core, so the full grid alone takes tens of minutes on 2 cores).", ""]
-    (RESULTS / "search_cpu.md").write_text("\n".join(lines))
+    return "\n".join(lines)
 
 
 def main(argv=None) -> None:
