@@ -80,10 +80,10 @@ def combine_objective(exp: ExperimentConfig, name: str, values: Mapping[str, Any
 
 def candidate_status(statuses: Mapping[str, str], settings: Sequence[str]) -> str:
     """A candidate's status from its settings' trials: failed (``error`` / ``diverged``) if one failed, else
-    ``pruned`` if one was stopped by the scheduler, ``unfinished`` while one has no final result, else
-    ``completed``."""
+    ``over_cost`` if one went over the step-cost bound (``train.max_step_time_s``), else ``pruned`` if one was
+    stopped by the scheduler, ``unfinished`` while one has no final result, else ``completed``."""
     got = [statuses.get(s, "unfinished") for s in settings]
-    for bad in ("error", "diverged"):
+    for bad in ("error", "diverged", "over_cost"):
         if bad in got:
             return bad
     if "pruned" in got:

@@ -49,6 +49,20 @@ from atlaslab.search.space import make_sampler, optuna_value, sample
 
 #: the user attribute of an Optuna trial whose draw was rejected before training (its reason)
 REJECTED_ATTR = "atlaslab_rejected"
+#: the user attribute of an Optuna trial whose training went over ``train.max_step_time_s`` (measured / bound − 1)
+OVER_COST_ATTR = "atlaslab_over_cost"
+
+
+def _over_cost(result: Dict[str, Any]) -> Optional[float]:
+    """How far a finished trial went over its step-cost bound (measured / bound − 1), or None when it did not end
+    as ``over_cost``."""
+    if result.get("status") != "over_cost":
+        return None
+    bound = result.get("max_step_time_s")
+    per_step = result.get("train_step_time_s")
+    if bound and per_step:
+        return max(float(per_step) / float(bound) - 1.0, 0.0)
+    return 0.0
 
 
 def _quiet_optuna():
@@ -86,6 +100,8 @@ class PartSearcher(Searcher):
         #: several settings: Optuna number → {"candidate": id, "results": {setting: outcome}} of draws not yet told
         self.draws: Dict[int, Dict[str, Any]] = {}
         self.where: Dict[str, str] = {}              # Tune trial id → its setting (several settings)
+        #: Optuna number → the asked trial of a draw in training (to mark it infeasible when it is over its cost)
+        self.asked: Dict[int, Any] = {}
 
     # -- Tune's interface -------------------------------------------------------------------------------------
     def set_search_properties(self, metric, mode, config, **spec) -> bool:
@@ -114,6 +130,7 @@ class PartSearcher(Searcher):
                         return Searcher.FINISHED
                     continue
                 self.in_a_row = 0
+                self.asked[ot.number] = ot
                 self.draws[ot.number] = {"candidate": trials[0]["candidate"], "results": {}}
                 self.queue.extend(trials[1:])
                 return self._start(trial_id, trials[0])
@@ -126,6 +143,7 @@ class PartSearcher(Searcher):
                     return Searcher.FINISHED
                 continue
             self.in_a_row = 0
+            self.asked[ot.number] = ot
             self.live[trial_id] = ot.number
             self.info[trial_id] = dict(trial.get("info") or {})
             trial["resolved_model"] = adm.resolved[trial["key"]]
@@ -139,11 +157,14 @@ class PartSearcher(Searcher):
         state = optuna.trial.TrialState
         values = self._values(trial_id, result or {})
         final = bool((result or {}).get("final"))
+        over = _over_cost(result or {}) if final and not error else None
         if self.multi:
-            self._setting_done(number, self.where.pop(trial_id, ""), values, final, error)
+            self._setting_done(number, self.where.pop(trial_id, ""), values, final, error, over)
             return
         try:
-            if error or values is None and final:
+            if over is not None:
+                self._tell_over_cost(number, over)
+            elif error or values is None and final:
                 self.study.tell(number, state=state.FAIL)
             elif values is None or (len(self.pairs) > 1 and not final):
                 self.study.tell(number, state=state.PRUNED)
@@ -151,6 +172,7 @@ class PartSearcher(Searcher):
                 self.study.tell(number, values if len(values) > 1 else values[0])
         except (RuntimeError, ValueError):           # already told (a resumed trial that completed twice)
             pass
+        self.asked.pop(number, None)
 
     def save(self, checkpoint_path: str) -> None:
         with open(checkpoint_path, "wb") as f:
@@ -188,14 +210,15 @@ class PartSearcher(Searcher):
         return {"trial": trial}
 
     def _setting_done(self, number: int, setting: str, values: Optional[List[float]], final: bool,
-                      error: bool) -> None:
+                      error: bool, over: Optional[float] = None) -> None:
         """Record one setting's outcome of draw ``number``; once every setting has one, tell Optuna the candidate:
-        FAIL if a setting failed (raised, diverged: final without a value), PRUNED if one stopped early (no final
-        result), else its objectives combined over the settings (:func:`~atlaslab.search.fitness.combine_objective`)."""
+        FAIL if a setting failed (raised, diverged: final without a value), infeasible if one was over its step-cost
+        bound (``train.max_step_time_s``), PRUNED if one stopped early (no final result), else its objectives
+        combined over the settings (:func:`~atlaslab.search.fitness.combine_objective`)."""
         draw = self.draws.get(number)
         if draw is None:
             return
-        draw["results"][setting] = {"values": values, "final": final, "error": bool(error)}
+        draw["results"][setting] = {"values": values, "final": final, "error": bool(error), "over_cost": over}
         if any(s not in draw["results"] for s in self.settings):
             return
         del self.draws[number]
@@ -203,8 +226,11 @@ class PartSearcher(Searcher):
         state = optuna.trial.TrialState
         outs = draw["results"].values()
         try:
-            if any(o["error"] or (o["values"] is None and o["final"]) for o in outs):
+            overs = [o["over_cost"] for o in outs if o.get("over_cost") is not None]
+            if any(o["error"] or (o["values"] is None and o["final"] and o.get("over_cost") is None) for o in outs):
                 self.study.tell(number, state=state.FAIL)
+            elif overs:
+                self._tell_over_cost(number, max(overs))
             elif any(o["values"] is None or not o["final"] for o in outs):
                 self.study.tell(number, state=state.PRUNED)
             else:
@@ -215,6 +241,7 @@ class PartSearcher(Searcher):
                     self.study.tell(number, combined if len(combined) > 1 else combined[0])
         except (RuntimeError, ValueError):           # already told (a resumed trial that completed twice)
             pass
+        self.asked.pop(number, None)
 
     def candidate_values(self, results: Dict[str, Dict[str, Any]]) -> Optional[List[float]]:
         """The candidate's objectives from its settings' values (``results``: setting → ``{"values": […]}``)."""
@@ -225,6 +252,18 @@ class PartSearcher(Searcher):
                 return None
             out.append(v)
         return out
+
+    def _tell_over_cost(self, number: int, excess: float) -> None:
+        """Tell draw ``number`` as infeasible, as a rejected draw is (placeholder values and a violated constraint,
+        which TPE and NSGA-II rank below every feasible trial), with the constraint ``over_cost`` = how far its step
+        time went over the bound (measured / bound − 1 > 0)."""
+        ot = self.asked.pop(number, None)
+        if ot is None:                               # asked before a restore that lost it: no score, no lesson
+            self.study.tell(number, state=_quiet_optuna().trial.TrialState.FAIL)
+            return
+        ot.set_user_attr(OVER_COST_ATTR, float(excess))
+        ot.set_constraint("over_cost", max(float(excess), 1e-9))
+        self.study.tell(ot, [0.0] * len(self.pairs) if len(self.pairs) > 1 else 0.0)
 
     def _too_many(self) -> bool:
         """Whether the rejections in a row reached ``search.max_rejections`` (the search then stops drawing)."""

@@ -9,6 +9,9 @@ metrics (``lm_eval/<task>/<metric>``) join the final report and the MLflow run. 
 and the trial's ``status``:
 
 * ``completed`` / ``early_stopped`` (the loop's threshold) — a finished trial;
+* ``over_cost`` — its training steps averaged more wall seconds than ``train.max_step_time_s`` at an evaluation:
+  reported with its test metrics, ``train_step_time_s`` and the bound; the searcher tells it to the sampler as
+  infeasible, and the report does not rank it;
 * ``diverged`` — a non-finite loss or gradient: reported (metric NaN, ``failed: 1``, ``message``) and
   marked FAILED in MLflow, without an exception, so Ray does not retry a deterministic failure.
 
@@ -255,7 +258,11 @@ def _final_result(result: TrainResult, settings: TrialSettings, trial: Mapping[s
              "setup_s": reporter.setup_s, "t_start": reporter.t_start, "t_end": time.time(), "node_id": _node_id(),
              "num_parameters": info.get("num_parameters", 0), "state_size": info.get("state_size", 0),
              # the search's step-cost objective: seconds of the training loop per step, evaluations included
-             "step_time_s": result.wall_time_s / max(1, result.steps)}
+             "step_time_s": result.wall_time_s / max(1, result.steps),
+             # the training steps alone, what train.max_step_time_s bounds (status over_cost above it)
+             "train_step_time_s": result.train_seconds / max(1, result.steps)}
+    if result.config.get("max_step_time_s") is not None:
+        final["max_step_time_s"] = result.config["max_step_time_s"]
     if result.resumed_from is not None:           # the step the loop resumed from (a restored trial)
         final["resumed_from"] = result.resumed_from
     if "workers" in result.model_info:           # trained on several Ray Train workers

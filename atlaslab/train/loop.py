@@ -87,6 +87,7 @@ class TrainResult:
     resumed_from: Optional[int] = None
     checkpoint_fallback: str = ""                 # set when resuming fell back from a torn checkpoint: what and why
     wall_time_s: float = 0.0
+    train_seconds: float = 0.0                    # wall seconds inside the training steps (no evaluations)
     config: Dict[str, Any] = field(default_factory=dict)
     task: Dict[str, Any] = field(default_factory=dict)
     model_info: Dict[str, Any] = field(default_factory=dict)
@@ -348,7 +349,8 @@ class _Run:
                            history=list(state["history"]), message=state["message"],
                            diverged_at=state["diverged_at"], resumed_from=self.resumed_from,
                            checkpoint_fallback=self.checkpoint_fallback,
-                           wall_time_s=state["elapsed"], config=self.cfg.to_dict(), task=self.task_info,
+                           wall_time_s=state["elapsed"], train_seconds=state.get("train_seconds", 0.0),
+                           config=self.cfg.to_dict(), task=self.task_info,
                            model_info=self.model_info, model=self.module)
 
     def save(self) -> None:

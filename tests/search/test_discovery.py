@@ -195,6 +195,34 @@ def test_rejected_draws_steer_tpe_away():
     assert bad < 0.25, (len(late), draws_late)
 
 
+def test_a_trial_over_its_step_cost_bound_is_told_as_infeasible(tmp_path):
+    """A trial that ended as over_cost (train.max_step_time_s) is told to Optuna as a rejected draw is: complete,
+    with the violated constraint ``over_cost`` = measured / bound − 1, so TPE ranks it below every feasible trial
+    (never as a score); the searcher saved mid-search and restored still tells its draws."""
+    from optuna.study._constrained_optimization import _CONSTRAINTS_KEY
+
+    from atlaslab.search.searcher import OVER_COST_ATTR, PartSearcher
+    exp = load_experiment(node=tiny("cost", search={"sampler": "tpe", "seed": 0, "space": dict(PARTS)},
+                                    num_samples=4))
+    s = PartSearcher(exp)
+    for i in range(3):
+        s.suggest(f"t{i}")
+    s.on_trial_complete("t0", {"val/accuracy": 0.9, "final": 1, "status": "over_cost", "train_step_time_s": 3.0,
+                               "max_step_time_s": 1.0})
+    s.save(str(tmp_path / "searcher.pkl"))
+    restored = PartSearcher(exp)
+    restored.restore(str(tmp_path / "searcher.pkl"))
+    restored.on_trial_complete("t1", {"val/accuracy": 0.5, "final": 1, "status": "completed"})
+    by_number = {t.number: t for t in restored.study.trials}
+    told = [t for t in by_number.values() if t.user_attrs.get(OVER_COST_ATTR) is not None]
+    assert len(told) == 1 and told[0].user_attrs[OVER_COST_ATTR] == pytest.approx(2.0)
+    assert told[0].state.name == "COMPLETE" and told[0].system_attrs[f"{_CONSTRAINTS_KEY}:over_cost"] == \
+        pytest.approx(2.0)
+    scored = [t for t in by_number.values() if t.state.name == "COMPLETE" and t.user_attrs.get(OVER_COST_ATTR) is None
+              and not t.user_attrs.get("atlaslab_rejected")]
+    assert [t.value for t in scored] == [0.5] and not restored.asked.get(scored[0].number)
+
+
 def test_enqueued_points_are_drawn_first_and_checked_naming_the_key():
     """search.enqueue: the listed points are the sampler's first draws, in order (keys left out are sampled); a point
     naming a key outside the space, a value that is not a choice, a number out of range or a conditional key whose

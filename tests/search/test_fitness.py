@@ -96,6 +96,24 @@ def test_searcher_trains_each_draw_on_every_setting_and_tells_the_mean():
     assert not s.draws and not s.queue
 
 
+def test_a_candidate_over_its_step_cost_on_one_setting_is_infeasible():
+    """One setting over train.max_step_time_s makes the candidate infeasible (constraint over_cost, the largest
+    excess over its settings), not a score; its status in the report is over_cost."""
+    from atlaslab.search.fitness import candidate_status
+    from atlaslab.search.searcher import OVER_COST_ATTR, PartSearcher
+    s = PartSearcher(load_experiment(node=suite()))
+    for i in range(2):
+        s.suggest(f"t{i}")
+    s.on_trial_complete("t0", _fake_result(0.8))
+    s.on_trial_complete("t1", dict(_fake_result(0.9), status="over_cost", train_step_time_s=0.5,
+                                   max_step_time_s=0.2))
+    t = s.study.trials[0]
+    assert t.state.name == "COMPLETE" and t.user_attrs[OVER_COST_ATTR] == pytest.approx(1.5)
+    assert not s.asked and not s.draws
+    assert candidate_status({"mqar": "completed", "recall": "over_cost"}, ["mqar", "recall"]) == "over_cost"
+    assert candidate_status({"mqar": "diverged", "recall": "over_cost"}, ["mqar", "recall"]) == "diverged"
+
+
 def test_a_draw_one_setting_rejects_is_rejected_naming_the_setting():
     """MAD's recall needs an even length; a draw with an odd one is rejected as a whole (its MQAR trial is never
     started), told to Optuna as infeasible, and its reason names the setting."""
