@@ -410,7 +410,7 @@ def report(data: Dict[str, Any]) -> tuple:
               f"process. Started {data['started']}."), "",
              (f"Setting `{data['setting_name']}`: MQAR vocab {s['vocab_size']}, T = {s['seq_len']}, "
               f"{s['num_kv_pairs']} key-value pairs; d_model {s['d_model']}, {s['num_layers']} layers; batch "
-              f"{s['batch_size']}, AdamW lr {s['lr']:g} (weight decay 0.1 on weight matrices, not norm gains, "
+              f"{s['batch_size']}, AdamW lr {s['lr']:g} ({_weight_decay_rule(runs)}, "
               "grad clip 1), "
               f"linear warm-up {s['warmup_steps']} steps then {s.get('schedule', 'constant')}; eval every "
               f"{s['eval_interval']} steps on "
@@ -523,6 +523,21 @@ def _find_previous(previous: Dict[str, Dict[str, Any]], job: Dict[str, Any],
     from atlaslab.train import revision_changes_training
     model, _ = build_model(job, job.get("model_config"))
     return None if revision_changes_training(rec.get("train_revision", 1), model) else rec
+
+
+#: what weight decay reached under each training-loop revision (atlaslab.train.TRAINING_REVISION)
+WEIGHT_DECAY_RULES = {1: "weight decay 0.1 on every parameter of 2 or more dims, per-head norm gains [H, D] included",
+                      2: "weight decay 0.1 on weight matrices, not norm gains"}
+
+
+def _weight_decay_rule(runs: List[Dict[str, Any]]) -> str:
+    """The weight-decay rule of the runs, by the training revision each recorded (none recorded: revision 1); runs of
+    several revisions name each rule with its revision."""
+    revs = sorted({int(r.get("train_revision", 1)) for r in runs})
+    if len(revs) == 1:
+        return f"{WEIGHT_DECAY_RULES[revs[0]]}: training revision {revs[0]}"
+    return "; ".join(f"training revision {v}: {WEIGHT_DECAY_RULES[v]}" for v in revs) + \
+        " — each run's revision is in the JSON"
 
 
 def _training_revision() -> int:
