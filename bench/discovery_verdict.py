@@ -171,10 +171,13 @@ def suite_tuned_presets(presets: Path) -> List[Tuple[str, float, float]]:
 
 
 #: the multi-task searches: name → (its committed search data, the verdict experiment's name, its held-out seeds,
-#: fixed in the search's experiment file before the search ran)
+#: fixed in the search's experiment file before the search ran, the committed data of the presets' tuning at its
+#: budget)
 SUITE_STUDIES = {
-    "suite": ("suite_search", "discovery_suite_verdict", [10, 11, 12]),
-    "suite_from_presets": ("suite_from_presets", "discovery_suite_from_presets_verdict", [20, 21, 22]),
+    "suite": ("suite_search", "discovery_suite_verdict", [10, 11, 12], "suite_presets"),
+    "suite_from_presets": ("suite_from_presets", "discovery_suite_from_presets_verdict", [20, 21, 22],
+                           "suite_presets"),
+    "suite_3200": ("suite_3200", "discovery_suite_3200_verdict", [30, 31, 32], "suite_presets_3200"),
 }
 
 
@@ -198,6 +201,9 @@ def suite_verdict_experiment(search: Path, presets: Path, name: str = "discovery
     exp = {k: base[k] for k in ("model", "tasks", "eval", "train", "budget", "metric", "mode", "max_concurrent",
                                 "max_failures", "resources", "report") if k in base}
     exp["budget"] = dict(tuning.get("budget") or base["budget"])    # the tuning's size_by (expansions too)
+    # a step-cost bound is the search's device for its sampler, not part of a model: the verdict trains every row
+    # to its end (the winner passed the bound in the search; a preset was tuned without one)
+    exp["train"] = {k: v for k, v in exp["train"].items() if k != "max_step_time_s"}
     exp.update({
         "name": name,
         "description": (f"The multi-task search's best candidate ({cid}, score {sc:.3f} on seed 0) and the presets at "
@@ -221,12 +227,12 @@ HEADER = """\
 
 def suite_header(study: str) -> str:
     """The written verdict file's header for a multi-task study of :data:`SUITE_STUDIES`."""
-    folder, name, seeds = SUITE_STUDIES[study]
+    folder, name, seeds, presets = SUITE_STUDIES[study]
     flag = "--suite" if study == "suite" else f"--suite {study}"
     search_file = "discovery_suite.yaml" if study == "suite" else f"discovery_{study}.yaml"
     return (f"# Written by `python bench/discovery_verdict.py {flag}` from the committed data of the multi-task "
             f"discovery search\n# (docs/results/discovery/{folder}/data) and of the presets' tuning on its settings\n"
-            f"# (docs/results/discovery/suite_presets/data); do not edit by hand. The best candidate and each preset "
+            f"# (docs/results/discovery/{presets}/data); do not edit by hand. The best candidate and each preset "
             f"at its tuned\n# learning rate, sized to the budget on every setting, retrained on the held-out seeds "
             f"{', '.join(map(str, seeds))} (fixed in\n# experiments/{search_file} before the search ran).\n#\n"
             f"#   atlaslab run experiments/{name}.yaml\n")
@@ -261,10 +267,9 @@ def main() -> None:
         print(f"wrote {out}: {len(exp['grid']['variants'])} trials")
         return
     if args.suite:
-        folder, name, seeds = SUITE_STUDIES[args.suite]
+        folder, name, seeds, tuned = SUITE_STUDIES[args.suite]
         search = Path(args.search if args.search != str(DATA / "search" / "data") else DATA / folder / "data")
-        presets = Path(args.presets if args.presets != str(DATA / "presets" / "data")
-                       else DATA / "suite_presets" / "data")
+        presets = Path(args.presets if args.presets != str(DATA / "presets" / "data") else DATA / tuned / "data")
         out = Path(args.out or ROOT / "experiments" / f"{name}.yaml")
         exp = suite_verdict_experiment(search, presets, name=name, seeds=seeds)
         out.write_text(suite_header(args.suite) + yaml.safe_dump(exp, sort_keys=False, width=120,
