@@ -17,7 +17,9 @@ The trial Tune starts carries the admitted trial (``{"trial": …}``, as a grid'
 exactly the sized, validated model. Objectives: the experiment's ``metric`` first, then ``search.objectives``
 (a reported metric, or ``state_size`` / ``num_parameters`` / ``step_time_s``, read from the trial's final
 result); with more than one, Optuna's study is multi-objective (TPE or NSGA-II) and a trial that did not finish
-(stopped by the scheduler, failed, diverged) is told as pruned / failed rather than with a partial value.
+(stopped by the scheduler, raised) is told as pruned / failed rather than with a partial value. A trial that
+diverged, or went over its step-cost bound (``train.max_step_time_s``), is told as infeasible (a violated
+constraint ``diverged`` / ``over_cost``), as a rejected draw is, so the sampler learns to avoid it.
 
 **Several settings** (``tasks: {setting: …}``): one draw is one *candidate* trained on every setting. The draw is
 turned into one trial per setting, each admitted and sized to the budget at its own sequence length; if any setting
@@ -25,7 +27,8 @@ rejects it, the whole draw is rejected (the reason names the setting). The first
 others wait in :attr:`PartSearcher.queue` and are handed out by the next ``suggest`` calls, before a new draw.
 When every setting's trial of a draw has ended, Optuna is told the candidate's objectives
 (:func:`atlaslab.search.fitness.combine_objective`: the score of ``search.score`` for the metric, the mean step
-time, the max state): FAIL if a setting's trial failed or diverged, PRUNED if one was stopped by the scheduler.
+time, the max state): FAIL if a setting's trial raised, infeasible if one diverged or went over its step-cost
+bound, PRUNED if one was stopped by the scheduler.
 The queue and the per-draw results (:attr:`PartSearcher.draws`) are saved with the searcher, so a resumed search
 finishes the draws it had started.
 """
@@ -51,6 +54,8 @@ from atlaslab.search.space import make_sampler, optuna_value, sample
 REJECTED_ATTR = "atlaslab_rejected"
 #: the user attribute of an Optuna trial whose training went over ``train.max_step_time_s`` (measured / bound − 1)
 OVER_COST_ATTR = "atlaslab_over_cost"
+#: the user attribute of an Optuna trial whose training diverged (a non-finite loss or gradient)
+DIVERGED_ATTR = "atlaslab_diverged"
 
 
 def _over_cost(result: Dict[str, Any]) -> Optional[float]:
@@ -158,12 +163,15 @@ class PartSearcher(Searcher):
         values = self._values(trial_id, result or {})
         final = bool((result or {}).get("final"))
         over = _over_cost(result or {}) if final and not error else None
+        diverged = final and not error and (result or {}).get("status") == "diverged"
         if self.multi:
-            self._setting_done(number, self.where.pop(trial_id, ""), values, final, error, over)
+            self._setting_done(number, self.where.pop(trial_id, ""), values, final, error, over, diverged)
             return
         try:
-            if over is not None:
-                self._tell_over_cost(number, over)
+            if diverged:
+                self._tell_infeasible(number, "diverged", 1.0)
+            elif over is not None:
+                self._tell_infeasible(number, "over_cost", over)
             elif error or values is None and final:
                 self.study.tell(number, state=state.FAIL)
             elif values is None or (len(self.pairs) > 1 and not final):
@@ -210,15 +218,16 @@ class PartSearcher(Searcher):
         return {"trial": trial}
 
     def _setting_done(self, number: int, setting: str, values: Optional[List[float]], final: bool,
-                      error: bool, over: Optional[float] = None) -> None:
+                      error: bool, over: Optional[float] = None, diverged: bool = False) -> None:
         """Record one setting's outcome of draw ``number``; once every setting has one, tell Optuna the candidate:
-        FAIL if a setting failed (raised, diverged: final without a value), infeasible if one was over its step-cost
+        FAIL if a setting raised (or ended without a value), infeasible if one diverged or was over its step-cost
         bound (``train.max_step_time_s``), PRUNED if one stopped early (no final result), else its objectives
         combined over the settings (:func:`~atlaslab.search.fitness.combine_objective`)."""
         draw = self.draws.get(number)
         if draw is None:
             return
-        draw["results"][setting] = {"values": values, "final": final, "error": bool(error), "over_cost": over}
+        draw["results"][setting] = {"values": values, "final": final, "error": bool(error), "over_cost": over,
+                                    "diverged": bool(diverged)}
         if any(s not in draw["results"] for s in self.settings):
             return
         del self.draws[number]
@@ -227,10 +236,13 @@ class PartSearcher(Searcher):
         outs = draw["results"].values()
         try:
             overs = [o["over_cost"] for o in outs if o.get("over_cost") is not None]
-            if any(o["error"] or (o["values"] is None and o["final"] and o.get("over_cost") is None) for o in outs):
+            told_why = [o for o in outs if o.get("over_cost") is not None or o.get("diverged")]
+            if any(o["error"] or (o["values"] is None and o["final"] and o not in told_why) for o in outs):
                 self.study.tell(number, state=state.FAIL)
+            elif any(o.get("diverged") for o in outs):
+                self._tell_infeasible(number, "diverged", 1.0)
             elif overs:
-                self._tell_over_cost(number, max(overs))
+                self._tell_infeasible(number, "over_cost", max(overs))
             elif any(o["values"] is None or not o["final"] for o in outs):
                 self.study.tell(number, state=state.PRUNED)
             else:
@@ -253,16 +265,18 @@ class PartSearcher(Searcher):
             out.append(v)
         return out
 
-    def _tell_over_cost(self, number: int, excess: float) -> None:
+    def _tell_infeasible(self, number: int, why: str, excess: float) -> None:
         """Tell draw ``number`` as infeasible, as a rejected draw is (placeholder values and a violated constraint,
-        which TPE and NSGA-II rank below every feasible trial), with the constraint ``over_cost`` = how far its step
-        time went over the bound (measured / bound − 1 > 0)."""
+        which TPE and NSGA-II rank below every feasible trial): ``why`` is ``diverged`` (a non-finite loss or
+        gradient: excess 1) or ``over_cost`` (excess = measured step time / bound − 1 > 0). A failed trial would be
+        ignored by both samplers, which then draw the same diverging combination again (the second multi-task
+        search drew one 10 times before this)."""
         ot = self.asked.pop(number, None)
         if ot is None:                               # asked before a restore that lost it: no score, no lesson
             self.study.tell(number, state=_quiet_optuna().trial.TrialState.FAIL)
             return
-        ot.set_user_attr(OVER_COST_ATTR, float(excess))
-        ot.set_constraint("over_cost", max(float(excess), 1e-9))
+        ot.set_user_attr(OVER_COST_ATTR if why == "over_cost" else DIVERGED_ATTR, float(excess))
+        ot.set_constraint(why, max(float(excess), 1e-9))
         self.study.tell(ot, [0.0] * len(self.pairs) if len(self.pairs) > 1 else 0.0)
 
     def _too_many(self) -> bool:

@@ -195,13 +195,13 @@ def test_rejected_draws_steer_tpe_away():
     assert bad < 0.25, (len(late), draws_late)
 
 
-def test_a_trial_over_its_step_cost_bound_is_told_as_infeasible(tmp_path):
+def test_a_trial_over_its_step_cost_bound_or_diverged_is_told_as_infeasible(tmp_path):
     """A trial that ended as over_cost (train.max_step_time_s) is told to Optuna as a rejected draw is: complete,
     with the violated constraint ``over_cost`` = measured / bound − 1, so TPE ranks it below every feasible trial
     (never as a score); the searcher saved mid-search and restored still tells its draws."""
     from optuna.study._constrained_optimization import _CONSTRAINTS_KEY
 
-    from atlaslab.search.searcher import OVER_COST_ATTR, PartSearcher
+    from atlaslab.search.searcher import DIVERGED_ATTR, OVER_COST_ATTR, PartSearcher
     exp = load_experiment(node=tiny("cost", search={"sampler": "tpe", "seed": 0, "space": dict(PARTS)},
                                     num_samples=4))
     s = PartSearcher(exp)
@@ -213,13 +213,16 @@ def test_a_trial_over_its_step_cost_bound_is_told_as_infeasible(tmp_path):
     restored = PartSearcher(exp)
     restored.restore(str(tmp_path / "searcher.pkl"))
     restored.on_trial_complete("t1", {"val/accuracy": 0.5, "final": 1, "status": "completed"})
+    restored.on_trial_complete("t2", {"val/accuracy": float("nan"), "final": 1, "status": "diverged", "failed": 1})
     by_number = {t.number: t for t in restored.study.trials}
     told = [t for t in by_number.values() if t.user_attrs.get(OVER_COST_ATTR) is not None]
     assert len(told) == 1 and told[0].user_attrs[OVER_COST_ATTR] == pytest.approx(2.0)
     assert told[0].state.name == "COMPLETE" and told[0].system_attrs[f"{_CONSTRAINTS_KEY}:over_cost"] == \
         pytest.approx(2.0)
+    diverged = [t for t in by_number.values() if t.user_attrs.get(DIVERGED_ATTR)]
+    assert len(diverged) == 1 and diverged[0].system_attrs[f"{_CONSTRAINTS_KEY}:diverged"] == 1.0
     scored = [t for t in by_number.values() if t.state.name == "COMPLETE" and t.user_attrs.get(OVER_COST_ATTR) is None
-              and not t.user_attrs.get("atlaslab_rejected")]
+              and not t.user_attrs.get(DIVERGED_ATTR) and not t.user_attrs.get("atlaslab_rejected")]
     assert [t.value for t in scored] == [0.5] and not restored.asked.get(scored[0].number)
 
 

@@ -88,7 +88,7 @@ def test_searcher_trains_each_draw_on_every_setting_and_tells_the_mean():
     states = [got[0]["info"]["state_size"], got[1]["info"]["state_size"]]
     assert t0.state.name == "COMPLETE" and t0.values == pytest.approx([0.6, 0.02, max(states)])
     s.on_trial_complete("t2", _fake_result(0.9))
-    s.on_trial_complete("t3", _fake_result(float("nan")))       # diverged: final, metric NaN
+    s.on_trial_complete("t3", _fake_result(float("nan")))       # final without a value (no status): failed
     assert s.study.trials[1].state.name == "FAIL"
     s.on_trial_complete("t4", _fake_result(0.9))
     s.on_trial_complete("t5", _fake_result(0.3, final=False))  # stopped by the scheduler
@@ -112,6 +112,23 @@ def test_a_candidate_over_its_step_cost_on_one_setting_is_infeasible():
     assert not s.asked and not s.draws
     assert candidate_status({"mqar": "completed", "recall": "over_cost"}, ["mqar", "recall"]) == "over_cost"
     assert candidate_status({"mqar": "diverged", "recall": "over_cost"}, ["mqar", "recall"]) == "diverged"
+
+
+def test_a_candidate_that_diverged_on_a_setting_is_infeasible_not_failed():
+    """A diverged setting (status diverged, metric NaN) makes the candidate infeasible (constraint ``diverged``), so
+    TPE learns to avoid the combination; a failed trial teaches it nothing (the second multi-task search drew one
+    diverging combination 10 times)."""
+    from optuna.study._constrained_optimization import _CONSTRAINTS_KEY
+
+    from atlaslab.search.searcher import DIVERGED_ATTR, PartSearcher
+    s = PartSearcher(load_experiment(node=suite()))
+    for i in range(2):
+        s.suggest(f"t{i}")
+    s.on_trial_complete("t0", _fake_result(0.8))
+    s.on_trial_complete("t1", dict(_fake_result(float("nan")), status="diverged", failed=1))
+    t = s.study.trials[0]
+    assert t.state.name == "COMPLETE" and t.user_attrs[DIVERGED_ATTR] == 1.0
+    assert t.system_attrs[f"{_CONSTRAINTS_KEY}:diverged"] == 1.0
 
 
 def test_a_draw_one_setting_rejects_is_rejected_naming_the_setting():
