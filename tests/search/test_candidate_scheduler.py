@@ -260,3 +260,80 @@ def test_driver_builds_candidate_asha_and_says_its_rungs():
     assert isinstance(sched, CandidateASHA) and sched.rungs == [10, 30] and sched.settings == ["mqar", "recall"]
     assert sched.score({"mqar": 0.8, "recall": 0.4}) == pytest.approx(0.6)        # search.score
     assert "candidates compared by score at steps 10, 30, the top 1/3 go on (candidate_asha)" in trial_table(p)
+
+
+#: the candidates of the end-to-end test, in order (search.enqueue): a good learning rate first, then two that learn
+#: too little to pass the first rung and one that passes it
+LRS = [1e-2, 1e-5, 3e-3, 1e-6]
+
+
+def test_candidate_asha_on_ray_end_to_end(local_ray, tmp_path):
+    """Four candidates on two settings (MQAR, in-context recall), one trial at a time (fewer slots than settings),
+    rungs at steps 5 and 10 of 20, judged on the mean validation loss: the run finishes (no deadlock), the candidates
+    that learn too little are stopped at a rung on both settings (pruned for the sampler, stopped early in the
+    report), the best candidate finishes every setting and the sampler is told its score; its first setting's trial
+    was paused at each rung and resumed from its checkpoint, and ends with the metrics of the same trial trained
+    without a pause (in this process, same seed)."""
+    import glob
+
+    import torch
+    from ray.tune import ExperimentAnalysis, ResultGrid
+    from ray.tune.stopper import TimeoutStopper
+
+    from atlaslab.search.build import build_trial
+    from atlaslab.search.driver import prepare, run
+    from atlaslab.train.loop import train
+    node = suite("cand", steps=20, num_samples=len(LRS), max_concurrent=1, eval={"interval": 5, "examples": 32},
+                 metric="val/loss", mode="min", tracking={"enabled": False},
+                 scheduler={"name": "candidate_asha", "grace_period": 5, "reduction_factor": 2},
+                 search={"sampler": "random", "seed": 0, "space": {"train.lr": LRS},
+                         "enqueue": [{"train.lr": lr} for lr in LRS]})
+    run_dir = tmp_path / "run"
+    summary = run(prepare(node=node), run_dir=run_dir, num_cpus=2, quiet=True, stop=TimeoutStopper(400))
+    recs = json.loads((run_dir / "results.json").read_text())
+    assert summary["status"] == "finished" and summary["trials"] == 8 and summary["failed"] == 0, \
+        (summary, [(r["key"], r["status"], r["message"]) for r in recs])
+    by = {}
+    for r in recs:
+        by.setdefault(r["candidate"], {})[r["setting"]] = r
+    status = {c: {s: r["status"] for s, r in v.items()} for c, v in by.items()}
+    lr = {c: v["mqar"]["params"]["train.lr"] for c, v in by.items()}
+    assert [lr[c] for c in sorted(lr)] == LRS
+    rec = json.loads((run_dir / "candidate_rungs.json").read_text())
+    assert rec["rungs"] == [5, 10]
+    stopped = [c for c, v in rec["candidates"].items() if v["status"] == "stopped"]
+    assert "c001" in stopped and "c003" in stopped and "c000" not in stopped
+    for c in stopped:                       # stopped at a rung on both settings, never trained to the end
+        assert set(status[c].values()) == {"pruned"}
+        assert all(r["metrics"]["step"] < 20 for r in by[c].values())
+    assert status["c000"] == {"mqar": "completed", "recall": "completed"}
+    assert rec["candidates"]["c000"]["rung"] == 2                  # judged at both rungs, went on
+    report = (run_dir / "report.md").read_text()
+    n_pruned = sum(s == "pruned" for v in status.values() for s in v.values())
+    assert f"{n_pruned} stopped early" in report
+    with open(glob.glob(str(run_dir / "ray" / "tune" / "searcher-state-*.pkl"))[-1], "rb") as f:
+        study = pickle.load(f)["study"]
+    told = {f"c{t.number:03d}": t for t in study.trials}
+    for c, v in status.items():
+        if set(v.values()) == {"completed"}:
+            mean = (by[c]["mqar"]["metrics"]["val/loss"] + by[c]["recall"]["metrics"]["val/loss"]) / 2
+            assert told[c].state.name == "COMPLETE" and told[c].value == pytest.approx(mean)
+        else:
+            assert told[c].state.name == "PRUNED"
+    # one slot: c000's MQAR trial waited at step 5 for its recall trial, which then waited at step 10 for it; each
+    # was resumed from the checkpoint of its rung and ends as the same trial trained without a pause
+    assert by["c000"]["mqar"]["metrics"]["resumed_from"] == 5
+    assert by["c000"]["recall"]["metrics"]["resumed_from"] == 10
+    grid = ResultGrid(ExperimentAnalysis(str(run_dir / "ray" / "tune")))
+    configs = {r.config["trial"]["key"]: r.config["trial"] for r in grid}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)                # as the trial (cpus_per_trial 1)
+    try:
+        for paused in by["c000"].values():
+            task, tcfg, model = build_trial(configs[paused["key"]])
+            ref = train(model, task, tcfg)
+            assert ref.steps == 20 and ref.resumed_from is None
+            for k in ("val/loss", "val/accuracy", "train/loss"):
+                assert paused["metrics"][k] == ref.metrics[k], (paused["setting"], k)
+    finally:
+        torch.set_num_threads(threads)
