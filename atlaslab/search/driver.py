@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import datetime as _dt
+import functools
 import json
 import math
 import os
@@ -54,7 +55,7 @@ from atlaslab.registry.config import BASE_DIR_ENV
 from atlaslab.search import tracking as T
 from atlaslab.search.admission import Admission, preflight
 from atlaslab.search.expand import Prepared, expand_grid, protocol_points
-from atlaslab.search.fitness import is_multi
+from atlaslab.search.fitness import is_multi, score
 from atlaslab.search.formatting import fmt_value, human_count
 from atlaslab.search.report import write_report
 from atlaslab.search.results import RESULTS_NAME, WAITING, collect, read_rejected, read_state, saved_statuses
@@ -264,14 +265,12 @@ def _scheduler(exp: ExperimentConfig, max_concurrent: int = 1, run_dir: Optional
     steps = int(exp.train.get("steps", 1000)) if isinstance(exp.train, Mapping) else 1000
     interval = max(1, int(exp.eval.interval or steps))
     if s.name == "candidate_asha":
-        from functools import partial
-
-        from atlaslab.search.fitness import score
         from atlaslab.search.schedulers import CandidateASHA
-        return CandidateASHA(list(exp.settings()), partial(score, exp), exp.metric, exp.mode,
+        return CandidateASHA(list(exp.settings()), functools.partial(score, exp), exp.metric, exp.mode,
                              grace_period=s.grace_period or interval, reduction_factor=s.reduction_factor,
                              max_t=s.max_t or steps, max_concurrent=max_concurrent,
-                             state_path=None if run_dir is None else str(Path(run_dir).resolve() / CANDIDATE_RUNGS_NAME))
+                             state_path=None if run_dir is None else str(Path(run_dir).resolve()
+                                                                         / CANDIDATE_RUNGS_NAME))
 
     def make():
         return ASHAScheduler(time_attr="step", metric=exp.metric, mode=exp.mode, max_t=s.max_t or steps,

@@ -162,8 +162,8 @@ class CandidateASHA(FIFOScheduler):
     """Asynchronous successive halving over search candidates, a candidate's settings paused at each rung until all
     of them reached it (see the module docstring).
 
-    ``settings``: the experiment's setting names; ``score``: setting → metric value ↦ the candidate's score (or None),
-    :func:`atlaslab.search.fitness.score`; ``metric`` / ``mode``: what each trial reports and its direction;
+    ``settings``: the experiment's setting names; ``score``: setting → metric value ↦ the candidate's score (or
+    None), :func:`atlaslab.search.fitness.score`; ``metric`` / ``mode``: what each trial reports and its direction;
     ``grace_period``, ``reduction_factor``, ``max_t``: the rungs (:func:`rungs`); ``max_concurrent``: how many trials
     may run at once (a paused one resumes only in a free slot); ``state_path``: the JSON file of its record (resume).
 
@@ -382,7 +382,10 @@ class CandidateASHA(FIFOScheduler):
             if trial is current or tune_controller is None:
                 continue
             if trial.status == "PAUSED" or getattr(trial, "is_saving", False):
+                paused = trial.status == "PAUSED"
                 tune_controller.stop_trial(trial)
+                if paused:
+                    _mark_for_checkpoint(tune_controller, trial)
 
     def _forget(self, trial: Any) -> None:
         self.held.discard(trial.trial_id)
@@ -441,6 +444,18 @@ class CandidateLimiter(ConcurrencyLimiter):
 
     def set_state(self, state: Dict) -> None:
         self.__dict__.update({k: v for k, v in state.items() if k not in ("searcher", "gate")})
+
+
+def _mark_for_checkpoint(tune_controller: Any, trial: Any) -> None:
+    """Have Tune save ``trial``'s status with its next experiment checkpoint. Ray 2.60's controller does not when it
+    stops a trial that is PAUSED (it has no actor, so the stop returns before marking it): its saved status stays
+    PAUSED, and a finished sweep reads as interrupted (the end-to-end test, with Tune saving its experiment at every
+    step, shows it every time without this). The scheduler
+    gets Tune's controller wrapped; the wrapper keeps the controller itself as ``_tune_controller``."""
+    inner = getattr(tune_controller, "__dict__", {}).get("_tune_controller", tune_controller)
+    mark = getattr(type(inner), "_mark_trial_to_checkpoint", None)
+    if mark is not None:
+        mark(inner, trial)
 
 
 def _number(v: Any) -> Optional[float]:

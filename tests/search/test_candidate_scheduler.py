@@ -26,6 +26,10 @@ class Controller:
     def __init__(self):
         self.trials = []
         self.stopped = []
+        self.marked = []
+
+    def _mark_trial_to_checkpoint(self, trial):     # Tune saves the trial's status with its next checkpoint
+        self.marked.append(trial.trial_id)
 
     def get_trials(self):
         return self.trials
@@ -89,7 +93,7 @@ def test_a_candidate_waits_at_a_rung_for_every_setting_then_goes_on_or_stops_on_
     c1a, c1b = add(sched, ctl, "c1", "a"), add(sched, ctl, "c1", "b")
     assert report(sched, ctl, c1a, 1, 0.2) == PAUSE
     assert report(sched, ctl, c1b, 1, 0.1) == STOP           # 0.15 < 0.7 (the median of the earlier score)
-    assert ctl.stopped == ["c1-a"] and c1a.status == "TERMINATED"
+    assert ctl.stopped == ["c1-a"] and c1a.status == "TERMINATED" and ctl.marked == ["c1-a"]
     assert sched.cands["c1"]["status"] == "stopped" and sched.cands["c1"]["scores"] == {"1": pytest.approx(0.15)}
     c2a, c2b = add(sched, ctl, "c2", "a"), add(sched, ctl, "c2", "b")
     assert report(sched, ctl, c2b, 1, 0.9) == PAUSE          # any setting may arrive first
@@ -220,7 +224,7 @@ def test_the_record_survives_a_resume(tmp_path):
     resume keeps its result there and pauses again, and the candidate is judged against the rung's earlier scores."""
     path = tmp_path / "candidate_rungs.json"
     sched, ctl = make(state_path=str(path))
-    blob = pickle.dumps(sched)                              # the Tuner pickles its scheduler (cloudpickle) before the run
+    blob = pickle.dumps(sched)                              # as the Tuner pickles it (cloudpickle) before the run
     t = {(c, s): add(sched, ctl, c, s) for c in ("c0", "c1") for s in ("a", "b")}
     report(sched, ctl, t["c0", "a"], 1, 0.9)
     report(sched, ctl, t["c0", "b"], 1, 0.9)
@@ -267,7 +271,7 @@ def test_driver_builds_candidate_asha_and_says_its_rungs():
 LRS = [1e-2, 1e-5, 3e-3, 1e-6]
 
 
-def test_candidate_asha_on_ray_end_to_end(local_ray, tmp_path):
+def test_candidate_asha_on_ray_end_to_end(local_ray, tmp_path, monkeypatch):
     """Four candidates on two settings (MQAR, in-context recall), one trial at a time (fewer slots than settings),
     rungs at steps 5 and 10 of 20, judged on the mean validation loss: the run finishes (no deadlock), the candidates
     that learn too little are stopped at a rung on both settings (pruned for the sampler, stopped early in the
@@ -283,6 +287,8 @@ def test_candidate_asha_on_ray_end_to_end(local_ray, tmp_path):
     from atlaslab.search.build import build_trial
     from atlaslab.search.driver import prepare, run
     from atlaslab.train.loop import train
+    # Tune saves its experiment at every step: a trial stopped while paused must be saved as stopped, not paused
+    monkeypatch.setenv("TUNE_GLOBAL_CHECKPOINT_S", "0")
     node = suite("cand", steps=20, num_samples=len(LRS), max_concurrent=1, eval={"interval": 5, "examples": 32},
                  metric="val/loss", mode="min", tracking={"enabled": False},
                  scheduler={"name": "candidate_asha", "grace_period": 5, "reduction_factor": 2},
