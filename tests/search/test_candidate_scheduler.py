@@ -3,11 +3,13 @@ paused at the rung until all of them reached it (:class:`atlaslab.search.schedul
 
 The decision tests feed fake trials and results to the scheduler, with a fake Tune controller that records what the
 scheduler stops; one test runs a tiny search on Ray end to end."""
+import glob
 import json
 import ray.cloudpickle as pickle
 import types
 
 import pytest
+from ray.tune import Stopper
 from ray.tune.schedulers import TrialScheduler
 
 from atlaslab.registry import ConfigError
@@ -278,8 +280,6 @@ def test_candidate_asha_on_ray_end_to_end(local_ray, tmp_path, monkeypatch):
     report), the best candidate finishes every setting and the sampler is told its score; its first setting's trial
     was paused at each rung and resumed from its checkpoint, and ends with the metrics of the same trial trained
     without a pause (in this process, same seed)."""
-    import glob
-
     import torch
     from ray.tune import ExperimentAnalysis, ResultGrid
     from ray.tune.stopper import TimeoutStopper
@@ -343,3 +343,59 @@ def test_candidate_asha_on_ray_end_to_end(local_ray, tmp_path, monkeypatch):
                 assert paused["metrics"][k] == ref.metrics[k], (paused["setting"], k)
     finally:
         torch.set_num_threads(threads)
+
+
+class InterruptAtStep(Stopper):
+    """Ctrl-C (SIGINT to this process) at the first result of ``step`` (once: a flag file keeps it from firing again
+    in the restored experiment, which unpickles the stopper)."""
+
+    def __init__(self, flag, step):
+        self.flag, self.step = str(flag), step
+
+    def __call__(self, trial_id, result):
+        import os
+        import signal
+        if result.get("step") == self.step and result.get("final") != 1 and not os.path.exists(self.flag):
+            open(self.flag, "w").write("fired")
+            os.kill(os.getpid(), signal.SIGINT)
+        return False
+
+    def stop_all(self):
+        return False
+
+
+@pytest.mark.slow
+def test_a_candidate_asha_search_interrupted_with_paused_trials_resumes(local_ray, tmp_path):
+    """Ctrl-C when the first candidate's recall trial reports step 10 (its MQAR trial paused at step 5, released),
+    then `resume`: Tune restarts the paused trials from their checkpoints, the scheduler reads its record back, and
+    the sweep finishes with the first candidate trained to the end on both settings and told its score, the weak
+    candidates stopped at the rung on both settings, every trial once."""
+
+    from atlaslab.search.driver import prepare, resume, run
+    node = suite("cand_resume", steps=20, num_samples=len(LRS), max_concurrent=1,
+                 eval={"interval": 5, "examples": 32}, metric="val/loss", mode="min", tracking={"enabled": False},
+                 scheduler={"name": "candidate_asha", "grace_period": 5, "reduction_factor": 2},
+                 search={"sampler": "random", "seed": 0, "space": {"train.lr": LRS},
+                         "enqueue": [{"train.lr": lr} for lr in LRS]})
+    run_dir = tmp_path / "run"
+    s1 = run(prepare(node=node), run_dir=run_dir, num_cpus=2, quiet=True, stop=InterruptAtStep(tmp_path / "f", 10))
+    assert s1["status"] == "interrupted"
+    before = json.loads((run_dir / "candidate_rungs.json").read_text())
+    assert before["candidates"]["c000"]["rung"] == 1 and before["recorded"] == {"5": {"c000": pytest.approx(
+        -before["candidates"]["c000"]["scores"]["5"])}}
+    s2 = resume(run_dir, quiet=True)
+    recs = json.loads((run_dir / "results.json").read_text())
+    assert s2["status"] == "finished" and s2["trials"] == 8 and s2["failed"] == 0, \
+        (s2, [(r["key"], r["status"], r["message"]) for r in recs])
+    assert len({r["key"] for r in recs}) == 8
+    status = {}
+    for r in recs:
+        status.setdefault(r["candidate"], {})[r["setting"]] = r["status"]
+    rec = json.loads((run_dir / "candidate_rungs.json").read_text())
+    assert status["c000"] == {"mqar": "completed", "recall": "completed"} and rec["candidates"]["c000"]["rung"] == 2
+    for c in ("c001", "c003"):
+        assert rec["candidates"][c]["status"] == "stopped" and set(status[c].values()) == {"pruned"}
+    with open(sorted(glob.glob(str(run_dir / "ray" / "tune" / "searcher-state-*.pkl")))[-1], "rb") as f:
+        study = pickle.load(f)["study"]
+    told = {f"c{t.number:03d}": t.state.name for t in study.trials}
+    assert told["c000"] == "COMPLETE" and told["c001"] == told["c003"] == "PRUNED"
