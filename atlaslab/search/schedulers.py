@@ -191,13 +191,12 @@ class CandidateASHA(FIFOScheduler):
     def _runtime(self) -> None:
         """What lives only in this process: the Tune trials (they are re-added on a resume)."""
         self.trials: Dict[str, Dict[str, Any]] = {}     # candidate → setting → Tune trial
-        self.held: Set[str] = set()                     # trial ids paused until their candidate's decision
-        self.released: Set[str] = set()                 # trial ids paused whose candidate went on: to resume
+        self.held: Set[str] = set()                     # trial ids told to pause until their candidate's decision
         self.by_id: Dict[str, Any] = {}
         self._loaded = False
 
     def __getstate__(self) -> Dict[str, Any]:
-        state = {k: v for k, v in self.__dict__.items() if k not in ("trials", "held", "released", "by_id")}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("trials", "held", "by_id")}
         state["_loaded"] = False
         return state
 
@@ -223,7 +222,6 @@ class CandidateASHA(FIFOScheduler):
     def on_trial_result(self, tune_controller, trial, result: Dict) -> str:
         cid, setting = self._key(trial)
         c = self.cands.setdefault(cid, self._new())
-        self.released.discard(trial.trial_id)
         if c["status"] != GOING:
             self.held.discard(trial.trial_id)
             return TrialScheduler.STOP
@@ -271,7 +269,7 @@ class CandidateASHA(FIFOScheduler):
 
     def choose_trial_to_run(self, tune_controller) -> Optional[Any]:
         """A pending trial first (a candidate's siblings get to run), else, in a free slot, a paused trial whose
-        candidate went on; never a trial that waits for its candidate's decision."""
+        candidate went on (:meth:`_may_resume`); never a trial that waits for its candidate's decision."""
         trials = tune_controller.get_trials()
         for trial in trials:
             if trial.status == "PENDING":
@@ -279,7 +277,7 @@ class CandidateASHA(FIFOScheduler):
         if self.active(trials) >= self.max_concurrent:
             return None
         for trial in trials:
-            if trial.status == "PAUSED" and trial.trial_id in self.released:
+            if self._may_resume(trial):
                 return trial
         return None
 
@@ -287,6 +285,23 @@ class CandidateASHA(FIFOScheduler):
         n = {s: sum(c["status"] == s for c in self.cands.values()) for s in (GOING, STOPPED, FAILED, ENDED)}
         return (f"CandidateASHA: rungs {self.rungs}, candidates {n}, {len(self.held)} trials waiting at a rung, "
                 f"{len(self.released)} to resume")
+
+    @property
+    def released(self) -> Set[str]:
+        """Ids of the paused trials that may resume (:meth:`_may_resume`)."""
+        return {i for i, t in self.by_id.items() if self._may_resume(t)}
+
+    def _may_resume(self, trial: Any) -> bool:
+        """Whether ``trial`` is paused and may resume: its candidate went on past the rung it waited at. This is read
+        from the record, not from what this scheduler told Tune, so a trial Tune paused on its own also resumes (Ray
+        2.60 saves a pending PAUSE with its experiment and applies it to the trial's first result after a resume). A
+        paused trial of an ended candidate resumes too, to be stopped at its first result (one is stopped at once
+        when its candidate ends; this only catches a pause that came later)."""
+        if trial.status != "PAUSED":
+            return False
+        cid, setting = self._key(trial)
+        c = self.cands.get(cid)
+        return c is None or c["status"] != GOING or not self._waits(c, setting)
 
     def save(self, checkpoint_path: str) -> None:
         with open(checkpoint_path, "wb") as f:
@@ -299,11 +314,11 @@ class CandidateASHA(FIFOScheduler):
     # -- for the limiter --------------------------------------------------------------------------------------
     def idle(self) -> Set[str]:
         """Trial ids that are paused (or being paused) by this scheduler: they hold no slot."""
-        return set(self.held) | {i for i in self.released if getattr(self.by_id.get(i), "status", "") == "PAUSED"}
+        return set(self.held) | {i for i, t in self.by_id.items() if t.status == "PAUSED"}
 
     def resuming(self) -> bool:
         """Whether a paused trial whose candidate went on waits for a slot (it goes before any new trial)."""
-        return any(getattr(self.by_id.get(i), "status", "") == "PAUSED" for i in self.released)
+        return any(self._may_resume(t) for t in self.by_id.values())
 
     def active(self, trials: Sequence[Any]) -> int:
         """How many of ``trials`` run or wait to start (a trial being paused does not count)."""
@@ -353,10 +368,8 @@ class CandidateASHA(FIFOScheduler):
                 self.held.add(tid)
                 if trial is current:
                     action = TrialScheduler.PAUSE
-            elif tid in self.held:
-                self.held.discard(tid)
-                if trial is not current:
-                    self.released.add(tid)
+            else:
+                self.held.discard(tid)                # resumed by choose_trial_to_run once it is paused
         self._save()
         return action
 
@@ -378,7 +391,6 @@ class CandidateASHA(FIFOScheduler):
         for trial in list(self.trials.get(cid, {}).values()):
             tid = trial.trial_id
             self.held.discard(tid)
-            self.released.discard(tid)
             if trial is current or tune_controller is None:
                 continue
             if trial.status == "PAUSED" or getattr(trial, "is_saving", False):
@@ -389,7 +401,6 @@ class CandidateASHA(FIFOScheduler):
 
     def _forget(self, trial: Any) -> None:
         self.held.discard(trial.trial_id)
-        self.released.discard(trial.trial_id)
 
     # -- the record (resume) ----------------------------------------------------------------------------------
     def record(self) -> Dict[str, Any]:
