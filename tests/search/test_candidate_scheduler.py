@@ -168,6 +168,27 @@ def test_a_paused_trial_is_never_resumed_before_its_candidate_is_decided_and_pen
     assert lim.gate is sched
 
 
+def test_a_trial_paused_by_tune_on_its_own_is_resumed():
+    """Ray 2.60 saves a pending PAUSE with its experiment and applies it after a resume: a trial this scheduler never
+    held ends up paused. It is resumed since its candidate does not wait for it (read from the record), and so is a
+    late-paused trial of a stopped candidate (stopped at its first result); a waiting one is not."""
+    sched, ctl = make(max_concurrent=1)
+    a, b = add(sched, ctl, "c0", "a"), add(sched, ctl, "c0", "b")
+    assert report(sched, ctl, a, 1, 0.5) == PAUSE
+    assert report(sched, ctl, b, 1, 0.5) == CONT
+    assert report(sched, ctl, b, 2, 0.6) == PAUSE            # b waits at rung 2 for a
+    a.status = "RUNNING"
+    assert report(sched, ctl, a, 2, 0.7) == CONT and sched.choose_trial_to_run(ctl) is None   # a runs in the slot
+    assert report(sched, ctl, a, 3, 0.7) == CONT
+    a.status = "PAUSED"                                      # Tune paused it on its own
+    assert sched.choose_trial_to_run(ctl) in (a, b) and sched.released == {"c0-a", "c0-b"}
+    c, d = add(sched, ctl, "c1", "a"), add(sched, ctl, "c1", "b")
+    assert report(sched, ctl, c, 1, 0.9) == PAUSE
+    assert "c1-a" not in sched.released                     # waits for c1-b
+    sched.cands["c1"]["status"] = "stopped"
+    assert "c1-a" in sched.released and report(sched, ctl, c, 2, 0.9) == STOP
+
+
 def test_a_failing_or_diverging_setting_fails_its_candidate_and_releases_the_waiting_ones():
     """A setting that raises (Tune's final error) or diverges (a final result marked failed) fails the candidate:
     its paused siblings are stopped at once, a running one at its next result. Tune's retry of a raising trial
