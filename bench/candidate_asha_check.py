@@ -60,6 +60,8 @@ def main(argv=None) -> int:
     ap.add_argument("--interval", type=int, default=10)
     ap.add_argument("--grace", type=int, default=10)
     ap.add_argument("--rf", type=float, default=3.0)
+    ap.add_argument("--full-from", default="", help="a run folder of the full budget to reuse (the same search with "
+                    "scheduler none, e.g. <an earlier --out>/full) instead of running it again")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -69,8 +71,13 @@ def main(argv=None) -> int:
                          ("full", {"name": "none"})):
         p = prepare(node=experiment(f"check_{label}", sched, args.samples, args.steps, args.interval))
         t0 = time.time()
-        summary = run(p, run_dir=out / label, num_cpus=1, quiet=True)
-        recs = json.loads((out / label / "results.json").read_text())
+        folder = out / label
+        if label == "full" and args.full_from:
+            folder = Path(args.full_from)
+            summary = json.loads((folder / "state.json").read_text())
+        else:
+            summary = run(p, run_dir=folder, num_cpus=1, quiet=True)
+        recs = json.loads((folder / "results.json").read_text())
         runs[label] = {"exp": p.exp, "records": recs, "wall_s": time.time() - t0, "status": summary["status"]}
         print(f"{label}: {summary['status']}, {len(recs)} trials, {trained_steps(recs)} steps, "
               f"{time.time() - t0:.0f} s", flush=True)
