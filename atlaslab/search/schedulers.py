@@ -154,8 +154,9 @@ def cutoff(earlier: Sequence[float], reduction_factor: float) -> Optional[float]
     return float(np.percentile(vals, (1.0 - 1.0 / reduction_factor) * 100.0))
 
 
-#: a candidate's status in :class:`CandidateASHA`
-GOING, STOPPED, FAILED, ENDED = "going", "stopped", "failed", "ended"
+#: a candidate's status in :class:`CandidateASHA`: training, stopped at a rung, failed (a setting raised or diverged),
+#: ended from outside (a trial stopped by a stopper), finished on every setting
+GOING, STOPPED, FAILED, ENDED, FINISHED = "going", "stopped", "failed", "ended", "finished"
 
 
 class CandidateASHA(FIFOScheduler):
@@ -169,7 +170,7 @@ class CandidateASHA(FIFOScheduler):
 
     State: ``cands[candidate]`` — ``rung`` (index of the next rung to decide), ``at`` (setting → ``[step, value]``,
     its latest result, kept while it waits at ``rung``), ``done`` (setting → final value of a finished setting),
-    ``status`` (going / stopped / failed / ended), ``scores`` (rung step → score); ``recorded[rung step]``:
+    ``status`` (going / stopped / failed / ended / finished), ``scores`` (rung step → score); ``recorded[rung step]``:
     candidate → signed score (higher is better) of every candidate decided there."""
 
     _supports_buffered_results = False     # a result per step: a trial pauses at the result that reached its rung
@@ -249,6 +250,8 @@ class CandidateASHA(FIFOScheduler):
         else:
             c["done"][setting] = value
             self._advance(tune_controller, cid, current=None)
+            if c["status"] == GOING and all(s in c["done"] for s in self.settings):
+                c["status"] = FINISHED
         self._save()
 
     def on_trial_error(self, tune_controller, trial) -> None:
@@ -282,7 +285,7 @@ class CandidateASHA(FIFOScheduler):
         return None
 
     def debug_string(self) -> str:
-        n = {s: sum(c["status"] == s for c in self.cands.values()) for s in (GOING, STOPPED, FAILED, ENDED)}
+        n = {s: sum(c["status"] == s for c in self.cands.values()) for s in (GOING, STOPPED, FAILED, ENDED, FINISHED)}
         return (f"CandidateASHA: rungs {self.rungs}, candidates {n}, {len(self.held)} trials waiting at a rung, "
                 f"{len(self.released)} to resume")
 

@@ -334,7 +334,7 @@ def test_candidate_asha_on_ray_end_to_end(local_ray, tmp_path, monkeypatch):
         assert set(status[c].values()) == {"pruned"}
         assert all(r["metrics"]["step"] < 20 for r in by[c].values())
     assert status["c000"] == {"mqar": "completed", "recall": "completed"}
-    assert rec["candidates"]["c000"]["rung"] == 2                  # judged at both rungs, went on
+    assert rec["candidates"]["c000"]["rung"] == 2 and rec["candidates"]["c000"]["status"] == "finished"
     report = (run_dir / "report.md").read_text()
     n_pruned = sum(s == "pruned" for v in status.values() for s in v.values())
     assert f"{n_pruned} stopped early" in report
