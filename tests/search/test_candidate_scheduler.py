@@ -182,7 +182,8 @@ def test_a_trial_paused_by_tune_on_its_own_is_resumed():
     assert report(sched, ctl, a, 3, 0.7) == CONT
     a.status = "PAUSED"                                      # Tune paused it on its own
     assert sched.choose_trial_to_run(ctl) in (a, b) and sched.released == {"c0-a", "c0-b"}
-    c, d = add(sched, ctl, "c1", "a"), add(sched, ctl, "c1", "b")
+    c = add(sched, ctl, "c1", "a")
+    add(sched, ctl, "c1", "b")
     assert report(sched, ctl, c, 1, 0.9) == PAUSE
     assert "c1-a" not in sched.released                     # waits for c1-b
     sched.cands["c1"]["status"] = "stopped"
