@@ -27,17 +27,17 @@ from atlaslab.search.fitness import candidates, ranked_candidates  # noqa: E402
 MEM = "model.mixers.gated_deltanet.memory."
 
 
-def experiment(name: str, scheduler: dict, samples: int, steps: int, interval: int) -> dict:
+def experiment(name: str, scheduler: dict, samples: int, steps: int, interval: int, examples: int = 64) -> dict:
     """A two-setting search (MQAR, MAD in-context recall) over the learning rate, the retention and the inner
     optimizer of a tiny Gated DeltaNet."""
     return {
         "name": name,
         "model": {"preset": "gated_deltanet", "overrides": {"d_model": 16, "mixers.*.num_heads": 2}},
         "tasks": {"mqar": {"name": "mqar", "vocab_size": 16, "seq_len": 16, "num_kv_pairs": [2],
-                           "eval_examples": 64},
+                           "eval_examples": examples},
                   "recall": {"name": "in_context_recall", "vocab_size": 16, "seq_len": 16, "num_train_examples": 512,
-                             "eval_examples": 64}},
-        "eval": {"interval": interval, "examples": 64},
+                             "eval_examples": examples}},
+        "eval": {"interval": interval, "examples": examples},
         "train": {"steps": steps, "batch_size": 8, "lr": 3e-3, "log_interval": interval},
         "search": {"sampler": "random", "seed": 0,
                    "space": {"train.lr": {"type": "float", "low": 3e-4, "high": 3e-2, "log": True},
@@ -60,6 +60,7 @@ def main(argv=None) -> int:
     ap.add_argument("--interval", type=int, default=10)
     ap.add_argument("--grace", type=int, default=10)
     ap.add_argument("--rf", type=float, default=3.0)
+    ap.add_argument("--examples", type=int, default=64, help="validation examples per setting")
     ap.add_argument("--full-from", default="", help="a run folder of the full budget to reuse (the same search with "
                     "scheduler none, e.g. <an earlier --out>/full) instead of running it again")
     args = ap.parse_args(argv)
@@ -69,7 +70,8 @@ def main(argv=None) -> int:
     for label, sched in (("candidate_asha", {"name": "candidate_asha", "grace_period": args.grace,
                                              "reduction_factor": args.rf}),
                          ("full", {"name": "none"})):
-        p = prepare(node=experiment(f"check_{label}", sched, args.samples, args.steps, args.interval))
+        p = prepare(node=experiment(f"check_{label}", sched, args.samples, args.steps, args.interval,
+                                  args.examples))
         t0 = time.time()
         folder = out / label
         if label == "full" and args.full_from:
@@ -99,7 +101,8 @@ def main(argv=None) -> int:
                         "rung_scores": st.get("scores", {})})
     s_asha, s_full = trained_steps(runs["candidate_asha"]["records"]), trained_steps(runs["full"]["records"])
     top3_stopped = [r["candidate"] for r in ranking[:3] if r["candidate"] in stopped]
-    summary = {"samples": args.samples, "steps": args.steps, "interval": args.interval, "grace_period": args.grace,
+    summary = {"samples": args.samples, "steps": args.steps, "examples": args.examples, "interval": args.interval,
+               "grace_period": args.grace,
                "reduction_factor": args.rf, "rungs": rec["rungs"], "steps_candidate_asha": s_asha,
                "steps_full": s_full, "fraction_trained": s_asha / s_full if s_full else None,
                "stopped": sorted(stopped), "top3_stopped": top3_stopped,
