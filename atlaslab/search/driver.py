@@ -144,8 +144,8 @@ def _scheduler_note(exp: ExperimentConfig) -> str:
     if exp.scheduler.name == "candidate_asha":
         from atlaslab.search.schedulers import rungs
         s = exp.scheduler
-        steps = int(exp.train.get("steps", 1000)) if isinstance(exp.train, Mapping) else 1000
-        at = rungs(s.grace_period or max(1, int(exp.eval.interval or steps)), s.reduction_factor, s.max_t or steps)
+        grace, max_t = _grace_and_max_t(exp)
+        at = rungs(grace, s.reduction_factor, max_t)
         return (f"; candidates compared by score at steps {', '.join(map(str, at)) or '(none: no rung below max_t)'}, "
                 f"the top 1/{fmt_value(s.reduction_factor)} go on (candidate_asha)")
     return ""
@@ -248,6 +248,14 @@ def _trainable(exp: ExperimentConfig, settings: TrialSettings):
     return tune.with_resources(tune.with_parameters(run_trial, settings=settings), res)
 
 
+def _grace_and_max_t(exp: ExperimentConfig):
+    """The scheduler's ``grace_period`` (default: ``eval.interval``, the first evaluation) and ``max_t`` (default:
+    ``train.steps``)."""
+    s = exp.scheduler
+    steps = int(exp.train.get("steps", 1000)) if isinstance(exp.train, Mapping) else 1000
+    return s.grace_period or max(1, int(exp.eval.interval or steps)), s.max_t or steps
+
+
 #: the record of ``scheduler: candidate_asha`` in the run folder (its state, read back on a resume)
 CANDIDATE_RUNGS_NAME = "candidate_rungs.json"
 
@@ -262,19 +270,18 @@ def _scheduler(exp: ExperimentConfig, max_concurrent: int = 1, run_dir: Optional
         return None
     from ray.tune.schedulers import ASHAScheduler
     s = exp.scheduler
-    steps = int(exp.train.get("steps", 1000)) if isinstance(exp.train, Mapping) else 1000
-    interval = max(1, int(exp.eval.interval or steps))
+    grace, max_t = _grace_and_max_t(exp)
     if s.name == "candidate_asha":
         from atlaslab.search.schedulers import CandidateASHA
         return CandidateASHA(list(exp.settings()), functools.partial(score, exp), exp.metric, exp.mode,
-                             grace_period=s.grace_period or interval, reduction_factor=s.reduction_factor,
-                             max_t=s.max_t or steps, max_concurrent=max_concurrent,
+                             grace_period=grace, reduction_factor=s.reduction_factor, max_t=max_t,
+                             max_concurrent=max_concurrent,
                              state_path=None if run_dir is None else str(Path(run_dir).resolve()
                                                                          / CANDIDATE_RUNGS_NAME))
 
     def make():
-        return ASHAScheduler(time_attr="step", metric=exp.metric, mode=exp.mode, max_t=s.max_t or steps,
-                             grace_period=s.grace_period or interval, reduction_factor=s.reduction_factor,
+        return ASHAScheduler(time_attr="step", metric=exp.metric, mode=exp.mode, max_t=max_t,
+                             grace_period=grace, reduction_factor=s.reduction_factor,
                              brackets=s.brackets)
     if is_multi(exp):
         from atlaslab.search.schedulers import PerSettingScheduler
