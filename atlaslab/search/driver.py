@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import datetime as _dt
+import functools
 import json
 import math
 import os
@@ -54,7 +55,7 @@ from atlaslab.registry.config import BASE_DIR_ENV
 from atlaslab.search import tracking as T
 from atlaslab.search.admission import Admission, preflight
 from atlaslab.search.expand import Prepared, expand_grid, protocol_points
-from atlaslab.search.fitness import is_multi
+from atlaslab.search.fitness import is_multi, score
 from atlaslab.search.formatting import fmt_value, human_count
 from atlaslab.search.report import write_report
 from atlaslab.search.results import RESULTS_NAME, WAITING, collect, read_rejected, read_state, saved_statuses
@@ -98,7 +99,7 @@ def trial_table(p: Prepared) -> str:
                        if sc.weights else "")
             lines.append(f"fitness: each candidate trained on {len(exp.settings())} settings "
                          f"({', '.join(exp.settings())}); score = {how} of {exp.metric}{weights}; "
-                         f"{n_trials(p)} trials" + ("; ASHA per setting" if exp.scheduler.name == "asha" else ""))
+                         f"{n_trials(p)} trials" + _scheduler_note(exp))
         lines.append("space:")
         for k, prm in exp.space.items():
             if prm.type == "categorical":
@@ -134,6 +135,20 @@ def trial_table(p: Prepared) -> str:
     lines.extend("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
     lines.append(f"(validated in {p.validate_s:.1f} s; every model built on the meta device)")
     return "\n".join(lines)
+
+
+def _scheduler_note(exp: ExperimentConfig) -> str:
+    """What the scheduler does with a search's candidates (``--dry-run``)."""
+    if exp.scheduler.name == "asha":
+        return "; ASHA per setting"
+    if exp.scheduler.name == "candidate_asha":
+        from atlaslab.search.schedulers import rungs
+        s = exp.scheduler
+        grace, max_t = _grace_and_max_t(exp)
+        at = rungs(grace, s.reduction_factor, max_t)
+        return (f"; candidates compared by score at steps {', '.join(map(str, at)) or '(none: no rung below max_t)'}, "
+                f"the top 1/{fmt_value(s.reduction_factor)} go on (candidate_asha)")
+    return ""
 
 
 def _proto(exp: ExperimentConfig) -> List[Any]:
@@ -233,27 +248,48 @@ def _trainable(exp: ExperimentConfig, settings: TrialSettings):
     return tune.with_resources(tune.with_parameters(run_trial, settings=settings), res)
 
 
-def _scheduler(exp: ExperimentConfig):
-    """ASHA on ``step`` and the experiment's metric; for a search with several settings, one ASHA per setting
-    (:class:`~atlaslab.search.schedulers.PerSettingScheduler`), so that a trial is compared only with trials of its
-    own setting."""
-    if exp.scheduler.name != "asha":
+def _grace_and_max_t(exp: ExperimentConfig):
+    """The scheduler's ``grace_period`` (default: ``eval.interval``, the first evaluation) and ``max_t`` (default:
+    ``train.steps``)."""
+    s = exp.scheduler
+    steps = int(exp.train.get("steps", 1000)) if isinstance(exp.train, Mapping) else 1000
+    return s.grace_period or max(1, int(exp.eval.interval or steps)), s.max_t or steps
+
+
+#: the record of ``scheduler: candidate_asha`` in the run folder (its state, read back on a resume)
+CANDIDATE_RUNGS_NAME = "candidate_rungs.json"
+
+
+def _scheduler(exp: ExperimentConfig, max_concurrent: int = 1, run_dir: Optional[Path] = None):
+    """The experiment's Tune scheduler: ASHA on ``step`` and the experiment's metric (for a search with several
+    settings one ASHA per setting, :class:`~atlaslab.search.schedulers.PerSettingScheduler`, so that a trial is
+    compared only with trials of its own setting); ``candidate_asha``: a search's candidates compared by their score
+    at each rung, their settings paused there until all arrived
+    (:class:`~atlaslab.search.schedulers.CandidateASHA`, its record in ``run_dir``/:data:`CANDIDATE_RUNGS_NAME`)."""
+    if exp.scheduler.name not in ("asha", "candidate_asha"):
         return None
     from ray.tune.schedulers import ASHAScheduler
     s = exp.scheduler
-    steps = int(exp.train.get("steps", 1000)) if isinstance(exp.train, Mapping) else 1000
-    interval = max(1, int(exp.eval.interval or steps))
+    grace, max_t = _grace_and_max_t(exp)
+    if s.name == "candidate_asha":
+        from atlaslab.search.schedulers import CandidateASHA
+        return CandidateASHA(list(exp.settings()), functools.partial(score, exp), exp.metric, exp.mode,
+                             grace_period=grace, reduction_factor=s.reduction_factor, max_t=max_t,
+                             max_concurrent=max_concurrent,
+                             state_path=None if run_dir is None else str(Path(run_dir).resolve()
+                                                                         / CANDIDATE_RUNGS_NAME))
 
     def make():
-        return ASHAScheduler(time_attr="step", metric=exp.metric, mode=exp.mode, max_t=s.max_t or steps,
-                             grace_period=s.grace_period or interval, reduction_factor=s.reduction_factor,
+        return ASHAScheduler(time_attr="step", metric=exp.metric, mode=exp.mode, max_t=max_t,
+                             grace_period=grace, reduction_factor=s.reduction_factor,
                              brackets=s.brackets)
     if is_multi(exp):
         from atlaslab.search.schedulers import PerSettingScheduler
         print(f"warning: scheduler asha with {len(exp.settings())} settings: a candidate gets a score only if no "
               f"setting's ASHA stops it, and a stopped candidate is pruned for the sampler (the first "
-              f"discovery_suite run finished 0 of 24 candidates on every setting); scheduler: {{name: none}} scores "
-              f"every candidate", file=sys.stderr)
+              f"discovery_suite run finished 0 of 24 candidates on every setting); scheduler: "
+              f"{{name: candidate_asha}} compares candidates by their score, {{name: none}} scores every candidate",
+              file=sys.stderr)
         return PerSettingScheduler(make, list(exp.settings()))
     return make()
 
@@ -285,8 +321,15 @@ def build_tuner(p: Prepared, run_dir: Path, settings: TrialSettings, num_cpus: O
         search_alg = PartSearcher(exp, run_dir)         # suggests {"trial": the admitted draw}
         space = {}
         num_samples = n_trials(p)                       # a trial per candidate and setting
-    tune_config = tune.TuneConfig(scheduler=_scheduler(exp), search_alg=search_alg, num_samples=num_samples,
-                                  max_concurrent_trials=_max_concurrent(exp, num_cpus), reuse_actors=True,
+    concurrent = _max_concurrent(exp, num_cpus)
+    scheduler = _scheduler(exp, concurrent, run_dir)
+    if exp.scheduler.name == "candidate_asha":
+        # the searcher's own limit, which does not count a trial paused at a rung (CandidateLimiter)
+        from atlaslab.search.schedulers import CandidateLimiter
+        search_alg = CandidateLimiter(search_alg, concurrent, scheduler)
+        concurrent = None
+    tune_config = tune.TuneConfig(scheduler=scheduler, search_alg=search_alg, num_samples=num_samples,
+                                  max_concurrent_trials=concurrent, reuse_actors=True,
                                   trial_dirname_creator=_trial_dirname, trial_name_creator=_trial_dirname)
     run_config = tune.RunConfig(
         name=TUNE_NAME, storage_path=str((run_dir / "ray").resolve()),

@@ -80,7 +80,9 @@ SAMPLERS = ("tpe", "random", "nsga2")
 #: what a search objective may name besides the metrics a trial reports (recorded from the validated model and the
 #: trial's own clock): recurrent-state scalars per sequence, parameters, seconds per training step
 MODEL_OBJECTIVES = ("state_size", "num_parameters", "step_time_s")
-SCHEDULERS = ("none", "asha")
+#: ``candidate_asha``: a search's candidates compared by their score at each rung, their settings in lockstep
+#: (:class:`atlaslab.search.schedulers.CandidateASHA`)
+SCHEDULERS = ("none", "asha", "candidate_asha")
 #: how a search with several task settings combines their ``metric`` into one score (:mod:`atlaslab.search.fitness`)
 SCORE_COMBINE = ("mean", "worst")
 PARAM_TYPES = ("float", "int", "categorical")
@@ -288,7 +290,7 @@ class BudgetNode:
 
 @dataclass
 class SchedulerNode:
-    name: str = "none"                 # none | asha
+    name: str = "none"                 # none | asha | candidate_asha (a search's candidates, settings in lockstep)
     grace_period: int = 0              # steps before ASHA may stop a trial (0: the first evaluation)
     reduction_factor: float = 3.0
     max_t: int = 0                     # 0: train.steps
@@ -301,6 +303,15 @@ class SchedulerNode:
             raise ConfigError("reduction_factor", "must be > 1.", value=self.reduction_factor)
         check_range("max_t", self.max_t, 0, None)
         check_range("brackets", self.brackets, 1, None)
+        if self.name == "candidate_asha" and self.brackets != 1:
+            raise ConfigError("brackets", "candidate_asha has one bracket (its rungs are grace_period × "
+                              f"reduction_factor^k steps), got {self.brackets}.", value=self.brackets, choices=["1"])
+
+    def check_kind(self, kind: str) -> None:
+        """``candidate_asha`` compares a search's candidates: a grid has none."""
+        if self.name == "candidate_asha" and kind != "search":
+            raise ConfigError("name", "candidate_asha compares the candidates of a search (search:); a grid has "
+                              "none: use asha or none.", value=self.name, choices=["none", "asha"])
 
 
 @dataclass
@@ -456,6 +467,10 @@ def validate_experiment(cfg: Any, source: str = "") -> ExperimentConfig:
         _validate_search(exp, raw_search, settings)
     else:
         _validate_grid(exp, raw_grid, settings)
+    try:
+        exp.scheduler.check_kind(exp.kind)
+    except ConfigError as exc:
+        raise exc.prefixed("scheduler") from None
     _check_budget(exp, settings)
     if exp.eval.lm_eval is not None:          # lm-eval installed and every task known, before any trial
         resolve_lm_eval(exp.eval.lm_eval, "eval.lm_eval")
