@@ -32,7 +32,7 @@ OUT = HERE / "state.png"
 METRIC = "test/accuracy"
 FINISHED = ("completed", "early_stopped")
 #: the committed runs of the 800-step table, first wins for a (row, seed)
-RUNS = ("rvs_wd", "rvs_titans_wd", "rvs_omega_wd", "rvs_atlas_wd")
+RUNS = ("rvs_wd", "rvs_titans_wd", "rvs_omega_wd", "rvs_atlas_wd", "rvs_attention_wd")
 #: the 1,600-step rerun of the rows below 0.97
 LONG = "rvs_long_wd"
 #: the models in the order of the page (the study's variants)
