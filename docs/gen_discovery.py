@@ -445,15 +445,15 @@ def suite_asha() -> str:
             f"finished every setting, so the sampler was told {len(scored)} scores.")
 
 
-def suite_presets() -> str:
+def suite_presets(run: str = "suite_presets") -> str:
     """Every preset at every learning rate on the three settings (seed 0), the score as the search computes it; the
     lr with the best score in bold (the one a verdict would retrain)."""
-    if _missing("suite_presets"):
-        return _missing("suite_presets")
-    exp = _suite_exp("suite_presets")
+    if _missing(run):
+        return _missing(run)
+    exp = _suite_exp(run)
     settings = list(exp.settings())
     groups: Dict[tuple, Dict[str, Dict[str, Any]]] = {}
-    for r in _trials("suite_presets"):
+    for r in _trials(run):
         variant = r["row"].split(" · ", 1)[-1]
         groups.setdefault((variant, r["protocol"].get("lr")), {})[r["setting"]] = r
     scores = {}
@@ -536,11 +536,20 @@ TABLES["discovery-suite-front"] = suite_front
 TABLES["discovery-suite2-front"] = functools.partial(suite_front, "suite_from_presets")
 #: the second search's figure
 FIGURE2 = DATA / "suite_from_presets_pareto.png"
+#: the search at the second budget (experiments/discovery_suite_3200.yaml), its presets' tuning and its verdict
+TABLES.update({
+    "discovery-suite3-presets": functools.partial(suite_presets, "suite_presets_3200"),
+    "discovery-suite3-search": functools.partial(suite_search, "suite_3200"),
+    "discovery-suite3-mattered": functools.partial(suite_mattered, "suite_3200"),
+    "discovery-suite3-front": functools.partial(suite_front, "suite_3200", "suite_presets_3200"),
+    "discovery-suite3-verdict": functools.partial(suite_verdict, "suite_3200_verdict")})
+FIGURE3 = DATA / "suite_3200_pareto.png"
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--plots"]:
         print(f"wrote {plot_suite_pareto().relative_to(ROOT)}")
         print(f"wrote {plot_suite_pareto(FIGURE2, 'suite_from_presets').relative_to(ROOT)}")
+        print(f"wrote {plot_suite_pareto(FIGURE3, 'suite_3200', 'suite_presets_3200').relative_to(ROOT)}")
         sys.exit(0)
     for name in sys.argv[1:] or list(TABLES):
         print(f"## {name}\n\n{TABLES[name]()}\n")

@@ -8,6 +8,7 @@ Error bars and seed bands of a fraction (an accuracy: :func:`bounded`) stop at 0
 """
 from __future__ import annotations
 
+import math
 import re
 from collections import OrderedDict, defaultdict
 from pathlib import Path
@@ -390,10 +391,26 @@ def plot_pareto(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]], pat
             ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7, color="C0")
     if all(x > 0 for x, _ in pts) and all(x > 0 for _, x, _ in refs):
         ax.set_xscale("log")
+        _plain_log_ticks(ax.xaxis)
     _fraction_axis(ax, data["y"])
     ylabel = f"score ({data['y']})" if multi else data["y"]
     return _save_line_plot(fig, ax, path, data["x"], ylabel, f"{ylabel} vs {data['x']} ({len(pts)} {what})",
                            fontsize=7)
+
+
+def _plain_log_ticks(axis) -> None:
+    """Label a log axis in plain numbers at 1, 2 and 5 × each power of ten (matplotlib's default labels every minor
+    tick of a narrow decade in scientific notation, and they overlap)."""
+    from matplotlib.ticker import FuncFormatter
+
+    def label(v: float, _pos: Any) -> str:
+        if v <= 0:
+            return ""
+        lead = round(v / 10 ** math.floor(math.log10(v)), 6)
+        return f"{v:g}" if lead in (1.0, 2.0, 5.0) else ""
+
+    axis.set_major_formatter(FuncFormatter(label))
+    axis.set_minor_formatter(FuncFormatter(label))
 
 
 def _optuna_figure(draw, study, path: Path, size: Tuple[float, float]) -> Optional[Path]:
