@@ -118,35 +118,42 @@ def early_stopping_experiment(search: Path) -> Dict[str, Any]:
     return exp
 
 
-def _finished_on_every_setting(folder: Path, group_of) -> Tuple[Any, List[str], Dict[Any, Dict[str, Dict[str, Any]]]]:
-    """``(experiment, its settings, group → setting → trial)`` of a committed multi-setting run, keeping only the groups
-    (``group_of(trial row, experiment)``: a candidate, or a preset and its learning rate) whose trials finished with
-    the metric on every setting."""
+def _finished_on_every_setting(folder: Path, group_of) -> Tuple[Any, List[str], Dict[Any, Dict[str, List[Dict[str, Any]]]]]:
+    """``(experiment, its settings, group → setting → its trials, one per seed)`` of a committed multi-setting run,
+    keeping only the groups (``group_of(trial row, experiment)``: a candidate, or a preset and its learning rate)
+    whose trials finished with the metric on every setting and every seed of the run."""
     from atlaslab.search.schema import load_experiment
     exp = load_experiment(node=yaml.safe_load((folder / "experiment.yaml").read_text()))
     settings = list(exp.settings())
+    seeds = [str(int(x)) for x in exp.seeds]
     with open(folder / "trials.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    groups: Dict[Any, Dict[str, Dict[str, Any]]] = {}
+    groups: Dict[Any, Dict[tuple, Dict[str, Any]]] = {}
     for r in rows:
-        groups.setdefault(group_of(r, exp), {})[r["setting"]] = r
-    done = {g: by for g, by in groups.items()
-            if all(s in by and by[s]["status"] in FINISHED and by[s].get(exp.metric) for s in settings)}
+        groups.setdefault(group_of(r, exp), {})[(r["setting"], r.get("seed") or seeds[0])] = r
+    done = {g: {s: [by[(s, x)] for x in seeds] for s in settings} for g, by in groups.items()
+            if all((s, x) in by and by[(s, x)]["status"] in FINISHED and by[(s, x)].get(exp.metric)
+                   for s in settings for x in seeds)}
     return exp, settings, done
 
 
+def _mean_metric(trials: List[Dict[str, Any]], name: str) -> float:
+    """The mean of ``name`` over a setting's trials (its seeds)."""
+    return sum(float(t[name]) for t in trials) / len(trials)
+
+
 def suite_winner(search: Path) -> Tuple[str, Dict[str, Any], float]:
-    """The multi-task search's best candidate that finished every setting: ``(candidate, its params without the
-    budget's sizes, its score)``; the score is the search's (:func:`atlaslab.search.fitness.score`), ties broken by
-    the lower total step time."""
+    """The multi-task search's best candidate that finished every setting (and seed): ``(candidate, its params
+    without the budget's sizes, its score)``; the score is the search's (a setting's value the mean over its seeds,
+    then :func:`atlaslab.search.fitness.score`), ties broken by the lower total step time."""
     from atlaslab.search.fitness import score
     exp, settings, done = _finished_on_every_setting(search, lambda r, exp: r["candidate"])
     best = None
     for cid, by in done.items():
-        sc = score(exp, {s: float(by[s][exp.metric]) for s in settings})
-        cost = sum(float(by[s].get("step_time_s") or 0.0) for s in settings)
+        sc = score(exp, {s: _mean_metric(by[s], exp.metric) for s in settings})
+        cost = sum(float(t.get("step_time_s") or 0.0) for s in settings for t in by[s])
         if best is None or (sc, -cost) > (best[2], -best[3]):
-            params = {k: v for k, v in json.loads(by[settings[0]]["params"] or "{}").items()
+            params = {k: v for k, v in json.loads(by[settings[0]][0]["params"] or "{}").items()
                       if k not in exp.budget.size_by}
             best = (cid, params, sc, cost)
     if best is None:
@@ -156,15 +163,15 @@ def suite_winner(search: Path) -> Tuple[str, Dict[str, Any], float]:
 
 def suite_tuned_presets(presets: Path) -> List[Tuple[str, float, float]]:
     """(preset row, its learning rate with the best score, that score) per preset of the multi-task tuning run; the
-    score is the mean of the settings' metric, the search's (``search.score: {combine: mean}``, checked in
-    :func:`suite_verdict_experiment`)."""
+    score is the mean of the settings' metric (each the mean over the run's seeds), the search's
+    (``search.score: {combine: mean}``, checked in :func:`suite_verdict_experiment`)."""
     def preset_and_lr(r, exp):
         return r["row"].split(" · ", 1)[-1], float(json.loads(r["protocol"] or "{}").get("lr", exp.train.get("lr")))
 
     exp, settings, done = _finished_on_every_setting(presets, preset_and_lr)
     best: Dict[str, Tuple[float, float]] = {}
     for (variant, lr), by in done.items():
-        sc = sum(float(by[s][exp.metric]) for s in settings) / len(settings)
+        sc = sum(_mean_metric(by[s], exp.metric) for s in settings) / len(settings)
         if variant not in best or sc > best[variant][1]:
             best[variant] = (lr, sc)
     return [(v, lr, sc) for v, (lr, sc) in best.items()]
@@ -179,6 +186,12 @@ SUITE_STUDIES = {
                            "suite_presets"),
     "suite_3200": ("suite_3200", "discovery_suite_3200_verdict", [30, 31, 32], "suite_presets_3200"),
 }
+
+
+def _seeds_text(node: Dict[str, Any]) -> str:
+    """"seed 0" / "seeds 0, 1": the seeds a run's experiment file trained on."""
+    seeds = [int(x) for x in node.get("seeds") or [0]]
+    return ("seed " if len(seeds) == 1 else "seeds ") + ", ".join(map(str, seeds))
 
 
 def suite_verdict_experiment(search: Path, presets: Path, name: str = "discovery_suite_verdict",
@@ -206,9 +219,9 @@ def suite_verdict_experiment(search: Path, presets: Path, name: str = "discovery
     exp["train"] = {k: v for k, v in exp["train"].items() if k != "max_step_time_s"}
     exp.update({
         "name": name,
-        "description": (f"The multi-task search's best candidate ({cid}, score {sc:.3f} on seed 0) and the presets at "
-                        f"their best learning rate on seed 0 (by the same score), each sized to the budget on every "
-                        f"setting, retrained on the held-out seeds {list(seeds)}."),
+        "description": (f"The multi-task search's best candidate ({cid}, score {sc:.3f} on {_seeds_text(base)}) and the "
+                        f"presets at their best learning rate on {_seeds_text(tuning)} (by the same score), each sized "
+                        f"to the budget on every setting, retrained on the held-out seeds {list(seeds)}."),
         "seeds": list(seeds),
         "grid": {"variants": variants, "baseline": next(iter(variants))},
     })

@@ -55,7 +55,7 @@ from atlaslab.registry.config import BASE_DIR_ENV
 from atlaslab.search import tracking as T
 from atlaslab.search.admission import Admission, preflight
 from atlaslab.search.expand import Prepared, expand_grid, protocol_points
-from atlaslab.search.fitness import is_multi, score
+from atlaslab.search.fitness import cell_score, cells, is_multi
 from atlaslab.search.formatting import fmt_value, human_count
 from atlaslab.search.report import write_report
 from atlaslab.search.results import RESULTS_NAME, WAITING, collect, read_rejected, read_state, saved_statuses
@@ -97,8 +97,10 @@ def trial_table(p: Prepared) -> str:
             how = ("weighted mean" if sc.weights else "mean") if sc.combine == "mean" else "worst setting"
             weights = (" (weights " + ", ".join(f"{k}={fmt_value(v)}" for k, v in sc.weights.items()) + ")"
                        if sc.weights else "")
-            lines.append(f"fitness: each candidate trained on {len(exp.settings())} settings "
-                         f"({', '.join(exp.settings())}); score = {how} of {exp.metric}{weights}; "
+            seeds = (f" × {len(exp.seeds)} seeds ({', '.join(str(x) for x in exp.seeds)}; a setting's value is the "
+                     f"mean over its seeds)" if len(exp.seeds) > 1 else "")
+            lines.append(f"fitness: each candidate trained on {len(exp.settings())} setting(s) "
+                         f"({', '.join(exp.settings())}){seeds}; score = {how} of {exp.metric}{weights}; "
                          f"{n_trials(p)} trials" + _scheduler_note(exp))
         lines.append("space:")
         for k, prm in exp.space.items():
@@ -273,7 +275,7 @@ def _scheduler(exp: ExperimentConfig, max_concurrent: int = 1, run_dir: Optional
     grace, max_t = _grace_and_max_t(exp)
     if s.name == "candidate_asha":
         from atlaslab.search.schedulers import CandidateASHA
-        return CandidateASHA(list(exp.settings()), functools.partial(score, exp), exp.metric, exp.mode,
+        return CandidateASHA([c for c, _, _ in cells(exp)], functools.partial(cell_score, exp), exp.metric, exp.mode,
                              grace_period=grace, reduction_factor=s.reduction_factor, max_t=max_t,
                              max_concurrent=max_concurrent,
                              state_path=None if run_dir is None else str(Path(run_dir).resolve()
@@ -298,7 +300,7 @@ def n_trials(p: Prepared) -> int:
     """How many Tune trials the experiment has: a grid's trials; a search's ``num_samples`` candidates, each
     trained on every setting."""
     exp = p.exp
-    return len(p.trials) if exp.kind == "grid" else exp.num_samples * len(exp.settings())
+    return len(p.trials) if exp.kind == "grid" else exp.num_samples * len(cells(exp))
 
 
 def _max_concurrent(exp: ExperimentConfig, num_cpus: Optional[int]) -> int:

@@ -269,14 +269,16 @@ def expand_grid(exp: ExperimentConfig) -> List[Dict[str, Any]]:
 
 
 def trial_from_params(exp: ExperimentConfig, params: Mapping[str, Any], key: str, index: int = 0,
-                      setting: Optional[str] = None) -> Dict[str, Any]:
-    """A search trial from sampled ``params`` (dotted key → value) on ``setting`` (default: the first)."""
+                      setting: Optional[str] = None, seed: Optional[int] = None) -> Dict[str, Any]:
+    """A search trial from sampled ``params`` (dotted key → value) on ``setting`` (default: the first) and ``seed``
+    (default: the experiment's first)."""
     setting = next(iter(exp.settings())) if setting is None else setting
+    seed = int(exp.seeds[0] if seed is None else seed)
     assignments = [(k, v, f"search.space.{k}") for k, v in params.items()]
     label = ", ".join(f"{short_key(k)}={fmt_value(v)}" for k, v in params.items())
     return {"key": key, "index": index, "setting": setting, "variant": key, "label": label or key, "row": key,
-            "axes": dict(params), "protocol": {}, "seed": int(exp.seeds[0]), "params": dict(params),
-            "config": build_trial_config(exp, setting, assignments, exp.seeds[0])}
+            "axes": dict(params), "protocol": {}, "seed": seed, "params": dict(params),
+            "config": build_trial_config(exp, setting, assignments, seed)}
 
 
 def trial_hash(trial: Mapping[str, Any]) -> str:

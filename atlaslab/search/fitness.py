@@ -19,11 +19,17 @@ value of each objective combines its settings' values:
   budget at its own sequence length, and the memory a deployed model needs is the largest of them.
 
 A value that is missing or not finite on any setting leaves the candidate without that objective (``None``).
+
+**Several seeds** (``seeds: [0, 1, …]`` in a search): each candidate is trained on every setting × seed, one trial
+per *cell* (:func:`cells`), and a setting's value of each objective is first the **mean over its seeds**; the
+settings then combine as above. A score measured on one seed rewards what happens to work on that seed (a learning
+rate that catches MQAR's jump on seed 0 can miss it on every other); the mean over seeds rewards what works on
+most, at a cost of the seed count per candidate. With one seed a cell is its setting, named as before.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from atlaslab.search.aggregate import OK
 from atlaslab.search.formatting import finite_number
@@ -42,9 +48,38 @@ def settings_of(exp: ExperimentConfig) -> List[str]:
     return list(exp.settings())
 
 
+def cell_name(exp: ExperimentConfig, setting: str, seed: int) -> str:
+    """The name of a candidate's trial on ``setting`` and ``seed``: the setting's name when the experiment has one
+    seed, else ``<setting>@<seed>``."""
+    return str(setting) if len(exp.seeds) == 1 else f"{setting}@{int(seed)}"
+
+
+def cells(exp: ExperimentConfig) -> List[Tuple[str, str, int]]:
+    """``[(cell name, setting, seed), …]``: what a search trains each candidate on, every setting × every seed (in
+    the file's order, seeds inner)."""
+    return [(cell_name(exp, s, seed), s, int(seed)) for s in settings_of(exp) for seed in exp.seeds]
+
+
 def is_multi(exp: ExperimentConfig) -> bool:
-    """Whether a search scores each candidate on several settings."""
-    return exp.kind == "search" and len(exp.settings()) > 1
+    """Whether a search trains each candidate on several cells (settings, or seeds)."""
+    return exp.kind == "search" and len(cells(exp)) > 1
+
+
+def per_setting(exp: ExperimentConfig, values: Mapping[str, Any]) -> Dict[str, Optional[float]]:
+    """Setting → the mean of its cells' ``values`` (``values``: cell name → value) over the experiment's seeds; None
+    for a setting with a seed missing or not finite (its candidate then has no value: a mean over fewer seeds
+    would compare unlike with the others)."""
+    out: Dict[str, Optional[float]] = {}
+    for setting in settings_of(exp):
+        vals = [finite_number(values.get(cell_name(exp, setting, seed))) for seed in exp.seeds]
+        out[setting] = None if any(v is None for v in vals) else sum(vals) / len(vals)
+    return out
+
+
+def cell_score(exp: ExperimentConfig, values: Mapping[str, Any]) -> Optional[float]:
+    """The score of a candidate from its cells' ``metric`` (cell name → value): :func:`per_setting`, then
+    :func:`score`."""
+    return score(exp, per_setting(exp, values))
 
 
 def _combine(values: Mapping[str, float], settings: Sequence[str], how: str, weights: Mapping[str, float],
@@ -103,42 +138,44 @@ def candidates(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]) -> L
     ``step_time_s`` combined by :func:`combine_objective`; ``step``: steps trained over all settings), ``info``
     (``state_size``, ``num_parameters``: the max), ``by_setting`` (setting → that setting's ``metric``), ``trials``
     (setting → its trial's key) and ``sizes`` (setting → the budget's size chosen there)."""
-    settings = settings_of(exp)
+    names_of_cells = [c for c, _, _ in cells(exp)]
     pairs = exp.search.objective_pairs(exp.metric, exp.mode)
     groups: "OrderedDict[str, Dict[str, Mapping[str, Any]]]" = OrderedDict()
     for r in records:
         cid = r.get("candidate")
         if cid:
-            groups.setdefault(str(cid), {})[str(r.get("setting"))] = r
+            cell = cell_name(exp, str(r.get("setting")), int(r.get("seed", exp.seeds[0])))
+            groups.setdefault(str(cid), {})[cell] = r
     out = []
     for cid, by in groups.items():
         first = next(iter(by.values()))
         sized = set(exp.budget.size_by)
         params = {k: v for k, v in (first.get("params") or {}).items() if k not in sized}
-        status = candidate_status({s: r["status"] for s, r in by.items()}, settings)
+        status = candidate_status({c: r["status"] for c, r in by.items()}, names_of_cells)
         metrics: Dict[str, Any] = {}
         names = [n for n, _ in pairs] + [n for n in MEAN_OBJECTIVES if n not in dict(pairs)]
         for name in names:
             mode = dict(pairs).get(name, "min")
-            vals = {s: _value(r, name) for s, r in by.items()}
-            v = combine_objective(exp, name, vals, mode)
+            v = combine_objective(exp, name, per_setting(exp, {c: _value(r, name) for c, r in by.items()}), mode)
             if v is not None:
                 metrics[name] = v
         metrics["step"] = sum(finite_number((r.get("metrics") or {}).get("step")) or 0 for r in by.values())
         info = {}
         for name in MAX_OBJECTIVES:
-            v = combine_objective(exp, name, {s: _value(r, name) for s, r in by.items()})
+            v = combine_objective(exp, name, per_setting(exp, {c: _value(r, name) for c, r in by.items()}))
             if v is not None:
                 info[name] = int(v)
-        failed = [by[s] for s in settings if s in by and by[s].get("failed")]
+        failed = [by[c] for c in names_of_cells if c in by and by[c].get("failed")]
         out.append({
             "key": cid, "candidate": cid, "index": first.get("index", 0), "setting": "", "row": cid,
             "label": first.get("label", cid), "params": params, "status": status, "failed": bool(failed),
-            "message": (f"{failed[0].get('setting')}: {failed[0].get('message', '')}" if failed else ""),
+            "message": (f"{_cell_of(exp, failed[0])}: {failed[0].get('message', '')}" if failed else ""),
             "metrics": metrics, "info": info, "history": [],
-            "by_setting": {s: _value(by[s], exp.metric) if s in by else None for s in settings},
-            "trials": {s: by[s]["key"] for s in settings if s in by},
-            "sizes": {s: ((by[s].get("info") or {}).get("budget") or {}).get("size") for s in settings if s in by},
+            "by_setting": per_setting(exp, {c: _value(r, exp.metric) for c, r in by.items()}),
+            "by_cell": {c: _value(by[c], exp.metric) if c in by else None for c in names_of_cells},
+            "trials": {c: by[c]["key"] for c in names_of_cells if c in by},
+            "sizes": {c: ((by[c].get("info") or {}).get("budget") or {}).get("size") for c in names_of_cells
+                      if c in by},
             "train": first.get("train"), "task": None,
         })
     out.sort(key=lambda c: (c["index"], c["key"]))
@@ -153,6 +190,11 @@ def ranked_candidates(exp: ExperimentConfig, cands: Sequence[Mapping[str, Any]])
     return sorted(scored, key=lambda c: (c["status"] not in OK, sign * c["metrics"][exp.metric]))
 
 
+def _cell_of(exp: ExperimentConfig, record: Mapping[str, Any]) -> str:
+    """The cell name of a candidate's trial record (its setting, and its seed when the search has several)."""
+    return cell_name(exp, str(record.get("setting")), int(record.get("seed", exp.seeds[0])))
+
+
 def _value(record: Mapping[str, Any], name: str) -> Optional[float]:
     """A trial's value of ``name``: a reported metric, else a measure of its validated model."""
     v = finite_number((record.get("metrics") or {}).get(name))
@@ -161,5 +203,5 @@ def _value(record: Mapping[str, Any], name: str) -> Optional[float]:
     return v
 
 
-__all__ = ["MAX_OBJECTIVES", "MEAN_OBJECTIVES", "candidate_status", "candidates", "combine_objective", "is_multi",
-           "ranked_candidates", "score", "settings_of"]
+__all__ = ["MAX_OBJECTIVES", "MEAN_OBJECTIVES", "candidate_status", "candidates", "cell_name", "cell_score", "cells",
+           "combine_objective", "is_multi", "per_setting", "ranked_candidates", "score", "settings_of"]

@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 from atlaslab.registry import ConfigError
 from atlaslab.search.aggregate import OK
 from atlaslab.search.expand import Prepared, trial_from_params
-from atlaslab.search.fitness import candidates, is_multi, ranked_candidates
+from atlaslab.search.fitness import candidates, cells, is_multi, ranked_candidates
 from atlaslab.search.schema import ExperimentConfig, load_experiment
 from atlaslab.search.space import decode_params
 
@@ -233,7 +233,7 @@ def best_candidate_record(exp: ExperimentConfig, records: List[Mapping[str, Any]
     done = [c for c in ranked_candidates(exp, candidates(exp, records)) if c["status"] in OK]
     if not done:
         return None
-    first = next(iter(exp.settings()))
+    first = cells(exp)[0][0]                # the first setting (on the first seed, with several)
     key = done[0]["trials"].get(first)
     return next((r for r in records if r["key"] == key), None)
 

@@ -61,6 +61,14 @@ def setting_of(trial: Any) -> str:
     return str((config.get("trial") or {}).get("setting", ""))
 
 
+def cell_of(trial: Any) -> str:
+    """The cell of a Tune trial: its admitted trial's ``cell`` (a setting, or ``<setting>@<seed>`` in a search with
+    several seeds: :func:`atlaslab.search.fitness.cells`), else its setting."""
+    config = getattr(trial, "config", None) or {}
+    admitted = config.get("trial") or {}
+    return str(admitted.get("cell") or admitted.get("setting", ""))
+
+
 def candidate_of(trial: Any) -> str:
     """The search candidate a Tune trial trains ("" where it has none)."""
     config = getattr(trial, "config", None) or {}
@@ -163,8 +171,9 @@ class CandidateASHA(FIFOScheduler):
     """Asynchronous successive halving over search candidates, a candidate's settings paused at each rung until all
     of them reached it (see the module docstring).
 
-    ``settings``: the experiment's setting names; ``score``: setting → metric value ↦ the candidate's score (or
-    None), :func:`atlaslab.search.fitness.score`; ``metric`` / ``mode``: what each trial reports and its direction;
+    ``settings``: the cells a candidate trains on (the experiment's setting names, or with several seeds
+    ``<setting>@<seed>``: :func:`atlaslab.search.fitness.cells`); ``score``: cell → metric value ↦ the candidate's
+    score (or None), :func:`atlaslab.search.fitness.cell_score`; ``metric`` / ``mode``: what each trial reports and its direction;
     ``grace_period``, ``reduction_factor``, ``max_t``: the rungs (:func:`rungs`); ``max_concurrent``: how many trials
     may run at once (a paused one resumes only in a free slot); ``state_path``: the JSON file of its record (resume).
 
@@ -329,7 +338,7 @@ class CandidateASHA(FIFOScheduler):
 
     # -- the rule ---------------------------------------------------------------------------------------------
     def _key(self, trial: Any):
-        setting = setting_of(trial) or (self.settings[0] if len(self.settings) == 1 else "")
+        setting = cell_of(trial) or (self.settings[0] if len(self.settings) == 1 else "")
         return candidate_of(trial) or str(trial.trial_id), setting
 
     @staticmethod

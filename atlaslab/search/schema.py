@@ -558,8 +558,6 @@ def _validate_search(exp: ExperimentConfig, raw_search: Any, settings: Sequence[
     if exp.protocol.active:
         raise ConfigError("protocol", "the lr × weight-decay protocol is for grids; put train.lr and "
                           "train.weight_decay in search.space instead.")
-    if len(exp.seeds) > 1:
-        raise ConfigError("seeds", "a search runs each sampled config once; give one seed.", value=exp.seeds)
 
 
 def _check_budget(exp: ExperimentConfig, settings: Sequence[str]) -> None:

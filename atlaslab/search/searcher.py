@@ -1,7 +1,7 @@
 """The search's Ray Tune searcher: Optuna's ask-and-tell, with every draw admitted (validated and sized to the
 state budget) in the driver before a trial is started.
 
-    searcher = PartSearcher(exp, run_dir)    # TuneConfig(search_alg=searcher, num_samples=num_samples × settings)
+    searcher = PartSearcher(exp, run_dir)    # TuneConfig(search_alg=searcher, num_samples=num_samples × cells)
 
 For each trial Tune asks for, :meth:`PartSearcher.suggest` asks Optuna for a point of the space
 (:func:`atlaslab.search.space.sample`, conditions respected), turns it into a trial and admits it
@@ -29,6 +29,9 @@ When every setting's trial of a draw has ended, Optuna is told the candidate's o
 (:func:`atlaslab.search.fitness.combine_objective`: the score of ``search.score`` for the metric, the mean step
 time, the max state): FAIL if a setting's trial raised, infeasible if one diverged or went over its step-cost
 bound, PRUNED if one was stopped by the scheduler.
+**Several seeds** (``seeds: [0, 1, …]``): the draw is trained on every setting × seed, one trial per *cell*
+(:func:`atlaslab.search.fitness.cells`), and a setting's value is the mean over its seeds before the settings
+combine; with one setting and several seeds a draw is a candidate too.
 The queue and the per-draw results (:attr:`PartSearcher.draws`) are saved with the searcher, so a resumed search
 finishes the draws it had started.
 """
@@ -45,7 +48,7 @@ from ray.tune.search import Searcher
 from atlaslab.registry import ConfigError
 from atlaslab.search.admission import Admission
 from atlaslab.search.expand import trial_from_params
-from atlaslab.search.fitness import combine_objective
+from atlaslab.search.fitness import cells, combine_objective, per_setting
 from atlaslab.search.results import REJECTED_NAME
 from atlaslab.search.schema import ExperimentConfig
 from atlaslab.search.space import make_sampler, optuna_value, sample
@@ -99,12 +102,13 @@ class PartSearcher(Searcher):
         self.in_a_row = 0
         self.stopped = ""                            # why the search stopped drawing ("" while it draws)
         self._admission: Optional[Admission] = None
-        self.settings: List[str] = list(exp.settings())
+        #: every (cell name, setting, seed) a candidate is trained on (:func:`~atlaslab.search.fitness.cells`)
+        self.cells: List[tuple] = cells(exp)
         #: several settings: admitted trials of accepted draws waiting for a Tune trial (the draw's other settings)
         self.queue: List[Dict[str, Any]] = []
         #: several settings: Optuna number → {"candidate": id, "results": {setting: outcome}} of draws not yet told
         self.draws: Dict[int, Dict[str, Any]] = {}
-        self.where: Dict[str, str] = {}              # Tune trial id → its setting (several settings)
+        self.where: Dict[str, str] = {}              # Tune trial id → its cell (several settings or seeds)
         #: Optuna number → the asked trial of a draw in training (to mark it infeasible when it is over its cost)
         self.asked: Dict[int, Any] = {}
 
@@ -114,8 +118,8 @@ class PartSearcher(Searcher):
 
     @property
     def multi(self) -> bool:
-        """Whether each draw is a candidate trained on several settings."""
-        return len(self.settings) > 1
+        """Whether each draw is a candidate trained on several cells (settings, or seeds)."""
+        return len(self.cells) > 1
 
     def suggest(self, trial_id: str) -> Optional[Dict[str, Any]]:
         """The admitted trial of the next accepted draw, or ``Searcher.FINISHED`` after too many rejections. With
@@ -193,18 +197,21 @@ class PartSearcher(Searcher):
 
     # -- several settings ---------------------------------------------------------------------------------------
     def _admit_all(self, ot, params: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
-        """The draw's trial on every setting, each admitted (sized to the budget at its own length) and carrying
-        its typed model config; None (the draw rejected, the reason naming the setting) if one is not admitted."""
+        """The draw's trial on every cell (setting × seed), each admitted (sized to the budget at its setting's
+        length) and carrying its typed model config; None (the draw rejected, the reason naming the setting) if one
+        is not admitted. The seeds of one setting share the admitted model (the size does not depend on the
+        seed)."""
         cid = f"c{ot.number:03d}"
         out = []
-        for setting in self.settings:
-            trial = trial_from_params(self.exp, params, key=f"{cid}-{setting}", index=ot.number, setting=setting)
+        for cell, setting, seed in self.cells:
+            key = f"{cid}-{setting}" if cell == setting else f"{cid}-{setting}-s{seed}"
+            trial = trial_from_params(self.exp, params, key=key, index=ot.number, setting=setting, seed=seed)
             try:
                 trial = self.admission.admit(trial)
             except ConfigError as exc:
                 self._reject(ot, params, exc, setting=setting)
                 return None
-            trial["candidate"] = cid
+            trial["candidate"], trial["cell"] = cid, cell
             trial["resolved_model"] = self.admission.resolved[trial["key"]]
             out.append(trial)
         return out
@@ -213,22 +220,23 @@ class PartSearcher(Searcher):
         """Hand a queued (or first) setting's trial to Tune trial ``trial_id``: the trial takes its key."""
         trial = dict(trial, key=str(trial_id), variant=str(trial_id), row=str(trial_id))
         self.live[trial_id] = trial["index"]
-        self.where[trial_id] = trial["setting"]
+        self.where[trial_id] = trial.get("cell", trial["setting"])
         self.info[trial_id] = dict(trial.get("info") or {})
         return {"trial": trial}
 
-    def _setting_done(self, number: int, setting: str, values: Optional[List[float]], final: bool,
+    def _setting_done(self, number: int, cell: str, values: Optional[List[float]], final: bool,
                       error: bool, over: Optional[float] = None, diverged: bool = False) -> None:
-        """Record one setting's outcome of draw ``number``; once every setting has one, tell Optuna the candidate:
-        FAIL if a setting raised (or ended without a value), infeasible if one diverged or was over its step-cost
+        """Record one cell's outcome of draw ``number``; once every cell has one, tell Optuna the candidate:
+        FAIL if a cell raised (or ended without a value), infeasible if one diverged or was over its step-cost
         bound (``train.max_step_time_s``), PRUNED if one stopped early (no final result), else its objectives
-        combined over the settings (:func:`~atlaslab.search.fitness.combine_objective`)."""
+        (a setting's value the mean over its seeds, then combined over the settings:
+        :func:`~atlaslab.search.fitness.per_setting`, :func:`~atlaslab.search.fitness.combine_objective`)."""
         draw = self.draws.get(number)
         if draw is None:
             return
-        draw["results"][setting] = {"values": values, "final": final, "error": bool(error), "over_cost": over,
-                                    "diverged": bool(diverged)}
-        if any(s not in draw["results"] for s in self.settings):
+        draw["results"][cell] = {"values": values, "final": final, "error": bool(error), "over_cost": over,
+                                 "diverged": bool(diverged)}
+        if any(c not in draw["results"] for c, _, _ in self.cells):
             return
         del self.draws[number]
         optuna = _quiet_optuna()
@@ -256,10 +264,11 @@ class PartSearcher(Searcher):
         self.asked.pop(number, None)
 
     def candidate_values(self, results: Dict[str, Dict[str, Any]]) -> Optional[List[float]]:
-        """The candidate's objectives from its settings' values (``results``: setting → ``{"values": […]}``)."""
+        """The candidate's objectives from its cells' values (``results``: cell → ``{"values": […]}``)."""
         out = []
         for i, (name, mode) in enumerate(self.pairs):
-            v = combine_objective(self.exp, name, {s: o["values"][i] for s, o in results.items()}, mode)
+            by_setting = per_setting(self.exp, {c: o["values"][i] for c, o in results.items()})
+            v = combine_objective(self.exp, name, by_setting, mode)
             if v is None:
                 return None
             out.append(v)

@@ -253,8 +253,11 @@ def candidates_table(exp: ExperimentConfig, cands: Sequence[Mapping[str, Any]],
         "weighted mean (" + ", ".join(f"{k}: {fmt_value(v)}" for k, v in sc.weights.items()) + ") of the settings'"
         if sc.weights else "mean of the settings'")
     keys = list(exp.space)
+    trained = ("Each candidate was trained on every setting; a setting's column is its" if len(exp.seeds) == 1 else
+               f"Each candidate was trained on every setting and seed ({', '.join(str(x) for x in exp.seeds)}); a "
+               f"setting's column is the mean over the seeds of its")
     lines = ["## Candidates by score", "",
-             f"Each candidate was trained on every setting; a setting's column is its `{exp.metric}`, the score is "
+             f"{trained} `{exp.metric}`, the score is "
              f"the {how} `{exp.metric}` (what the sampler was told). Step time: the mean over the settings; "
              "state: the largest (each setting sized the candidate to the budget at its own length). Best first: "
              "the candidates that finished every setting, then those stopped early on one (ranked by the values "

@@ -371,3 +371,65 @@ def test_the_best_candidate_is_exported_not_the_best_single_trial(tmp_path):
     assert picked.record["key"] == "kc001mqar" and picked.is_best
     path = export_preset(tmp_path / "run")
     assert "the best trial" in path.read_text() and "kc001mqar" in path.read_text()
+
+
+def test_a_search_with_several_seeds_trains_each_candidate_on_every_setting_and_seed():
+    """``seeds: [3, 4]`` in a search: one draw → a trial per setting × seed (each trained with its seed), and the
+    candidate is told the mean over the seeds of each setting, then the settings' mean; records of a missing seed
+    leave the candidate unfinished and unscored."""
+    from atlaslab.search.driver import n_trials, prepare, trial_table
+    from atlaslab.search.fitness import cells, per_setting
+    from atlaslab.search.searcher import PartSearcher
+    node = suite(seeds=[3, 4], num_samples=2)
+    exp = load_experiment(node=node)
+    assert cells(exp) == [("mqar@3", "mqar", 3), ("mqar@4", "mqar", 4), ("recall@3", "recall", 3),
+                          ("recall@4", "recall", 4)]
+    s = PartSearcher(exp)
+    got = [s.suggest(f"t{i}")["trial"] for i in range(4)]
+    assert [(t["setting"], t["seed"], t["config"]["train"]["seed"]) for t in got] == \
+        [("mqar", 3, 3), ("mqar", 4, 4), ("recall", 3, 3), ("recall", 4, 4)]
+    assert {t["candidate"] for t in got} == {"c000"} and len({repr(t["params"]) for t in got}) == 1
+    for tid, acc in zip(("t0", "t1", "t2"), (0.9, 0.5, 0.2)):
+        s.on_trial_complete(tid, _fake_result(acc))
+    assert s.study.trials[0].state.name == "RUNNING"          # waits for recall on seed 4
+    s.on_trial_complete("t3", _fake_result(0.4))
+    assert s.study.trials[0].value == pytest.approx(((0.9 + 0.5) / 2 + (0.2 + 0.4) / 2) / 2)
+    assert per_setting(exp, {"mqar@3": 0.9, "mqar@4": 0.5, "recall@3": 0.2}) == \
+        {"mqar": pytest.approx(0.7), "recall": None}
+    recs = [{"key": t["key"], "candidate": "c000", "setting": t["setting"], "seed": t["seed"], "index": 0,
+             "status": "completed", "failed": False, "params": t["params"],
+             "metrics": {"val/accuracy": acc, "step": 30, "step_time_s": 0.01}, "info": {"state_size": 500}}
+            for t, acc in zip(got, (0.9, 0.5, 0.2, 0.4))]
+    [c] = candidates(exp, recs)
+    assert c["metrics"]["val/accuracy"] == pytest.approx(0.5) and c["by_setting"] == \
+        {"mqar": pytest.approx(0.7), "recall": pytest.approx(0.3)}
+    assert c["by_cell"]["recall@4"] == 0.4 and c["status"] == "completed" and c["metrics"]["step"] == 120
+    [c] = candidates(exp, recs[:3])
+    assert c["status"] == "unfinished" and "val/accuracy" not in c["metrics"]
+    p = prepare(node=node)
+    assert n_trials(p) == 8
+    assert "2 setting(s) (mqar, recall) × 2 seeds (3, 4; a setting's value is the mean over its seeds)" in \
+        trial_table(p)
+
+
+def test_a_search_on_one_setting_and_two_seeds_end_to_end(local_ray, tmp_path):
+    """Two candidates of a one-task search, each trained on seeds 0 and 1 on Ray: trials.csv has a line per
+    (candidate, seed), and the report ranks the candidates by the mean over their seeds."""
+    import csv
+
+    from atlaslab.search.driver import prepare, run
+    node = tiny("seeds2", steps=10, num_samples=2, max_concurrent=2, seeds=[0, 1],
+                eval={"interval": 5, "examples": 32}, tracking={"enabled": False})
+    node["search"] = {"sampler": "random", "seed": 0,
+                      "space": {"train.lr": {"type": "float", "low": 1e-3, "high": 1e-2, "log": True}}}
+    summary = run(prepare(node=node), run_dir=tmp_path / "run", num_cpus=2, quiet=True)
+    assert summary["status"] == "finished" and summary["trials"] == 4 and summary["failed"] == 0
+    with open(tmp_path / "run" / "trials.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert sorted((r["candidate"], r["seed"]) for r in rows) == [("c000", "0"), ("c000", "1"), ("c001", "0"),
+                                                                 ("c001", "1")]
+    report = (tmp_path / "run" / "report.md").read_text()
+    for cid in ("c000", "c001"):
+        accs = [float(r["val/accuracy"]) for r in rows if r["candidate"] == cid]
+        line = next(line for line in report.splitlines() if line.startswith(f"| {cid} |"))
+        assert f"| {sum(accs) / 2:.3f} |" in line
