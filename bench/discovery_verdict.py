@@ -185,6 +185,7 @@ SUITE_STUDIES = {
     "suite_from_presets": ("suite_from_presets", "discovery_suite_from_presets_verdict", [20, 21, 22],
                            "suite_presets"),
     "suite_3200": ("suite_3200", "discovery_suite_3200_verdict", [30, 31, 32], "suite_presets_3200"),
+    "suite_seeds": ("suite_seeds", "discovery_suite_seeds_verdict", [40, 41, 42], "suite_presets_3200_s01"),
 }
 
 
