@@ -405,7 +405,10 @@ def report(data: Dict[str, Any]) -> tuple:
         models.setdefault((r["kind"], r["name"]), []).append(r)
     summary = {f"{k}:{n}": summarise_model(rs) for (k, n), rs in models.items()}
     lines = [f"# Learning parity on MQAR ({data['setting_name']}, CPU)", "",
-             f"Command: `{data['command']}`", "",
+             f"Command: `{data['command']}`", ""]
+    if data.get("provenance"):          # a record extracted from an earlier report: where its runs come from
+        lines += [f"Provenance: {data['provenance']}", ""]
+    lines += [
              (f"torch {data['torch']}, {data['machine']}, one torch thread per run, each (model, seed) in its own "
               f"process. Started {data['started']}."), "",
              (f"Setting `{data['setting_name']}`: MQAR vocab {s['vocab_size']}, T = {s['seq_len']}, "
