@@ -446,20 +446,27 @@ def suite_asha() -> str:
 
 
 def suite_presets(run: str = "suite_presets") -> str:
-    """Every preset at every learning rate on the three settings (seed 0), the score as the search computes it; the
-    lr with the best score in bold (the one a verdict would retrain)."""
+    """Every preset at every learning rate on the three settings (each setting's value the mean over the run's
+    seeds), the score as the search computes it; the lr with the best score in bold (the one a verdict would
+    retrain)."""
     if _missing(run):
         return _missing(run)
     exp = _suite_exp(run)
     settings = list(exp.settings())
-    groups: Dict[tuple, Dict[str, Dict[str, Any]]] = {}
+    seeds = [int(x) for x in exp.seeds]
+    groups: Dict[tuple, Dict[str, List[Dict[str, Any]]]] = {}
     for r in _trials(run):
         variant = r["row"].split(" · ", 1)[-1]
-        groups.setdefault((variant, r["protocol"].get("lr")), {})[r["setting"]] = r
+        groups.setdefault((variant, r["protocol"].get("lr")), {}).setdefault(r["setting"], []).append(r)
+
+    def value(by: Dict[str, List[Dict[str, Any]]], setting: str) -> Optional[float]:
+        vals = [_num(t, exp.metric) for t in by.get(setting, []) if t["status"] in FINISHED]
+        return statistics.mean(vals) if len(vals) == len(seeds) and None not in vals else None
+
     scores = {}
     for k, by in groups.items():
-        done = all(s in by and by[s]["status"] in FINISHED for s in settings)
-        scores[k] = statistics.mean(_num(by[s], exp.metric) for s in settings) if done else None   # the search's score
+        vals = [value(by, x) for x in settings]
+        scores[k] = None if None in vals else statistics.mean(vals)      # the search's score
     best: Dict[str, tuple] = {}
     for (variant, lr), sc in scores.items():
         if sc is not None and (variant not in best or sc > scores[best[variant]]):
@@ -469,13 +476,14 @@ def suite_presets(run: str = "suite_presets") -> str:
     for (variant, lr), by in groups.items():
         chosen = best.get(variant) == (variant, lr)
         lab = f"{lr:g}" if isinstance(lr, (int, float)) else str(lr)
-        cells = [f"{_num(by[s], exp.metric):.3f}" if s in by and _num(by[s], exp.metric) is not None else "—"
-                 for s in settings]
+        cells = ["—" if value(by, x) is None else f"{value(by, x):.3f}" for x in settings]
         sc = scores[(variant, lr)]
-        states = [human_count(by[s]["state_size"]) for s in settings if s in by]
-        status = ", ".join(sorted({by[s]["status"] for s in settings if s in by}))
+        states = [human_count(by[x][0]["state_size"]) for x in settings if by.get(x)]
+        status = ", ".join(sorted({t["status"] for x in settings for t in by.get(x, [])}))
         lines.append("| " + " | ".join([variant, f"**{lab}**" if chosen else lab] + cells
                                        + ["—" if sc is None else f"{sc:.3f}", " / ".join(states), status]) + " |")
+    if len(seeds) > 1:
+        lines += ["", f"Each setting's value is the mean over seeds {', '.join(map(str, seeds))}."]
     return "\n".join(lines)
 
 
