@@ -69,3 +69,33 @@ def test_the_suite_winner_is_the_best_score_over_every_setting(tmp_path):
     cid, won, sc = b.suite_winner(_suite_folder(tmp_path, rows))
     assert cid == "c1" and abs(sc - (0.5 + 0.9 + 0.8) / 3) < 1e-12
     assert won == {"model.layers": ["gated_deltanet"], "train.lr": 0.02}     # the budget's size is left to the budget
+
+
+def test_every_multi_task_verdict_file_regenerates_from_the_committed_data():
+    b = _bench()
+    for study, (folder, name, seeds, presets) in b.SUITE_STUDIES.items():
+        path = ROOT / "experiments" / f"{name}.yaml"
+        if not (b.DATA / folder / "data" / "trials.csv").is_file():
+            continue                                   # a study whose search has not run (its file is written after)
+        assert path.read_text() == _written(b.suite_header(study), b.suite_verdict_experiment(
+            b.DATA / folder / "data", b.DATA / presets / "data", name=name, seeds=seeds)), study
+
+
+def test_presets_tuned_on_two_seeds_are_chosen_by_the_mean_over_the_seeds():
+    """The committed tuning at 3200 on seeds 0 and 1: the verdict script and the page's table choose the same lr per
+    preset by the same seed-averaged score; DeltaNet's choice (0.03) is not seed 0's (0.01)."""
+    import sys
+    b = _bench()
+    tuned = {row: (lr, sc) for row, lr, sc in b.suite_tuned_presets(b.DATA / "suite_presets_3200_s01" / "data")}
+    seed0 = {row: lr for row, lr, _ in b.suite_tuned_presets(b.DATA / "suite_presets_3200" / "data")}
+    assert tuned["DeltaNet"][0] == 0.03 and seed0["DeltaNet"] == 0.01
+    sys.path.insert(0, str(ROOT / "docs"))
+    try:
+        import gen_discovery as gd
+    finally:
+        sys.path.remove(str(ROOT / "docs"))
+    table = gd.suite_presets("suite_presets_3200_s01")
+    for row, (lr, sc) in tuned.items():
+        line = next(x for x in table.splitlines() if x.startswith(f"| {row} | **"))
+        assert f"**{lr:g}**" in line and f"| {sc:.3f} |" in line, row
+    assert "mean over seeds 0, 1" in table
