@@ -71,4 +71,22 @@ def first_step(curve: Sequence[Mapping[str, Any]], metric: str, threshold: float
     return None
 
 
-__all__ = ["CURVES_NAME", "curve_metrics", "first_step", "read_curves", "write_curves"]
+def first_step_of_mean(curves: Sequence[Sequence[Mapping[str, Any]]], metric: str, threshold: float) -> Optional[int]:
+    """The first logged step at which the mean of ``metric`` over several curves (one trial per setting of a
+    multi-task score) reached ``threshold``; None if it never did or a curve logged no value.
+
+    At a step some curve did not log, that curve counts with its last value before the step: a trial that ended
+    early (early stopping at its target) holds its final value, and one that has logged nothing yet counts as 0.
+    This is "steps to 0.9" for a score that is the plain mean over settings, read from the curves the trials
+    reported, so the rule needs no rerun."""
+    series = [{int(h["step"]): float(h[metric]) for h in c if h.get(metric) is not None} for c in curves]
+    if not series or any(not s for s in series):
+        return None
+    for step in sorted(set().union(*series)):
+        held = [s[max(k for k in s if k <= step)] if any(k <= step for k in s) else 0.0 for s in series]
+        if sum(held) / len(held) >= threshold:
+            return step
+    return None
+
+
+__all__ = ["CURVES_NAME", "curve_metrics", "first_step", "first_step_of_mean", "read_curves", "write_curves"]
