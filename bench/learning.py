@@ -351,11 +351,15 @@ VERDICT_RULE = (
     "recipe or a probe.")
 
 
+#: the last column of a comparison table over a run with tuning seeds: what the rule gives there is no verdict
+TUNING_COLUMN = "the rule on these seeds (tuning seeds: not a verdict)"
+
+
 def tuning_note(seeds: Sequence[int]) -> str:
-    """The warning a report on tuning seeds carries above its verdict column."""
+    """The warning a report on tuning seeds carries above its comparison table."""
     used = ", ".join(str(x) for x in seeds if x in TUNING_SEEDS)
     return (f"**Tuning seeds.** Seed(s) {used} of this run are tuning seeds ({', '.join(map(str, TUNING_SEEDS))}), on "
-            "which defaults, reference recipes and probes were chosen: the column below says what the rule gives "
+            "which defaults, reference recipes and probes were chosen: the last column below says what the rule gives "
             "on them, a calibration record, not a verdict. Verdicts are taken on the held-out seeds "
             f"{', '.join(map(str, HELDOUT_SEEDS))} (bench/results/learning_heldout_*).")
 
@@ -435,16 +439,19 @@ def report(data: Dict[str, Any]) -> tuple:
                      f"{_pm(m['steps_to_90'], fmt=lambda x: f'{x:.0f}')} | {m['reached_90']}/{m['seeds']} | "
                      f"{m['ok']}/{m['seeds']} |")
     comparisons = {}
+    tuning = bool(set(data["seeds"]) & set(TUNING_SEEDS))
     lines += ["", f"## Verdicts (goal: ours reaches 90% within {GOAL_FACTOR}× the reference's steps)", "",
               VERDICT_RULE, "",
-              *([tuning_note(data["seeds"]), ""] if set(data["seeds"]) & set(TUNING_SEEDS) else []),
+              *([tuning_note(data["seeds"]), ""] if tuning else []),
               "| preset | reference | ref reached 90% | ours reached 90% | ours steps | ref steps | ours / ref | "
-              "90% interval | verdict |",
+              f"90% interval | {TUNING_COLUMN if tuning else 'verdict'} |",
               "|---|---|---|---|---|---|---|---|---|"]
+    rows = 0
     for (kind, name), rs in models.items():
         ref = refs_mod.PRESET_REF.get(name)
         if kind != "preset" or not ref:
             continue
+        rows += 1
         ref_runs = models.get(("ref", ref))
         if not ref_runs:
             lines.append(f"| {name} | {ref} | — | — | — | — | — | — | reference not run |")
@@ -452,7 +459,7 @@ def report(data: Dict[str, Any]) -> tuple:
         c = compare(rs, ref_runs, budget=data["steps"])
         comparisons[name] = {"reference": ref, **c}
         lines.append(verdict_row(name, comparisons[name]))
-    if not comparisons:
+    if not rows:
         lines.append("| — | — | — | — | — | — | — | — | no preset with a reference in this run |")
     if data.get("skipped"):
         lines += ["", "Skipped: " + "; ".join(f"{k} ({v})" for k, v in data["skipped"].items())]

@@ -18,7 +18,7 @@ of the HTML comment). The generators are the ``TABLES = {name: function}`` dicts
 run's ``trials.csv`` / ``curves.csv``, a benchmark's JSON). A block whose name no module defines, a name two modules
 define, or a marker without its end is an error. ``tests/docs/test_gen_tables.py`` runs the check, so a page whose
 table no longer matches its data fails the suite; :func:`drift` (the same test) flags numbers in a page's prose that
-its generated tables do not hold.
+neither its generated tables nor the bench reports it includes or names hold.
 """
 from __future__ import annotations
 
@@ -112,6 +112,13 @@ def stale() -> List[Tuple[Path, str]]:
 NUMBER = re.compile(r"(?<![\w.])(\d+(?:\.\d+)? ± \d+(?:\.\d+)?|\d+\.\d{3})(?!\w|\.\d)")
 #: "k/n seeds" as the tables write a count of seeds that reached a threshold
 SEEDS = re.compile(r"\b\d+/\d+ seeds\b")
+#: a ratio or an interval of ratios as the learning reports write them (0.93×, 0.59–1.62×)
+RATIO = re.compile(r"(?<![\w.])(\d+\.\d{2})(?:–(\d+\.\d{2}))?×")
+#: a bench report included verbatim into a page (``--8<-- "bench/results/NAME.md"``, or a section of it)
+SNIPPET = re.compile(r'^--8<-- "(bench/results/[\w.-]+\.md)(?::[\w-]+)?"[ \t]*$', re.M)
+#: a bench results file named in a page (``learning_hard_gdn_cpu``, ``bench/results/learning_cpu.json``)
+NAMED = re.compile(r"(?<![\w/])(?:bench/results/)?([a-z0-9]+(?:_[a-z0-9]+)*_(?:cpu|nvidia_h200|sm90))"
+                   r"(?:\.md|\.json|\.\{md,json\})?(?!\w)")
 
 
 def _sections(text: str) -> List[str]:
@@ -136,23 +143,41 @@ def _prose(section: str) -> str:
     return re.sub(r"<!--.*?-->", "", s, flags=re.S)
 
 
-def drift(text: str) -> List[str]:
-    """Numbers in a page's prose that no generated block of the same section holds.
+def sources(section: str) -> List[Path]:
+    """The bench reports a section includes (``--8<--``) or names (a ``bench/results`` file's stem), that exist."""
+    out = [ROOT / m.group(1) for m in SNIPPET.finditer(section)]
+    for m in NAMED.finditer(section):
+        path = ROOT / "bench" / "results" / f"{m.group(1)}.md"
+        if path.is_file() and path not in out:
+            out.append(path)
+    return [p for p in out if p.is_file()]
 
-    The rule, for every section (level-1 or level-2 heading to the next) that holds a generated block: each
-    three-decimal number (an accuracy, a loss), each ``a ± b`` and each ``k/n seeds`` written in the section's prose
-    must occur in one of the section's blocks, as text. A number quoted from another page's data belongs in that
-    page's section, or in a generated block of this one. A section without a block is not checked."""
+
+def drift(text: str) -> List[str]:
+    """Numbers in a page's prose that neither a generated block of the same section nor a bench report it cites holds.
+
+    The rule, for every section (level-1 or level-2 heading to the next) that holds a generated block or includes a
+    bench report (``--8<-- "bench/results/NAME.md"``, rendered from its JSON): each three-decimal number (an
+    accuracy, a loss), each ``a ± b``, each ``k/n seeds`` and each ratio ``r×`` or interval ``a–b×`` written in the
+    section's prose must occur, as text (a ratio ``r×`` also as a table cell ``| r |`` of a column of ratios), in one
+    of the section's blocks or in a bench report that the section includes or names (``learning_hard_gdn_cpu``, ``bench/results/learning_cpu.json``: its ``.md``). A number quoted
+    from another page's data belongs in that page's section, or in a generated block of this one. A section with
+    neither a block nor an included report is not checked."""
     problems = []
     for sec in _sections(text):
-        tables = " ".join(m.group("body") for m in BLOCK.finditer(sec))
-        if not tables:
+        blocks = " ".join(m.group("body") for m in BLOCK.finditer(sec))
+        if not blocks and not SNIPPET.search(sec):
             continue
+        tables = " ".join([blocks] + [p.read_text() for p in sources(sec)])
         title = sec.splitlines()[0] if sec else ""
-        for pat in (NUMBER, SEEDS):
-            for m in pat.finditer(_prose(sec)):
-                if m.group(0) not in tables:
-                    problems.append(f"{title!r}: {m.group(0)!r} is not in the section's generated tables")
+        prose = _prose(SNIPPET.sub("", sec))
+        for pat in (NUMBER, SEEDS, RATIO):
+            for m in pat.finditer(prose):
+                found = m.group(0) in tables or (pat is RATIO and m.group(2) is None        # a speed-up column
+                                                  and re.search(rf"\| {re.escape(m.group(1))} [|(]", tables))
+                if not found:
+                    problems.append(f"{title!r}: {m.group(0)!r} is in neither the section's generated tables nor "
+                                    "a bench report it includes or names")
     return problems
 
 
@@ -160,7 +185,7 @@ def drift_all() -> List[str]:
     out = []
     for page in pages():
         text = page.read_text()
-        if "<!-- generated: " in text:
+        if "<!-- generated: " in text or SNIPPET.search(text):
             out += [f"{page.relative_to(ROOT)}: {p}" for p in drift(text)]
     return out
 

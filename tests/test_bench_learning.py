@@ -207,6 +207,26 @@ def test_report(tmp_path):
     assert (tmp_path / "r.md").read_text() == md
 
 
+def test_a_comparison_on_tuning_seeds_is_not_headed_verdict(tmp_path):
+    """A report over tuning seeds (0, 1, 2) names its last column as the rule's outcome there, not a verdict, even
+    when the rule gives "met"; a report over held-out seeds alone heads it "verdict". A preset whose reference did
+    not run gets one row saying so, and no second row claiming the run has no preset with a reference."""
+    def data(seeds, refs=True):
+        runs = [dict(r, seed=s) for s in seeds for r in (_runs("preset", "deltanet", [100])
+                                                           + (_runs("ref", "fla_deltanet", [100]) if refs else []))]
+        return {"command": "c", "setting_name": "calibration", "setting": bl.SETTINGS["calibration"], "steps": 600,
+                "seeds": list(seeds), "torch": "t", "python": "3", "machine": "m", "started": "now", "runs": runs}
+    head = "| ours / ref | 90% interval | {} |"
+    tuned = bl.markdown(data([0, 1, 2]))
+    assert head.format(bl.TUNING_COLUMN) in tuned and "**Tuning seeds.**" in tuned
+    assert "| deltanet | fla_deltanet | 3/3 | 3/3 |" in tuned and tuned.rstrip().count("| met |") == 1
+    held = bl.markdown(data([3, 4, 5]))
+    assert head.format("verdict") in held and "**Tuning seeds.**" not in held and "| met |" in held
+    lone = bl.markdown(data([3, 4, 5], refs=False))
+    assert "| deltanet | fla_deltanet | — | — | — | — | — | — | reference not run |" in lone
+    assert "no preset with a reference" not in lone
+
+
 def test_failed_run_is_recorded():
     job = {"kind": "preset", "name": "no_such_preset", "seed": 0, "setting": bl.SETTINGS["calibration"], "steps": 1}
     rec = bl.run_job(job, timeout=120, log=lambda *_: None)

@@ -164,3 +164,55 @@ def test_the_papers_table2_avg_is_the_mean_of_its_eight_accuracies():
                 off.append((block, r["model"]))
     assert off == [("1.3B", "Memora")]          # the one row the page names as unchecked
     assert len(gr.paper_rows("760M")) == 16 and len(gr.paper_rows("1.3B")) == 12
+
+
+def test_drift_reads_the_bench_reports_a_section_includes_or_names():
+    """A section that includes a bench report (``--8<--``) is checked against it, ratios and intervals (r×, a–b×)
+    included; a report the section names (``learning_hard_gdn_cpu``) counts as its data too."""
+    report = gt.ROOT / "bench" / "results" / "learning_hard_gdn_cpu.md"
+    row = next(line for line in report.read_text().splitlines() if line.startswith("| gated_deltanet | fla_"))
+    ratio, interval = row.split(" | ")[6], row.split(" | ")[7]                 # e.g. 0.93×, 0.59–1.62×
+    included = f'# P\n\n--8<-- "bench/results/learning_hard_gdn_cpu.md"\n\nOurs / fla: {ratio}, interval {interval}.\n'
+    assert gt.drift(included) == []
+    assert gt.drift(included.replace(ratio, "0.01×")) != []
+    lo, hi = interval.rstrip("×").split("–")
+    assert gt.drift(included.replace(interval, f"{lo}–9.99×")) != []
+    named = f"# P\n\n<!-- generated: t -->\n| a |\n<!-- end generated -->\n\nIn `learning_hard_gdn_cpu`: {ratio}.\n"
+    assert gt.drift(named) == [] and gt.drift(named.replace("`learning_hard_gdn_cpu`", "another file")) != []
+    # a section with neither a generated block nor an included report is not checked
+    assert gt.drift(f"# P\n\nIn `learning_hard_gdn_cpu`: 0.01×.\n") == []
+
+
+def test_drift_finds_a_wrong_ratio_planted_in_a_page_that_includes_its_report():
+    page = (DOCS / "results" / "learning-hard-deltanet.md").read_text()
+    assert gt.drift(page) == [] and "1.45×" in page
+    assert any("1.46×" in p for p in gt.drift(page.replace("1.45×", "1.46×", 1)))
+
+
+def _same_figure(drawn: Path, committed: Path) -> bool:
+    """Byte for byte when this matplotlib drew the committed PNG (it records its version), else the same image size."""
+    import matplotlib
+    from PIL import Image
+    with Image.open(committed) as c, Image.open(drawn) as d:
+        if c.info.get("Software", "").startswith(f"Matplotlib version{matplotlib.__version__},"):
+            return drawn.read_bytes() == committed.read_bytes()
+        return c.size == d.size
+
+
+def test_the_run_pages_figures_redraw_from_their_committed_data(tmp_path, monkeypatch):
+    """The figures of Table 6 at CPU scale, the CPU-sized LM table and recall against state size are drawn from the
+    committed run data (``python docs/gen_runs.py --plots``, ``python docs/gen_recall_vs_state.py``): every
+    committed PNG of those folders is redrawn here and equals the committed one."""
+    grv = _load("gen_recall_vs_state")
+    checked = []
+    for name, (folders, metric) in gr.PLOTS.items():
+        (tmp_path / name).mkdir()
+        drawn = {p.name: p for p in gr.plots(folders, tmp_path / name, metric)}
+        for committed in sorted((DOCS / "results" / name).glob("*.png")):
+            assert committed.name in drawn, f"{committed} is not drawn by docs/gen_runs.py --plots"
+            assert _same_figure(drawn[committed.name], committed), f"{committed} differs from its redraw"
+            checked.append(committed.name)
+    monkeypatch.setattr(grv, "OUT", tmp_path / "state.png")
+    grv.plot()
+    assert _same_figure(tmp_path / "state.png", DOCS / "results" / "recall-vs-state" / "state.png")
+    assert len(checked) == 4                     # table6-cpu's bar, curves and length plots; lm-table2's curves
