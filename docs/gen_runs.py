@@ -1,7 +1,9 @@
-"""The results tables of whole experiment runs, from the run data committed under ``docs/results/<study>/data/``.
+"""The results tables of whole experiment runs, from the run data committed under ``docs/results/<study>/data/``
+(and the tutorials' runs, under ``docs/tutorials/<name>/data/``).
 
     python docs/gen_runs.py quickstart          # print one table (the names are the keys of TABLES)
     python docs/gen_runs.py --plots             # redraw the pages' figures of these runs (PLOTS)
+    python docs/gen_runs.py --lm-sizes          # rebuild docs/results/lm-table2/sizes.json (meta device)
 
 A study's ``data/`` folder is what ``atlaslab run`` wrote into its run folder, less the checkpoints, Tune's
 folder and MLflow's store: ``experiment.yaml`` (the experiment after its command-line overrides), ``trials.csv``
@@ -105,8 +107,8 @@ def fmt_steps(steps: Sequence[Optional[int]]) -> str:
 def run_table(folders: Sequence[Path], metrics: Sequence[str] = (), digits: int = 3, steps: bool = True,
               extra: Mapping[str, str] = None) -> str:
     """The Markdown table of a committed run: variant, the report's metrics (labelled), the ``extra`` metrics
-    (name → label), steps to the threshold, params, state. The baseline row (``grid.baseline``, else the first)
-    is marked "(baseline)"."""
+    (name → label), steps to the threshold, params, state. The baseline row (``grid.baseline``, else the first; with
+    axes, the baseline variant's row at each axis value, as the run report marks them) is marked "(baseline)"."""
     d = RunData(*([folders] if isinstance(folders, (str, Path)) else folders))
     rep = d.exp.get("report") or {}
     labels = {**(rep.get("labels") or {}), **(extra or {})}
@@ -120,7 +122,8 @@ def run_table(folders: Sequence[Path], metrics: Sequence[str] = (), digits: int 
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in d.rows:
         done = d.finished(row)
-        cells = [row + (" (baseline)" if row == baseline else "")]
+        base = row == baseline or row.startswith(f"{baseline} · ")          # the baseline variant at each axis value
+        cells = [row + (" (baseline)" if base else "")]
         for m in metrics:
             cells.append(fmt([v for v in (d.value(t, m) for t in done) if v is not None], digits))
         if threshold is not None:
@@ -148,6 +151,45 @@ def lm_table2_cpu() -> str:
     """docs/results/lm-table2.md: the CPU-sized Table 2 run, with the final validation loss (no steps column: the
     metric is a loss)."""
     return run_table(RESULTS / "lm-table2" / "data", steps=False, extra={"val/loss": "val loss"})
+
+
+TUTORIALS = DOCS / "tutorials"
+
+
+def tutorial_ablation_grid() -> str:
+    """docs/tutorials/ablation-grid.md: the committed run of ``bash docs/tutorials/ablation-grid/run.sh``."""
+    return run_table(TUTORIALS / "ablation-grid" / "data")
+
+
+def tutorial_own_retention() -> str:
+    """docs/tutorials/own-retention.md: the committed run of ``bash docs/tutorials/own-retention/run.sh``."""
+    return run_table(TUTORIALS / "own-retention" / "data")
+
+
+def search_trials(folder: Path) -> str:
+    """The ``## Trials (best first)`` table of a committed search run and its "Steps trained in total" line, drawn by
+    the run report's own function (:func:`atlaslab.search.tables.search_section`) from ``trials.csv``: one row per
+    trial, its sampled parameters, the report's metrics, the steps it trained, its status, params and state."""
+    from atlaslab.search.aggregate import ranked_trials
+    from atlaslab.search.schema import load_experiment
+    from atlaslab.search.tables import search_section
+    d = RunData(folder)
+    exp = load_experiment(node=d.exp)
+    recs = []
+    for t in d.trials:
+        metrics = {k: float(v) for k, v in t.items() if "/" in k and v not in ("", None)}
+        metrics["step"] = int(t["steps"]) if t.get("steps") else None
+        recs.append({"key": t["key"], "params": json.loads(t.get("params") or "{}"), "metrics": metrics,
+                     "status": t["status"], "failed": t["status"] not in FINISHED + ("pruned",),
+                     "train": {"steps": d.exp["train"]["steps"]},
+                     "info": {"num_parameters": int(t["num_parameters"]), "state_size": int(t["state_size"])}})
+    lines = search_section(exp, recs, ranked_trials(exp, recs), list(exp.report.metrics or [exp.metric]))
+    return "\n".join(lines[2:]).strip("\n")
+
+
+def tutorial_optuna_asha() -> str:
+    """docs/tutorials/optuna-asha.md: the committed run of ``bash docs/tutorials/optuna-asha/run.sh``."""
+    return search_trials(TUTORIALS / "optuna-asha" / "data")
 
 
 def quickstart_machines() -> str:
@@ -271,7 +313,9 @@ PLOTS = {"lm-table2": ([RESULTS / "lm-table2" / "data"], "val/loss"),
 
 TABLES = {"quickstart": quickstart, "quickstart-machines": quickstart_machines, "lm-table2-cpu": lm_table2_cpu,
           "table6-cpu": table6_cpu, "lm-table2-paper-760m": lambda: paper_table("760M"),
-          "lm-table2-paper-1.3b": lambda: paper_table("1.3B"), "lm-table2-sizes": lm_table2_sizes}
+          "lm-table2-paper-1.3b": lambda: paper_table("1.3B"), "lm-table2-sizes": lm_table2_sizes,
+          "tutorial-ablation-grid": tutorial_ablation_grid,
+          "tutorial-own-retention": tutorial_own_retention, "tutorial-optuna-asha": tutorial_optuna_asha}
 
 
 if __name__ == "__main__":
