@@ -1,7 +1,10 @@
-"""The results tables of whole experiment runs, from the run data committed under ``docs/results/<study>/data/``.
+"""The results tables of whole experiment runs, from the run data committed under ``docs/results/<study>/data/``
+(and the tutorials' runs, under ``docs/tutorials/<name>/data/``).
 
     python docs/gen_runs.py quickstart          # print one table (the names are the keys of TABLES)
     python docs/gen_runs.py --plots             # redraw the pages' figures of these runs (PLOTS)
+    python docs/gen_runs.py --lm-sizes          # rebuild docs/results/lm-table2/sizes.json (meta device)
+    python docs/gen_runs.py --lm-geometry       # rebuild docs/results/lm-table2/geometry.json (meta device)
 
 A study's ``data/`` folder is what ``atlaslab run`` wrote into its run folder, less the checkpoints, Tune's
 folder and MLflow's store: ``experiment.yaml`` (the experiment after its command-line overrides), ``trials.csv``
@@ -18,12 +21,13 @@ blocks.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence
 
 import yaml
 
@@ -105,8 +109,8 @@ def fmt_steps(steps: Sequence[Optional[int]]) -> str:
 def run_table(folders: Sequence[Path], metrics: Sequence[str] = (), digits: int = 3, steps: bool = True,
               extra: Mapping[str, str] = None) -> str:
     """The Markdown table of a committed run: variant, the report's metrics (labelled), the ``extra`` metrics
-    (name → label), steps to the threshold, params, state. The baseline row (``grid.baseline``, else the first)
-    is marked "(baseline)"."""
+    (name → label), steps to the threshold, params, state. The baseline row (``grid.baseline``, else the first; with
+    axes, the baseline variant's row at each axis value, as the run report marks them) is marked "(baseline)"."""
     d = RunData(*([folders] if isinstance(folders, (str, Path)) else folders))
     rep = d.exp.get("report") or {}
     labels = {**(rep.get("labels") or {}), **(extra or {})}
@@ -120,7 +124,8 @@ def run_table(folders: Sequence[Path], metrics: Sequence[str] = (), digits: int 
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in d.rows:
         done = d.finished(row)
-        cells = [row + (" (baseline)" if row == baseline else "")]
+        base = row == baseline or row.startswith(f"{baseline} · ")          # the baseline variant at each axis value
+        cells = [row + (" (baseline)" if base else "")]
         for m in metrics:
             cells.append(fmt([v for v in (d.value(t, m) for t in done) if v is not None], digits))
         if threshold is not None:
@@ -148,6 +153,45 @@ def lm_table2_cpu() -> str:
     """docs/results/lm-table2.md: the CPU-sized Table 2 run, with the final validation loss (no steps column: the
     metric is a loss)."""
     return run_table(RESULTS / "lm-table2" / "data", steps=False, extra={"val/loss": "val loss"})
+
+
+TUTORIALS = DOCS / "tutorials"
+
+
+def tutorial_ablation_grid() -> str:
+    """docs/tutorials/ablation-grid.md: the committed run of ``bash docs/tutorials/ablation-grid/run.sh``."""
+    return run_table(TUTORIALS / "ablation-grid" / "data")
+
+
+def tutorial_own_retention() -> str:
+    """docs/tutorials/own-retention.md: the committed run of ``bash docs/tutorials/own-retention/run.sh``."""
+    return run_table(TUTORIALS / "own-retention" / "data")
+
+
+def search_trials(folder: Path) -> str:
+    """The ``## Trials (best first)`` table of a committed search run and its "Steps trained in total" line, drawn by
+    the run report's own function (:func:`atlaslab.search.tables.search_section`) from ``trials.csv``: one row per
+    trial, its sampled parameters, the report's metrics, the steps it trained, its status, params and state."""
+    from atlaslab.search.aggregate import ranked_trials
+    from atlaslab.search.schema import load_experiment
+    from atlaslab.search.tables import search_section
+    d = RunData(folder)
+    exp = load_experiment(node=d.exp)
+    recs = []
+    for t in d.trials:
+        metrics = {k: float(v) for k, v in t.items() if "/" in k and v not in ("", None)}
+        metrics["step"] = int(t["steps"]) if t.get("steps") else None
+        recs.append({"key": t["key"], "params": json.loads(t.get("params") or "{}"), "metrics": metrics,
+                     "status": t["status"], "failed": t["status"] not in FINISHED + ("pruned",),
+                     "train": {"steps": d.exp["train"]["steps"]},
+                     "info": {"num_parameters": int(t["num_parameters"]), "state_size": int(t["state_size"])}})
+    lines = search_section(exp, recs, ranked_trials(exp, recs), list(exp.report.metrics or [exp.metric]))
+    return "\n".join(lines[2:]).strip("\n")
+
+
+def tutorial_optuna_asha() -> str:
+    """docs/tutorials/optuna-asha.md: the committed run of ``bash docs/tutorials/optuna-asha/run.sh``."""
+    return search_trials(TUTORIALS / "optuna-asha" / "data")
 
 
 def quickstart_machines() -> str:
@@ -189,15 +233,13 @@ LM_SIZES = RESULTS / "lm-table2" / "sizes.json"
 LM_FILE = ROOT / "experiments" / "lm_table2.yaml"
 
 
-def measure_lm_sizes(overrides: Sequence[str] = ()) -> Dict[str, Dict[str, int]]:
-    """Row → parameters and recurrent-state scalars (one sequence at the file's 4,096 tokens) of every trial of
-    ``experiments/lm_table2.yaml``, validated with its two site paths pointed at stand-ins (a jsonl shard and a
+@contextlib.contextmanager
+def lm_site() -> Iterator[List[str]]:
+    """The overrides that point ``experiments/lm_table2.yaml``'s two site paths at stand-ins (a jsonl shard and a
     32,000-id word-level ``tokenizer.json``, written to a temporary folder): the sizes do not depend on the data."""
     import tempfile
 
     from tokenizers import Tokenizer, models, pre_tokenizers
-
-    from atlaslab.search.driver import prepare
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         vocab = {"<unk>": 0, "</s>": 1, **{f"w{i}": i + 2 for i in range(32000 - 2)}}
@@ -205,8 +247,15 @@ def measure_lm_sizes(overrides: Sequence[str] = ()) -> Dict[str, Dict[str, int]]
         tok.pre_tokenizer = pre_tokenizers.Whitespace()
         tok.save(str(root / "tokenizer.json"))
         (root / "shard.jsonl").write_text("".join(json.dumps({"text": f"w{i} w{i + 1}"}) + "\n" for i in range(50)))
-        site = ["task.path=json", f"task.data_files={root / 'shard.jsonl'}",
-                f"task.tokenizer.path={root / 'tokenizer.json'}"]
+        yield ["task.path=json", f"task.data_files={root / 'shard.jsonl'}",
+               f"task.tokenizer.path={root / 'tokenizer.json'}"]
+
+
+def measure_lm_sizes(overrides: Sequence[str] = ()) -> Dict[str, Dict[str, int]]:
+    """Row → parameters and recurrent-state scalars (one sequence at the file's 4,096 tokens) of every trial of
+    ``experiments/lm_table2.yaml``, validated with its two site paths pointed at stand-ins (:func:`lm_site`)."""
+    from atlaslab.search.driver import prepare
+    with lm_site() as site:
         trials = prepare(str(LM_FILE), site + list(overrides)).trials
     return {t["row"]: {"num_parameters": int(t["info"]["num_parameters"]), "state_size": int(t["info"]["state_size"])}
             for t in trials}
@@ -218,6 +267,66 @@ def write_lm_sizes() -> Path:
     LM_SIZES.write_text(json.dumps({"file": "experiments/lm_table2.yaml", "command": "python docs/gen_runs.py --lm-sizes",
                                     "rows": rows}, indent=1) + "\n")
     return LM_SIZES
+
+
+#: docs/concepts/memory.md's LM-scale geometry table: the file's Atlas and DeepTransformers rows at the file's width
+#: (24 blocks, d_model 1536, 16 heads) with other key widths and memory settings, built on the meta device
+LM_GEOMETRY = RESULTS / "lm-table2" / "geometry.json"
+#: the two rows of the table, and their presets
+GEOMETRY_ROWS = {"Atlas": "atlas", "DeepTransformers": "deeptransformer"}
+#: geometry label → the grid-variant settings over each row's preset (no ``head_dim``: d_model / heads = 96)
+GEOMETRIES = {
+    "keys 96, `hidden_from: input` (4 × 4,753)": {"model.mixers.*.memory.memory.hidden_from": "input"},
+    "keys 96, `hidden_from: output`": {},
+    "keys 96, `hidden_from: output`, `init: shared`": {"model.mixers.*.memory.memory.init": "shared"},
+    "keys 32, values 96 (`head_dim: 32`)": {"model.mixers.*.head_dim": 32},
+    "keys 16, values 96 (`head_dim: 16`, the Table 2 file)": {"model.mixers.*.head_dim": 16},
+}
+
+
+def measure_lm_geometry(overrides: Sequence[str] = ()) -> Dict[str, Dict[str, Dict[str, int]]]:
+    """Geometry → row → parameters, recurrent-state scalars (one 4,096-token sequence) and the learned initial memory
+    (the memories' ``init_*`` parameters) of ``experiments/lm_table2.yaml``'s Atlas and DeepTransformers rows, with
+    the file's grid replaced by these two rows under each of :data:`GEOMETRIES`; every model is built on the meta
+    device (no memory allocated)."""
+    import yaml as _yaml
+
+    from atlaslab.search.driver import prepare
+    from atlaslab.search.expand import meta_model, model_config
+    node = _yaml.safe_load(LM_FILE.read_text())
+    out: Dict[str, Dict[str, Dict[str, int]]] = {}
+    with lm_site() as site:
+        for label, settings in GEOMETRIES.items():
+            node["grid"] = {"variants": {row: {"model.preset": preset, **settings}
+                                         for row, preset in GEOMETRY_ROWS.items()}}
+            out[label] = {}
+            for t in prepare(node=node, overrides=site + list(overrides)).trials:
+                model = meta_model(model_config(t["config"]["model"], 32000))
+                init = sum(p.numel() for n, p in model.named_parameters() if n.rsplit(".", 1)[-1].startswith("init_"))
+                out[label][t["row"]] = {"num_parameters": int(t["info"]["num_parameters"]),
+                                        "state_size": int(t["info"]["state_size"]), "initial_memory": int(init)}
+    return out
+
+
+def write_lm_geometry() -> Path:
+    """``python docs/gen_runs.py --lm-geometry``: build the geometries at full size and write :data:`LM_GEOMETRY`."""
+    LM_GEOMETRY.write_text(json.dumps({"file": "experiments/lm_table2.yaml",
+                                       "command": "python docs/gen_runs.py --lm-geometry",
+                                       "geometries": GEOMETRIES, "rows": measure_lm_geometry()}, indent=1) + "\n")
+    return LM_GEOMETRY
+
+
+def lm_geometry() -> str:
+    """docs/concepts/memory.md: Atlas's and DeepTransformers' size under each geometry (:data:`LM_GEOMETRY`)."""
+    rows = json.loads(LM_GEOMETRY.read_text())["rows"]
+    lines = ["| geometry at 760M width, 24 blocks | Atlas parameters | Atlas fast weights per sequence "
+             "| DeepTransformers parameters | DeepTransformers fast weights per sequence |", "|---|---|---|---|---|"]
+    for label, r in rows.items():
+        a, d = r["Atlas"], r["DeepTransformers"]
+        lines.append(f"| {label} | {human_count(a['num_parameters'])} ({human_count(a['initial_memory'])} of initial "
+                     f"memory) | {human_count(a['state_size'])} | {human_count(d['num_parameters'])} "
+                     f"({human_count(d['initial_memory'])}) | {human_count(d['state_size'])} |")
+    return "\n".join(lines)
 
 
 def lm_table2_sizes() -> str:
@@ -271,12 +380,16 @@ PLOTS = {"lm-table2": ([RESULTS / "lm-table2" / "data"], "val/loss"),
 
 TABLES = {"quickstart": quickstart, "quickstart-machines": quickstart_machines, "lm-table2-cpu": lm_table2_cpu,
           "table6-cpu": table6_cpu, "lm-table2-paper-760m": lambda: paper_table("760M"),
-          "lm-table2-paper-1.3b": lambda: paper_table("1.3B"), "lm-table2-sizes": lm_table2_sizes}
+          "lm-table2-paper-1.3b": lambda: paper_table("1.3B"), "lm-table2-sizes": lm_table2_sizes,
+          "lm-geometry": lm_geometry, "tutorial-ablation-grid": tutorial_ablation_grid,
+          "tutorial-own-retention": tutorial_own_retention, "tutorial-optuna-asha": tutorial_optuna_asha}
 
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--lm-sizes"]:
         print(f"wrote {write_lm_sizes().relative_to(ROOT)}")
+    elif sys.argv[1:] == ["--lm-geometry"]:
+        print(f"wrote {write_lm_geometry().relative_to(ROOT)}")
     elif sys.argv[1:] == ["--plots"]:
         for name, (folders, metric) in PLOTS.items():
             for fig in plots(folders, RESULTS / name, metric):

@@ -43,6 +43,9 @@ def test_the_tables_this_issue_generates_are_on_their_pages():
     assert where["quickstart"] == ["README.md", "docs/results.md"]
     assert where["lm-table2-cpu"] == ["docs/results/lm-table2.md"]
     assert where["recall-vs-state"] == ["docs/results/recall-vs-state.md"]
+    assert where["lm-geometry"] == ["docs/concepts/memory.md"]
+    for name in ("ablation-grid", "optuna-asha", "own-retention"):
+        assert where[f"tutorial-{name}"] == [f"docs/tutorials/{name}.md"]
 
 
 GENS = {"t": ("test", lambda: "| a |\n|---|\n| 0.961 ± 0.023 |")}

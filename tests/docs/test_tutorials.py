@@ -50,6 +50,22 @@ def records(run_dir):
     return {r["key"]: r for r in json.loads((run_dir / "results.json").read_text())}
 
 
+@pytest.mark.parametrize("name", ["ablation-grid", "optuna-asha", "own-retention"])
+def test_the_committed_run_is_a_run_of_the_tutorials_file_as_it_stands(name):
+    """The page's table is generated from ``docs/tutorials/<name>/data/`` (docs/gen_runs.py); that run is of the
+    tutorial's experiment file as committed, with no command-line override, and it finished: an edit of the file
+    that would change what ``run.sh`` trains makes the committed data stale, and this fails until it is rerun."""
+    import yaml
+    data = TUTORIALS / name / "data"
+    assert yaml.safe_load((data / "experiment.yaml").read_text()) == \
+        yaml.safe_load((TUTORIALS / name / "experiment.yaml").read_text())
+    state = json.loads((data / "state.json").read_text())
+    assert state["overrides"] == [] and state["status"] == "finished"
+    assert state["source"].endswith(f"docs/tutorials/{name}/experiment.yaml")
+    for f in ("trials.csv", "curves.csv"):
+        assert (data / f).is_file(), f
+
+
 def test_own_retention(tmp_path):
     run_dir = tmp_path / "run"
     r = bash(TUTORIALS / "own-retention" / "run.sh", "train.steps=20", "eval.interval=10",

@@ -127,6 +127,39 @@ def test_the_pages_size_table_data_is_what_the_file_builds(gpu, site):
                                 "`python docs/gen_tables.py --write`")
 
 
+def _gen_runs():
+    spec = importlib.util.spec_from_file_location("gen_runs", ROOT / "docs" / "gen_runs.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_geometry_table_data_is_what_the_file_builds(gpu):
+    """docs/results/lm-table2/geometry.json (docs/concepts/memory.md's LM-scale geometry table, generated) holds the
+    24-block sizes of the file's Atlas and DeepTransformers rows under each geometry, extrapolated here from 1- and
+    2-block builds as above (``gpu`` first, so lm-eval's task index is already loaded); its Table 2 geometry is the
+    file's own Atlas and DeepTransformers rows (sizes.json), so the geometries are built as the file builds them."""
+    import yaml
+    gr = _gen_runs()
+    blocks = yaml.safe_load(GPU.read_text())["model"]["overrides"]["num_layers"]
+    one, two = (gr.measure_lm_geometry([f"model.overrides.num_layers={n}"]) for n in (1, 2))
+    built = {g: {row: {k: one[g][row][k] + (blocks - 1) * (two[g][row][k] - one[g][row][k]) for k in one[g][row]}
+                 for row in one[g]} for g in one}
+    committed = json.loads(gr.LM_GEOMETRY.read_text())
+    assert committed["geometries"] == gr.GEOMETRIES
+    assert committed["rows"] == built, ("stale geometry: run `python docs/gen_runs.py --lm-geometry` and "
+                                        "`python docs/gen_tables.py --write`")
+    sizes = json.loads(gr.LM_SIZES.read_text())["rows"]
+    (table2,) = [g for g in gr.GEOMETRIES if "the Table 2 file" in g]
+    for row in gr.GEOMETRY_ROWS:
+        assert {k: v for k, v in committed["rows"][table2][row].items() if k != "initial_memory"} == sizes[row], row
+    # the initial memory is the first geometry's ``init_*`` parameters: 16 heads × 24 blocks × (hidden × 4,753 + 96
+    # × hidden), hidden = 4 × 4,753 (input) / 4 × 96 (output); shared keeps head 0's
+    for g, hidden, heads in ((0, 4 * 4753, 16), (1, 4 * 96, 16), (2, 4 * 96, 1)):
+        label = list(gr.GEOMETRIES)[g]
+        assert committed["rows"][label]["Atlas"]["initial_memory"] == heads * blocks * hidden * (4753 + 96), label
+
+
 def test_the_file_as_written_is_the_760m_block_and_its_headers_1_3b_command_the_1_3b_block(gpu, site):
     """The file's own size (24 blocks), then the command in its header (read from it, so it cannot drift) applied
     as CLI overrides."""
