@@ -53,7 +53,7 @@ which contains the second derivative of the inner loss (step 2 and 3 above), and
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -98,22 +98,29 @@ def _act(z: torch.Tensor, name: str) -> torch.Tensor:
     return torch.tanh(z)
 
 
-def _dact(z: torch.Tensor, name: str, second: bool = False):
-    """σ'(z) (and σ''(z) with ``second``) in closed form."""
-    if name == "gelu":     # σ = z Φ(z): σ' = Φ + z φ, σ'' = φ (2 − z²)
-        pdf = torch.exp(-0.5 * z * z) * _INV_SQRT_2PI
-        d1 = 0.5 * (1.0 + torch.erf(z * _SQRT1_2)) + z * pdf
-        return (d1, pdf * (2.0 - z * z)) if second else d1
-    if name == "silu":     # σ = z s: σ' = s (1 + z (1 − s)), σ'' = s (1 − s)(2 + z (1 − 2 s))
-        s = torch.sigmoid(z)
-        d1 = s * (1.0 + z * (1.0 - s))
-        return (d1, s * (1.0 - s) * (2.0 + z * (1.0 - 2.0 * s))) if second else d1
+def _act_back(g: torch.Tensor, z: torch.Tensor, h: torch.Tensor, name: str) -> torch.Tensor:
+    """g ⊙ σ'(z) (``h = σ(z)``), with the same kernels autograd uses for σ's backward."""
+    if name == "gelu":
+        return torch.ops.aten.gelu_backward(g, z)
+    if name == "silu":
+        return torch.ops.aten.silu_backward(g, z)
     if name == "relu":
-        d1 = (z > 0).to(z.dtype)
-        return (d1, torch.zeros_like(z)) if second else d1
-    t = torch.tanh(z)      # σ' = 1 − t², σ'' = −2 t (1 − t²)
-    d1 = 1.0 - t * t
-    return (d1, -2.0 * t * d1) if second else d1
+        return torch.ops.aten.threshold_backward(g, h, 0)
+    return torch.ops.aten.tanh_backward(g, h)
+
+
+def _act_second(z: torch.Tensor, h: torch.Tensor, name: str) -> torch.Tensor:
+    """σ''(z) in closed form (``h = σ(z)``): gelu φ(z)(2 − z²), silu s(1 − s)(2 + z(1 − 2s)), relu 0,
+    tanh −2 t (1 − t²)."""
+    if name == "gelu":
+        zz = z * z
+        return torch.exp(zz * -0.5) * _INV_SQRT_2PI * (2.0 - zz)
+    if name == "silu":
+        sg = torch.sigmoid(z)
+        return sg * (1.0 - sg) * (2.0 + z * (1.0 - 2.0 * sg))
+    if name == "relu":
+        return torch.zeros_like(z)
+    return -2.0 * h * (1.0 - h * h)
 
 
 def _ln_back(u: torch.Tensor, nrm: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
@@ -121,18 +128,24 @@ def _ln_back(u: torch.Tensor, nrm: torch.Tensor, rstd: torch.Tensor) -> torch.Te
     return rstd * (u - u.mean(-1, keepdim=True) - nrm * (u * nrm).mean(-1, keepdim=True))
 
 
-def _ln_affine(ln_w: torch.Tensor) -> torch.Tensor:
-    """``[H, V]`` → ``[H, 1, V]`` (broadcast over ``[B, H, n, V]``, as ``_MLPBase._finish``)."""
-    return ln_w[:, None, :]
+def _flat(t: Optional[torch.Tensor], BH: int) -> Optional[torch.Tensor]:
+    """``[B, H, ...]`` → ``[B·H, ...]`` (a view where the layout allows)."""
+    return None if t is None else t.reshape(BH, *t.shape[2:])
 
 
-def _reduce_ln(gz: torch.Tensor) -> torch.Tensor:
-    """``[B, H, n, V]`` → ``[H, V]`` (the gradient of an LN affine parameter)."""
-    return gz.sum((0, 2))
+def _col(t: Optional[torch.Tensor], BH: int) -> Optional[torch.Tensor]:
+    """Per-(batch, head) scalars ``[B, H]`` → ``[B·H, 1, 1]``."""
+    return None if t is None else t.reshape(BH, 1, 1)
 
 
-def _rowsum(z: torch.Tensor) -> torch.Tensor:
-    return z.sum((-1, -2))
+def _head_rows(ln: Optional[torch.Tensor], B: int) -> Optional[torch.Tensor]:
+    """A per-head LN affine ``[H, V]`` → ``[B·H, 1, V]`` (as ``_MLPBase._finish`` broadcasts it)."""
+    return None if ln is None else ln.unsqueeze(0).expand(B, *ln.shape).reshape(-1, 1, ln.shape[-1])
+
+
+def _head_sum(g: torch.Tensor, B: int) -> torch.Tensor:
+    """``[B·H, n, V]`` → ``[H, V]`` (the gradient of a per-head LN affine)."""
+    return g.sum(1).reshape(B, -1, g.shape[-1]).sum(0)
 
 
 def _cfg(parts, momentum: bool) -> tuple:
@@ -142,128 +155,131 @@ def _cfg(parts, momentum: bool) -> tuple:
             "dot" if isinstance(parts.attentional_bias, DotProduct) else "l2", momentum)
 
 
+def _add(a, b):
+    return b if a is None else (a if b is None else a + b)
+
+
 class MLPDualStep(torch.autograd.Function):
     """One chunk's gradient factors at the anchor and its chunk-end weights / momenta (module docstring, steps
-    1–4 for the backward).
+    1–4 for the backward). Computes on ``[B·H, ...]`` views with ``bmm`` / ``baddbmm``.
 
     ``apply(cfg, x, v, P_e, Q_e, A_e, Th_e, S_e, ln_w, ln_b, W_1 … W_L, S_1 … S_L)``: ``x [B, H, n, F]``,
     ``v [B, H, n, V]``, ``P_e, Q_e, Th_e [B, H]``, ``A_e, S_e [B, H, n]`` (Q_e, Th_e, S_e and the S_j None for GD),
     ``ln_w, ln_b [H, V]`` (None without LayerNorm), ``W_j [B, H, out_j, in_j]``. Returns
-    ``(δ_1 … δ_L, h_1 … h_{L−1}, W_1' … W_L'[, S_1' … S_L'])``.
+    ``(δ_1 … δ_L, h_1 … h_{L−1}, W_1' … W_L'[, S_1' … S_L'])``, each ``[B, H, ...]``.
     """
 
     @staticmethod
     def forward(ctx, cfg, x, v, P_e, Q_e, A_e, Th_e, S_e, ln_w, ln_b, *ws):
         L, act, residual, layer_norm, bias, mom = cfg
-        W, S = list(ws[:L]), (list(ws[L:]) if mom else None)
-        hs, zs = [x], []
+        B, H = x.shape[:2]
+        BH = B * H
+        W = [_flat(w, BH) for w in ws[:L]]
+        S = [_flat(w, BH) for w in ws[L:]] if mom else None
+        x3, v3 = _flat(x, BH), _flat(v, BH)
+        P, Q, Th = _col(P_e, BH), _col(Q_e, BH), _col(Th_e, BH)
+        A = A_e.reshape(BH, -1, 1)
+        Sc = S_e.reshape(BH, -1, 1) if mom else None
+        g = _head_rows(ln_w, B)
+        hs, zs = [x3], []
         for j in range(L):
             if j > 0:
                 hs.append(_act(zs[-1], act))
-            zs.append(hs[-1] @ W[j].mT)
+            zs.append(torch.bmm(hs[-1], W[j].mT))
+        zL = zs[-1]
         if layer_norm:
-            y, _, rstd = torch.native_layer_norm(zs[-1], (zs[-1].shape[-1],), None, None, LN_EPS)
-            nrm = y
-            branch = y * _ln_affine(ln_w) + _ln_affine(ln_b)
+            nrm, _, rstd = torch.native_layer_norm(zL, (zL.shape[-1],), None, None, LN_EPS)
+            branch = torch.addcmul(_head_rows(ln_b, B), nrm, g)
         else:
             nrm = rstd = None
-            branch = zs[-1]
+            branch = zL
         if bias == "l2":
-            err = ((x + branch) if residual else branch) - v
+            err = ((x3 + branch) if residual else branch) - v3
         else:
-            err = -v
-        if layer_norm:
-            e_ = err * _ln_affine(ln_w)
-            deltas = [_ln_back(e_, nrm, rstd)]
-        else:
-            e_ = err
-            deltas = [err]
-        dacts = [None] * L
+            err = -v3
+        e_ = err * g if layer_norm else err
+        deltas = [None] * L
+        deltas[L - 1] = _ln_back(e_, nrm, rstd) if layer_norm else err
+        ts = [None] * L
         for j in range(L - 2, -1, -1):
-            dacts[j] = _dact(zs[j], act)
-            deltas.insert(0, (deltas[0] @ W[j + 1]) * dacts[j])
-        c = lambda s: s[..., None, None]                                  # noqa: E731
+            ts[j] = torch.bmm(deltas[j + 1], W[j + 1])                   # t_j = δ_{j+1} W_{j+1}
+            deltas[j] = _act_back(ts[j], zs[j], hs[j + 1], act)
         new_w, new_s = [], []
         for j in range(L):
             dl, r = deltas[j], hs[j]
-            wj = (dl * A_e.unsqueeze(-1)).mT @ r + c(P_e) * W[j]
+            base = P * W[j] + Q * S[j] if mom else P * W[j]
+            new_w.append(torch.baddbmm(base, (dl * A).mT, r).view(ws[j].shape))
             if mom:
-                wj = wj + c(Q_e) * S[j]
-                new_s.append((dl * S_e.unsqueeze(-1)).mT @ r + c(Th_e) * S[j])
-            new_w.append(wj)
+                new_s.append(torch.baddbmm(Th * S[j], (dl * Sc).mT, r).view(ws[j].shape))
         ctx.cfg = cfg
+        ctx.shapes = (B, H, x.shape, v.shape, [w.shape for w in ws])
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(x, v, P_e, Q_e, A_e, Th_e, S_e, ln_w, nrm, rstd, err, e_,
-                              *W, *(S or []), *zs, *hs[1:], *deltas)
-        return (*deltas, *hs[1:], *new_w, *new_s)
+        ctx.save_for_backward(x3, P, Q, A, Th, Sc, g, nrm, rstd, err, e_, *W, *(S or []), *zs, *hs[1:], *deltas,
+                              *ts[:L - 1])
+        return (*(d.view(B, H, *d.shape[1:]) for d in deltas), *(h.view(B, H, *h.shape[1:]) for h in hs[1:]),
+                *new_w, *new_s)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
         L, act, residual, layer_norm, bias, mom = ctx.cfg
+        B, H, x_shape, v_shape, w_shapes = ctx.shapes
+        BH = B * H
         saved = ctx.saved_tensors
-        x, v, P_e, Q_e, A_e, Th_e, S_e, ln_w, nrm, rstd, err, e_ = saved[:12]
-        rest = list(saved[12:])
-        W = rest[:L]
-        rest = rest[L:]
-        S = rest[:L] if mom else None
-        rest = rest[L:] if mom else rest
-        zs, hs, deltas = rest[:L], [x] + rest[L:2 * L - 1], rest[2 * L - 1:]
-        g_delta = list(grads[:L])
-        g_h = [None] + list(grads[L:2 * L - 1])             # g_h[j]: gradient of h_j (h_0 = x handled apart)
-        g_w_new = grads[2 * L - 1:3 * L - 1]
-        g_s_new = grads[3 * L - 1:4 * L - 1] if mom else [None] * L
-
-        def add(a, b):
-            return b if a is None else (a if b is None else a + b)
-
-        c = lambda s: s[..., None, None]                                  # noqa: E731
+        x3, P, Q, A, Th, Sc, g, nrm, rstd, err, e_ = saved[:11]
+        rest = list(saved[11:])
+        W, rest = rest[:L], rest[L:]
+        if mom:
+            S, rest = rest[:L], rest[L:]
+        zs, rest = rest[:L], rest[L:]
+        hs, rest = [x3] + rest[:L - 1], rest[L - 1:]
+        deltas, ts = rest[:L], rest[L:]
+        g_delta = [_flat(t, BH) for t in grads[:L]]
+        g_h = [None] + [_flat(t, BH) for t in grads[L:2 * L - 1]]      # g_h[j]: gradient of h_j (h_0 = x apart)
+        g_w_new = [_flat(t, BH) for t in grads[2 * L - 1:3 * L - 1]]
+        g_s_new = [_flat(t, BH) for t in grads[3 * L - 1:4 * L - 1]] if mom else [None] * L
         gW: List[Optional[torch.Tensor]] = [None] * L
         gS: List[Optional[torch.Tensor]] = [None] * L
-        gP = gQ = gA = gTh = gSc = None
-        gx = None
+        gP = gQ = gA = gTh = gSc = gx = None
         # 1. chunk end
         for j in range(L):
             dl, r = deltas[j], hs[j]
             gr = None
             gwn, gsn = g_w_new[j], g_s_new[j]
             if gwn is not None:
-                gW[j] = add(gW[j], c(P_e) * gwn)
-                gP = add(gP, _rowsum(gwn * W[j]))
+                gW[j] = P * gwn
+                gP = _add(gP, (gwn * W[j]).sum((-1, -2)))
                 if mom:
-                    gS[j] = add(gS[j], c(Q_e) * gwn)
-                    gQ = add(gQ, _rowsum(gwn * S[j]))
-                M = r @ gwn.mT                                              # [B, H, n, out_j]
-                g_delta[j] = add(g_delta[j], A_e.unsqueeze(-1) * M)
-                gA = add(gA, (dl * M).sum(-1))
-                gr = add(gr, (dl * A_e.unsqueeze(-1)) @ gwn)
+                    gS[j] = Q * gwn
+                    gQ = _add(gQ, (gwn * S[j]).sum((-1, -2)))
+                M = torch.bmm(r, gwn.mT)                                    # [BH, n, out_j]
+                g_delta[j] = _add(g_delta[j], A * M)
+                gA = _add(gA, (dl * M).sum(-1))
+                gr = torch.bmm(dl * A, gwn)
             if mom and gsn is not None:
-                gS[j] = add(gS[j], c(Th_e) * gsn)
-                gTh = add(gTh, _rowsum(gsn * S[j]))
-                N = r @ gsn.mT
-                g_delta[j] = add(g_delta[j], S_e.unsqueeze(-1) * N)
-                gSc = add(gSc, (dl * N).sum(-1))
-                gr = add(gr, (dl * S_e.unsqueeze(-1)) @ gsn)
+                gS[j] = _add(gS[j], Th * gsn)
+                gTh = _add(gTh, (gsn * S[j]).sum((-1, -2)))
+                N = torch.bmm(r, gsn.mT)
+                g_delta[j] = _add(g_delta[j], Sc * N)
+                gSc = _add(gSc, (dl * N).sum(-1))
+                gr = _add(gr, torch.bmm(dl * Sc, gsn))
             if j == 0:
-                gx = add(gx, gr)
+                gx = _add(gx, gr)
             else:
-                g_h[j] = add(g_h[j], gr)
+                g_h[j] = _add(g_h[j], gr)
         # 2. the δ chain (second order through σ'')
         gz: List[Optional[torch.Tensor]] = [None] * L
         for j in range(L - 1):
             if g_delta[j] is None:
                 continue
-            d1, d2 = _dact(zs[j], act, second=True)
-            t = deltas[j + 1] @ W[j + 1]
-            gt = g_delta[j] * d1
-            gz[j] = add(gz[j], g_delta[j] * t * d2)
-            g_delta[j + 1] = add(g_delta[j + 1], gt @ W[j + 1].mT)
-            gW[j + 1] = add(gW[j + 1], deltas[j + 1].mT @ gt)
+            gt = _act_back(g_delta[j], zs[j], hs[j + 1], act)
+            if act != "relu":
+                gz[j] = _add(gz[j], g_delta[j] * ts[j] * _act_second(zs[j], hs[j + 1], act))
+            g_delta[j + 1] = _add(g_delta[j + 1], torch.bmm(gt, W[j + 1].mT))
+            gW[j + 1] = _add(gW[j + 1], torch.bmm(deltas[j + 1].mT, gt))
         # 3. δ_L → err, z_L, the LN affine, v and x
-        g_lnw = g_lnb = None
-        gv = None
+        g_lnw = g_lnb = g_err = gv = None
         gd = g_delta[L - 1]
-        g_err = None
         if gd is not None:
             if layer_norm:
                 V = nrm.shape[-1]
@@ -271,40 +287,48 @@ class MLPDualStep(torch.autograd.Function):
                 phi = (gd * deltas[L - 1]).sum(-1, keepdim=True)
                 u = rstd * (-gd * (e_ * nrm).mean(-1, keepdim=True)
                             - (gd * nrm).sum(-1, keepdim=True) * e_ / V)
-                gz[L - 1] = add(gz[L - 1], _ln_back(u, nrm, rstd) - (rstd * phi / V) * nrm)
-                g_lnw = _reduce_ln(ge_ * err)
-                g_err = ge_ * _ln_affine(ln_w)
+                gz[L - 1] = _add(gz[L - 1], _ln_back(u, nrm, rstd) - (rstd * phi / V) * nrm)
+                g_lnw = _head_sum(ge_ * err, B)
+                g_err = ge_ * g
             else:
                 g_err = gd
         if g_err is not None:
             gv = -g_err
             if bias == "l2":
                 if residual:
-                    gx = add(gx, g_err)
+                    gx = _add(gx, g_err)
                 if layer_norm:
-                    g_lnb = _reduce_ln(g_err)
-                    g_lnw = add(g_lnw, _reduce_ln(g_err * nrm))
-                    gz[L - 1] = add(gz[L - 1], _ln_back(g_err * _ln_affine(ln_w), nrm, rstd))
+                    g_lnb = _head_sum(g_err, B)
+                    g_lnw = _add(g_lnw, _head_sum(g_err * nrm, B))
+                    gz[L - 1] = _add(gz[L - 1], _ln_back(g_err * g, nrm, rstd))
                 else:
-                    gz[L - 1] = add(gz[L - 1], g_err)
+                    gz[L - 1] = _add(gz[L - 1], g_err)
         # 4. the forward chain
         for j in range(L - 1, -1, -1):
             if gz[j] is not None:
-                gW[j] = add(gW[j], gz[j].mT @ hs[j])
-                g_h[j] = add(g_h[j], gz[j] @ W[j]) if j > 0 else g_h[j]
+                gW[j] = _add(gW[j], torch.bmm(gz[j].mT, hs[j]))
+                gh = torch.bmm(gz[j], W[j])
                 if j == 0:
-                    gx = add(gx, gz[j] @ W[j])
+                    gx = _add(gx, gh)
+                else:
+                    g_h[j] = _add(g_h[j], gh)
             if j > 0 and g_h[j] is not None:
-                gz[j - 1] = add(gz[j - 1], g_h[j] * _dact(zs[j - 1], act))
-        out = [gx, gv, gP, gQ, gA, gTh, gSc, g_lnw, g_lnb, *gW]
+                gz[j - 1] = _add(gz[j - 1], _act_back(g_h[j], zs[j - 1], hs[j], act))
+
+        def shaped(t, shape):
+            return None if t is None else t.reshape(shape)
+        out = [shaped(gx, x_shape), shaped(gv, v_shape), shaped(gP, (B, H)), shaped(gQ, (B, H)),
+               shaped(gA, (B, H, -1)), shaped(gTh, (B, H)), shaped(gSc, (B, H, -1)), g_lnw, g_lnb,
+               *(shaped(t, s) for t, s in zip(gW, w_shapes[:L]))]
         if mom:
-            out += gS
+            out += [shaped(t, s) for t, s in zip(gS, w_shapes[L:])]
         need = ctx.needs_input_grad[1:]
-        return (None, *[g if n else None for g, n in zip(out, need)])
+        return (None, *[t if n else None for t, n in zip(out, need)])
 
 
 class MLPDualRead(torch.autograd.Function):
     """The reads of all chunks (folded into the batch) through dual-form weights (module docstring, "Read").
+    Computes on ``[B'·H, ...]`` views with ``bmm`` / ``baddbmm``.
 
     ``apply(cfg, xq, P, Q, A, ln_w, ln_b, W_1 … W_L, S_1 … S_L, l_1 … l_L, r_1 … r_L)``: ``xq [B', H, b, F]``,
     ``P, Q [B', H, b]`` (Q and the S_j None for GD), ``A [B', H, b, n]``, ``W_j, S_j [B', H, out_j, in_j]``,
@@ -314,83 +338,99 @@ class MLPDualRead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, cfg, xq, P, Q, A, ln_w, ln_b, *ts):
         L, act, residual, layer_norm, _, mom = cfg
-        W = ts[:L]
-        S = ts[L:2 * L] if mom else None
+        B, H = xq.shape[:2]
+        BH = B * H
+        flat = [_flat(t, BH) for t in ts]
+        W = flat[:L]
+        S = flat[L:2 * L] if mom else None
         off = 2 * L if mom else L
-        ls, rs = ts[off:off + L], ts[off + L:off + 2 * L]
-        hs, zs = [xq], []
+        ls, rs = flat[off:off + L], flat[off + L:off + 2 * L]
+        x3 = _flat(xq, BH)
+        P3 = P.reshape(BH, -1, 1)
+        Q3 = Q.reshape(BH, -1, 1) if mom else None
+        A3 = _flat(A, BH)
+        hs, zs, Ks, c1s, c2s = [x3], [], [], [], []
         for j in range(L):
             if j > 0:
                 hs.append(_act(zs[-1], act))
             h = hs[-1]
-            z = (A * (h @ rs[j].mT)) @ ls[j]
-            z = z + P.unsqueeze(-1) * (h @ W[j].mT)
+            K = torch.bmm(h, rs[j].mT)                                    # [BH, b, n]
+            c1 = torch.bmm(h, W[j].mT)
+            base = P3 * c1
             if mom:
-                z = z + Q.unsqueeze(-1) * (h @ S[j].mT)
-            zs.append(z)
+                c2 = torch.bmm(h, S[j].mT)
+                base = base + Q3 * c2
+                c2s.append(c2)
+            zs.append(torch.baddbmm(base, A3 * K, ls[j]))
+            Ks.append(K)
+            c1s.append(c1)
+        zL = zs[-1]
         if layer_norm:
-            y, _, rstd = torch.native_layer_norm(zs[-1], (zs[-1].shape[-1],), None, None, LN_EPS)
-            nrm = y
-            branch = y * _ln_affine(ln_w) + _ln_affine(ln_b)
+            nrm, _, rstd = torch.native_layer_norm(zL, (zL.shape[-1],), None, None, LN_EPS)
+            branch = torch.addcmul(_head_rows(ln_b, B), nrm, _head_rows(ln_w, B))
         else:
             nrm = rstd = None
-            branch = zs[-1]
+            branch = zL
+        out = x3 + branch if residual else branch
         ctx.cfg = cfg
-        ctx.save_for_backward(xq, P, Q, A, ln_w, nrm, rstd, *ts, *zs[:-1], *hs[1:])
-        return xq + branch if residual else branch
+        ctx.shapes = (B, H, xq.shape, P.shape, A.shape, [t.shape for t in ts])
+        ctx.save_for_backward(x3, P3, Q3, A3, _head_rows(ln_w, B), nrm, rstd, *flat, *zs[:-1], *hs[1:], *Ks,
+                              *c1s, *c2s)
+        return out.view(B, H, *out.shape[1:])
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g_out):
         L, act, residual, layer_norm, _, mom = ctx.cfg
+        B, H, xq_shape, p_shape, a_shape, t_shapes = ctx.shapes
+        BH = B * H
         saved = ctx.saved_tensors
-        xq, P, Q, A, ln_w, nrm, rstd = saved[:7]
-        nt = (3 if mom else 2) * L + L
-        ts = saved[7:7 + nt]
-        rest = saved[7 + nt:]
-        W = ts[:L]
-        S = ts[L:2 * L] if mom else None
+        x3, P3, Q3, A3, g, nrm, rstd = saved[:7]
+        nt = (4 if mom else 3) * L
+        flat, rest = saved[7:7 + nt], list(saved[7 + nt:])
+        W = flat[:L]
+        S = flat[L:2 * L] if mom else None
         off = 2 * L if mom else L
-        ls, rs = ts[off:off + L], ts[off + L:off + 2 * L]
-        zs, hs = list(rest[:L - 1]), [xq] + list(rest[L - 1:])
-        gxq = g_out if residual else None
+        ls, rs = flat[off:off + L], flat[off + L:off + 2 * L]
+        zs, rest = rest[:L - 1], rest[L - 1:]
+        hs, rest = [x3] + rest[:L - 1], rest[L - 1:]
+        Ks, c1s, c2s = rest[:L], rest[L:2 * L], rest[2 * L:]
+        go = _flat(g_out, BH)
+        gxq = go if residual else None
         g_lnw = g_lnb = None
         if layer_norm:
-            g_lnb = _reduce_ln(g_out)
-            g_lnw = _reduce_ln(g_out * nrm)
-            gz = _ln_back(g_out * _ln_affine(ln_w), nrm, rstd)
+            g_lnb = _head_sum(go, B)
+            g_lnw = _head_sum(go * nrm, B)
+            gz = _ln_back(go * g, nrm, rstd)
         else:
-            gz = g_out
+            gz = go
         gP = gQ = gA = None
         gW, gS, gl, gr = [None] * L, [None] * L, [None] * L, [None] * L
         for j in range(L - 1, -1, -1):
-            h = hs[j]
-            K = h @ rs[j].mT                                                # [B', H, b, n]
-            G = A * K
-            gl[j] = G.mT @ gz
-            gG = gz @ ls[j].mT
-            gA = gG * K if gA is None else gA + gG * K
-            gK = gG * A
-            gh = gK @ rs[j]
-            gr[j] = gK.mT @ h
-            c1 = h @ W[j].mT
-            gP = (gz * c1).sum(-1) if gP is None else gP + (gz * c1).sum(-1)
-            gzP = P.unsqueeze(-1) * gz
-            gW[j] = gzP.mT @ h
-            gh = gh + gzP @ W[j]
+            h, K = hs[j], Ks[j]
+            gl[j] = torch.bmm((A3 * K).mT, gz)
+            gG = torch.bmm(gz, ls[j].mT)
+            gA = _add(gA, gG * K)
+            gK = gG * A3
+            gr[j] = torch.bmm(gK.mT, h)
+            gP = _add(gP, (gz * c1s[j]).sum(-1, keepdim=True))
+            gzP = P3 * gz
+            gW[j] = torch.bmm(gzP.mT, h)
+            gh = torch.baddbmm(torch.bmm(gK, rs[j]), gzP, W[j])
             if mom:
-                c2 = h @ S[j].mT
-                gQ = (gz * c2).sum(-1) if gQ is None else gQ + (gz * c2).sum(-1)
-                gzQ = Q.unsqueeze(-1) * gz
-                gS[j] = gzQ.mT @ h
-                gh = gh + gzQ @ S[j]
+                gQ = _add(gQ, (gz * c2s[j]).sum(-1, keepdim=True))
+                gzQ = Q3 * gz
+                gS[j] = torch.bmm(gzQ.mT, h)
+                gh = torch.baddbmm(gh, gzQ, S[j])
             if j > 0:
-                gz = gh * _dact(zs[j - 1], act)
+                gz = _act_back(gh, zs[j - 1], hs[j], act)
             else:
-                gxq = gh if gxq is None else gxq + gh
-        out = [gxq, gP, gQ, gA, g_lnw, g_lnb, *gW, *(gS if mom else []), *gl, *gr]
+                gxq = _add(gxq, gh)
+        grads_t = [*gW, *(gS if mom else []), *gl, *gr]
+        out = [gxq.reshape(xq_shape), gP.reshape(p_shape), gQ.reshape(p_shape) if mom else None,
+               gA.reshape(a_shape), g_lnw, g_lnb, *(t.reshape(s) for t, s in zip(grads_t, t_shapes))]
         need = ctx.needs_input_grad[1:]
-        return (None, *[g if n else None for g, n in zip(out, need)])
+        return (None, *[t if n else None for t, n in zip(out, need)])
 
 
 def _ln_params(parts):
