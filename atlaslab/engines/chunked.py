@@ -44,7 +44,8 @@ from atlaslab.engines.compiled import compiled, maybe_compiled
 from atlaslab.engines.slot_memory import memorize_slot_memory
 from atlaslab.engines.recurrent import _bh
 from atlaslab.memory.fast_weights import DualForm, PerPosition, Tape
-from atlaslab.engines.scan import cumulative, decay_matrix, dual_coefficients, scan_weights, window_matrix
+from atlaslab.engines.scan import (cumulative, decay_matrix, dual_coefficients, dual_coefficients_reference,
+                                  scan_weights, window_matrix)
 from atlaslab.memory.state import Gates, MemoryState, keep_history, split_time, with_history
 
 if TYPE_CHECKING:
@@ -306,7 +307,7 @@ def _dual_aligned(parts, state: MemoryState, gates: Gates, q, k, v, b: int, chec
     alpha = gates.retention.transpose(1, 2) if (gates.retention is not None and ret.uses_alpha) else None
     a = _pad_chunks(alpha, N, b, 1.0) if alpha is not None else torch.ones_like(lr)
     theta = _pad_chunks(_bh(gates.momentum), N, b, 1.0) if parts.inner_optimizer.cfg.name == "momentum" else None
-    P, Q, A, Th, S_coef = maybe_compiled(dual_coefficients, compile, q.device)(
+    P, Q, A, Th, S_coef = (compiled(dual_coefficients_reference, q.device) if compile else dual_coefficients)(
         a, theta, lr.unsqueeze(-1) * C)                                        # each [B, H, N, b(, W)]
 
     # row e of every coefficient: the chunk's last real position (b − 1, or the last token of a partial chunk)
