@@ -123,9 +123,11 @@ def _act_second(z: torch.Tensor, h: torch.Tensor, name: str) -> torch.Tensor:
     return -2.0 * h * (1.0 - h * h)
 
 
-def _ln_back(u: torch.Tensor, nrm: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
-    """Jᵀ u for J = ∂ LN(z)/∂z (symmetric): rstd ⊙ (u − mean(u) − nrm ⊙ mean(u ⊙ nrm))."""
-    return rstd * (u - u.mean(-1, keepdim=True) - nrm * (u * nrm).mean(-1, keepdim=True))
+def _ln_back(u: torch.Tensor, z: torch.Tensor, mu: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """Jᵀ u for J = ∂ LN(z)/∂z (symmetric): rstd ⊙ (u − mean(u) − nrm ⊙ mean(u ⊙ nrm)), LayerNorm's own backward
+    kernel (``mu``, ``rstd``: the forward's statistics ``[..., 1]``)."""
+    return torch.ops.aten.native_layer_norm_backward(u, z, [z.shape[-1]], mu, rstd, None, None,
+                                                     [True, False, False])[0]
 
 
 def _flat(t: Optional[torch.Tensor], BH: int) -> Optional[torch.Tensor]:
@@ -188,10 +190,10 @@ class MLPDualStep(torch.autograd.Function):
             zs.append(torch.bmm(hs[-1], W[j].mT))
         zL = zs[-1]
         if layer_norm:
-            nrm, _, rstd = torch.native_layer_norm(zL, (zL.shape[-1],), None, None, LN_EPS)
+            nrm, mu, rstd = torch.native_layer_norm(zL, (zL.shape[-1],), None, None, LN_EPS)
             branch = torch.addcmul(_head_rows(ln_b, B), nrm, g)
         else:
-            nrm = rstd = None
+            nrm = mu = rstd = None
             branch = zL
         if bias == "l2":
             err = ((x3 + branch) if residual else branch) - v3
@@ -199,7 +201,7 @@ class MLPDualStep(torch.autograd.Function):
             err = -v3
         e_ = err * g if layer_norm else err
         deltas = [None] * L
-        deltas[L - 1] = _ln_back(e_, nrm, rstd) if layer_norm else err
+        deltas[L - 1] = _ln_back(e_, zL, mu, rstd) if layer_norm else err
         ts = [None] * L
         for j in range(L - 2, -1, -1):
             ts[j] = torch.bmm(deltas[j + 1], W[j + 1])                   # t_j = δ_{j+1} W_{j+1}
@@ -214,7 +216,7 @@ class MLPDualStep(torch.autograd.Function):
         ctx.cfg = cfg
         ctx.shapes = (B, H, x.shape, v.shape, [w.shape for w in ws])
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(x3, P, Q, A, Th, Sc, g, nrm, rstd, err, e_, *W, *(S or []), *zs, *hs[1:], *deltas,
+        ctx.save_for_backward(x3, P, Q, A, Th, Sc, g, nrm, mu, rstd, err, e_, *W, *(S or []), *zs, *hs[1:], *deltas,
                               *ts[:L - 1])
         return (*(d.view(B, H, *d.shape[1:]) for d in deltas), *(h.view(B, H, *h.shape[1:]) for h in hs[1:]),
                 *new_w, *new_s)
@@ -226,8 +228,8 @@ class MLPDualStep(torch.autograd.Function):
         B, H, x_shape, v_shape, w_shapes = ctx.shapes
         BH = B * H
         saved = ctx.saved_tensors
-        x3, P, Q, A, Th, Sc, g, nrm, rstd, err, e_ = saved[:11]
-        rest = list(saved[11:])
+        x3, P, Q, A, Th, Sc, g, nrm, mu, rstd, err, e_ = saved[:12]
+        rest = list(saved[12:])
         W, rest = rest[:L], rest[L:]
         if mom:
             S, rest = rest[:L], rest[L:]
@@ -283,11 +285,11 @@ class MLPDualStep(torch.autograd.Function):
         if gd is not None:
             if layer_norm:
                 V = nrm.shape[-1]
-                ge_ = _ln_back(gd, nrm, rstd)
+                ge_ = _ln_back(gd, zs[L - 1], mu, rstd)
                 phi = (gd * deltas[L - 1]).sum(-1, keepdim=True)
                 u = rstd * (-gd * (e_ * nrm).mean(-1, keepdim=True)
                             - (gd * nrm).sum(-1, keepdim=True) * e_ / V)
-                gz[L - 1] = _add(gz[L - 1], _ln_back(u, nrm, rstd) - (rstd * phi / V) * nrm)
+                gz[L - 1] = _add(gz[L - 1], _ln_back(u, zs[L - 1], mu, rstd) - (rstd * phi / V) * nrm)
                 g_lnw = _head_sum(ge_ * err, B)
                 g_err = ge_ * g
             else:
@@ -300,7 +302,7 @@ class MLPDualStep(torch.autograd.Function):
                 if layer_norm:
                     g_lnb = _head_sum(g_err, B)
                     g_lnw = _add(g_lnw, _head_sum(g_err * nrm, B))
-                    gz[L - 1] = _add(gz[L - 1], _ln_back(g_err * g, nrm, rstd))
+                    gz[L - 1] = _add(gz[L - 1], _ln_back(g_err * g, zs[L - 1], mu, rstd))
                 else:
                     gz[L - 1] = _add(gz[L - 1], g_err)
         # 4. the forward chain
@@ -366,16 +368,16 @@ class MLPDualRead(torch.autograd.Function):
             c1s.append(c1)
         zL = zs[-1]
         if layer_norm:
-            nrm, _, rstd = torch.native_layer_norm(zL, (zL.shape[-1],), None, None, LN_EPS)
-            branch = torch.addcmul(_head_rows(ln_b, B), nrm, _head_rows(ln_w, B))
+            g = _head_rows(ln_w, B)
+            nrm, mu, rstd = torch.native_layer_norm(zL, (zL.shape[-1],), None, None, LN_EPS)
+            branch = torch.addcmul(_head_rows(ln_b, B), nrm, g)
         else:
-            nrm = rstd = None
+            g = nrm = mu = rstd = None
             branch = zL
         out = x3 + branch if residual else branch
         ctx.cfg = cfg
         ctx.shapes = (B, H, xq.shape, P.shape, A.shape, [t.shape for t in ts])
-        ctx.save_for_backward(x3, P3, Q3, A3, _head_rows(ln_w, B), nrm, rstd, *flat, *zs[:-1], *hs[1:], *Ks,
-                              *c1s, *c2s)
+        ctx.save_for_backward(x3, P3, Q3, A3, g, nrm, mu, rstd, *flat, *zs, *hs[1:], *Ks, *c1s, *c2s)
         return out.view(B, H, *out.shape[1:])
 
     @staticmethod
@@ -385,14 +387,14 @@ class MLPDualRead(torch.autograd.Function):
         B, H, xq_shape, p_shape, a_shape, t_shapes = ctx.shapes
         BH = B * H
         saved = ctx.saved_tensors
-        x3, P3, Q3, A3, g, nrm, rstd = saved[:7]
+        x3, P3, Q3, A3, g, nrm, mu, rstd = saved[:8]
         nt = (4 if mom else 3) * L
-        flat, rest = saved[7:7 + nt], list(saved[7 + nt:])
+        flat, rest = saved[8:8 + nt], list(saved[8 + nt:])
         W = flat[:L]
         S = flat[L:2 * L] if mom else None
         off = 2 * L if mom else L
         ls, rs = flat[off:off + L], flat[off + L:off + 2 * L]
-        zs, rest = rest[:L - 1], rest[L - 1:]
+        zs, rest = rest[:L], rest[L:]
         hs, rest = [x3] + rest[:L - 1], rest[L - 1:]
         Ks, c1s, c2s = rest[:L], rest[L:2 * L], rest[2 * L:]
         go = _flat(g_out, BH)
@@ -401,7 +403,7 @@ class MLPDualRead(torch.autograd.Function):
         if layer_norm:
             g_lnb = _head_sum(go, B)
             g_lnw = _head_sum(go * nrm, B)
-            gz = _ln_back(go * g, nrm, rstd)
+            gz = _ln_back(go * g, zs[L - 1], mu, rstd)
         else:
             gz = go
         gP = gQ = gA = None
