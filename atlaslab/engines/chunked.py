@@ -23,6 +23,9 @@ Paths, in the order :func:`memorize_chunked` tries them:
   dual form, with every coefficient that does not depend on the memory (window, decay and momentum matrices)
   formed for all chunks at once (:func:`_dual_aligned`); per chunk only the gradient factors at the anchor,
   the reads and the chunk-end state remain;
+  for the MLP memory (ℓ2 / dot bias, float32 / float64) each chunk's step and the reads run as single autograd
+  nodes with hand-written backward (``mlp_step.py``); :func:`_dual_step` and :func:`_dual_read` are their
+  reference;
 - everything else (Muon, mirror maps and projections, before-step decay, implicit / multi-step GD, user memories
   without a tape): one chunk at a time (:func:`_segment`).
 """
@@ -36,12 +39,13 @@ import torch
 import torch.utils.checkpoint
 from torch.func import vjp, vmap
 
-from atlaslab.engines import linear_delta
+from atlaslab.engines import linear_delta, mlp_step
 from atlaslab.engines.compiled import compiled, maybe_compiled
 from atlaslab.engines.slot_memory import memorize_slot_memory
 from atlaslab.engines.recurrent import _bh
 from atlaslab.memory.fast_weights import DualForm, PerPosition, Tape
-from atlaslab.engines.scan import cumulative, decay_matrix, dual_coefficients, scan_weights, window_matrix
+from atlaslab.engines.scan import (cumulative, decay_matrix, dual_coefficients, dual_coefficients_reference,
+                                  scan_weights, window_matrix)
 from atlaslab.memory.state import Gates, MemoryState, keep_history, split_time, with_history
 
 if TYPE_CHECKING:
@@ -280,8 +284,14 @@ def _dual_aligned(parts, state: MemoryState, gates: Gates, q, k, v, b: int, chec
     ends and the reads through ``torch.compile`` (:mod:`atlaslab.engines.compiled`). Mutates ``state``; returns
     ``[B, T, H, V]``.
     """
+    # the MLP memory's step and read as single autograd nodes with hand-written backward (mlp_step.py) where they
+    # apply (eager, float32 / float64); the autograd path below stays the reference for everything else
+    fast = not compile and mlp_step.supports(parts, q.dtype) is None
     if step is None:
-        step = functools.partial(_dual_step, end=compiled(_dual_end, q.device)) if compile else _dual_step
+        if compile:
+            step = functools.partial(_dual_step, end=compiled(_dual_end, q.device))
+        else:
+            step = mlp_step.dual_step if fast else _dual_step
     fm, ret = parts.feature_map, parts.retention
     B, T = q.shape[:2]
     N = -(-T // b)
@@ -297,7 +307,7 @@ def _dual_aligned(parts, state: MemoryState, gates: Gates, q, k, v, b: int, chec
     alpha = gates.retention.transpose(1, 2) if (gates.retention is not None and ret.uses_alpha) else None
     a = _pad_chunks(alpha, N, b, 1.0) if alpha is not None else torch.ones_like(lr)
     theta = _pad_chunks(_bh(gates.momentum), N, b, 1.0) if parts.inner_optimizer.cfg.name == "momentum" else None
-    P, Q, A, Th, S_coef = maybe_compiled(dual_coefficients, compile, q.device)(
+    P, Q, A, Th, S_coef = (compiled(dual_coefficients_reference, q.device) if compile else dual_coefficients)(
         a, theta, lr.unsqueeze(-1) * C)                                        # each [B, H, N, b(, W)]
 
     # row e of every coefficient: the chunk's last real position (b − 1, or the last token of a partial chunk)
@@ -336,7 +346,8 @@ def _dual_aligned(parts, state: MemoryState, gates: Gates, q, k, v, b: int, chec
         P_all, Q_all, A_all = (_chunks_as_batch(z) for z in (P, Q, A))
         lefts = {n: _over_chunks([f[n][0] for f in factors]) for n in names}
         rights = {n: _over_chunks([f[n][1] for f in factors]) for n in names}
-        read = maybe_compiled(_dual_read, compile, q.device)
+        read = (functools.partial(mlp_step.dual_read, parts=parts) if fast
+                else maybe_compiled(_dual_read, compile, q.device))
         y = read(parts.memory, W_all, S_all, P_all, Q_all, A_all, lefts, rights, xq)     # [B·N, H, b, V]
     y = y.reshape(B, N, *y.shape[1:]).permute(0, 1, 3, 2, 4).flatten(1, 2)[:, :T]   # [B, T, H, V]
 

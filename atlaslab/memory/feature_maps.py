@@ -127,6 +127,15 @@ class _PolynomialFeatures(FeatureMap):
             self.register_buffer(f"_idx{i}", torch.tensor(combos, dtype=torch.long), persistent=False)
             # float64 so that float64 runs are exact; cast to the input dtype at use
             self.register_buffer(f"_scale{i}", torch.tensor(scales, dtype=torch.float64), persistent=False)
+        if degree == 2:
+            # positions of φ's features in z = [1, x, vec(x xᵀ)] (1 + d + d² entries): one index_select builds them
+            pairs = [i * in_dim + j for i, j in _monomials(in_dim, 2)[0]]
+            gather = [0] + [1 + i for i in range(in_dim)] + [1 + in_dim + p for p in pairs]
+            self.register_buffer("_gather", torch.tensor(gather, dtype=torch.long), persistent=False)
+            # each feature's degree (which a_i scales it) and its √(|β|!/β!)
+            self.register_buffer("_degree", torch.tensor([0] + [1] * in_dim + [2] * len(pairs)), persistent=False)
+            self.register_buffer("_scale_all", torch.cat([torch.ones(1, dtype=torch.float64), self._scale1,
+                                                          self._scale2]), persistent=False)
 
     def coefficients(self) -> torch.Tensor:  # [p + 1]
         raise NotImplementedError
@@ -137,12 +146,21 @@ class _PolynomialFeatures(FeatureMap):
 
     def forward(self, x):
         a = self.coefficients().to(x.dtype)
+        if self.degree == 2:
+            return self._degree_two(x, a)
         parts: List[torch.Tensor] = [a[0].sqrt().expand(*x.shape[:-1], 1)]
         for i in range(1, self.degree + 1):
             idx = getattr(self, f"_idx{i}")
             mono = x[..., idx].prod(dim=-1)  # [..., n_i]
             parts.append(mono * (getattr(self, f"_scale{i}").to(x.dtype) * a[i].sqrt()))
         return torch.cat(parts, dim=-1)
+
+    def _degree_two(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """The p = 2 map in a few large ops: z = [1, x, vec(x xᵀ)], φ = z[gather] ⊙ (scale · √a_{|β|}); the same
+        values as the general loop (x_i x_j and each feature's scale are the same products)."""
+        z = torch.cat([x.new_ones(*x.shape[:-1], 1), x, (x.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2)], -1)
+        scale = self._scale_all.to(x.dtype) * a.sqrt().index_select(0, self._degree)
+        return z.index_select(-1, self._gather) * scale
 
 
 @register("feature_map", "polynomial")

@@ -51,6 +51,35 @@ def test_chunked_equals_recurrent(name, b):
     compare(build(SPECS[name]), T=11, b=b)   # odd T, not a multiple of b, and T < b for b = 16
 
 
+# the MLP memory's hand-written-backward step and read (atlaslab/engines/mlp_step.py; the Functions against their
+# autograd references: test_mlp_step.py) inside the engine, against the recurrent reference
+FAST_PATH_SPECS = {
+    "titans_ln": {"memory": {"name": "mlp_ln", "expansion": 2}, "retention": "decay", "inner_optimizer": "momentum"},
+    "omeganet": {"memory": {"name": "mlp", "residual": False, "layer_norm": True, "expansion": 1},
+                 "feature_map": "polynomial", "window": {"size": 3}, "retention": "decay"},
+    "atlas_gd": {"memory": {"name": "mlp", "residual": False, "expansion": 1}, "feature_map": "polynomial",
+                 "window": {"size": 3}, "retention": "decay", "inner_optimizer": "momentum"},
+    "deep_silu": {"memory": {"name": "mlp", "depth": 3, "activation": "silu", "expansion": 1},
+                  "retention": "decay", "inner_optimizer": "momentum"},
+}
+
+
+@pytest.mark.parametrize("b", [1, 4, 16])
+@pytest.mark.parametrize("name", list(FAST_PATH_SPECS))
+def test_mlp_fast_path_chunked_equals_recurrent(name, b, monkeypatch):
+    from atlaslab.engines import mlp_step
+    parts = build(FAST_PATH_SPECS[name])
+    with torch.no_grad():
+        for n, p in parts.named_parameters():    # LN affine off (1, 0): its gradient depends on it
+            if n.startswith("memory.ln_"):
+                p.add_(0.3 * torch.randn_like(p))
+    calls = []
+    step = mlp_step.dual_step
+    monkeypatch.setattr(mlp_step, "dual_step", lambda *a: calls.append(1) or step(*a))
+    compare(parts, T=11, b=b)
+    assert calls                                  # the chunked side ran the fast path
+
+
 WINDOW_SPECS = {
     "omeganet_linear": {"memory": "linear", "retention": "decay"},
     "gdn_channelwise": {"memory": "linear", "retention": {"name": "decay", "placement": "before_step",

@@ -25,7 +25,7 @@ tk = require_triton()
 
 from atlaslab import memorize  # noqa: E402
 from atlaslab.memory import build_memory  # noqa: E402
-from atlaslab.engines import chunked  # noqa: E402
+from atlaslab.engines import chunked, mlp_step  # noqa: E402
 from atlaslab.kernels.mlp import chunk as mc  # noqa: E402
 
 TOL = 1e-3
@@ -211,8 +211,9 @@ def _engine_run(parts, data, dtype, b, step=None, monkeypatch=None, checkpoint=F
     q, k, v = (z.to(DEVICE, dtype).requires_grad_() for z in (q, k, v))
     gates = {n: z.to(DEVICE, dtype).requires_grad_() for n, z in gates.items()}
     leaves = [q, k, v, *gates.values(), *parts.parameters()]
-    if step is not None:
+    if step is not None:   # in place of the torch step (the autograd reference and mlp_step's hand-written one)
         monkeypatch.setattr(chunked, "_dual_step", step)
+        monkeypatch.setattr(mlp_step, "dual_step", step)
     o, state = memorize(q, k, v, parts, gates, mode="chunked", chunk_size=b, checkpoint=checkpoint)
     g = torch.Generator().manual_seed(9)
     loss = (o * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o)).sum()

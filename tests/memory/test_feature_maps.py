@@ -51,3 +51,38 @@ def test_dpfp_bounds_name_the_field():
         build_memory({"feature_map": {"name": "dpfp", "nu": 0}}, 2, 4, 4)
     assert info.value.path == "memory.feature_map.nu"
     assert build_memory({"feature_map": {"name": "dpfp", "nu": 3}}, 2, 4, 4).feature_map.out_dim == 24
+
+
+def polynomial_direct(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """φ(x) for p = 2 by its definition: [√a_0, √a_1 x_i (i ≤ d), √(2 a_2) x_i x_j (i < j), √a_2 x_i² ] in the
+    order of combinations_with_replacement, for ``x: [d]``."""
+    d = x.shape[0]
+    feats = [a[0].sqrt()] + [a[1].sqrt() * x[i] for i in range(d)]
+    for i in range(d):
+        for j in range(i, d):
+            feats.append((a[2].sqrt() * (1.0 if i == j else 2.0 ** 0.5)) * x[i] * x[j])
+    return torch.stack(feats)
+
+
+@pytest.mark.parametrize("name", ["polynomial", "exp"])
+def test_degree_two_polynomial_map_is_its_definition_and_the_general_loop(name):
+    """The p = 2 map (one index_select over [1, x, vec(x xᵀ)]) equals the definition, the monomial loop used for other
+    degrees bit for bit, and its kernel is Σ a_i (qᵀk)^i; its gradients equal the loop's."""
+    cfg = {"name": name, "degree": 2, **({"mode": "taylor"} if name == "exp" else {})}
+    fm = build_part("feature_map", cfg, in_dim=4).double()
+    x = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64, requires_grad=True)
+    phi = fm(x)
+    a = fm.coefficients().double()
+    assert phi.shape[-1] == fm.out_dim == 15
+    expected = torch.stack([polynomial_direct(row, a) for row in x.reshape(-1, 4)]).reshape(3, 5, -1)
+    assert torch.allclose(phi, expected, rtol=1e-14, atol=0)
+    loop = torch.cat([a[0].sqrt().expand(3, 5, 1)] + [x[..., fm._idx1].prod(-1) * (fm._scale1 * a[1].sqrt()),
+                                                     x[..., fm._idx2].prod(-1) * (fm._scale2 * a[2].sqrt())], -1)
+    assert torch.equal(phi, loop)
+    q, k = x[0, 0], x[1, 1]
+    kernel = phi[0, 0] @ phi[1, 1]
+    assert torch.allclose(kernel, a[0] + a[1] * (q @ k) + a[2] * (q @ k) ** 2, rtol=1e-13)
+    w = torch.randn(phi.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    leaves = [x, *fm.parameters()]
+    for g_new, g_loop in zip(torch.autograd.grad((phi * w).sum(), leaves), torch.autograd.grad((loop * w).sum(), leaves)):
+        assert torch.allclose(g_new, g_loop, rtol=1e-13, atol=1e-15)
