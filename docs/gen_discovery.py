@@ -559,22 +559,24 @@ TABLES["discovery-suite-front"] = suite_front
 TABLES["discovery-suite2-front"] = functools.partial(suite_front, "suite_from_presets")
 #: the second search's figure
 FIGURE2 = DATA / "suite_from_presets_pareto.png"
+
+
+def study_tables(tag: str, search: str, presets: str, verdict: str) -> Dict[str, Any]:
+    """The generated blocks of one multi-task study's page section: ``discovery-<tag>-presets / search / mattered /
+    front / verdict`` from its committed runs (presets' tuning, search, verdict)."""
+    return {f"discovery-{tag}-presets": functools.partial(suite_presets, presets),
+            f"discovery-{tag}-search": functools.partial(suite_search, search),
+            f"discovery-{tag}-mattered": functools.partial(suite_mattered, search),
+            f"discovery-{tag}-front": functools.partial(suite_front, search, presets),
+            f"discovery-{tag}-verdict": functools.partial(suite_verdict, verdict)}
+
+
 #: the search at the second budget (experiments/discovery_suite_3200.yaml), its presets' tuning and its verdict
-TABLES.update({
-    "discovery-suite3-presets": functools.partial(suite_presets, "suite_presets_3200"),
-    "discovery-suite3-search": functools.partial(suite_search, "suite_3200"),
-    "discovery-suite3-mattered": functools.partial(suite_mattered, "suite_3200"),
-    "discovery-suite3-front": functools.partial(suite_front, "suite_3200", "suite_presets_3200"),
-    "discovery-suite3-verdict": functools.partial(suite_verdict, "suite_3200_verdict")})
+TABLES.update(study_tables("suite3", "suite_3200", "suite_presets_3200", "suite_3200_verdict"))
 FIGURE3 = DATA / "suite_3200_pareto.png"
 #: the search at 3200 with a fitness over seeds 0 and 1 (experiments/discovery_suite_seeds.yaml), the presets tuned
 #: on the same two seeds, and its verdict
-TABLES.update({
-    "discovery-suite4-presets": functools.partial(suite_presets, "suite_presets_3200_s01"),
-    "discovery-suite4-search": functools.partial(suite_search, "suite_seeds"),
-    "discovery-suite4-mattered": functools.partial(suite_mattered, "suite_seeds"),
-    "discovery-suite4-front": functools.partial(suite_front, "suite_seeds", "suite_presets_3200_s01"),
-    "discovery-suite4-verdict": functools.partial(suite_verdict, "suite_seeds_verdict")})
+TABLES.update(study_tables("suite4", "suite_seeds", "suite_presets_3200_s01", "suite_seeds_verdict"))
 FIGURE4 = DATA / "suite_seeds_pareto.png"
 
 if __name__ == "__main__":
