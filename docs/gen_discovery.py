@@ -362,10 +362,13 @@ def _suite_exp(run: str = "suite_search"):
 
 
 def _suite_records(run: str = "suite_search") -> List[Dict[str, Any]]:
-    """The run's trials as the report's records, with their candidate and setting."""
+    """The run's trials as the report's records, with their candidate, setting and seed (a search with a fitness over
+    several seeds has a cell per setting × seed)."""
     out = _records(run)
     for rec, r in zip(out, _trials(run)):
         rec["candidate"], rec["setting"] = r.get("candidate") or "", r.get("setting") or ""
+        if r.get("seed") not in (None, ""):
+            rec["seed"] = int(r["seed"])
     return out
 
 

@@ -99,3 +99,19 @@ def test_presets_tuned_on_two_seeds_are_chosen_by_the_mean_over_the_seeds():
         line = next(x for x in table.splitlines() if x.startswith(f"| {row} | **"))
         assert f"**{lr:g}**" in line and f"| {sc:.3f} |" in line, row
     assert "mean over seeds 0, 1" in table
+
+
+def test_the_page_and_the_verdict_script_rank_a_two_seed_search_alike():
+    """The two-seed search (experiments/discovery_suite_seeds.yaml): the page reads each trial's seed, so a candidate
+    is complete when every setting × seed finished, and its best candidate is the verdict script's winner."""
+    import importlib.util as iu
+    b = _bench()
+    spec = iu.spec_from_file_location("gen_discovery", ROOT / "docs" / "gen_discovery.py")
+    g = iu.module_from_spec(spec)
+    spec.loader.exec_module(g)
+    _, cands, ranked = g._suite_candidates("suite_seeds")
+    statuses = [c["status"] for c in cands]
+    assert "unfinished" not in statuses and statuses.count("completed") >= 20
+    winner, _, score = b.suite_winner(b.DATA / "suite_seeds" / "data")
+    assert ranked[0]["candidate"] == winner
+    assert abs(ranked[0]["metrics"]["val/accuracy"] - score) < 1e-12
