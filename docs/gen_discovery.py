@@ -402,15 +402,11 @@ def suite_mattered(run: str = "suite_search") -> str:
     return "\n".join(pareto_section(exp, cands)[2:] + [""] + mattered_section(exp, cands)[2:]).strip()
 
 
-def suite_verdict(run: str = "suite_verdict") -> str:
-    """The multi-task verdict on the held-out seeds: each row's score (the mean of its settings' test accuracy) per
-    seed and its mean, the step at which its score on the validation set first reached 0.9 (the mean over the
-    settings' validation curves, an early-stopped trial held at its last value: ``first_step_of_mean``), each
-    setting's mean test accuracy, and the verdict line by the same rule as the single-task study (the module
-    docstring), applied to the score: met when the found model beats the best preset by the margin on every seed,
-    or reaches 0.9 in at most 2/3 of its steps on every seed."""
-    if _missing(run):
-        return _missing(run)
+def _suite_score_rows(run: str):
+    """``(experiment, table lines, rows)`` of a multi-task grid on held-out seeds: each row's score (the mean of its
+    settings' test accuracy) per seed and its mean, the step at which its score on the validation set first reached
+    0.9 (the mean over the settings' validation curves, an early-stopped trial held at its last value:
+    ``first_step_of_mean``), and each setting's mean test accuracy; ``rows``: row → seed → {acc, steps}."""
     from atlaslab.search.curves import first_step_of_mean
     exp = _experiment(run)
     settings, seeds = list(exp["tasks"]), list(exp["seeds"])
@@ -437,11 +433,28 @@ def suite_verdict(run: str = "suite_verdict") -> str:
                        for t in settings]
         lines.append("| " + " | ".join([row] + cells + [_fmt([by[x]["acc"] for x in seeds if x in by]), steps]
                                        + per_setting) + " |")
+    return exp, lines, rows
+
+
+def suite_verdict(run: str = "suite_verdict") -> str:
+    """The multi-task verdict on the held-out seeds (:func:`_suite_score_rows`' table) and the verdict line by the
+    same rule as the single-task study (the module docstring), applied to the score: met when the found model beats
+    the best preset by the margin on every seed, or reaches 0.9 in at most 2/3 of its steps on every seed."""
+    if _missing(run):
+        return _missing(run)
+    exp, lines, rows = _suite_score_rows(run)
     found = next(iter(exp["grid"]["variants"]))
-    line = verdict_line(rows, found, seeds).replace("mean test accuracy", "mean score")
+    line = verdict_line(rows, found, list(exp["seeds"])).replace("mean test accuracy", "mean score")
     line = line.replace("test accuracy below", "score below")
     line = line.replace(f"nor reach {THRESHOLD:g} in", f"nor reach a score of {THRESHOLD:g} in")
     return "\n".join(lines + ["", line])
+
+
+def suite_scores(run: str) -> str:
+    """A multi-task grid's scores on held-out seeds with no verdict line (an ablation on a verdict's seeds)."""
+    if _missing(run):
+        return _missing(run)
+    return "\n".join(_suite_score_rows(run)[1])
 
 
 def suite_asha() -> str:
@@ -580,6 +593,8 @@ FIGURE3 = DATA / "suite_3200_pareto.png"
 #: the search at 3200 with a fitness over seeds 0 and 1 (experiments/discovery_suite_seeds.yaml), the presets tuned
 #: on the same two seeds, and its verdict
 TABLES.update(study_tables("suite4", "suite_seeds", "suite_presets_3200_s01", "suite_seeds_verdict"))
+#: the ablation after its verdict (experiments/discovery_suite_seeds_control.yaml): initial memory or learning rate
+TABLES["discovery-suite4-control"] = functools.partial(suite_scores, "suite_seeds_control")
 FIGURE4 = DATA / "suite_seeds_pareto.png"
 
 if __name__ == "__main__":

@@ -115,3 +115,17 @@ def test_the_page_and_the_verdict_script_rank_a_two_seed_search_alike():
     winner, _, score = b.suite_winner(b.DATA / "suite_seeds" / "data")
     assert ranked[0]["candidate"] == winner
     assert abs(ranked[0]["metrics"]["val/accuracy"] - score) < 1e-12
+
+
+def test_the_two_seed_tuning_reproduces_the_one_seed_tuning_on_seed_0():
+    """The page says the presets' tuning on seeds 0 and 1 repeats the seed-0 tuning's runs bit for bit: every seed-0
+    trial's final validation accuracy is the same string in both committed runs."""
+    import csv
+
+    def final(run, seed=None):
+        with open(_bench().DATA / run / "data" / "trials.csv", newline="") as f:
+            return {(r["setting"], r["row"], r["protocol"]): r["val/accuracy"] for r in csv.DictReader(f)
+                    if seed is None or r["seed"] == seed}
+
+    one, two = final("suite_presets_3200"), final("suite_presets_3200_s01", "0")
+    assert len(one) == 60 and one == two
