@@ -129,3 +129,21 @@ def test_the_two_seed_tuning_reproduces_the_one_seed_tuning_on_seed_0():
 
     one, two = final("suite_presets_3200"), final("suite_presets_3200_s01", "0")
     assert len(one) == 60 and one == two
+
+
+def test_the_control_rows_are_the_verdicts_found_model_run_for_run():
+    """The page says the two-seed verdict's found model, the same layer with a zero initial memory, and the DeltaNet
+    preset at its learning rate are the same runs: on every setting and seed the same validation and test accuracy,
+    steps and parameter count (in DeltaNet's layer the space's two linear-memory choices are one model)."""
+    import csv
+    cells = {}
+    for run in ("suite_seeds_control", "suite_seeds_verdict"):
+        with open(_bench().DATA / run / "data" / "trials.csv", newline="") as f:
+            for r in csv.DictReader(f):
+                row = r["row"].split(" · ")[-1]
+                if run == "suite_seeds_control" or row == "found (c013)":
+                    cells.setdefault(row, {})[(r["setting"], r["seed"])] = (
+                        r["val/accuracy"], r["test/accuracy"], r["steps"], r["num_parameters"])
+    assert len(cells) == 3 and all(len(c) == 9 for c in cells.values())
+    first = next(iter(cells.values()))
+    assert all(c == first for c in cells.values())
