@@ -91,7 +91,8 @@ def test_the_best_trial_becomes_a_preset_that_show_builds_into_the_trials_model(
     assert values["parameters"] == info["num_parameters"]
     assert (values["state_size"], values["state_size_per_token"]) == (info["state_size_fixed"],
                                                                       info["state_size_per_token"])
-    head = unwrapped_header(path.read_text())
+    text = path.read_text()
+    head = unwrapped_header(text)
     for fact in ("experiment 'tiny'", "trial t001 (wide)", "seed 7", "val/accuracy = 0.75", "the best trial",
                  "preset gated_deltanet", "d_model=32", "gated_deltanet.memory=linear",
                  f"{info['num_parameters']:,} parameters", "docs/huggingface.md#export-preset"):
