@@ -13,21 +13,31 @@ import torch
 from torch.autograd.function import once_differentiable
 
 
+def _clamped_cumlog(a: torch.Tensor):
+    """``(a clamped at the dtype's tiny, c = cumsum log of it)``: the cumulative log every decay product here uses."""
+    a_c = a.clamp_min(torch.finfo(a.dtype).tiny)
+    return a_c, a_c.log().cumsum(-1)
+
+
+def _decay_from_cumlog(c: torch.Tensor) -> torch.Tensor:
+    """``c: [..., L]`` cumulative log → ``D: [..., L, L]``, D[s, r] = exp(c_s − c_r) for r ≤ s, exactly 0 above."""
+    L = c.shape[-1]
+    upper = torch.ones(L, L, dtype=torch.bool, device=c.device).triu(1)
+    return (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+
+
 def decay_matrix(a: torch.Tensor) -> torch.Tensor:
     """``a: [..., L]`` (factors in [0, 1]) → ``D: [..., L, L]`` with D[s, r] = Π_{τ=r+1}^{s} a_τ (r ≤ s), else 0.
 
     Formed as exp(c_s − c_r) of the cumulative log c, with the upper triangle set to −∞ before the exp
     (so it is exactly 0 and never overflows); meant for blocks of moderate length (a training chunk).
     """
-    L = a.shape[-1]
-    c = a.clamp_min(torch.finfo(a.dtype).tiny).log().cumsum(-1)
-    upper = torch.ones(L, L, dtype=torch.bool, device=a.device).triu(1)
-    return (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    return _decay_from_cumlog(_clamped_cumlog(a)[1])
 
 
 def cumulative(a: torch.Tensor) -> torch.Tensor:
     """``a: [..., L]`` → Π_{τ≤s} a_τ, via log-space cumsum."""
-    return a.clamp_min(torch.finfo(a.dtype).tiny).log().cumsum(-1).exp()
+    return _clamped_cumlog(a)[1].exp()
 
 
 def dual_coefficients_reference(a: torch.Tensor, theta: Optional[torch.Tensor], write: torch.Tensor):
@@ -49,13 +59,9 @@ def dual_coefficients_reference(a: torch.Tensor, theta: Optional[torch.Tensor], 
 
 
 def _log_cum(a: torch.Tensor):
-    """(clamped a, c = cumsum log a, D, Π = exp c) of :func:`decay_matrix` / :func:`cumulative`."""
-    L = a.shape[-1]
-    a_c = a.clamp_min(torch.finfo(a.dtype).tiny)
-    c = a_c.log().cumsum(-1)
-    upper = torch.ones(L, L, dtype=torch.bool, device=a.device).triu(1)
-    D = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
-    return a_c, D, c.exp()
+    """(clamped a, D, Π) of :func:`decay_matrix` / :func:`cumulative` from one cumulative log."""
+    a_c, c = _clamped_cumlog(a)
+    return a_c, _decay_from_cumlog(c), c.exp()
 
 
 def _grad_log_cum(a: torch.Tensor, a_c: torch.Tensor, D: torch.Tensor, Pi: torch.Tensor, gD, gPi) -> torch.Tensor:
