@@ -1,18 +1,15 @@
 """bench/discovery_verdict.py writes the discovery study's verdict and early-stopping experiments from the study's
 committed data: the committed experiment files are what it writes today (nothing in them is typed by hand)."""
-import importlib.util
 from pathlib import Path
 
 import yaml
+from tests.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("discovery_verdict", ROOT / "bench" / "discovery_verdict.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench/discovery_verdict.py")
 
 
 def _written(header: str, exp) -> str:
@@ -104,11 +101,8 @@ def test_presets_tuned_on_two_seeds_are_chosen_by_the_mean_over_the_seeds():
 def test_the_page_and_the_verdict_script_rank_a_two_seed_search_alike():
     """The two-seed search (experiments/discovery_suite_seeds.yaml): the page reads each trial's seed, so a candidate
     is complete when every setting × seed finished, and its best candidate is the verdict script's winner."""
-    import importlib.util as iu
     b = _bench()
-    spec = iu.spec_from_file_location("gen_discovery", ROOT / "docs" / "gen_discovery.py")
-    g = iu.module_from_spec(spec)
-    spec.loader.exec_module(g)
+    g = load_script("docs/gen_discovery.py")
     _, cands, ranked = g._suite_candidates("suite_seeds")
     statuses = [c["status"] for c in cands]
     assert "unfinished" not in statuses and statuses.count("completed") >= 20

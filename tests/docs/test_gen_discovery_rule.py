@@ -1,16 +1,10 @@
 """The discovery verdict rule (docs/gen_discovery.py: verdict_line): three outcomes, the reference must have learned
 on every held-out seed, and the step criterion counts as well as the margin."""
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.scripts import load_script
 
 
 def _gen():
-    spec = importlib.util.spec_from_file_location("gen_discovery", ROOT / "docs" / "gen_discovery.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("docs/gen_discovery.py")
 
 
 def _rows(found, preset, found_steps=(None,) * 3, preset_steps=(None,) * 3):

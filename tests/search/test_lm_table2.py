@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from atlaslab.registry import ConfigError
+from tests.scripts import load_script
 from atlaslab.search.driver import prepare
 
 pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'atlaslab[eval]')")
@@ -128,10 +129,7 @@ def test_the_pages_size_table_data_is_what_the_file_builds(gpu, site):
 
 
 def _gen_runs():
-    spec = importlib.util.spec_from_file_location("gen_runs", ROOT / "docs" / "gen_runs.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("docs/gen_runs.py")
 
 
 def test_the_geometry_table_data_is_what_the_file_builds(gpu):

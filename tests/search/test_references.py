@@ -3,7 +3,6 @@ at its best learning rate by the search's own score and objectives, the front me
 reference folder refused early by name; and the discovery page's comparison regenerated from the committed runs."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from atlaslab.search.mattered import against_front, references_section
 from atlaslab.search.references import Reference, ReferenceRun, load_reference_run, place, read_trials
 from atlaslab.search.schema import load_experiment
 from atlaslab.search.tables import write_csvs
+from tests.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "docs" / "results" / "discovery"
@@ -181,10 +181,7 @@ def test_report_compare_end_to_end(tmp_path, capsys):
 
 
 def _gen_discovery():
-    spec = importlib.util.spec_from_file_location("gen_discovery", ROOT / "docs" / "gen_discovery.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("docs/gen_discovery.py")
 
 
 def test_the_discovery_page_comparison_regenerates_from_the_committed_runs(tmp_path):
