@@ -58,9 +58,10 @@ from atlaslab.search.expand import Prepared, expand_grid, protocol_points
 from atlaslab.search.fitness import cell_score, cells, is_multi
 from atlaslab.search.formatting import fmt_value, human_count
 from atlaslab.search.report import write_report
-from atlaslab.search.results import RESULTS_NAME, WAITING, collect, read_rejected, read_state, saved_statuses
+from atlaslab.search.results import RESULTS_NAME, SYNONYMS_NAME, WAITING, collect, read_rejected, read_state, saved_statuses
 from atlaslab.search.schema import ExperimentConfig, load_experiment, load_experiment_node, validate_experiment
 from atlaslab.search.settings import TrialSettings
+from atlaslab.search.synonyms import Synonym, find_synonyms, synonym_error
 from atlaslab.search.trainable import run_trial
 
 TUNE_NAME = "tune"
@@ -78,11 +79,16 @@ def prepare(path: Optional[str] = None, overrides: Sequence[str] = (), node: Any
     raw.setdefault("name", exp.name)
     adm = Admission(exp)
     rejected: List[Dict[str, Any]] = []
+    synonyms: List[Synonym] = []
     if exp.kind == "grid":
         trials = [adm.admit(t) for t in expand_grid(exp)]
     else:                                # every choice of the space admitted in one combination at least
         trials, rejected = preflight(adm, seed=exp.search.seed)
-    return Prepared(raw, exp, trials, str(path or ""), time.time() - t0, list(overrides), adm.resolved, rejected)
+        synonyms = find_synonyms(exp, [t["params"] for t in trials])
+        if synonyms and exp.search.synonyms == "error":
+            raise synonym_error(synonyms[0])
+    return Prepared(raw, exp, trials, str(path or ""), time.time() - t0, list(overrides), adm.resolved, rejected,
+                    [s.to_dict() for s in synonyms])
 
 
 def trial_table(p: Prepared) -> str:
@@ -119,6 +125,9 @@ def trial_table(p: Prepared) -> str:
         lines.append(f"admitted {len(p.trials)} configs covering every choice of the space "
                      f"({len(p.preflight_rejected)} draws rejected on the way, e.g. a combination that cannot be "
                      f"built or sized; the searcher rejects and counts such draws):")
+        for syn in p.synonyms:
+            lines.insert(-1, f"synonymous choices (search.synonyms: allow) of {syn['key']}: "
+                         + Synonym(**syn).describe())
     else:
         lines.append(f"grid '{exp.name}': {len(p.trials)} trials ({len(exp.settings())} setting(s) × "
                      f"{max(1, len(exp.grid.variants))} variant(s) × axes × {max(1, len(_proto(exp)))} lr/wd × "
@@ -383,6 +392,8 @@ def run(p: Prepared, run_dir: Optional[os.PathLike] = None, ray_address: Optiona
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "experiment.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(p.node)))
     _write_json(run_dir / "trials.json", p.trials)
+    if p.synonyms:
+        _write_json(run_dir / SYNONYMS_NAME, p.synonyms)
     uri = T.default_tracking_uri(run_dir, tracking_uri or exp.tracking.uri)
     addr = ray_address or os.environ.get("RAY_ADDRESS")
     if addr and T.is_local_uri(uri) and not quiet:

@@ -57,6 +57,8 @@ class Prepared:
     resolved: Dict[str, Any] = field(default_factory=dict)
     #: a search's draws rejected while every choice of its space was checked (``{params, reason}``)
     preflight_rejected: List[Dict[str, Any]] = field(default_factory=list)
+    #: a search's synonymous choices (:mod:`atlaslab.search.synonyms`; only with ``search.synonyms: allow``)
+    synonyms: List[Dict[str, Any]] = field(default_factory=list)
 
 
 class TrialConfigError(ConfigError):

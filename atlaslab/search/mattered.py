@@ -29,7 +29,8 @@ from atlaslab.search.aggregate import OK, mean_std
 from atlaslab.search.formatting import finite_number as _num
 from atlaslab.search.formatting import fmt_value, human_count, short_key
 from atlaslab.search.schema import ExperimentConfig
-from atlaslab.search.results import read_rejected
+from atlaslab.search.results import read_rejected, read_synonyms
+from atlaslab.search.synonyms import Synonym
 from atlaslab.search.space import optuna_distributions, optuna_value
 from atlaslab.search.tables import fmt_mean_std, md_table
 
@@ -141,8 +142,9 @@ def _reason_key(reason: str) -> str:
 
 
 def candidates_section(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]],
-                       rejected: Mapping[str, Any]) -> List[str]:
-    """``## Candidates``: draws trained (by status) and rejected before training, with the reasons."""
+                       rejected: Mapping[str, Any], synonyms: Sequence[Mapping[str, Any]] = ()) -> List[str]:
+    """``## Candidates``: draws trained (by status) and rejected before training, with the reasons; and the space's
+    synonymous choices when it ran with them (``search.synonyms: allow``)."""
     rej = list(rejected.get("rejected") or [])
     counts: Dict[str, int] = OrderedDict()
     for r in records:
@@ -164,6 +166,12 @@ def candidates_section(exp: ExperimentConfig, records: Sequence[Mapping[str, Any
             table.append([str(len(rs)), reason, ", ".join(f"{short_key(k)}={fmt_value(v)}" for k, v in ex.items())])
         lines += ["Rejected, by reason (the full list with every reason is `rejected.json`):", ""]
         lines += md_table(["draws", "reason", "an example"], table)
+        lines.append("")
+    if synonyms:
+        lines += ["Synonymous choices: the space ran with choices that build the same model at some points "
+                  "(`search.synonyms: allow`; a mapping choice is merged into the config's mapping). A candidate's "
+                  "label names the choice drawn, not a different model (the list is `synonyms.json`):", ""]
+        lines += [f"- `{syn['key']}`: " + Synonym(**syn).describe() for syn in synonyms]
         lines.append("")
     return lines
 
@@ -342,7 +350,7 @@ def search_analysis(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]],
     """The search report's sections of this module, in order: candidates, Pareto front, the references against it
     (``references``: :class:`atlaslab.search.references.ReferenceRun`), what mattered."""
     rejected = read_rejected(run_dir)
-    return (candidates_section(exp, records, rejected) + pareto_section(exp, records)
+    return (candidates_section(exp, records, rejected, read_synonyms(run_dir)) + pareto_section(exp, records)
             + references_section(exp, records, references, rejected) + mattered_section(exp, records))
 
 

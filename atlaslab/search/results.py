@@ -34,6 +34,8 @@ from atlaslab.search.space import decode_params
 RESULTS_NAME = "results.json"
 #: a search's draws rejected before training (:mod:`atlaslab.search.searcher` writes it)
 REJECTED_NAME = "rejected.json"
+#: a search's synonymous choices, run with ``search.synonyms: allow`` (:mod:`atlaslab.search.synonyms`)
+SYNONYMS_NAME = "synonyms.json"
 #: the trial fields a record keeps
 PLACE_KEYS = ("key", "index", "setting", "variant", "label", "row", "axes", "protocol", "seed", "params",
               "candidate")
@@ -186,6 +188,12 @@ def read_rejected(run_dir: Path) -> Dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def read_synonyms(run_dir: Path) -> List[Dict[str, Any]]:
+    """The synonymous choices a search ran with (``[{key, labels, where, checked}, …]``; none: empty)."""
+    path = Path(run_dir) / SYNONYMS_NAME
+    return json.loads(path.read_text()) if path.is_file() else []
+
+
 # --------------------------------------------------------------------------------------------------
 # one trial of a finished run folder
 # --------------------------------------------------------------------------------------------------
@@ -282,4 +290,4 @@ def pick_trial(run_dir: Any, trial: Optional[str] = None) -> PickedTrial:
 
 
 __all__ = ["PickedTrial", "REJECTED_NAME", "RESULTS_NAME", "best_candidate_record", "best_record", "collect", "expanded_trials", "finished_records",
-           "pick_trial", "read_records", "read_rejected", "read_state", "saved_statuses", "saved_trials"]
+           "pick_trial", "read_records", "read_rejected", "read_synonyms", "read_state", "saved_statuses", "saved_trials"]

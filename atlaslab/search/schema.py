@@ -217,6 +217,10 @@ class ScoreNode:
                                   choices=list(settings))
 
 
+#: ``search.synonyms``: refuse a space with synonymous choices (the default), or run it and list them in the report
+SYNONYM_POLICIES = ("error", "allow")
+
+
 @dataclass
 class SearchNode:
     space: Dict[str, Any] = field(default_factory=dict)   # dotted key → ParamNode (or a list: categorical)
@@ -234,9 +238,14 @@ class SearchNode:
     #: of ``space``'s keys to a value the parameter can take; the keys it leaves out are sampled as usual. Use it
     #: to start a search from what is known to work (the presets' points), so the sampler's model begins there.
     enqueue: List[Dict[str, Any]] = field(default_factory=list)
+    #: two choices of a parameter that build the same model (a mapping choice merged into the config's mapping,
+    #: :mod:`atlaslab.search.synonyms`): ``error`` refuses the space before Ray starts; ``allow`` runs it and the
+    #: report lists them
+    synonyms: str = "error"
 
     def check(self) -> None:
         check_choice("sampler", self.sampler, SAMPLERS)
+        check_choice("synonyms", self.synonyms, SYNONYM_POLICIES)
         try:
             self.score.check()
         except ConfigError as exc:
