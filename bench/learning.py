@@ -39,7 +39,9 @@ Verdicts (:func:`compare`), one of three:
 Held-out seeds (the rule): seeds used to choose a preset's defaults, a reference's recipe or a probe are never
 the seeds of its verdict. Tuning happens on seeds 0, 1, 2 (:data:`TUNING_SEEDS`); verdicts are taken on seeds
 3, 4, 5 (:data:`HELDOUT_SEEDS`), their number fixed before the run (no seed is added after seeing a result).
-bench/results/learning_heldout_* hold the verdict runs; learning_cpu.* and the other files on seeds 0–2 are
+A verdict one of whose held-out seeds later turns out to have helped choose something (a probe on another setting)
+is taken again on fresh seeds 6, 7, 8 (:data:`FRESH_SEEDS`, fixed on 2026-12-07 before any run on them).
+bench/results/learning_heldout* hold the verdict runs; learning_cpu.* and the other files on seeds 0–2 are
 tuning and calibration records, whose comparison tables are not verdicts.
 """
 from __future__ import annotations
@@ -94,6 +96,8 @@ GOAL_FACTOR = 1.5
 MET, NOT_MET, NO_VERDICT = "met", "not met", "no verdict"
 #: seeds of verdicts (held out): never used to choose a preset's defaults, a reference's recipe or a probe
 HELDOUT_SEEDS = (3, 4, 5)
+#: the second held-out set, for a verdict whose seeds 3-5 were touched by a probe (fixed before any run on them)
+FRESH_SEEDS = (6, 7, 8)
 #: seeds on which defaults, reference recipes and probes may be chosen
 TUNING_SEEDS = (0, 1, 2)
 

@@ -54,10 +54,16 @@ def test_bench_report_regenerates_from_its_json(path, tmp_path):
 
 def test_verdict_files_use_only_held_out_seeds():
     """The held-out rule, checked on the committed data: tuning and verdict seeds are disjoint, and every
-    learning_heldout_* file ran on held-out seeds only (verdict files pool them; none may hold a tuning seed)."""
+    learning_heldout* file ran on held-out seeds only (verdict files pool them; none may hold a tuning seed), and
+    each file the held-out table reads ran on the seeds its row names."""
     bl = gen._bench()
-    assert not set(bl.TUNING_SEEDS) & set(bl.HELDOUT_SEEDS) and list(bl.HELDOUT_SEEDS) == gen.HELDOUT_SEEDS
-    for path in (ROOT / "bench" / "results").glob("learning_heldout_*.json"):
+    held_out = set(bl.HELDOUT_SEEDS) | set(bl.FRESH_SEEDS)
+    assert not set(bl.TUNING_SEEDS) & held_out and not set(bl.HELDOUT_SEEDS) & set(bl.FRESH_SEEDS)
+    assert {tuple(seeds) for _, _, _, seeds in gen.HELDOUT} == {bl.HELDOUT_SEEDS, bl.FRESH_SEEDS}
+    for path in (ROOT / "bench" / "results").glob("learning_heldout*.json"):
         data = json.loads(path.read_text())
-        assert set(data["seeds"]) <= set(bl.HELDOUT_SEEDS), path.name
-        assert {r["seed"] for r in data["runs"]} <= set(bl.HELDOUT_SEEDS), path.name
+        assert set(data["seeds"]) <= held_out, path.name
+        assert {r["seed"] for r in data["runs"]} <= held_out, path.name
+    for _, file, _, seeds in gen.HELDOUT:
+        data = gen._load(file)
+        assert data is None or sorted(data["seeds"]) == list(seeds), file
