@@ -560,6 +560,57 @@ def plot_suite_pareto(out: Path = FIGURE, run: str = "suite_search", presets: st
     return plot_pareto(exp, candidates(exp, _suite_records(run)), Path(out), [_suite_references(run, presets)])
 
 
+#: the multi-task searches, in the order they ran: (label, run folder)
+MULTI_TASK_SEARCHES = [("1600, free", "suite_search"), ("1600, from the presets", "suite_from_presets"),
+                       ("3200, Muon under a step-cost bound", "suite_3200"), ("3200, two-seed fitness", "suite_seeds")]
+#: DeltaNet's parts in the searches' keys (the memory's init aside: in DeltaNet's layer both linear choices are one)
+DELTANET_PARTS = {"attentional_bias.name": "l2", "retention.name": "none", "feature_map": {"name": "identity"},
+                  "inner_optimizer.name": "gd", "window.size": 1, "chunk_size": 1, "read": "token"}
+
+
+def _is_deltanet(params: Dict[str, Any]) -> bool:
+    """Whether a candidate is the DeltaNet preset at some learning rate: DeltaNet's layer with DeltaNet's parts
+    (a key the search did not have counts as the layer's own value) and a linear memory."""
+    if params.get("model.layers") != ["deltanet"]:
+        return False
+    parts = {k.split("memory.", 1)[1]: v for k, v in params.items() if "memory." in k and not k.endswith("memory.memory")}
+    memory = params.get("model.?mixers.*.memory.memory", {"name": "linear"})
+    return memory.get("name") == "linear" and all(parts.get(k, v) == v for k, v in DELTANET_PARTS.items())
+
+
+def learners() -> str:
+    """Across the multi-task searches: which finished candidates reached a validation score of 0.9 within the step
+    budget (the mean over every setting and seed's curve, an early-stopped trial held at its last value:
+    ``first_step_of_mean``), split into the DeltaNet preset at some learning rate and everything else."""
+    from atlaslab.search.curves import first_step_of_mean
+    lines = ["| search | steps | finished candidates | reached 0.9 | of which DeltaNet's parts (lr; steps) | "
+             "other parts that reached 0.9 |", "|---|---|---|---|---|---|"]
+    for label, run in MULTI_TASK_SEARCHES:
+        if _missing(run):
+            continue
+        curves, cells = _curves(run), {}
+        for r in _trials(run):
+            cells.setdefault(r["candidate"], []).append(r)
+        finished, deltanet, other = 0, [], []
+        for cand, rs in cells.items():
+            if any(r["status"] not in FINISHED for r in rs):
+                continue
+            finished += 1
+            steps = first_step_of_mean([curves.get(r["key"], []) for r in rs], "val/accuracy", THRESHOLD)
+            if steps is None:
+                continue
+            params = dict(rs[0]["params"])
+            (deltanet if _is_deltanet(params) else other).append((cand, params, steps))
+        span = lambda xs: f"{min(xs):g}–{max(xs):g}" if len(set(xs)) > 1 else f"{xs[0]:g}"  # noqa: E731
+        dn = (f"{len(deltanet)} ({span([round(p['train.lr'], 4) for _, p, _ in deltanet])}; "
+              f"{span([s for _, _, s in deltanet])})" if deltanet else "0")
+        others = "; ".join(f"{c}: {_parts(p, [k for k in p if k != 'train.lr'])}, lr {p['train.lr']:.3g}, {s} steps"
+                           for c, p, s in other) or "none"
+        lines.append(f"| {label} | {_experiment(run)['train']['steps']} | {finished} | {len(deltanet) + len(other)} | "
+                     f"{dn} | {others} |")
+    return "\n".join(lines)
+
+
 TABLES = {"discovery-search": search, "discovery-rejected": rejected, "discovery-pareto": pareto,
           "discovery-mattered": mattered, "discovery-presets": presets, "discovery-verdict": verdict,
           "discovery-early-stopping": early_stopping, "discovery-suite-search": suite_search,
@@ -595,6 +646,8 @@ FIGURE3 = DATA / "suite_3200_pareto.png"
 TABLES.update(study_tables("suite4", "suite_seeds", "suite_presets_3200_s01", "suite_seeds_verdict"))
 #: the ablation after its verdict (experiments/discovery_suite_seeds_control.yaml): initial memory or learning rate
 TABLES["discovery-suite4-control"] = functools.partial(suite_scores, "suite_seeds_control")
+#: across the four multi-task searches: the candidates whose score reached 0.9 within the budget
+TABLES["discovery-learners"] = learners
 FIGURE4 = DATA / "suite_seeds_pareto.png"
 
 if __name__ == "__main__":
