@@ -6,10 +6,12 @@ the bad value and the valid choices. Nothing is built and nothing runs before th
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
 import os
 from pathlib import Path
-from typing import Any, Mapping, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -41,6 +43,35 @@ def _omegaconf_error(exc: OmegaConfBaseException, path: str, entry: Entry) -> Co
     return ConfigError(field_path, str(exc).splitlines()[0])
 
 
+#: (config class, the node as canonical JSON) → the validated instance. Validating through OmegaConf's structured
+#: configs costs about a millisecond a node, and a search resolves the same parts many times over (every size of every
+#: candidate, every seed's trial); the key holds the class itself, so a part registered again under its name (a new
+#: class) is validated anew. Failures are not kept: an invalid node raises each time, with the path of the call.
+_VALIDATED: Dict[Tuple[type, str], Any] = {}
+_VALIDATED_MAX = 4096
+
+
+def _node_key(cls: type, node: Mapping[str, Any]) -> Optional[Tuple[type, str]]:
+    try:
+        return cls, json.dumps(node, sort_keys=True)
+    except (TypeError, ValueError):        # a value JSON cannot spell: validated every time
+        return None
+
+
+def _validated(cls: type, node: Mapping[str, Any], validate) -> Any:
+    """``validate()`` (which builds and checks an instance of ``cls`` from ``node``), or a copy of the instance an
+    equal node gave before."""
+    key = _node_key(cls, node)
+    if key is not None and key in _VALIDATED:
+        return copy.deepcopy(_VALIDATED[key])
+    obj = validate()
+    if key is not None:
+        if len(_VALIDATED) >= _VALIDATED_MAX:
+            _VALIDATED.pop(next(iter(_VALIDATED)))
+        _VALIDATED[key] = copy.deepcopy(obj)
+    return obj
+
+
 def resolve_part(kind: str, node: Any, path: str = "") -> PartConfig:
     """Validate ``node`` (a name, a mapping with ``name``, or a PartConfig) as a part of ``kind``.
 
@@ -58,18 +89,22 @@ def resolve_part(kind: str, node: Any, path: str = "") -> PartConfig:
     node = dict(node)
     name = node.pop("name", None)
     entry = registry.get(name, path=join_path(path, "name"))
-    try:
-        base = OmegaConf.structured(entry.config)
-        merged = OmegaConf.merge(base, node)
-        cfg = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as exc:
-        raise _omegaconf_error(exc, path, entry) from None
-    cfg.name = entry.name
-    try:
-        cfg.check()
-    except ConfigError as exc:
-        raise exc.prefixed(path) from None
-    return cfg
+
+    def validate() -> PartConfig:
+        try:
+            base = OmegaConf.structured(entry.config)
+            merged = OmegaConf.merge(base, node)
+            cfg = OmegaConf.to_object(merged)
+        except OmegaConfBaseException as exc:
+            raise _omegaconf_error(exc, path, entry) from None
+        cfg.name = entry.name
+        try:
+            cfg.check()
+        except ConfigError as exc:
+            raise exc.prefixed(path) from None
+        return cfg
+
+    return _validated(entry.config, dict(node, name=entry.name), validate)   # two names may share a class
 
 
 def build_part(kind: str, node: Any, path: str = "", **context: Any) -> Any:
@@ -94,18 +129,22 @@ def validate_structured(cls: type, node: Any, path: str = "", what: str = "field
     for key in node:
         if key not in fields:
             raise ConfigError(join_path(path, str(key)), f"unknown {what} '{key}'.", value=str(key), choices=fields)
-    try:
-        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), dict(node)))
-    except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or getattr(exc, "key", None) or ""
-        raise ConfigError(join_path(path, str(key)), f"bad value ({str(exc).splitlines()[0]}).") from None
-    check = getattr(obj, "check", None)
-    if callable(check):
+
+    def validate() -> Any:
         try:
-            check()
-        except ConfigError as exc:
-            raise exc.prefixed(path) from None
-    return obj
+            obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), dict(node)))
+        except OmegaConfBaseException as exc:
+            key = getattr(exc, "full_key", None) or getattr(exc, "key", None) or ""
+            raise ConfigError(join_path(path, str(key)), f"bad value ({str(exc).splitlines()[0]}).") from None
+        check = getattr(obj, "check", None)
+        if callable(check):
+            try:
+                check()
+            except ConfigError as exc:
+                raise exc.prefixed(path) from None
+        return obj
+
+    return _validated(cls, dict(node), validate)
 
 
 def check_choice(field: str, value: Any, choices: Tuple[Any, ...]) -> None:

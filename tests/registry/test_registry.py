@@ -185,3 +185,47 @@ def test_every_part_has_a_description_and_a_default_config():
             assert entry.description, f"{kind}/{entry.name} has no docstring"
             cfg = resolve_part(kind, entry.name)
             assert cfg.name == entry.name
+
+
+def test_a_validated_node_is_remembered_as_a_copy_and_an_invalid_one_fails_every_time():
+    """resolve_part / validate_structured keep what an equal node gave (a search resolves the same parts at every
+    size and seed): each call gets its own instance, and a bad node raises on every call with that call's path."""
+    from atlaslab.registry.config import _VALIDATED, validate_structured
+    from atlaslab.train.config import TrainConfig
+    node = {"name": "muon", "ns_steps": 3}
+    a = resolve_part("inner_optimizer", node, path="x")
+    b = resolve_part("inner_optimizer", dict(node), path="y")
+    assert a == b and a is not b and a.ns_steps == 3
+    a.ns_steps = 7
+    assert resolve_part("inner_optimizer", node).ns_steps == 3
+    assert any(cls is type(a) for cls, _ in _VALIDATED)
+    for path in ("first", "second"):
+        with pytest.raises(ConfigError, match=rf"{path}\.ns_steps"):
+            resolve_part("inner_optimizer", {"name": "muon", "ns_steps": "many"}, path=path)
+    t1 = validate_structured(TrainConfig, {"steps": 5}, "train")
+    t2 = validate_structured(TrainConfig, {"steps": 5}, "train")
+    assert t1 == t2 and t1 is not t2
+
+
+def test_a_part_registered_again_under_its_name_is_validated_with_its_new_config():
+    """The remembered validations are keyed by the config class: a part removed and registered again (a module
+    reloaded) with another default gets its new default, not the one remembered for the old class."""
+    from dataclasses import dataclass
+
+    from atlaslab.memory.attentional_biases import AttentionalBias
+    from atlaslab.registry import PartConfig, register
+    reg = get_registry("attentional_bias")
+    try:
+        for default in (1.0, 2.0):
+            @register("attentional_bias", "scaled_test_bias")
+            class Scaled(AttentionalBias):
+                """A test bias whose config default changes between registrations."""
+
+                @dataclass
+                class Config(PartConfig):
+                    scale: float = default
+
+            assert resolve_part("attentional_bias", {"name": "scaled_test_bias"}).scale == default
+            reg._entries.pop("scaled_test_bias")      # a module reloaded in a notebook registers it again
+    finally:
+        reg._entries.pop("scaled_test_bias", None)
