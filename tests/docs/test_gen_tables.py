@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.scripts import same_figure as _same_figure
+
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
@@ -190,16 +192,6 @@ def test_drift_finds_a_wrong_ratio_planted_in_a_page_that_includes_its_report():
     page = (DOCS / "results" / "learning-hard-deltanet.md").read_text()
     assert gt.drift(page) == [] and "1.45×" in page
     assert any("1.46×" in p for p in gt.drift(page.replace("1.45×", "1.46×", 1)))
-
-
-def _same_figure(drawn: Path, committed: Path) -> bool:
-    """Byte for byte when this matplotlib drew the committed PNG (it records its version), else the same image size."""
-    import matplotlib
-    from PIL import Image
-    with Image.open(committed) as c, Image.open(drawn) as d:
-        if c.info.get("Software", "").startswith(f"Matplotlib version{matplotlib.__version__},"):
-            return drawn.read_bytes() == committed.read_bytes()
-        return c.size == d.size
 
 
 def test_the_run_pages_figures_redraw_from_their_committed_data(tmp_path, monkeypatch):
