@@ -73,6 +73,24 @@ def test_reference_builds_is_causal_and_trains(name, one_thread):
     assert len(bl.curve(r.history)) == 2
 
 
+def test_titans_reference_with_lookahead_values_is_causal(one_thread):
+    """titans-pytorch's ``store_with_lookahead_value`` (the key of token t stored with the value of token t+1) is the
+    option with which its NeuralMemory learns the calibration setting (bench/results/learning_titans_probe_*): it must
+    not let a token reach an earlier output."""
+    _require("titans_neural_memory")
+    torch.manual_seed(0)
+    model = refs.build_ref("titans_neural_memory", V, d_model=16, num_layers=2, max_len=T, chunk_size=4,
+                           store_with_lookahead_value=True)
+    ids = torch.randint(0, V, (2, T))
+    with torch.no_grad():
+        logits = model(ids)
+        for pos in (5, 10, T - 2):
+            other = ids.clone()
+            other[:, pos] = (other[:, pos] + 1) % V
+            diff = (model(other) - logits).abs().amax(dim=(0, 2))
+            assert diff[:pos].max() == 0 and diff[pos:].max() > 0, pos
+
+
 def test_fla_naive_functions_agree(one_thread):
     _require("fla_deltanet")
     _require("fla_gated_deltanet")
