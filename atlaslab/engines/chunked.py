@@ -207,7 +207,35 @@ def _dual_segment(parts, state: MemoryState, C, x, v, d, lr, theta, alpha, xq) -
 
 def _window_slots(ext: Optional[torch.Tensor], h0: int, n_chunks: int, b: int, before: int):
     """Each chunk's window tokens: ``ext [B, H, h0+T, ...]`` → ``[B, H, N, before+b, ...]`` (ext indices
-    h0 + n·b − before + e, clamped into range) and a validity mask ``[N, before+b]`` (inside the call's ext)."""
+    h0 + n·b − before + e, clamped into range) and a validity mask ``[N, before+b]`` (inside the call's ext).
+
+    Where the windows do not overlap (``before = 0``) or there is one chunk, the clamped gather is ext padded at
+    its ends with copies of its first / last token and reshaped (no index, whose backward is a scatter);
+    otherwise it is :func:`_window_slots_reference`, the plain gather."""
+    if ext is None:
+        return None, None
+    if before and n_chunks > 1:
+        return _window_slots_reference(ext, h0, n_chunks, b, before)
+    n = ext.shape[2]
+    lo, hi = h0 - before, h0 + n_chunks * b               # ext indices of the first slot and one past the last
+    pieces = ([ext[:, :, :1].expand(*ext.shape[:2], -lo, *ext.shape[3:])] if lo < 0 else []) + \
+        [ext[:, :, max(lo, 0):min(hi, n)]] + \
+        ([ext[:, :, n - 1:].expand(*ext.shape[:2], hi - n, *ext.shape[3:])] if hi > n else [])
+    padded = torch.cat(pieces, 2) if len(pieces) > 1 else pieces[0]           # [B, H, before + N·b, ...]
+    slots = padded.reshape(*ext.shape[:2], n_chunks, before + b, *ext.shape[3:])
+    return slots, _slot_mask(h0, n_chunks, b, before, n, ext.device)
+
+
+@functools.lru_cache(maxsize=256)
+def _slot_mask(h0: int, n_chunks: int, b: int, before: int, n: int, device: torch.device) -> torch.Tensor:
+    """``[N, before+b]`` bool: slot e of chunk n (ext index h0 + n·b − before + e) lies inside the ext of n tokens."""
+    idx = (torch.arange(n_chunks, device=device).unsqueeze(1) * b + (h0 - before)
+           + torch.arange(before + b, device=device))
+    return (idx >= 0) & (idx < n)
+
+
+def _window_slots_reference(ext: Optional[torch.Tensor], h0: int, n_chunks: int, b: int, before: int):
+    """:func:`_window_slots` as a plain gather of the clamped indices."""
     if ext is None:
         return None, None
     idx = (torch.arange(n_chunks, device=ext.device).unsqueeze(1) * b + (h0 - before)
@@ -260,7 +288,9 @@ def _dual_read(memory, W_all: Weights, S_all: Optional[Weights], P_all, Q_all, A
 
 
 def _over_chunks(per_chunk: list) -> torch.Tensor:
-    """N tensors ``[B, H, ...]`` → ``[B·N, H, ...]`` (chunk n of batch b at row b·N + n)."""
+    """N tensors ``[B, H, ...]`` → ``[B·N, H, ...]`` (chunk n of batch b at row b·N + n); one chunk: a view."""
+    if len(per_chunk) == 1:
+        return per_chunk[0]
     return torch.stack(per_chunk, 1).flatten(0, 1)
 
 
@@ -312,12 +342,16 @@ def _dual_aligned(parts, state: MemoryState, gates: Gates, q, k, v, b: int, chec
 
     # row e of every coefficient: the chunk's last real position (b − 1, or the last token of a partial chunk)
     last = T - (N - 1) * b
-    ends = torch.full((N,), b - 1, device=q.device)
-    ends[-1] = last - 1
-    chunk = torch.arange(N, device=q.device)
+    if last == b:
+        def end_row(z):
+            return None if z is None else z[:, :, :, b - 1]
+    else:
+        ends = torch.full((N,), b - 1, device=q.device)
+        ends[-1] = last - 1
+        chunk = torch.arange(N, device=q.device)
 
-    def end_row(z):
-        return None if z is None else z[:, :, chunk, ends]
+        def end_row(z):
+            return None if z is None else z[:, :, chunk, ends]
 
     def per_chunk(z):
         return [None] * N if z is None else z.unbind(2)

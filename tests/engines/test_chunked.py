@@ -272,3 +272,20 @@ def test_channel_wise_decay_that_forgets_fast_stays_finite_in_float32():
     assert rms_ratio(out.double(), ref) < 1e-3
     out.square().sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in (q32, k32, v32))
+
+
+@pytest.mark.parametrize("T,h0,N,b,before", [(16, 0, 1, 16, 0), (16, 0, 1, 16, 3), (20, 0, 2, 16, 3),
+                                             (5, 3, 1, 16, 3), (14, 3, 1, 16, 5), (3, 0, 1, 4, 7), (10, 2, 3, 4, 2),
+                                             (9, 0, 3, 4, 0), (2, 6, 1, 4, 6)])
+def test_window_slots_equal_the_clamped_gather(T, h0, N, b, before):
+    """The padded window slots (no index) equal the plain gather of clamped indices: values, mask and gradient
+    (float64; windows longer than the call, history, partial last chunks)."""
+    from atlaslab.engines.chunked import _window_slots, _window_slots_reference
+    ext = torch.randn(B, H, h0 + T, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(T + h0),
+                      requires_grad=True)
+    (fast, mask), (ref, mask_ref) = _window_slots(ext, h0, N, b, before), _window_slots_reference(ext, h0, N, b, before)
+    assert torch.equal(fast, ref) and torch.equal(mask, mask_ref)
+    w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    g_fast, = torch.autograd.grad((fast * w).sum(), ext)
+    g_ref, = torch.autograd.grad((ref * w).sum(), ext)
+    torch.testing.assert_close(g_fast, g_ref, rtol=1e-12, atol=1e-12)
