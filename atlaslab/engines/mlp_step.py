@@ -142,15 +142,16 @@ def _narrow(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``torch.bmm(a, b)``; a narrow product is computed as ``(bᵀ aᵀ)ᵀ`` (a transposed view), which MKL's batched
-    GEMM runs 2–3× faster on one thread at the memories' sizes (e.g. ``[128, 16, 32] @ [128, 32, 8]``; the same
-    products, the sums possibly in another order)."""
-    return torch.bmm(b.mT, a.mT).mT if _narrow(a, b) else torch.bmm(a, b)
+    """``torch.bmm(a, b)``; a narrow product is computed as ``(bᵀ aᵀ)ᵀ`` and made contiguous, which on one thread
+    at the memories' sizes takes about 60 % of MKL's batched GEMM on the narrow output (e.g.
+    ``[128, 16, 32] @ [128, 32, 8]``; the same products, the sums possibly in another order). The copy keeps the
+    element-wise work downstream on contiguous tensors (several times slower on a transposed view)."""
+    return torch.bmm(b.mT, a.mT).mT.contiguous() if _narrow(a, b) else torch.bmm(a, b)
 
 
 def _baddbmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``torch.baddbmm(c, a, b)``, transposed like :func:`_bmm`."""
-    return torch.baddbmm(c.mT, b.mT, a.mT).mT if _narrow(a, b) else torch.baddbmm(c, a, b)
+    return torch.baddbmm(c.mT, b.mT, a.mT).mT.contiguous() if _narrow(a, b) else torch.baddbmm(c, a, b)
 
 
 def _flat(t: Optional[torch.Tensor], BH: int) -> Optional[torch.Tensor]:
