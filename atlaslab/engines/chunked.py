@@ -44,6 +44,7 @@ from atlaslab.engines.compiled import compiled, maybe_compiled
 from atlaslab.engines.slot_memory import memorize_slot_memory
 from atlaslab.engines.recurrent import _bh
 from atlaslab.memory.fast_weights import DualForm, PerPosition, Tape
+from atlaslab.memory.feature_maps import Identity
 from atlaslab.engines.scan import (cumulative, decay_matrix, dual_coefficients, dual_coefficients_reference,
                                   scan_weights, window_matrix)
 from atlaslab.memory.state import Gates, MemoryState, keep_history, split_time, with_history
@@ -328,7 +329,11 @@ def _dual_aligned(parts, state: MemoryState, gates: Gates, q, k, v, b: int, chec
     c = parts.window.size
     h0 = state.hist_k.shape[1]
     k_ext, v_ext, g_ext, d_ext = with_history(state, k, v, gates)
-    x, valid = _window_slots(_bh(fm(k_ext)), h0, N, b, c - 1)                   # [B, H, N, W, F]
+    if k_ext.shape == q.shape and not isinstance(fm, Identity):
+        fk, fq = fm(torch.stack([k_ext, q])).unbind(0)         # φ of keys and queries in one call (φ is per vector)
+    else:
+        fk, fq = fm(k_ext), fm(q)
+    x, valid = _window_slots(_bh(fk), h0, N, b, c - 1)                         # [B, H, N, W, F]
     vw, _ = _window_slots(_bh(v_ext), h0, N, b, c - 1)
     dw, _ = _window_slots(_bh(d_ext) if d_ext is not None else None, h0, N, b, c - 1)
     gw, _ = _window_slots(_bh(g_ext), h0, N, b, c - 1)
@@ -372,7 +377,7 @@ def _dual_aligned(parts, state: MemoryState, gates: Gates, q, k, v, b: int, chec
     # all reads at once: chunks folded into the batch
     names = list(factors[0])
     W_all = {n: _over_chunks([w[n] for w in anchors]) for n in names}
-    xq = _chunks_as_batch(_pad_chunks(_bh(fm(q)), N, b, 0.0))                  # [B·N, H, b, F]
+    xq = _chunks_as_batch(_pad_chunks(_bh(fq), N, b, 0.0))                     # [B·N, H, b, F]
     if parts.read == "chunk":
         y = parts.memory(W_all, xq)
     else:
