@@ -288,6 +288,12 @@ def _dual_read(memory, W_all: Weights, S_all: Optional[Weights], P_all, Q_all, A
     return memory(dual, xq)
 
 
+def _known_zero(weights: Optional[Weights]) -> bool:
+    """True when every tensor is all zeros and takes no gradient (e.g. the momentum of a fresh state), so terms
+    multiplied by it are exact zeros that can be left out."""
+    return weights is not None and all(not w.requires_grad and not bool(w.any()) for w in weights.values())
+
+
 def _over_chunks(per_chunk: list) -> torch.Tensor:
     """N tensors ``[B, H, ...]`` → ``[B·N, H, ...]`` (chunk n of batch b at row b·N + n); one chunk: a view."""
     if len(per_chunk) == 1:
@@ -383,6 +389,8 @@ def _dual_aligned(parts, state: MemoryState, gates: Gates, q, k, v, b: int, chec
     else:
         S_all = {n: _over_chunks([s[n] for s in momenta]) for n in names} if Q is not None else None
         P_all, Q_all, A_all = (_chunks_as_batch(z) for z in (P, Q, A))
+        if S_all is not None and N == 1 and _known_zero(momenta[0]):
+            S_all = Q_all = None          # one chunk from a zero momentum (a fresh state): Q S₋₁ adds exact zeros
         lefts = {n: _over_chunks([f[n][0] for f in factors]) for n in names}
         rights = {n: _over_chunks([f[n][1] for f in factors]) for n in names}
         read = (functools.partial(mlp_step.dual_read, parts=parts) if fast

@@ -289,3 +289,32 @@ def test_window_slots_equal_the_clamped_gather(T, h0, N, b, before):
     g_fast, = torch.autograd.grad((fast * w).sum(), ext)
     g_ref, = torch.autograd.grad((ref * w).sum(), ext)
     torch.testing.assert_close(g_fast, g_ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["titans_ln", "deep_silu"])
+def test_one_chunk_reads_from_a_fresh_and_from_a_carried_momentum(name, monkeypatch):
+    """A call of one chunk leaves the zero momentum of a fresh state out of its reads (``_known_zero``) and keeps a
+    carried one: chunk by chunk (two calls of one chunk each) equals one recurrent call (outputs and gradients,
+    float64)."""
+    from atlaslab.engines import chunked
+    parts = build(FAST_PATH_SPECS[name])
+    seen = []
+    known_zero = chunked._known_zero
+    monkeypatch.setattr(chunked, "_known_zero", lambda w: seen.append(known_zero(w)) or seen[-1])
+    q, k, v = random_qkv(B, 8, H, D, requires_grad=True)
+    g = {n: x.clone().requires_grad_(True) for n, x in gates_for(parts, T=8).items()}
+    leaves = [q, k, v, *g.values(), *parts.parameters()]
+    full, _ = memorize(q, k, v, parts, g, mode="recurrent", chunk_size=4)
+    pieces, state = [], None
+    for lo, hi in [(0, 4), (4, 8)]:
+        o, state = memorize(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], parts, {n: x[:, lo:hi] for n, x in g.items()},
+                            mode="chunked", chunk_size=4, initial_state=state)
+        pieces.append(o)
+    assert seen == [True, False]
+    chunked_out = torch.cat(pieces, 1)
+    assert rms_ratio(chunked_out, full) < TOL
+    w = torch.randn(full.shape, generator=torch.Generator().manual_seed(3), dtype=full.dtype)
+    for a, r in zip(torch.autograd.grad((chunked_out * w).sum(), leaves, allow_unused=True),
+                    torch.autograd.grad((full * w).sum(), leaves, allow_unused=True)):
+        if r is not None and r.abs().sum() > 0:
+            assert rms_ratio(a, r) < TOL
