@@ -44,6 +44,7 @@ from atlaslab.engines.compiled import compiled, maybe_compiled
 from atlaslab.engines.slot_memory import memorize_slot_memory
 from atlaslab.engines.recurrent import _bh
 from atlaslab.memory.fast_weights import DualForm, PerPosition, Tape
+from atlaslab.memory.feature_maps import Identity
 from atlaslab.engines.scan import (cumulative, decay_matrix, dual_coefficients, dual_coefficients_reference,
                                   scan_weights, window_matrix)
 from atlaslab.memory.state import Gates, MemoryState, keep_history, split_time, with_history
@@ -207,7 +208,35 @@ def _dual_segment(parts, state: MemoryState, C, x, v, d, lr, theta, alpha, xq) -
 
 def _window_slots(ext: Optional[torch.Tensor], h0: int, n_chunks: int, b: int, before: int):
     """Each chunk's window tokens: ``ext [B, H, h0+T, ...]`` → ``[B, H, N, before+b, ...]`` (ext indices
-    h0 + n·b − before + e, clamped into range) and a validity mask ``[N, before+b]`` (inside the call's ext)."""
+    h0 + n·b − before + e, clamped into range) and a validity mask ``[N, before+b]`` (inside the call's ext).
+
+    Where the windows do not overlap (``before = 0``) or there is one chunk, the clamped gather is ext padded at
+    its ends with copies of its first / last token and reshaped (no index, whose backward is a scatter);
+    otherwise it is :func:`_window_slots_reference`, the plain gather."""
+    if ext is None:
+        return None, None
+    if before and n_chunks > 1:
+        return _window_slots_reference(ext, h0, n_chunks, b, before)
+    n = ext.shape[2]
+    lo, hi = h0 - before, h0 + n_chunks * b               # ext indices of the first slot and one past the last
+    pieces = ([ext[:, :, :1].expand(*ext.shape[:2], -lo, *ext.shape[3:])] if lo < 0 else []) + \
+        [ext[:, :, max(lo, 0):min(hi, n)]] + \
+        ([ext[:, :, n - 1:].expand(*ext.shape[:2], hi - n, *ext.shape[3:])] if hi > n else [])
+    padded = torch.cat(pieces, 2) if len(pieces) > 1 else pieces[0]           # [B, H, before + N·b, ...]
+    slots = padded.reshape(*ext.shape[:2], n_chunks, before + b, *ext.shape[3:])
+    return slots, _slot_mask(h0, n_chunks, b, before, n, ext.device)
+
+
+@functools.lru_cache(maxsize=256)
+def _slot_mask(h0: int, n_chunks: int, b: int, before: int, n: int, device: torch.device) -> torch.Tensor:
+    """``[N, before+b]`` bool: slot e of chunk n (ext index h0 + n·b − before + e) lies inside the ext of n tokens."""
+    idx = (torch.arange(n_chunks, device=device).unsqueeze(1) * b + (h0 - before)
+           + torch.arange(before + b, device=device))
+    return (idx >= 0) & (idx < n)
+
+
+def _window_slots_reference(ext: Optional[torch.Tensor], h0: int, n_chunks: int, b: int, before: int):
+    """:func:`_window_slots` as a plain gather of the clamped indices."""
     if ext is None:
         return None, None
     idx = (torch.arange(n_chunks, device=ext.device).unsqueeze(1) * b + (h0 - before)
@@ -259,8 +288,16 @@ def _dual_read(memory, W_all: Weights, S_all: Optional[Weights], P_all, Q_all, A
     return memory(dual, xq)
 
 
+def _known_zero(weights: Optional[Weights]) -> bool:
+    """True when every tensor is all zeros and takes no gradient (e.g. the momentum of a fresh state), so terms
+    multiplied by it are exact zeros that can be left out."""
+    return weights is not None and all(not w.requires_grad and not bool(w.any()) for w in weights.values())
+
+
 def _over_chunks(per_chunk: list) -> torch.Tensor:
-    """N tensors ``[B, H, ...]`` → ``[B·N, H, ...]`` (chunk n of batch b at row b·N + n)."""
+    """N tensors ``[B, H, ...]`` → ``[B·N, H, ...]`` (chunk n of batch b at row b·N + n); one chunk: a view."""
+    if len(per_chunk) == 1:
+        return per_chunk[0]
     return torch.stack(per_chunk, 1).flatten(0, 1)
 
 
@@ -298,7 +335,11 @@ def _dual_aligned(parts, state: MemoryState, gates: Gates, q, k, v, b: int, chec
     c = parts.window.size
     h0 = state.hist_k.shape[1]
     k_ext, v_ext, g_ext, d_ext = with_history(state, k, v, gates)
-    x, valid = _window_slots(_bh(fm(k_ext)), h0, N, b, c - 1)                   # [B, H, N, W, F]
+    if k_ext.shape == q.shape and not isinstance(fm, Identity):
+        fk, fq = fm(torch.stack([k_ext, q])).unbind(0)         # φ of keys and queries in one call (φ is per vector)
+    else:
+        fk, fq = fm(k_ext), fm(q)
+    x, valid = _window_slots(_bh(fk), h0, N, b, c - 1)                         # [B, H, N, W, F]
     vw, _ = _window_slots(_bh(v_ext), h0, N, b, c - 1)
     dw, _ = _window_slots(_bh(d_ext) if d_ext is not None else None, h0, N, b, c - 1)
     gw, _ = _window_slots(_bh(g_ext), h0, N, b, c - 1)
@@ -312,12 +353,16 @@ def _dual_aligned(parts, state: MemoryState, gates: Gates, q, k, v, b: int, chec
 
     # row e of every coefficient: the chunk's last real position (b − 1, or the last token of a partial chunk)
     last = T - (N - 1) * b
-    ends = torch.full((N,), b - 1, device=q.device)
-    ends[-1] = last - 1
-    chunk = torch.arange(N, device=q.device)
+    if last == b:
+        def end_row(z):
+            return None if z is None else z[:, :, :, b - 1]
+    else:
+        ends = torch.full((N,), b - 1, device=q.device)
+        ends[-1] = last - 1
+        chunk = torch.arange(N, device=q.device)
 
-    def end_row(z):
-        return None if z is None else z[:, :, chunk, ends]
+        def end_row(z):
+            return None if z is None else z[:, :, chunk, ends]
 
     def per_chunk(z):
         return [None] * N if z is None else z.unbind(2)
@@ -338,12 +383,14 @@ def _dual_aligned(parts, state: MemoryState, gates: Gates, q, k, v, b: int, chec
     # all reads at once: chunks folded into the batch
     names = list(factors[0])
     W_all = {n: _over_chunks([w[n] for w in anchors]) for n in names}
-    xq = _chunks_as_batch(_pad_chunks(_bh(fm(q)), N, b, 0.0))                  # [B·N, H, b, F]
+    xq = _chunks_as_batch(_pad_chunks(_bh(fq), N, b, 0.0))                     # [B·N, H, b, F]
     if parts.read == "chunk":
         y = parts.memory(W_all, xq)
     else:
         S_all = {n: _over_chunks([s[n] for s in momenta]) for n in names} if Q is not None else None
         P_all, Q_all, A_all = (_chunks_as_batch(z) for z in (P, Q, A))
+        if S_all is not None and N == 1 and _known_zero(momenta[0]):
+            S_all = Q_all = None          # one chunk from a zero momentum (a fresh state): Q S₋₁ adds exact zeros
         lefts = {n: _over_chunks([f[n][0] for f in factors]) for n in names}
         rights = {n: _over_chunks([f[n][1] for f in factors]) for n in names}
         read = (functools.partial(mlp_step.dual_read, parts=parts) if fast

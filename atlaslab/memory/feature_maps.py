@@ -14,6 +14,7 @@ from typing import List
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from atlaslab.memory.part import Part
 from atlaslab.registry import ConfigError, PartConfig, check_choice, check_range, register
@@ -113,6 +114,40 @@ def polynomial_dim(dim: int, degree: int) -> int:
     return math.comb(dim + degree, degree)
 
 
+class _DegreeTwo(torch.autograd.Function):
+    """The degree-2 polynomial features of ``x: [..., d]`` → ``[..., F]`` as one autograd node.
+
+    With e = [1, x] (``[n, d + 1]``) and the factor indices ``pick = l ‖ r`` (``[2F]``: feature f is e_{l_f} e_{r_f},
+    i.e. 1 · 1, 1 · x_i or x_i · x_j): u ‖ v = e[:, pick], p = u ⊙ v, φ = p ⊙ s.
+    Backward: s̄ = Σ_n ḡ ⊙ p, ē = scatter-add over pick of [(ḡ ⊙ s) ⊙ v ‖ (ḡ ⊙ s) ⊙ u], x̄ = ē[:, 1:] (first order
+    only)."""
+
+    @staticmethod
+    def forward(ctx, x, scale, pick):
+        F = scale.shape[0]
+        e = torch.cat([x.new_ones(*x.shape[:-1], 1), x], -1).reshape(-1, x.shape[-1] + 1)
+        uv = e.index_select(1, pick)                                          # [n, 2F]
+        p = uv[:, :F] * uv[:, F:]
+        ctx.save_for_backward(uv, p, scale, pick)
+        ctx.x_shape = x.shape
+        return (p * scale).reshape(*x.shape[:-1], F)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        uv, p, scale, pick = ctx.saved_tensors
+        F = scale.shape[0]
+        g = g.reshape(-1, F)
+        g_scale = (g * p).sum(0) if ctx.needs_input_grad[1] else None
+        g_x = None
+        if ctx.needs_input_grad[0]:
+            gs = g * scale
+            g_uv = torch.cat([gs * uv[:, F:], gs * uv[:, :F]], -1)
+            g_e = g.new_zeros(g.shape[0], ctx.x_shape[-1] + 1).index_add_(1, pick, g_uv)
+            g_x = g_e[:, 1:].reshape(ctx.x_shape)
+        return g_x, g_scale, None
+
+
 class _PolynomialFeatures(FeatureMap):
     """φ(x)_β = √(a_{|β|} · |β|!/β!) · x^β for all |β| ≤ p, so φ(q)ᵀφ(k) = Σ_i a_i (qᵀk)^i.
 
@@ -136,6 +171,10 @@ class _PolynomialFeatures(FeatureMap):
             self.register_buffer("_degree", torch.tensor([0] + [1] * in_dim + [2] * len(pairs)), persistent=False)
             self.register_buffer("_scale_all", torch.cat([torch.ones(1, dtype=torch.float64), self._scale1,
                                                           self._scale2]), persistent=False)
+            # feature f = e_{l_f} · e_{r_f} of e = [1, x] (1 · 1, 1 · x_i, x_i · x_j): the indices l ‖ r
+            left = [0] + [0] * in_dim + [1 + i for i, _ in _monomials(in_dim, 2)[0]]
+            right = [0] + [1 + i for i in range(in_dim)] + [1 + j for _, j in _monomials(in_dim, 2)[0]]
+            self.register_buffer("_pick", torch.tensor(left + right, dtype=torch.long), persistent=False)
 
     def coefficients(self) -> torch.Tensor:  # [p + 1]
         raise NotImplementedError
@@ -156,8 +195,14 @@ class _PolynomialFeatures(FeatureMap):
         return torch.cat(parts, dim=-1)
 
     def _degree_two(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-        """The p = 2 map in a few large ops: z = [1, x, vec(x xᵀ)], φ = z[gather] ⊙ (scale · √a_{|β|}); the same
-        values as the general loop (x_i x_j and each feature's scale are the same products)."""
+        """The p = 2 map as one autograd node (:class:`_DegreeTwo`): φ = (e_l ⊙ e_r) ⊙ (scale · √a_{|β|}) with
+        e = [1, x]; the same values as the general loop (x_i x_j and each feature's scale are the same products).
+        :meth:`_degree_two_reference` is the same map in plain autograd ops."""
+        scale = self._scale_all.to(x.dtype) * a.sqrt().index_select(0, self._degree)
+        return _DegreeTwo.apply(x, scale, self._pick)
+
+    def _degree_two_reference(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """z = [1, x, vec(x xᵀ)], φ = z[gather] ⊙ (scale · √a_{|β|}) in autograd ops."""
         z = torch.cat([x.new_ones(*x.shape[:-1], 1), x, (x.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2)], -1)
         scale = self._scale_all.to(x.dtype) * a.sqrt().index_select(0, self._degree)
         return z.index_select(-1, self._gather) * scale

@@ -81,10 +81,12 @@ def keep_last(x: Optional[torch.Tensor], n: Optional[int]) -> Optional[torch.Ten
 
 
 def with_history(state: "MemoryState", k: torch.Tensor, v: torch.Tensor, gates: "Gates"):
-    """The call's k, v, γ (and δ) preceded by the window tokens the state still carries: ``[B, h + T, H, ...]``."""
-    return (torch.cat([state.hist_k, k], 1), torch.cat([state.hist_v, v], 1),
-            torch.cat([state.hist_gamma, gates.window], 1),
-            torch.cat([state.hist_delta, gates.delta], 1) if gates.delta is not None else None)
+    """The call's k, v, γ (and δ) preceded by the window tokens the state still carries: ``[B, h + T, H, ...]``
+    (the call's own tensors, not copies, when the state carries none)."""
+    def ext(hist, x):
+        return x if hist.shape[1] == 0 else torch.cat([hist, x], 1)
+    return (ext(state.hist_k, k), ext(state.hist_v, v), ext(state.hist_gamma, gates.window),
+            ext(state.hist_delta, gates.delta) if gates.delta is not None else None)
 
 
 def keep_history(state: "MemoryState", window_history: Optional[int], k_ext, v_ext, g_ext, d_ext) -> None:

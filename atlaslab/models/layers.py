@@ -110,15 +110,7 @@ class ShortConv(nn.Module):
         :meth:`forward_packed`) the convolution restarts at every sequence; ``cache`` is then ``[N, K-1, C]``."""
         if cu_seqlens is not None:
             return self.forward_packed(x, cu_seqlens, cache)
-        B, T, C = x.shape
-        K = self.kernel_size
-        if cache is None:
-            cache = x.new_zeros(B, K - 1, C)
-        full = torch.cat([cache, x], dim=1)                       # [B, K-1+T, C]
-        w = self._taps(x)
-        # K shifted products instead of conv1d: same result, and far faster for tiny / float64 inputs on CPU
-        y = sum(full[:, j:j + T] * w[:, j] for j in range(K))     # [B, T, C]
-        return y, full[:, full.shape[1] - (K - 1):]
+        return causal_conv(x, self._taps(x), cache)
 
     def _taps(self, x: torch.Tensor) -> torch.Tensor:
         """The filter ``[C, K]`` (Conv1d layout, cross-correlation: tap K−1 multiplies the current token)."""
@@ -128,24 +120,45 @@ class ShortConv(nn.Module):
         """Packed sequences ``x: [1, ΣT_i, C]`` → ``(y: [1, ΣT_i, C], caches: [N, K-1, C])``, equal to running each
         sequence alone from its own cache (``cache[i]``, zeros when None): a token s steps into its sequence takes
         the ``K − 1 − s`` oldest taps from that cache, never from the sequence before it."""
-        B, T, C = x.shape
-        offsets = check_cu_seqlens(cu_seqlens, B, T)
-        N, K = len(offsets) - 1, self.kernel_size
-        if cache is None:
-            cache = x.new_zeros(N, K - 1, C)
-        seq, pos = sequence_positions(offsets, x.device)
-        w, xs, t = self._taps(x), x[0], torch.arange(T, device=x.device)
-        y = xs * w[:, K - 1]
-        for s in range(1, K):                                    # the token s steps back, or the cache slot
-            earlier = xs[(t - s).clamp_min(0)]
-            cached = cache[seq, (K - 1 - s + pos).clamp(0, K - 2)]
-            y = y + torch.where((pos >= s)[:, None], earlier, cached) * w[:, K - 1 - s]
-        ends = torch.tensor(offsets[1:], device=x.device)[:, None]            # [N, 1]
-        starts = torch.tensor(offsets[:-1], device=x.device)[:, None]
-        u = ends - (K - 1) + torch.arange(K - 1, device=x.device)             # token each new slot holds [N, K-1]
-        from_cache = cache[torch.arange(N, device=x.device)[:, None], (K - 1 + u - starts).clamp(0, K - 2)]
-        new_cache = torch.where((u >= starts)[..., None], xs[u.clamp_min(0)], from_cache)
-        return y.unsqueeze(0), new_cache
+        return causal_conv_packed(x, self._taps(x), cu_seqlens, cache)
+
+
+def causal_conv(x: torch.Tensor, w: torch.Tensor, cache: Optional[torch.Tensor] = None):
+    """:meth:`ShortConv.forward` with the filter given: ``x: [B, T, C]``, ``w: [C, K]`` (tap K−1 multiplies the
+    current token), ``cache: [B, K-1, C]`` or None (zeros) → ``(y: [B, T, C], new_cache: [B, K-1, C])``.
+    Channel-wise, so convolutions side by side along C equal one call on their concatenated channels."""
+    B, T, C = x.shape
+    K = w.shape[1]
+    if cache is None:
+        cache = x.new_zeros(B, K - 1, C)
+    full = torch.cat([cache, x], dim=1)                           # [B, K-1+T, C]
+    # K shifted products instead of conv1d: same result, and far faster for tiny / float64 inputs on CPU
+    y = full[:, 0:T] * w[:, 0]
+    for j in range(1, K):
+        y = y + full[:, j:j + T] * w[:, j]                         # [B, T, C]
+    return y, full[:, full.shape[1] - (K - 1):]
+
+
+def causal_conv_packed(x: torch.Tensor, w: torch.Tensor, cu_seqlens, cache: Optional[torch.Tensor] = None):
+    """:meth:`ShortConv.forward_packed` with the filter ``w: [C, K]`` given (see :func:`causal_conv`)."""
+    B, T, C = x.shape
+    offsets = check_cu_seqlens(cu_seqlens, B, T)
+    N, K = len(offsets) - 1, w.shape[1]
+    if cache is None:
+        cache = x.new_zeros(N, K - 1, C)
+    seq, pos = sequence_positions(offsets, x.device)
+    xs, t = x[0], torch.arange(T, device=x.device)
+    y = xs * w[:, K - 1]
+    for s in range(1, K):                                    # the token s steps back, or the cache slot
+        earlier = xs[(t - s).clamp_min(0)]
+        cached = cache[seq, (K - 1 - s + pos).clamp(0, K - 2)]
+        y = y + torch.where((pos >= s)[:, None], earlier, cached) * w[:, K - 1 - s]
+    ends = torch.tensor(offsets[1:], device=x.device)[:, None]            # [N, 1]
+    starts = torch.tensor(offsets[:-1], device=x.device)[:, None]
+    u = ends - (K - 1) + torch.arange(K - 1, device=x.device)             # token each new slot holds [N, K-1]
+    from_cache = cache[torch.arange(N, device=x.device)[:, None], (K - 1 + u - starts).clamp(0, K - 2)]
+    new_cache = torch.where((u >= starts)[..., None], xs[u.clamp_min(0)], from_cache)
+    return y.unsqueeze(0), new_cache
 
 
 def _logit(p: float) -> float:
@@ -398,15 +411,38 @@ class MemoryLayer(nn.Module):
         return 0.0
 
     def gates(self, x: torch.Tensor) -> Dict[str, torch.Tensor]:
-        """The gate tensors for ``memorize`` from the layer input ``x: [B, T, d_model]``."""
+        """The gate tensors for ``memorize`` from the layer input ``x: [B, T, d_model]``.
+
+        The input-dependent sigmoid / softplus gates (:class:`_Gate` with a projection) are computed side by side:
+        one projection with their stacked weights and biases, one sigmoid over the sigmoid gates' columns, one
+        softplus over the rest (each gate's parameters stay its own; ``net(x)`` of each is the reference)."""
         B, T = x.shape[:2]
         H = self.num_heads
-        out = {name: net(x) for name, net in self.gate_nets.items()}
+        fused = [n for n, net in self.gate_nets.items() if isinstance(net, _Gate) and net.proj is not None]
+        computed = self._fused_gates(x, fused) if len(fused) > 1 else {}
+        out = {name: computed[name] if name in computed else net(x) for name, net in self.gate_nets.items()}
         for name, value in self.gate_consts.items():
             shape = (B, T, H, self.head_dim) if (name == "retention" and self.parts.retention.channel_wise) \
                 else (B, T, H)
             out[name] = x.new_full(shape, value)
         return out
+
+    def _fused_gates(self, x: torch.Tensor, names) -> Dict[str, torch.Tensor]:
+        """``{name: net(x)}`` for the :class:`_Gate` nets ``names`` (each with a projection) in one projection."""
+        names = sorted(names, key=lambda n: self.gate_nets[n].act != "sigmoid")       # sigmoid gates first
+        nets = [self.gate_nets[n] for n in names]
+        projs = [net.proj for net in nets]
+        bias = None
+        if any(p.bias is not None for p in projs):
+            bias = torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in projs])
+        z = F.linear(x, torch.cat([p.weight for p in projs]), bias)
+        n_sig = sum(p.out_features for net, p in zip(nets, projs) if net.act == "sigmoid")
+        groups = [g for g in (torch.sigmoid(z[..., :n_sig]) if n_sig else None,
+                              F.softplus(z[..., n_sig:]) if n_sig < z.shape[-1] else None) if g is not None]
+        g = torch.cat(groups, -1) if len(groups) > 1 else groups[0]
+        B, T = x.shape[:2]
+        return {n: (gi.reshape(B, T, net.heads, net.channels) if net.channels else gi)
+                for n, net, gi in zip(names, nets, g.split([p.out_features for p in projs], -1))}
 
     # -- backbone -----------------------------------------------------------------------------------
     def _branch(self, x, which: str, cache: Optional[torch.Tensor], cu_seqlens=None):
@@ -423,6 +459,38 @@ class MemoryLayer(nn.Module):
         if self.cfg.qk_norm and which in ("q", "k"):
             h = F.normalize(h, dim=-1, eps=1e-6)
         return h, new_cache
+
+    def _branches(self, x, caches: Dict[str, torch.Tensor], cu_seqlens=None):
+        """q, k and v at once: :meth:`_branch` of the three, computed side by side on their concatenated channels
+        (one projection with the stacked weights W_Q ‖ W_K ‖ W_V, one conv with their stacked filters, one SiLU, one
+        ℓ2 norm of q and k); the parameters stay the three projections and convs. Returns ``(q, k, v)``
+        (``[B, T, H, D]``) and the new conv caches ``{"q", "k", "v"}`` (empty without conv)."""
+        widths = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
+        h = F.linear(x, torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
+        new_caches = {}
+        if self.cfg.conv:
+            convs = (self.q_conv, self.k_conv, self.v_conv)
+            taps = torch.cat([c._taps(x) for c in convs])
+            cache = None
+            if any(caches.get(n) is not None for n in "qkv"):
+                rows = len(cu_seqlens) - 1 if cu_seqlens is not None else x.shape[0]
+                cache = torch.cat([caches[n] if caches.get(n) is not None
+                                   else x.new_zeros(rows, c.kernel_size - 1, w)
+                                   for n, c, w in zip("qkv", convs, widths)], -1)
+            if cu_seqlens is not None:
+                h, cache = causal_conv_packed(h, taps, cu_seqlens, cache)
+            else:
+                h, cache = causal_conv(h, taps, cache)
+            new_caches = dict(zip("qkv", cache.split(widths, -1)))
+        if self.cfg.silu:
+            h = F.silu(h)
+        B, T, H = *x.shape[:2], self.num_heads
+        qk, v = h.split([widths[0] + widths[1], widths[2]], -1)
+        qk = qk.reshape(B, T, 2 * H, -1)
+        if self.cfg.qk_norm:
+            qk = F.normalize(qk, dim=-1, eps=1e-6)
+        q, k = qk.split(H, 2)
+        return q, k, v.reshape(B, T, H, -1), new_caches
 
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Per-head norm, output gate and projection: ``o: [B, T, H, D_v]`` → ``[B, T, d_model]``."""
@@ -446,17 +514,13 @@ class MemoryLayer(nn.Module):
         if cu_seqlens is not None:
             return self.forward_packed(x, cu_seqlens, state, return_state)
 
-        conv = state.conv if state is not None else {}
-        q, cq = self._branch(x, "q", conv.get("q"))
-        k, ck = self._branch(x, "k", conv.get("k"))
-        v, cv = self._branch(x, "v", conv.get("v"))
+        q, k, v, caches = self._branches(x, state.conv if state is not None else {})
         o, mem_state = memorize(q, k, v, self.parts, self.gates(x), mode=self.cfg.mode,
                                 checkpoint=self.cfg.checkpoint, compile=self.cfg.compile,
                                 initial_state=state.memory if state is not None else None)
         y = self._output(o, x)
         if not return_state:
             return y
-        caches = {n: c for n, c in (("q", cq), ("k", ck), ("v", cv)) if c is not None}
         return y, MemoryLayerState(mem_state, caches)
 
     def forward_packed(self, x: torch.Tensor, cu_seqlens, states=None, return_state: bool = False):
@@ -470,21 +534,18 @@ class MemoryLayer(nn.Module):
             raise ValueError(f"MemoryLayer: with cu_seqlens, state must be None or {N} MemoryLayerStates (one per "
                              f"sequence, what a packed call returns)")
 
-        def caches(which):
-            if states is None or any(which not in s.conv for s in states):
-                return None
-            return torch.cat([s.conv[which] for s in states], 0)
-        q, cq = self._branch(x, "q", caches("q"), offsets)
-        k, ck = self._branch(x, "k", caches("k"), offsets)
-        v, cv = self._branch(x, "v", caches("v"), offsets)
+        caches = {}
+        for which in "qkv":
+            if states is not None and all(which in s.conv for s in states):
+                caches[which] = torch.cat([s.conv[which] for s in states], 0)
+        q, k, v, new_caches = self._branches(x, caches, offsets)
         o, mem_states = memorize(q, k, v, self.parts, self.gates(x), mode=self.cfg.mode,
                                  checkpoint=self.cfg.checkpoint, compile=self.cfg.compile, cu_seqlens=offsets,
                                  initial_state=[s.memory for s in states] if states is not None else None)
         y = self._output(o, x)
         if not return_state:
             return y
-        conv = [(n, c) for n, c in (("q", cq), ("k", ck), ("v", cv)) if c is not None]
-        return y, [MemoryLayerState(m, {n: c[i:i + 1] for n, c in conv}) for i, m in enumerate(mem_states)]
+        return y, [MemoryLayerState(m, {n: c[i:i + 1] for n, c in new_caches.items()}) for i, m in enumerate(mem_states)]
 
     def stack_states(self, states) -> MemoryLayerState:
         """The per-sequence states of a packed call → one batch-N :class:`MemoryLayerState` (then decode the N

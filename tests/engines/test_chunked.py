@@ -272,3 +272,49 @@ def test_channel_wise_decay_that_forgets_fast_stays_finite_in_float32():
     assert rms_ratio(out.double(), ref) < 1e-3
     out.square().sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in (q32, k32, v32))
+
+
+@pytest.mark.parametrize("T,h0,N,b,before", [(16, 0, 1, 16, 0), (16, 0, 1, 16, 3), (20, 0, 2, 16, 3),
+                                             (5, 3, 1, 16, 3), (14, 3, 1, 16, 5), (3, 0, 1, 4, 7), (10, 2, 3, 4, 2),
+                                             (9, 0, 3, 4, 0), (2, 6, 1, 4, 6)])
+def test_window_slots_equal_the_clamped_gather(T, h0, N, b, before):
+    """The padded window slots (no index) equal the plain gather of clamped indices: values, mask and gradient
+    (float64; windows longer than the call, history, partial last chunks)."""
+    from atlaslab.engines.chunked import _window_slots, _window_slots_reference
+    ext = torch.randn(B, H, h0 + T, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(T + h0),
+                      requires_grad=True)
+    (fast, mask), (ref, mask_ref) = _window_slots(ext, h0, N, b, before), _window_slots_reference(ext, h0, N, b, before)
+    assert torch.equal(fast, ref) and torch.equal(mask, mask_ref)
+    w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    g_fast, = torch.autograd.grad((fast * w).sum(), ext)
+    g_ref, = torch.autograd.grad((ref * w).sum(), ext)
+    torch.testing.assert_close(g_fast, g_ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["titans_ln", "deep_silu"])
+def test_one_chunk_reads_from_a_fresh_and_from_a_carried_momentum(name, monkeypatch):
+    """A call of one chunk leaves the zero momentum of a fresh state out of its reads (``_known_zero``) and keeps a
+    carried one: chunk by chunk (two calls of one chunk each) equals one recurrent call (outputs and gradients,
+    float64)."""
+    from atlaslab.engines import chunked
+    parts = build(FAST_PATH_SPECS[name])
+    seen = []
+    known_zero = chunked._known_zero
+    monkeypatch.setattr(chunked, "_known_zero", lambda w: seen.append(known_zero(w)) or seen[-1])
+    q, k, v = random_qkv(B, 8, H, D, requires_grad=True)
+    g = {n: x.clone().requires_grad_(True) for n, x in gates_for(parts, T=8).items()}
+    leaves = [q, k, v, *g.values(), *parts.parameters()]
+    full, _ = memorize(q, k, v, parts, g, mode="recurrent", chunk_size=4)
+    pieces, state = [], None
+    for lo, hi in [(0, 4), (4, 8)]:
+        o, state = memorize(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], parts, {n: x[:, lo:hi] for n, x in g.items()},
+                            mode="chunked", chunk_size=4, initial_state=state)
+        pieces.append(o)
+    assert seen == [True, False]
+    chunked_out = torch.cat(pieces, 1)
+    assert rms_ratio(chunked_out, full) < TOL
+    w = torch.randn(full.shape, generator=torch.Generator().manual_seed(3), dtype=full.dtype)
+    for a, r in zip(torch.autograd.grad((chunked_out * w).sum(), leaves, allow_unused=True),
+                    torch.autograd.grad((full * w).sum(), leaves, allow_unused=True)):
+        if r is not None and r.abs().sum() > 0:
+            assert rms_ratio(a, r) < TOL

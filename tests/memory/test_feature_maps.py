@@ -66,8 +66,9 @@ def polynomial_direct(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", ["polynomial", "exp"])
 def test_degree_two_polynomial_map_is_its_definition_and_the_general_loop(name):
-    """The p = 2 map (one index_select over [1, x, vec(x xᵀ)]) equals the definition, the monomial loop used for other
-    degrees bit for bit, and its kernel is Σ a_i (qᵀk)^i; its gradients equal the loop's."""
+    """The p = 2 map (one autograd node over e = [1, x]) equals the definition, the monomial loop used for other
+    degrees and its plain-autograd reference bit for bit, and its kernel is Σ a_i (qᵀk)^i; its gradients equal the
+    loop's and the reference's."""
     cfg = {"name": name, "degree": 2, **({"mode": "taylor"} if name == "exp" else {})}
     fm = build_part("feature_map", cfg, in_dim=4).double()
     x = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64, requires_grad=True)
@@ -79,10 +80,15 @@ def test_degree_two_polynomial_map_is_its_definition_and_the_general_loop(name):
     loop = torch.cat([a[0].sqrt().expand(3, 5, 1)] + [x[..., fm._idx1].prod(-1) * (fm._scale1 * a[1].sqrt()),
                                                      x[..., fm._idx2].prod(-1) * (fm._scale2 * a[2].sqrt())], -1)
     assert torch.equal(phi, loop)
+    reference = fm._degree_two_reference(x, fm.coefficients().to(x.dtype))
+    assert torch.equal(phi, reference)
     q, k = x[0, 0], x[1, 1]
     kernel = phi[0, 0] @ phi[1, 1]
     assert torch.allclose(kernel, a[0] + a[1] * (q @ k) + a[2] * (q @ k) ** 2, rtol=1e-13)
     w = torch.randn(phi.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     leaves = [x, *fm.parameters()]
-    for g_new, g_loop in zip(torch.autograd.grad((phi * w).sum(), leaves), torch.autograd.grad((loop * w).sum(), leaves)):
+    g_ref = torch.autograd.grad((reference * w).sum(), leaves, retain_graph=True)
+    for g_new, g_loop, g_r in zip(torch.autograd.grad((phi * w).sum(), leaves),
+                                  torch.autograd.grad((loop * w).sum(), leaves), g_ref):
         assert torch.allclose(g_new, g_loop, rtol=1e-13, atol=1e-15)
+        assert torch.allclose(g_new, g_r, rtol=1e-13, atol=1e-15)

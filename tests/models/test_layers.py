@@ -211,6 +211,68 @@ def test_channel_wise_input_independent_and_constant_gates():
     assert torch.allclose(const.gate_nets["lr"].proj.bias, torch.full((H,), -2.0, dtype=F64))
 
 
+@pytest.mark.parametrize("switches", [{}, {"conv": False}, {"silu": False, "qk_norm": False},
+                                      {"head_dim": 4}])
+@pytest.mark.parametrize("packed", [False, True])
+def test_fused_branches_equal_the_three_branches(switches, packed):
+    """q, k, v computed side by side on stacked channels (``_branches``) equal ``_branch`` of each: outputs, new conv
+    caches and gradients of x, the caches and every parameter (float64), from given caches and packed."""
+    layer = make("mixer", "memory", num_heads=H, memory=LINEAR_L2, **switches)
+    x = x_batch().requires_grad_()
+    offsets = None
+    if packed:
+        x, offsets = x_batch(t=2 * T)[:1].requires_grad_(), [0, 7, 2 * T]
+    rows = 2 if packed else B
+    widths = {n: getattr(layer, f"{n}_proj").out_features for n in "qkv"}
+    caches = {n: torch.randn(rows, 3, w, dtype=F64, generator=torch.Generator().manual_seed(i), requires_grad=True)
+              for i, (n, w) in enumerate(widths.items())} if layer.cfg.conv else {}
+    q, k, v, new = layer._branches(x, caches, offsets)
+    ref = [layer._branch(x, n, caches.get(n), offsets) for n in "qkv"]
+    for got, (want, want_cache), n in zip((q, k, v), ref, "qkv"):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+        assert (n not in new) == (want_cache is None)
+        if want_cache is not None:
+            torch.testing.assert_close(new[n], want_cache, rtol=1e-12, atol=1e-14)
+    leaves = [x, *caches.values(), *layer.parameters()]
+    outs = [q, k, v, *new.values()]
+    weights = [torch.randn(o.shape, dtype=F64, generator=torch.Generator().manual_seed(10 + i)) for i, o in enumerate(outs)]
+
+    def grads(tensors):
+        return torch.autograd.grad(sum((t * w).sum() for t, w in zip(tensors, weights)), leaves, allow_unused=True)
+    ref_outs = [r[0] for r in ref] + [r[1] for r in ref if r[1] is not None]
+    for g, g_ref in zip(grads(outs), grads(ref_outs)):
+        assert (g is None) == (g_ref is None)
+        if g is not None:
+            torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("memory,gates", [
+    (TITANS, {}),
+    ({**TITANS, "attentional_bias": "huber", "window": {"name": "omega", "size": 3}},
+     {"lr": {"use_bias": False, "weight_init": "uniform"}, "momentum": {"input_dependent": False}}),
+    ({"memory": "linear", "attentional_bias": "dot", "retention": {"name": "decay", "channel_wise": True}},
+     {"retention": {"form": "log_decay"}}),
+    ({"memory": "linear", "attentional_bias": "l2", "retention": {"name": "decay", "channel_wise": True}}, {}),
+])
+def test_fused_gates_equal_each_gate_net(memory, gates):
+    """The input-dependent gates computed in one projection equal each gate net on its own (float64): values and
+    gradients of x and every parameter; sigmoid and softplus (Huber δ) gates, channel-wise α, a gate without bias,
+    and the gates that are not fused (log-decay, input-independent) beside them."""
+    layer = make("mixer", "memory", num_heads=H, memory=memory, gates=gates)
+    x = x_batch().requires_grad_()
+    got = layer.gates(x)
+    want = {n: net(x) for n, net in layer.gate_nets.items()}
+    assert list(got) == list(want)
+    leaves = [x, *layer.gate_nets.parameters()]
+    w = {n: torch.randn(g.shape, dtype=F64, generator=torch.Generator().manual_seed(i)) for i, (n, g) in enumerate(want.items())}
+    g_got = torch.autograd.grad(sum((got[n] * w[n]).sum() for n in w), leaves)
+    g_want = torch.autograd.grad(sum((want[n] * w[n]).sum() for n in w), leaves)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-12, atol=1e-14)
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
 def test_every_backbone_piece_switches_off():
     bare = make("mixer", "memory", num_heads=H, memory=LINEAR_L2, conv=False, silu=False, qk_norm=False,
                 output_norm=False, output_gate=False, gates={"lr": {"learned": False}})
