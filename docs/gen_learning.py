@@ -41,9 +41,9 @@ HELDOUT = [
      "python bench/learning.py --presets gated_deltanet --refs fla_gated_deltanet --seeds 3,4,5 "
      "--out bench/results/learning_heldout_gdn_cpu", (3, 4, 5)),
     ("titans", "learning_heldout_titans_cpu.json",
-     "a titans-pytorch configuration that learns the setting on seeds 0-2 first (none found yet), then "
-     "python bench/learning.py --presets titans --refs titans_neural_memory --titans-option ... "
-     "--seeds 3,4,5 --out bench/results/learning_heldout_titans_cpu", (3, 4, 5)),
+     "python bench/learning.py --presets titans --refs titans_neural_memory --titans-option "
+     "store_with_lookahead_value=true --seeds 3,4,5 --parallel 2 --out bench/results/learning_heldout_titans_cpu "
+     "(the option chosen on tuning seed 0: bench/results/learning_titans_probe_lookahead_cpu)", (3, 4, 5)),
 ]
 
 #: the softmax reference's position probes on the tuning seeds: (positions, results file)
