@@ -290,8 +290,10 @@ def _dual_read(memory, W_all: Weights, S_all: Optional[Weights], P_all, Q_all, A
 
 def _known_zero(weights: Optional[Weights]) -> bool:
     """True when every tensor is all zeros and takes no gradient (e.g. the momentum of a fresh state), so terms
-    multiplied by it are exact zeros that can be left out."""
-    return weights is not None and all(not w.requires_grad and not bool(w.any()) for w in weights.values())
+    multiplied by it are exact zeros that can be left out. Checked on CPU tensors only: on an accelerator reading
+    the values back would stall the stream once per call, so the (zero) terms are kept there."""
+    return weights is not None and all(w.device.type == "cpu" and not w.requires_grad and not bool(w.any())
+                                       for w in weights.values())
 
 
 def _over_chunks(per_chunk: list) -> torch.Tensor:
