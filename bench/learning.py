@@ -41,6 +41,9 @@ the seeds of its verdict. Tuning happens on seeds 0, 1, 2 (:data:`TUNING_SEEDS`)
 3, 4, 5 (:data:`HELDOUT_SEEDS`), their number fixed before the run (no seed is added after seeing a result).
 A verdict one of whose held-out seeds later turns out to have helped choose something (a probe on another setting)
 is taken again on fresh seeds 6, 7, 8 (:data:`FRESH_SEEDS`, fixed on 2026-12-07 before any run on them).
+Titans' reference recipe (titans-pytorch with ``store_with_lookahead_value``) learned on held-out seeds 3 and 5
+but not 4 within 600 steps, so seeds 3-5 helped choose its budget: its verdict is taken on seeds 6, 7, 8 with a
+1,200-step budget (:data:`TITANS_FRESH_STEPS`), both fixed on 2026-12-07 at 21:05 UTC before any run on them.
 bench/results/learning_heldout* hold the verdict runs; learning_cpu.* and the other files on seeds 0–2 are
 tuning and calibration records, whose comparison tables are not verdicts.
 """
@@ -98,6 +101,8 @@ MET, NOT_MET, NO_VERDICT = "met", "not met", "no verdict"
 HELDOUT_SEEDS = (3, 4, 5)
 #: the second held-out set, for a verdict whose seeds 3-5 were touched by a probe (fixed before any run on them)
 FRESH_SEEDS = (6, 7, 8)
+#: titans' budget on FRESH_SEEDS (its reference learned late on seeds 3-5; fixed before the run)
+TITANS_FRESH_STEPS = 1200
 #: seeds on which defaults, reference recipes and probes may be chosen
 TUNING_SEEDS = (0, 1, 2)
 
