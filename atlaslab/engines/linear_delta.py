@@ -17,11 +17,11 @@ unit lower-triangular system (L·c unknowns)
 The right side is affine in the block-start memory M_0, so (UT transform) w = U − X M_0ᵀ with U, X solved
 once from M_0-free right sides. Everything then splits into
 
-1. block-local work for ALL blocks at once (batched over blocks, no dependence on M_0):
-   U, X, the read operators Y_u = K_q U and Q_eff = (P ⊙ q) − K_q X (K_q the causal decayed q·x matrix), and
-   the block transition M_L = M_0 Φ + Δ with Φ = Diag(P_L) − Xᵀ X_d, Δ = Uᵀ X_d (X_d = x ⊙ P_L/P_s);
-2. the only sequential part: M_{n+1} = M_n Φ_n + Δ_n over the T/L blocks (one matmul and one add each);
-3. all reads in one batched product: y = Y_u + Q_eff M_nᵀ.
+1. block-local work for ALL blocks at once (batched over blocks, no dependence on M_0): the system's inverse,
+   U and X (two products with it), K_q (the causal decayed q·x matrix) and X_d = x ⊙ P_L/P_s;
+2. the only sequential part, over the T/L blocks: W_n = U_n − X_n M_nᵀ and M_{n+1} = M_n Diag(P_L) + W_nᵀ X_d
+   (two matmuls each; the same as M_n Φ_n + Δ_n with Φ = Diag(P_L) − Xᵀ X_d, Δ = Uᵀ X_d, in fewer operations);
+3. all reads in two batched products: y = (P ⊙ q) M_nᵀ + K_q W_n.
 
 Nothing of size T × d_v × d_k is formed (the block-start states are T/L × d_v × d_k). Scalar decay ratios are
 exp(log P_t − log P_s), never divisions; channel-wise decay uses the factorised x ⊙ P and x / P inside a
@@ -36,7 +36,7 @@ import torch
 
 from atlaslab.engines.compiled import maybe_compiled
 from atlaslab.engines.recurrent import _bh
-from atlaslab.kernels.utils import solve_unit_lower
+from atlaslab.kernels.utils import unit_lower_inverse
 from atlaslab.memory.state import Gates, MemoryState, keep_history, with_history
 
 if TYPE_CHECKING:
@@ -57,7 +57,10 @@ def supports(parts: "MemoryParts", chunk_size: int) -> bool:
 
 def _slots(x_ext: torch.Tensor, h: int, T: int, c: int) -> torch.Tensor:
     """Window slots of every token: ``x_ext [B, H, h+T, ...]`` → ``[B, H, T, c, ...]``, slot (t, j) = ext index
-    h + t − c + 1 + j (slots before the sequence hold ext index 0; their coefficient is zeroed by the caller)."""
+    h + t − c + 1 + j (slots before the sequence hold ext index 0; their coefficient is zeroed by the caller).
+    With c = 1 the slots are the tokens themselves: a view, no gather (and no scatter in the backward)."""
+    if c == 1:
+        return (x_ext if h == 0 else x_ext[:, :, h:]).unsqueeze(3)
     idx = torch.arange(T, device=x_ext.device).unsqueeze(1) + (h - c + 1) + torch.arange(c, device=x_ext.device)
     return x_ext[:, :, idx.clamp_min(0)]
 
@@ -93,9 +96,11 @@ def block_operators(x, v, coef, q, log_a, is_l2: bool, before: bool, read_token:
 
     Shapes (N blocks of L tokens, c window slots): ``x [B,H,N,L,c,K]``, ``v [B,H,N,L,c,V]``,
     ``coef [B,H,N,L,c]`` (η_t γ_j, zero on empty slots), ``q [B,H,N,L,K]``, ``log_a`` None, ``[B,H,N,L]`` or
-    ``[B,H,N,L,K]`` (channel-wise). Returns ``(Y_u [B,H,N,L,V], Q_eff [B,H,N,L,K], Φ [B,H,N,K,K] or the
-    diagonal [B,H,N,K] when the bias is the dot product, Δ [B,H,N,V,K])`` so that for a block with start
-    memory M_0: y = Y_u + Q_eff M_0ᵀ and M_L = M_0 Φ + Δ.
+    ``[B,H,N,L,K]`` (channel-wise). Returns, for the ℓ2 bias, ``(K_q [B,H,N,L,Lc], P ⊙ q [B,H,N,L,K],
+    U [B,H,N,Lc,V], X [B,H,N,Lc,K], X_d [B,H,N,Lc,K], P_L [B,H,N,K])``, so that a block with start memory M_0 has
+    pseudo-values W = U − X M_0ᵀ, reads y = (P ⊙ q) M_0ᵀ + K_q W and end state M_L = M_0 Diag(P_L) + Wᵀ X_d; for
+    the dot product ``(Y_u [B,H,N,L,V], Q_eff [B,H,N,L,K], P_L [B,H,N,K], Δ [B,H,N,V,K])`` with
+    y = Y_u + Q_eff M_0ᵀ and M_L = M_0 Diag(P_L) + Δ.
     """
     B, H, N, L, c, K = x.shape
     channel = log_a is not None and log_a.dim() == 5
@@ -117,7 +122,6 @@ def block_operators(x, v, coef, q, log_a, is_l2: bool, before: bool, read_token:
         x_d = x_over_P * logP_L.exp().unsqueeze(3)                             # x ⊙ P_L / P_s
         diag_L = logP_L.exp()                                                  # [B,H,N,K]
     else:
-        xG = x * logG.exp()[..., None, None]
         q_eff = q * lp.exp().unsqueeze(-1)
         x_d = (x * (logP_L.unsqueeze(-1) - logP).exp()[..., None, None]).reshape(*flat, K)
         diag_L = logP_L.exp().unsqueeze(-1).expand(B, H, N, K)
@@ -127,9 +131,10 @@ def block_operators(x, v, coef, q, log_a, is_l2: bool, before: bool, read_token:
     if not channel:
         read_ratio = _ratio(lp, logP, 0 if read_token else -1, decays)
     if is_l2:
-        V = v.shape[-1]
-        cxG = coef.unsqueeze(-1) * xG                                          # η_t γ_j G_t ⊙ x_{t,j}
-        rhs = torch.cat([rhs_v, cxG], -1).reshape(*flat, V + K)
+        if channel:
+            cxG = coef.unsqueeze(-1) * xG                                      # η_t γ_j G_t ⊙ x_{t,j}
+        else:   # the scalars η_t γ_j G_t first: one product over the keys, not two
+            cxG = (coef * logG.exp().unsqueeze(-1)).unsqueeze(-1) * x
         if channel:
             A = cxG.reshape(*flat, K) @ x_over_P.mT
         elif c == 1:
@@ -137,7 +142,7 @@ def block_operators(x, v, coef, q, log_a, is_l2: bool, before: bool, read_token:
             # or the diagonal is ignored (the solve is unit-triangular: only the strict lower part is read)
             same = logG is lp
             ratio = read_ratio if same else _ratio(logG, logP, -1, decays)
-            A = ((coef.unsqueeze(-1) * x).reshape(*flat, K) @ xf.mT) * ratio
+            A = (xf @ xf.mT) * (coef.reshape(flat).unsqueeze(-1) * ratio)     # η_t x_t·x_s G_t / P_s
         else:
             ratio = _ratio(logG, logP, -1, decays)                             # G_t / P_s, s < t
             A = ((coef.unsqueeze(-1) * x).reshape(*flat, K) @ xf.mT).reshape(B, H, N, L, c, L, c)
@@ -146,10 +151,10 @@ def block_operators(x, v, coef, q, log_a, is_l2: bool, before: bool, read_token:
             strict = torch.ones(L, L, dtype=torch.bool, device=x.device).tril(-1)
             A = A.reshape(B, H, N, L, c, L, c) * strict[:, None, :, None]
             A = A.reshape(*flat, L * c)
-        sol = solve_unit_lower(A, rhs)                                        # [U | X]: w = U − X M_0ᵀ
-    else:
-        sol = None
-
+        # the UT transform: one inverse of the unit lower-triangular system, then two products (cheaper than a
+        # solve against the V + K right-hand columns, forward and backward, once V + K exceeds the L·c unknowns)
+        inverse = unit_lower_inverse(A)                                        # [B,H,N,Lc,Lc]
+        U, X = inverse @ rhs_v.reshape(*flat, -1), inverse @ cxG.reshape(*flat, K)   # w = U − X M_0ᵀ
     if channel:
         read_mask = torch.ones(L, L, dtype=torch.bool, device=x.device).tril(0 if read_token else -1)
         kq = (q_eff @ x_over_P.mT).reshape(B, H, N, L, L, c) * read_mask[..., None]
@@ -158,19 +163,15 @@ def block_operators(x, v, coef, q, log_a, is_l2: bool, before: bool, read_token:
     else:
         kq = (q @ xf.mT).reshape(B, H, N, L, L, c) * read_ratio.unsqueeze(-1)
     kq = kq.reshape(B, H, N, L, L * c)
-    if sol is None:   # dot product: w = η γ v does not depend on M_0, and Φ is the decay alone
+    if not is_l2:   # dot product: w = η γ v does not depend on M_0, and Φ is the decay alone
         U = rhs_v.reshape(*flat, -1)
         return kq @ U, q_eff, diag_L, U.mT @ x_d
-    V = v.shape[-1]
-    read = kq @ sol                                                            # [K_q U | K_q X]
-    moved = sol.mT @ x_d                                                       # [Uᵀ X_d ; Xᵀ X_d]
-    phi = torch.diag_embed(diag_L) - moved[..., V:, :]                         # [B,H,N,K,K]
-    return read[..., :V], q_eff - read[..., V:], phi, moved[..., :V, :]
+    return kq, q_eff, U, X, x_d, diag_L
 
 
 def chain_blocks(M0: torch.Tensor, phi: torch.Tensor, delta: torch.Tensor):
     """M_{n+1} = M_n Φ_n + Δ_n (Φ full ``[B,H,N,K,K]`` or diagonal ``[B,H,N,K]``) → (block-start states
-    ``[B,H,N,V,K]``, final state ``[B,H,V,K]``). The only sequential part of the engine."""
+    ``[B,H,N,V,K]``, final state ``[B,H,V,K]``). The only sequential part of the dot-product rules."""
     starts, M = [], M0
     for phi_n, delta_n in zip(phi.unbind(2), delta.unbind(2)):   # unbind: one gradient buffer, not N
         starts.append(M)
@@ -178,13 +179,35 @@ def chain_blocks(M0: torch.Tensor, phi: torch.Tensor, delta: torch.Tensor):
     return torch.stack(starts, 2), M
 
 
+def chain_delta_blocks(M0: torch.Tensor, U: torch.Tensor, X: torch.Tensor, x_d: torch.Tensor, decay: torch.Tensor):
+    """The ℓ2 rules' block chain: from ``M0 [B,H,V,K]``, per block n the pseudo-values W_n = U_n − X_n M_nᵀ
+    ``[B,H,Lc,V]`` and M_{n+1} = M_n Diag(P_L) + W_nᵀ X_d (``U [B,H,N,Lc,V]``, ``X, x_d [B,H,N,Lc,K]``, ``decay``
+    = P_L ``[B,H,N,K]``) → (block-start states ``[B,H,N,V,K]``, W ``[B,H,N,Lc,V]``, final state). Equal to
+    M_0 Φ + Δ with Φ = Diag(P_L) − Xᵀ X_d, Δ = Uᵀ X_d, in 2·Lc·K·V multiply-adds a block instead of K²·V + the
+    K²·Lc and Lc·K·V that forming Φ and Δ costs: fewer whenever K ≥ Lc / 2."""
+    starts, pseudo, M = [], [], M0
+    for U_n, X_n, xd_n, a_n in zip(U.unbind(2), X.unbind(2), x_d.unbind(2), decay.unbind(2)):
+        starts.append(M)
+        W_n = U_n - X_n @ M.mT
+        pseudo.append(W_n)
+        M = torch.addcmul(W_n.mT @ xd_n, M, a_n.unsqueeze(-2))
+    return torch.stack(starts, 2), torch.stack(pseudo, 2), M
+
+
 def block_forms(x, v, coef, q, log_a, M0: torch.Tensor, is_l2: bool, before: bool, read_token: bool, T: int):
     """All of a call's block work: :func:`block_operators`, the block chain from ``M0 [B,H,V,K]`` and the reads
     (shapes as :func:`block_operators`) → (y ``[B,H,T,V]``, final state ``[B,H,V,K]``); the unit that
-    ``compile: true`` compiles."""
-    y_u, q_eff, phi, delta = block_operators(x, v, coef, q, log_a, is_l2, before, read_token)
-    starts, M = chain_blocks(M0, phi, delta)
-    return (y_u + q_eff @ starts.mT).flatten(2, 3)[:, :, :T], M                # [B,H,T,V]
+    ``compile: true`` compiles. Reads: y = P ⊙ q M_nᵀ + K_q W_n (ℓ2) or Y_u + Q_eff M_nᵀ (dot product)."""
+    ops = block_operators(x, v, coef, q, log_a, is_l2, before, read_token)
+    if is_l2:
+        kq, q_eff, U, X, x_d, decay = ops
+        starts, W, M = chain_delta_blocks(M0, U, X, x_d, decay)
+        y = q_eff @ starts.mT + kq @ W
+    else:
+        y_u, q_eff, decay, delta = ops
+        starts, M = chain_blocks(M0, decay, delta)
+        y = y_u + q_eff @ starts.mT
+    return y.flatten(2, 3)[:, :, :T], M                                        # [B,H,T,V]
 
 
 def memorize_linear_delta(q, k, v, parts: "MemoryParts", gates: Gates, state: MemoryState, block_size: int,
@@ -204,8 +227,10 @@ def memorize_linear_delta(q, k, v, parts: "MemoryParts", gates: Gates, state: Me
     k_ext, v_ext, g_ext, d_ext = with_history(state, k, v, gates)
     x = _slots(_bh(fm(k_ext)), h, T, c)                                    # [B,H,T,c,K]
     vs = _slots(_bh(v_ext), h, T, c)
-    valid = (torch.arange(T, device=q.device).unsqueeze(1) + (h - c + 1) + torch.arange(c, device=q.device)) >= 0
-    coef = _bh(gates.lr).unsqueeze(-1) * _slots(_bh(g_ext), h, T, c) * valid
+    coef = _bh(gates.lr).unsqueeze(-1) * _slots(_bh(g_ext), h, T, c)
+    if c > 1:   # slots before the sequence's (and the history's) start
+        coef = coef * ((torch.arange(T, device=q.device).unsqueeze(1) + (h - c + 1)
+                        + torch.arange(c, device=q.device)) >= 0)
     log_a = None
     if gates.retention is not None and ret.uses_alpha:
         a = _bh(gates.retention)

@@ -139,6 +139,13 @@ def solve_unit_lower(A: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
     return torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
 
 
+def unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
+    """(I + strict_lower(A))⁻¹ ``[..., n, n]`` (A's diagonal and upper part are not read), in A's dtype (half
+    precision solved in fp32, as :func:`solve_unit_lower`)."""
+    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device).expand_as(A)
+    return solve_unit_lower(A, eye)
+
+
 # ------------------------------------------------------------------------------------------ gates
 
 def log_gate(x: torch.Tensor) -> torch.Tensor:
