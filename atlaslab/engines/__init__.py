@@ -5,7 +5,7 @@ chunk-parallel torch engine and Triton kernels plug into :data:`MODES` and must 
 """
 from __future__ import annotations
 
-from typing import Any, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -33,7 +33,7 @@ def memorize(
     mode: str = "recurrent",
     chunk_size: Optional[int] = None,
     initial_state: Optional[MemoryState] = None,
-    block_size: int = 64,
+    block_size: Optional[int] = None,
     checkpoint: bool = False,
     cu_seqlens: Optional[CuSeqlens] = None,
     compile: bool = False,
@@ -55,7 +55,9 @@ def memorize(
             are taken at the chunk-start state; b = 1 is exact online learning.
         initial_state: a previous call's state to continue from (default: the learned initial memory).
         block_size: the engine's compute block for the online (b = 1) linear rules in ``chunked`` mode (how
-            many tokens are processed in parallel; it does not change the result, unlike ``chunk_size``).
+            many tokens are processed in parallel; it does not change the result beyond rounding, unlike
+            ``chunk_size``). Default: the engine's own (``chunked``: 32 for the linear rules' blocks, measured
+            fastest on CPU in ``bench/cost_space.py``; ``triton``: 64).
         checkpoint: ``chunked`` only: recompute each chunk in the backward pass instead of storing its
             activations (memory ∝ number of chunks × state size, for long sequences).
         cu_seqlens: packed variable-length sequences (:mod:`.packed`, fla's convention): inputs ``[1, ΣT_i, …]``
@@ -87,7 +89,9 @@ def memorize(
     b = parts.chunk_size if chunk_size is None else int(chunk_size)
     if b < 1:
         raise ValueError(f"memorize: chunk_size must be ≥ 1, got {b}")
-    options = {"block_size": block_size, "checkpoint": checkpoint}
+    options: Dict[str, Any] = {"checkpoint": checkpoint}
+    if block_size is not None:
+        options["block_size"] = int(block_size)
     if compile:
         if mode != "chunked" or checkpoint:
             raise ValueError(f"memorize: compile=True runs the chunked engine without checkpoint; got mode '{mode}'"

@@ -506,7 +506,7 @@ def _run_piece(parts, state: MemoryState, piece, b: int):
 
 
 def memorize_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parts: "MemoryParts", gates: Gates,
-                     chunk_size: int, state: MemoryState, block_size: int = 64, checkpoint: bool = False,
+                     chunk_size: int, state: MemoryState, block_size: Optional[int] = None, checkpoint: bool = False,
                      dual_step=None, compile: bool = False):
     """Chunk-parallel engine. ``q, k: [B, T, H, D_k]``, ``v: [B, T, H, D_v]`` → ``([B, T, H, D_v], state)``.
 
@@ -517,9 +517,10 @@ def memorize_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parts: "
     ``torch.compile`` (:mod:`atlaslab.engines.compiled`); the other paths stay eager.
     """
     if linear_delta.supports(parts, chunk_size):
-        return linear_delta.memorize_linear_delta(q, k, v, parts, gates, state, block_size, compile)
+        return linear_delta.memorize_linear_delta(q, k, v, parts, gates, state, block_size or linear_delta.BLOCK,
+                                                  compile)
     if parts.kernel_trick:   # the φ* slot memory: attention-like, one dual-form piece per chunk
-        return memorize_slot_memory(q, k, v, parts, gates, chunk_size, state, block_size)
+        return memorize_slot_memory(q, k, v, parts, gates, chunk_size, state, block_size or 64)
     state = dataclasses.replace(state)
     b, T = chunk_size, q.shape[1]
     sizes, pos = [], state.position

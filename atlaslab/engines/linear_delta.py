@@ -43,6 +43,9 @@ if TYPE_CHECKING:
     from atlaslab.memory.spec import MemoryParts
 
 
+#: default block (tokens solved in parallel): 32 ran the preset steps and fla's shapes fastest on CPU
+#: (``bench/cost_space.py``; at D_k = 128 the L³ inverse and L² products of 64 cost more than the chain saves)
+BLOCK = 32
 #: longest block for channel-wise decay: 1 / Π α over 16 steps stays inside float32 range for α ≥ 0.005
 CHANNEL_BLOCK = 16
 
