@@ -2,6 +2,7 @@
 
     python bench/discovery_verdict.py                    # → experiments/discovery_verdict.yaml
     python bench/discovery_verdict.py --early-stopping   # → experiments/discovery_early_stopping.yaml
+    python bench/discovery_verdict.py --layouts          # → experiments/discovery_layouts_verdict.yaml
 
 The discovery study has three runs (docs/results/discovery.md):
 
@@ -70,6 +71,16 @@ def tuned_presets(presets: Path) -> List[Tuple[str, Dict[str, Any]]]:
     return list(best.items())
 
 
+def held_out_experiment(base: Dict[str, Any], keys: Tuple[str, ...], name: str, description: str,
+                        seeds: List[int], variants: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    """A verdict experiment: ``base``'s sections ``keys``, a grid of ``variants`` (the first is the baseline), the
+    held-out ``seeds``."""
+    exp = {k: base[k] for k in keys if k in base}
+    exp.update({"name": name, "description": description, "seeds": list(seeds),
+                "grid": {"variants": variants, "baseline": next(iter(variants))}})
+    return exp
+
+
 def verdict_experiment(search: Path, presets: Path) -> Dict[str, Any]:
     """The verdict experiment: the search's base settings, the winner and the tuned presets, held-out seeds."""
     base = yaml.safe_load((search / "experiment.yaml").read_text())
@@ -82,17 +93,12 @@ def verdict_experiment(search: Path, presets: Path) -> Dict[str, Any]:
         v.update({k: val for k, val in t["params"].items() if k.startswith("model.")})
         v["train.lr"] = t["protocol"].get("lr", float(tuning["train"]["lr"]))
         variants[row] = v
-    exp = {k: base[k] for k in ("model", "task", "eval", "train", "metric", "mode", "max_concurrent", "max_failures",
-                                "resources", "report") if k in base}
-    exp.update({
-        "name": "discovery_verdict",
-        "description": (f"The discovery search's winner ({win['key']}, chosen on seed 0 by val/accuracy) and the "
-                        f"presets at their best learning rate on seed 0, each at the size the state budget chose, "
-                        f"retrained on the held-out seeds {VERDICT_SEEDS}."),
-        "seeds": list(VERDICT_SEEDS),
-        "grid": {"variants": variants, "baseline": next(iter(variants))},
-    })
-    return exp
+    return held_out_experiment(
+        base, ("model", "task", "eval", "train", "metric", "mode", "max_concurrent", "max_failures", "resources",
+               "report"), "discovery_verdict",
+        (f"The discovery search's winner ({win['key']}, chosen on seed 0 by val/accuracy) and the presets at their "
+         f"best learning rate on seed 0, each at the size the state budget chose, retrained on the held-out seeds "
+         f"{VERDICT_SEEDS}."), VERDICT_SEEDS, variants)
 
 
 def early_stopping_experiment(search: Path) -> Dict[str, Any]:
@@ -229,6 +235,44 @@ def suite_verdict_experiment(search: Path, presets: Path, name: str = "discovery
     return exp
 
 
+#: the layer-pattern study (experiments/discovery_layouts.yaml): its committed grid, its verdict's name and held-out
+#: seeds (fixed in the study's file before it ran), and the rows that are the presets themselves
+LAYOUTS = ("layouts", "discovery_layouts_verdict", [50, 51, 52])
+LAYOUT_PRESETS = ("DeltaNet", "Gated DeltaNet")
+
+
+def layouts_verdict_experiment(grid: Path, name: str = LAYOUTS[1], seeds: List[int] = LAYOUTS[2]) -> Dict[str, Any]:
+    """The layer-pattern verdict: the hybrid layout with the best seed-0 score (the mean of the settings'
+    validation accuracy) at its best learning rate, and each preset layout at its own best learning rate, from the
+    same grid (equal tuning effort), retrained on the held-out ``seeds``."""
+    base = yaml.safe_load((grid / "experiment.yaml").read_text())
+    tuned = suite_tuned_presets(grid)
+    hybrids = [t for t in tuned if t[0] not in LAYOUT_PRESETS]
+    if not hybrids or {t[0] for t in tuned} < set(LAYOUT_PRESETS):
+        raise SystemExit(f"{grid}: the grid lacks a finished hybrid or preset layout: {[t[0] for t in tuned]}")
+    row, lr, sc = max(hybrids, key=lambda t: t[2])
+    variants: Dict[str, Dict[str, Any]] = {f"found ({row})": {**base["grid"]["variants"][row], "train.lr": lr}}
+    for preset in LAYOUT_PRESETS:
+        p_lr = next(t[1] for t in tuned if t[0] == preset)
+        variants[preset] = {**base["grid"]["variants"][preset], "train.lr": p_lr}
+    return held_out_experiment(
+        base, ("model", "tasks", "eval", "train", "budget", "metric", "mode", "max_concurrent", "max_failures",
+               "resources", "report"), name,
+        (f"The layer-pattern study's best hybrid ({row}, lr {lr:g}, score {sc:.3f} on {_seeds_text(base)}) and "
+         f"DeltaNet and Gated DeltaNet at their best learning rates in the same grid, retrained on the held-out "
+         f"seeds {list(seeds)}."), seeds, variants)
+
+
+LAYOUTS_HEADER = """\
+# Written by `python bench/discovery_verdict.py --layouts` from the committed data of the layer-pattern study
+# (docs/results/discovery/layouts/data); do not edit by hand. The best hybrid layout and both presets, each at its
+# best seed-0 learning rate in the same grid, retrained on the held-out seeds 50, 51, 52 (fixed in
+# experiments/discovery_layouts.yaml before it ran).
+#
+#   atlaslab run experiments/discovery_layouts_verdict.yaml
+"""
+
+
 HEADER = """\
 # Written by `python bench/discovery_verdict.py` from the committed data of the discovery search
 # (docs/results/discovery/search/data) and of the presets' learning-rate tuning (docs/results/discovery/presets/data);
@@ -273,7 +317,16 @@ def main() -> None:
                     "out experiments/<its verdict name>.yaml")
     ap.add_argument("--early-stopping", action="store_true",
                     help="write the early-stopping check (the search's stopped trials at the full budget)")
+    ap.add_argument("--layouts", action="store_true",
+                    help="write the layer-pattern study's verdict (experiments/discovery_layouts_verdict.yaml)")
     args = ap.parse_args()
+    if args.layouts:
+        folder, name, seeds = LAYOUTS
+        out = Path(args.out or ROOT / "experiments" / f"{name}.yaml")
+        exp = layouts_verdict_experiment(DATA / folder / "data", name, seeds)
+        out.write_text(LAYOUTS_HEADER + yaml.safe_dump(exp, sort_keys=False, width=120, allow_unicode=True))
+        print(f"wrote {out}: {', '.join(exp['grid']['variants'])}")
+        return
     if args.early_stopping:
         out = Path(args.out or ROOT / "experiments" / "discovery_early_stopping.yaml")
         exp = early_stopping_experiment(Path(args.search))

@@ -476,7 +476,7 @@ def suite_asha() -> str:
             f"finished every setting, so the sampler was told {len(scored)} scores.")
 
 
-def suite_presets(run: str = "suite_presets") -> str:
+def suite_presets(run: str = "suite_presets", label: str = "preset") -> str:
     """Every preset at every learning rate on the three settings (each setting's value the mean over the run's
     seeds), the score as the search computes it; the lr with the best score in bold (the one a verdict would
     retrain)."""
@@ -502,7 +502,7 @@ def suite_presets(run: str = "suite_presets") -> str:
     for (variant, lr), sc in scores.items():
         if sc is not None and (variant not in best or sc > scores[best[variant]]):
             best[variant] = (variant, lr)
-    head = ["preset", "lr"] + settings + ["score", "state", "status"]
+    head = [label, "lr"] + settings + ["score", "state", "status"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (variant, lr), by in groups.items():
         chosen = best.get(variant) == (variant, lr)
@@ -649,6 +649,10 @@ TABLES["discovery-suite4-control"] = functools.partial(suite_scores, "suite_seed
 #: across the four multi-task searches: the candidates whose score reached 0.9 within the budget
 TABLES["discovery-learners"] = learners
 FIGURE4 = DATA / "suite_seeds_pareto.png"
+#: the layer-pattern study (experiments/discovery_layouts.yaml): every layout at every learning rate on seed 0, and
+#: its verdict on the held-out seeds 50, 51, 52 (experiments/discovery_layouts_verdict.yaml)
+TABLES["discovery-layouts-tuning"] = functools.partial(suite_presets, "layouts", "layout")
+TABLES["discovery-layouts-verdict"] = functools.partial(suite_verdict, "layouts_verdict")
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--plots"]:

@@ -141,3 +141,42 @@ def test_the_control_rows_are_the_verdicts_found_model_run_for_run():
     assert len(cells) == 3 and all(len(c) == 9 for c in cells.values())
     first = next(iter(cells.values()))
     assert all(c == first for c in cells.values())
+
+
+def test_the_layouts_study_uses_the_deltanet_layer_the_control_verified():
+    """experiments/discovery_layouts.yaml defines DeltaNet's layer exactly as the two-seed study did, whose control
+    run showed that layer to be the DeltaNet preset run for run (the test above)."""
+    from omegaconf import OmegaConf
+
+    def deltanet_layer(name):
+        node = OmegaConf.to_container(OmegaConf.load(ROOT / "experiments" / name))
+        return node["model"]["overrides"]["mixers.deltanet"]
+
+    assert deltanet_layer("discovery_layouts.yaml") == deltanet_layer("discovery_suite_seeds.yaml")
+
+
+def test_the_layouts_verdict_takes_the_best_hybrid_and_each_presets_own_learning_rate(tmp_path):
+    import csv
+    import json
+    import shutil
+    b = _bench()
+    shutil.copy(ROOT / "experiments" / "discovery_layouts.yaml", tmp_path / "experiment.yaml")
+    settings = ("mqar", "in_context_recall", "selective_copying")
+    score = {("DeltaNet", 0.01): 0.8, ("DeltaNet", 0.03): 0.7, ("Gated DeltaNet", 0.002): 0.6,
+             ("Gated DeltaNet", 0.01): 0.5, ("DeltaNet, then Gated DeltaNet", 0.006): 0.9,
+             ("DeltaNet, then Gated DeltaNet", 0.01): 0.4, ("Gated DeltaNet, then DeltaNet", 0.017): 0.85}
+    rows = [{"key": f"t{i}{j}", "setting": s, "row": f"{s} · {row}", "seed": "0", "protocol": json.dumps({"lr": lr}),
+             "status": "completed", "params": "{}", "val/accuracy": sc}
+            for i, ((row, lr), sc) in enumerate(score.items()) for j, s in enumerate(settings)]
+    with open(tmp_path / "trials.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    exp = b.layouts_verdict_experiment(tmp_path)
+    variants = exp["grid"]["variants"]
+    assert list(variants) == ["found (DeltaNet, then Gated DeltaNet)", "DeltaNet", "Gated DeltaNet"]
+    assert variants["found (DeltaNet, then Gated DeltaNet)"] == {"model.layers": ["deltanet", "gated_deltanet"],
+                                                                 "train.lr": 0.006}
+    assert variants["DeltaNet"]["train.lr"] == 0.01 and variants["Gated DeltaNet"]["train.lr"] == 0.002
+    assert exp["seeds"] == [50, 51, 52] and exp["grid"]["baseline"] == "found (DeltaNet, then Gated DeltaNet)"
+    assert "grid" in exp and "protocol" not in exp
