@@ -653,6 +653,8 @@ FIGURE4 = DATA / "suite_seeds_pareto.png"
 #: its verdict on the held-out seeds 50, 51, 52 (experiments/discovery_layouts_verdict.yaml)
 TABLES["discovery-layouts-tuning"] = functools.partial(suite_presets, "layouts", "layout")
 TABLES["discovery-layouts-verdict"] = functools.partial(suite_verdict, "layouts_verdict")
+#: the check after that verdict (experiments/discovery_layouts_robustness.yaml): the stack and DeltaNet on seeds 60-65
+TABLES["discovery-layouts-robustness"] = functools.partial(suite_scores, "layouts_robustness")
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--plots"]:
