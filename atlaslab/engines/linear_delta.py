@@ -187,7 +187,8 @@ def chain_delta_blocks(M0: torch.Tensor, U: torch.Tensor, X: torch.Tensor, x_d: 
     ``[B,H,Lc,V]`` and M_{n+1} = M_n Diag(P_L) + W_nᵀ X_d (``U [B,H,N,Lc,V]``, ``X, x_d [B,H,N,Lc,K]``, ``decay``
     = P_L ``[B,H,N,K]``) → (block-start states ``[B,H,N,V,K]``, W ``[B,H,N,Lc,V]``, final state). Equal to
     M_0 Φ + Δ with Φ = Diag(P_L) − Xᵀ X_d, Δ = Uᵀ X_d, in 2·Lc·K·V multiply-adds a block instead of K²·V + the
-    K²·Lc and Lc·K·V that forming Φ and Δ costs: fewer whenever K ≥ Lc / 2."""
+    K²·Lc and Lc·K·V that forming Φ and Δ costs: fewer whenever K ≥ Lc·V / (Lc + V), so always when K = V (and the
+    reads then skip K_q X, another L·Lc·K)."""
     starts, pseudo, M = [], [], M0
     for U_n, X_n, xd_n, a_n in zip(U.unbind(2), X.unbind(2), x_d.unbind(2), decay.unbind(2)):
         starts.append(M)
