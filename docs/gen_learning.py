@@ -44,6 +44,11 @@ HELDOUT = [
      "python bench/learning.py --presets titans --refs titans_neural_memory --titans-option "
      "store_with_lookahead_value=true --seeds 3,4,5 --parallel 2 --out bench/results/learning_heldout_titans_cpu "
      "(the option chosen on tuning seed 0: bench/results/learning_titans_probe_lookahead_cpu)", (3, 4, 5)),
+    ("titans", "learning_heldout2_titans_cpu.json",
+     "python bench/learning.py --presets titans --refs titans_neural_memory --titans-option "
+     "store_with_lookahead_value=true --seeds 6,7,8 --steps 1200 --parallel 2 --timeout 7200 "
+     "--out bench/results/learning_heldout2_titans_cpu (seeds and the 1,200-step budget fixed before the run: "
+     "seeds 3-5 showed the reference learning late)", (6, 7, 8)),
 ]
 
 #: the softmax reference's position probes on the tuning seeds: (positions, results file)
