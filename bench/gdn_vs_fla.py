@@ -32,7 +32,7 @@ LENGTHS = (512, 2048, 8192)
 GOAL = 2.0
 #: fla's chunk sizes timed at every shape; its faster one is the comparison's (fla's own default is 64)
 FLA_CHUNKS = (64, 32)
-#: ours at the chunked engine's default block (atlaslab.engines.linear_delta.BLOCK)
+#: ours at the chunked engine's default block at these head dims (atlaslab.engines.linear_delta.default_block: 32 for D ≥ 32)
 BLOCK = 32
 
 

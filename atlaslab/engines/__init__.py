@@ -56,8 +56,8 @@ def memorize(
         initial_state: a previous call's state to continue from (default: the learned initial memory).
         block_size: the engine's compute block for the online (b = 1) linear rules in ``chunked`` mode (how
             many tokens are processed in parallel; it does not change the result beyond rounding, unlike
-            ``chunk_size``). Default: the engine's own (``chunked``: 32 for the linear rules' blocks, measured
-            fastest on CPU in ``bench/cost_space.py``; ``triton``: 64).
+            ``chunk_size``). Default: the engine's own (``chunked``: the key dimension within [16, 32] for the linear
+            rules' blocks, measured in ``bench/block_size.py``; ``triton``: 64).
         checkpoint: ``chunked`` only: recompute each chunk in the backward pass instead of storing its
             activations (memory ∝ number of chunks × state size, for long sequences).
         cu_seqlens: packed variable-length sequences (:mod:`.packed`, fla's convention): inputs ``[1, ΣT_i, …]``

@@ -43,9 +43,17 @@ if TYPE_CHECKING:
     from atlaslab.memory.spec import MemoryParts
 
 
-#: default block (tokens solved in parallel): 32 ran the preset steps and fla's shapes fastest on CPU
-#: (``bench/cost_space.py``; at D_k = 128 the L³ inverse and L² products of 64 cost more than the chain saves)
-BLOCK = 32
+#: the default block (tokens solved in parallel) is the key dimension, kept within [BLOCK_MIN, BLOCK_MAX]: chosen
+#: from ``bench/block_size.py`` (memory calls at D_k 32-128, preset training steps at D_k 16; the results file gives
+#: each shape's fastest block and the default's time over it)
+BLOCK_MIN, BLOCK_MAX = 16, 32
+
+
+def default_block(key_dim: int) -> int:
+    """The block :func:`memorize_linear_delta` uses when none is given: ``key_dim`` clamped to [16, 32]."""
+    return min(BLOCK_MAX, max(BLOCK_MIN, key_dim))
+
+
 #: longest block for channel-wise decay: 1 / Π α over 16 steps stays inside float32 range for α ≥ 0.005
 CHANNEL_BLOCK = 16
 
@@ -214,22 +222,23 @@ def block_forms(x, v, coef, q, log_a, M0: torch.Tensor, is_l2: bool, before: boo
     return y.flatten(2, 3)[:, :, :T], M                                        # [B,H,T,V]
 
 
-def memorize_linear_delta(q, k, v, parts: "MemoryParts", gates: Gates, state: MemoryState, block_size: int,
-                          compile: bool = False):
-    """Online linear rules over ``q, k: [B, T, H, D_k]``, ``v: [B, T, H, D_v]`` in blocks of ``block_size``;
-    ``compile`` runs :func:`block_forms` through ``torch.compile`` (:mod:`atlaslab.engines.compiled`)."""
+def memorize_linear_delta(q, k, v, parts: "MemoryParts", gates: Gates, state: MemoryState,
+                          block_size: Optional[int] = None, compile: bool = False):
+    """Online linear rules over ``q, k: [B, T, H, D_k]``, ``v: [B, T, H, D_v]`` in blocks of ``block_size``
+    (default :func:`default_block` of the feature dimension); ``compile`` runs :func:`block_forms` through
+    ``torch.compile`` (:mod:`atlaslab.engines.compiled`)."""
     state = dataclasses.replace(state)
     spec = parts.spec
     ret = parts.retention
     c, fm = parts.window.size, parts.feature_map
     T = q.shape[1]
-    L = max(1, min(block_size, T))
-    if ret.channel_wise and gates.retention is not None:
-        L = min(L, CHANNEL_BLOCK)   # x / P_s is formed per channel: short blocks keep it finite
-    N = -(-T // L)
     h = state.hist_k.shape[1]
     k_ext, v_ext, g_ext, d_ext = with_history(state, k, v, gates)
     x = _slots(_bh(fm(k_ext)), h, T, c)                                    # [B,H,T,c,K]
+    L = max(1, min(block_size or default_block(x.shape[-1]), T))
+    if ret.channel_wise and gates.retention is not None:
+        L = min(L, CHANNEL_BLOCK)   # x / P_s is formed per channel: short blocks keep it finite
+    N = -(-T // L)
     vs = _slots(_bh(v_ext), h, T, c)
     coef = _bh(gates.lr).unsqueeze(-1) * _slots(_bh(g_ext), h, T, c)
     if c > 1:   # slots before the sequence's (and the history's) start
