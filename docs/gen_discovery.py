@@ -655,6 +655,8 @@ TABLES["discovery-layouts-tuning"] = functools.partial(suite_presets, "layouts",
 TABLES["discovery-layouts-verdict"] = functools.partial(suite_verdict, "layouts_verdict")
 #: the check after that verdict (experiments/discovery_layouts_robustness.yaml): the stack and DeltaNet on seeds 60-65
 TABLES["discovery-layouts-robustness"] = functools.partial(suite_scores, "layouts_robustness")
+#: the pilot for the next study (experiments/discovery_steps_pilot.yaml): DeltaNet on MQAR at 300 and 1000 steps
+TABLES["discovery-steps-pilot"] = functools.partial(suite_scores, "steps_pilot")
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--plots"]:
