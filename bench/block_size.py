@@ -1,7 +1,7 @@
 """Which compute block the chunked engine's online linear rules (DeltaNet, Gated DeltaNet) should default to.
 
     python bench/block_size.py            # → bench/results/block_size_cpu.{json,md}
-    python bench/block_size.py --render   # the markdown again from the committed JSON
+    python bench/block_size.py --render   # the markdown again from the committed JSON (or bench/render_results.py)
 
 The block (``memorize(..., block_size=L)``, ``atlaslab.engines.linear_delta``) changes the result only by rounding;
 it trades the L² and L³ work inside a block against the number of sequential block-to-block steps. Measured in one

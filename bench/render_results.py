@@ -25,6 +25,7 @@ RESULTS = HERE / "results"
 RENDERERS = [
     ("learning_", "learning.py", "markdown"),
     ("atlas_cost_", "atlas_cost.py", "render"),
+    ("block_size_", "block_size.py", "render"),
     ("chunked_", "chunked.py", "render"),
     ("compile_sm", "compile_sm90.py", "render"),
     ("compiled_", "compiled.py", "render"),
