@@ -74,7 +74,6 @@ def measure(repeats: int = REPEATS) -> Dict[str, Any]:
             torch.manual_seed(0)
             model = build_model(load_preset(preset, ["vocab_size=128", "d_model=64", "num_layers=2"]))
             ids = torch.randint(0, 128, (batch, T + 1))
-
             key_dim = 64 // 4                                          # d_model 64, the presets' 4 heads
 
             def step(L, model=model, ids=ids):

@@ -32,31 +32,37 @@ LENGTHS = (512, 2048, 8192)
 GOAL = 2.0
 #: fla's chunk sizes timed at every shape; its faster one is the comparison's (fla's own default is 64)
 FLA_CHUNKS = (64, 32)
-#: ours at the chunked engine's default block at these head dims (atlaslab.engines.linear_delta.default_block: 32 for D ≥ 32)
-BLOCK = 32
 
 
 def measure(dims=DIMS, lengths=LENGTHS, timeout: float = 900.0) -> Dict[str, Any]:
     """Every (D, T) pair measured back to back: fla's chunk function, then ours; the load average beside them."""
     from chunked import run_case
     from peers import fla_timing
+    from atlaslab.engines.linear_delta import default_block
     rows: List[Dict[str, Any]] = []
     for D in dims:
         for T in lengths:
             flas = {c: fla_timing(B=2, T=T, H=4, D=D, chunk_size=c, timeout=timeout) for c in FLA_CHUNKS}
             ours = run_case(dict(kind="memory", spec="gated_deltanet", mode="chunked", B=2, T=T, H=4, D=D,
-                                 threads=1, block=BLOCK), timeout)
+                                 threads=1, block=default_block(D)), timeout)
             timed = {c: f["seconds"] for c, f in flas.items() if f.get("seconds")}
             best = min(timed, key=timed.get) if timed else FLA_CHUNKS[0]
             rows.append({"D": D, "T": T, "fla_seconds": timed.get(best), "fla_chunk": best,
                          "fla_by_chunk": {str(c): timed.get(c) for c in FLA_CHUNKS},
-                         "ours_seconds": ours.get("seconds"), "ours_block": BLOCK,
+                         "ours_seconds": ours.get("seconds"), "ours_block": default_block(D),
                          "fla_skipped": flas[best].get("skipped"), "ours_skipped": ours.get("skipped"),
                          "load_average": os.getloadavg()[0]})
             print(rows[-1], flush=True)
     return {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-            "command": "python bench/gdn_vs_fla.py", "B": 2, "H": 4, "fla_chunks": list(FLA_CHUNKS), "block": BLOCK,
+            "command": "python bench/gdn_vs_fla.py", "B": 2, "H": 4, "fla_chunks": list(FLA_CHUNKS),
+            "block": sorted({r["ours_block"] for r in rows}),
             "goal": GOAL, "rows": rows}
+
+
+def _blocks(block) -> str:
+    """The recorded default block(s): one number, or several across the shapes."""
+    blocks = block if isinstance(block, list) else [block]
+    return " / ".join(map(str, blocks))
 
 
 def render(res: Dict[str, Any]) -> str:
@@ -77,7 +83,7 @@ def render(res: Dict[str, Any]) -> str:
              f"B = {res['B']}, H = {res['H']}, process CPU seconds, best of 3 after a warm-up, each side in a fresh "
              "subprocess, the sides of a shape back to back. "
              + (f"fla timed at chunk {' and '.join(map(str, res['fla_chunks']))} and its faster one compared; ours at "
-                f"the engine's default block {res['block']}." if "fla_chunks" in res else
+                f"the engine's default block {_blocks(res['block'])}." if "fla_chunks" in res else
                 f"fla and ours at chunk {res.get('chunk')}."), "",
              "| D | T | fla `naive_chunk_gated_delta_rule` (s) | fla's chunk | ours, chunked (s) | fla / ours |",
              "|---|---|---|---|---|---|"]

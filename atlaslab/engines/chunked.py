@@ -519,7 +519,7 @@ def memorize_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parts: "
     if linear_delta.supports(parts, chunk_size):
         return linear_delta.memorize_linear_delta(q, k, v, parts, gates, state, block_size, compile)
     if parts.kernel_trick:   # the φ* slot memory: attention-like, one dual-form piece per chunk
-        return memorize_slot_memory(q, k, v, parts, gates, chunk_size, state, block_size or 64)
+        return memorize_slot_memory(q, k, v, parts, gates, chunk_size, state, block_size)
     state = dataclasses.replace(state)
     b, T = chunk_size, q.shape[1]
     sizes, pos = [], state.position

@@ -144,20 +144,18 @@ def block_operators(x, v, coef, q, log_a, is_l2: bool, before: bool, read_token:
     if is_l2:
         if channel:
             cxG = coef.unsqueeze(-1) * xG                                      # η_t γ_j G_t ⊙ x_{t,j}
+            A = cxG.reshape(*flat, K) @ x_over_P.mT
         else:   # the scalars η_t γ_j G_t first: one product over the keys, not two
             cxG = (coef * logG.exp().unsqueeze(-1)).unsqueeze(-1) * x
-        if channel:
-            A = cxG.reshape(*flat, K) @ x_over_P.mT
-        elif c == 1:
-            # the read's decay ratio doubles as the system's when G = the read's P and the read mask is strict
-            # or the diagonal is ignored (the solve is unit-triangular: only the strict lower part is read)
-            same = logG is lp
-            ratio = read_ratio if same else _ratio(logG, logP, -1, decays)
-            A = (xf @ xf.mT) * (coef.reshape(flat).unsqueeze(-1) * ratio)     # η_t x_t·x_s G_t / P_s
-        else:
-            ratio = _ratio(logG, logP, -1, decays)                             # G_t / P_s, s < t
-            A = ((coef.unsqueeze(-1) * x).reshape(*flat, K) @ xf.mT).reshape(B, H, N, L, c, L, c)
-            A = (A * ratio[:, :, :, :, None, :, None]).reshape(*flat, L * c)
+            if c == 1:
+                # the read's decay ratio doubles as the system's when G = the read's P and the read mask is strict
+                # or the diagonal is ignored (the solve is unit-triangular: only the strict lower part is read)
+                ratio = read_ratio if logG is lp else _ratio(logG, logP, -1, decays)
+                A = (xf @ xf.mT) * (coef.reshape(flat).unsqueeze(-1) * ratio)  # η_t x_t·x_s G_t / P_s
+            else:
+                ratio = _ratio(logG, logP, -1, decays)                         # G_t / P_s, s < t
+                A = ((coef.unsqueeze(-1) * x).reshape(*flat, K) @ xf.mT).reshape(B, H, N, L, c, L, c)
+                A = (A * ratio[:, :, :, :, None, :, None]).reshape(*flat, L * c)
         if channel and c > 1:   # zero the t = s blocks (slots of one token do not see each other)
             strict = torch.ones(L, L, dtype=torch.bool, device=x.device).tril(-1)
             A = A.reshape(B, H, N, L, c, L, c) * strict[:, None, :, None]

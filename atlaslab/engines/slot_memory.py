@@ -21,7 +21,7 @@ i.e. causal attention's O(T²) over a sequence, never a per-token copy of the ba
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -33,8 +33,12 @@ if TYPE_CHECKING:
     from atlaslab.memory.spec import MemoryParts
 
 
+#: pieces of at most this many tokens when none is given (dot bias, token read: pieces may span chunks)
+BLOCK = 64
+
+
 def memorize_slot_memory(q, k, v, parts: "MemoryParts", gates: Gates, chunk_size: int, state: MemoryState,
-                          block_size: int = 64):
+                          block_size: Optional[int] = None):
     """``q, k: [B, T, H, D]``, ``v: [B, T, H, D_v]`` → (``[B, T, H, D_v]``, state).
 
     Pieces end at training-chunk ends. With the dot-product bias and ``read: token`` nothing depends on the
@@ -42,6 +46,7 @@ def memorize_slot_memory(q, k, v, parts: "MemoryParts", gates: Gates, chunk_size
     last chunk boundary is kept as a cut, so that the state (anchor bank, running Π α) is the reference's.
     """
     state = dataclasses.replace(state)
+    block_size = block_size or BLOCK
     b, T, pos = chunk_size, q.shape[1], state.position
     if parts.attentional_bias.cfg.name == "dot" and parts.read == "token":
         last = max((t for t in range(T) if (pos + t) % b == 0), default=0)   # the last chunk start in the call

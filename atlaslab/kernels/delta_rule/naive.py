@@ -28,7 +28,7 @@ from typing import Optional, Tuple
 import torch
 
 from atlaslab.kernels.utils import (AFTER_STEP, BEFORE_STEP, log_decay, log_gate_grad, packed_sequences, per_sequence,
-                                   solve_unit_lower)
+                                   solve_unit_lower, unit_lower_inverse)
 
 def check_args(q, k, v, beta, alpha, initial_state, cu_seqlens) -> int:
     """Check the tensors' shapes; returns N, the number of sequences (``bias``, ``placement`` and ``read`` are not
@@ -260,7 +260,6 @@ def delta_rule_chunk_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     def stage(sl, S0):
         """Per-chunk quantities of the forward (stages 1-3) at chunk-start state S0."""
         qc, kc, vc, bc, la = qh[:, :, sl], kh[:, :, sl], vh[:, :, sl], bh[:, :, sl], la_all[:, :, sl]
-        n = qc.shape[2]
         g = la.cumsum(-1)
         G = g if placement == BEFORE_STEP else g - la
         gq = g if read == "token" else g - la
@@ -269,7 +268,7 @@ def delta_rule_chunk_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             E = causal_exp(G.unsqueeze(-1) - g.unsqueeze(-2), -1)
             kk = kc @ kc.transpose(-1, -2)
             A = bc.unsqueeze(-1) * kk * E
-            Ainv = solve_unit_lower(A, torch.eye(n, dtype=A.dtype, device=A.device).expand_as(A))
+            Ainv = unit_lower_inverse(A)
             kS = kc @ S0.transpose(-1, -2)
             r = bc.unsqueeze(-1) * (vc - G.exp().unsqueeze(-1) * kS)
             w = Ainv @ r
@@ -360,11 +359,9 @@ def _channel_wise_backward(qh, kh, vh, bh, doh, lah, S, dht, *, bias, placement,
         gq = g if read == "token" else g - la
         c = dict(qc=qc, kc=kc, vc=vc, bc=bc, g=g, G=G, gq=gq, Pm3=causal_exp3(gq, g, diag))
         if bias == "l2":
-            n = qc.shape[2]
             E3 = causal_exp3(G, g, -1)
             At = decayed_dot(kc, kc, E3)                       # A / β
-            eye = torch.eye(n, dtype=At.dtype, device=At.device)
-            Ainv = solve_unit_lower(bc.unsqueeze(-1) * At, eye.expand_as(At))
+            Ainv = unit_lower_inverse(bc.unsqueeze(-1) * At)
             kG = kc * G.exp()
             kS = kG @ S0.transpose(-1, -2)
             w = Ainv @ (bc.unsqueeze(-1) * (vc - kS))
