@@ -15,6 +15,9 @@ value of each objective combines its settings' values:
 * ``step_time_s`` → the **mean** over the settings: every setting trains the same candidate for its own steps, so
   with a fixed set of settings the sum and the mean rank candidates alike, and the mean keeps the unit of a
   one-task search (seconds per training step), so the numbers compare with the presets' own runs;
+* ``steps_trained`` → the **mean** over the settings: the training steps each setting ran, which with
+  ``train.early_stop_threshold`` is the step at which the candidate solved it (its whole budget where it never did);
+  minimised, it asks for a candidate that learns every setting in few steps;
 * ``state_size`` and ``num_parameters`` → the **max** over the settings: each setting sizes the candidate to the
   budget at its own sequence length, and the memory a deployed model needs is the largest of them.
 
@@ -37,8 +40,8 @@ from atlaslab.search.schema import MODEL_OBJECTIVES, ExperimentConfig
 
 #: objectives taken as the max over the settings (sizes of the model as each setting sized it)
 MAX_OBJECTIVES = ("state_size", "num_parameters")
-#: objectives taken as the mean over the settings (costs of one training step)
-MEAN_OBJECTIVES = ("step_time_s",)
+#: objectives taken as the mean over the settings (costs of one training step; the steps a setting took)
+MEAN_OBJECTIVES = ("step_time_s", "steps_trained")
 #: statuses of a setting's trial that leave its candidate waiting for a result
 WAITING_STATUSES = ("unfinished", "pending")
 

@@ -78,8 +78,10 @@ from atlaslab.registry import (
 KEY_ROOTS = ("model", "task", "tasks", "train", "eval")
 SAMPLERS = ("tpe", "random", "nsga2")
 #: what a search objective may name besides the metrics a trial reports (recorded from the validated model and the
-#: trial's own clock): recurrent-state scalars per sequence, parameters, seconds per training step
-MODEL_OBJECTIVES = ("state_size", "num_parameters", "step_time_s")
+#: trial's own clock and step count): recurrent-state scalars per sequence, parameters, seconds per training step, and
+#: the training steps the trial ran (``steps_trained``: with ``train.early_stop_threshold``, the evaluation at which it
+#: reached the threshold, else its whole budget; how fast a candidate learns a setting)
+MODEL_OBJECTIVES = ("state_size", "num_parameters", "step_time_s", "steps_trained")
 #: ``candidate_asha``: a search's candidates compared by their score at each rung, their settings in lockstep
 #: (:class:`atlaslab.search.schedulers.CandidateASHA`)
 SCHEDULERS = ("none", "asha", "candidate_asha")

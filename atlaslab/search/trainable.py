@@ -260,7 +260,9 @@ def _final_result(result: TrainResult, settings: TrialSettings, trial: Mapping[s
              # the search's step-cost objective: seconds of the training loop per step, evaluations included
              "step_time_s": result.wall_time_s / max(1, result.steps),
              # the training steps alone, what train.max_step_time_s bounds (status over_cost above it)
-             "train_step_time_s": result.train_seconds / max(1, result.steps)}
+             "train_step_time_s": result.train_seconds / max(1, result.steps),
+             # the steps it trained: where train.early_stop_threshold ended it, how fast it solved the setting
+             "steps_trained": result.steps}
     if result.config.get("max_step_time_s") is not None:
         final["max_step_time_s"] = result.config["max_step_time_s"]
     if result.resumed_from is not None:           # the step the loop resumed from (a restored trial)

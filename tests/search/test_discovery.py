@@ -123,10 +123,10 @@ def test_part_search_on_ray_rejects_sizes_and_reports_the_front(local_ray, tmp_p
     crashed, and the report has the candidates, the Pareto front and what mattered."""
     space = dict(PARTS, **{"train.lr": {"type": "float", "low": 1e-3, "high": 1e-2, "log": True}})
     node = tiny("discover", steps=20, search={"sampler": "random", "seed": 3, "space": space,
-                                              "objectives": ["state_size:min"]},
+                                              "objectives": ["state_size:min", "steps_trained:min"]},
                 budget=_budget(500, 0.2, heads=(1, 2, 4)), num_samples=5, max_concurrent=2)
     p = prepare(node=node)
-    assert "objectives: val/accuracy (max), state_size (min)" in trial_table(p)
+    assert "objectives: val/accuracy (max), state_size (min), steps_trained (min)" in trial_table(p)
     assert "state budget: 500 ± 20%" in trial_table(p)
     summary = run(p, run_dir=tmp_path / "run", num_cpus=2, quiet=True)
     recs = json.loads((tmp_path / "run" / "results.json").read_text())
@@ -137,6 +137,7 @@ def test_part_search_on_ray_rejects_sizes_and_reports_the_front(local_ray, tmp_p
         assert not (r["params"][MEM + "inner_optimizer"]["name"] == "implicit_gd"
                     and r["params"][MEM + "attentional_bias.name"] == "dot")
         assert r["metrics"]["step_time_s"] > 0
+        assert r["metrics"]["steps_trained"] == 20             # no early stop: the whole budget
     rejected = json.loads((tmp_path / "run" / "rejected.json").read_text())["rejected"]
     assert rejected                     # this seed's draws include (implicit_gd, dot)
     report = (tmp_path / "run" / "report.md").read_text()

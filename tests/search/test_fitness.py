@@ -51,6 +51,7 @@ def test_score_and_the_other_objectives_combine_over_the_settings():
     assert score(worst, {"mqar": 0.8, "recall": 0.4}) == 0.4
     assert combine_objective(exp, "step_time_s", {"mqar": 0.01, "recall": 0.03}, "min") == pytest.approx(0.02)
     assert combine_objective(exp, "state_size", {"mqar": 500, "recall": 700}, "min") == 700
+    assert combine_objective(exp, "steps_trained", {"mqar": 250, "recall": 1000}, "min") == pytest.approx(625)
 
 
 def _fake_result(acc, final=True, state=None):
