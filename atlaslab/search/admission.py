@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import random
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from atlaslab.models.overrides import WHERE_PRESENT, match_wildcard
 from atlaslab.registry import ConfigError
 from atlaslab.search.expand import TrialConfigError, Validator, trial_from_params
 from atlaslab.search.formatting import fmt_value, short_key
@@ -57,8 +59,14 @@ class Admission:
         keys = list(budget.size_by)
         reached: List[Tuple[Dict[str, Any], Optional[int]]] = []
         best, best_dev, first_error = None, None, None
+        inert: Dict[Tuple[int, Tuple[Any, ...]], bool] = {}     # (key index, the values before it) → matches nothing
+        states: Dict[str, Optional[int]] = {}                    # the sizes' effective values → the state they built
         for values in itertools.product(*(budget.size_by[k] for k in keys)):
             size = dict(zip(keys, values))
+            effective = _effective(keys, values, inert)
+            if effective in states:                    # differs from a size built already only in inert keys
+                reached.append((size, states[effective]))
+                continue
             candidate = sized(trial, size)
             try:
                 self.validator.validate(candidate)
@@ -69,6 +77,8 @@ class Admission:
                 reached.append((size, None))
                 continue
             state = int(candidate["info"]["state_size"])
+            _learn_inert(keys, values, inert, self.validator.resolved_model(candidate))
+            states[_effective(keys, values, inert)] = state
             reached.append((size, state))
             dev = abs(state / budget.state - 1.0)
             if dev <= budget.tolerance + 1e-9 and (best_dev is None or dev < best_dev):   # 1e-9: 2080 / 1600 − 1 > 0.3
@@ -85,6 +95,24 @@ class Admission:
         candidate["info"]["budget"] = {"state": int(budget.state), "tolerance": float(budget.tolerance),
                                        "size": dict(size)}
         return candidate
+
+
+def _learn_inert(keys: List[str], values: Tuple[Any, ...], inert: Dict[Tuple[int, Tuple[Any, ...]], bool],
+                 resolved: Mapping[str, Any]) -> None:
+    """Record which where-present size keys (``model.?mixers.*.memory.memory.expansion``) matched nothing in the
+    model a size built (``resolved``: its config with defaults): such a key was a no-op, and stays one for every value
+    it takes after the same earlier values (whether it matches depends on the config before it is applied, not on its
+    own value), so those sizes build the same model and need no build of their own."""
+    for i, key in enumerate(keys):
+        rest = key.split(".", 1)[1] if "." in key else key
+        if rest.startswith(WHERE_PRESENT):
+            inert.setdefault((i, tuple(values[:i])), not match_wildcard(resolved, rest))
+
+
+def _effective(keys: List[str], values: Tuple[Any, ...], inert: Mapping[Tuple[int, Tuple[Any, ...]], bool]) -> str:
+    """The size's values with every key known to be inert (after the same earlier values) left out, as a key."""
+    return json.dumps([None if inert.get((i, tuple(values[:i]))) else v for i, v in enumerate(values)],
+                      sort_keys=True, default=str)
 
 
 def _about_size(exc: ConfigError, keys) -> bool:

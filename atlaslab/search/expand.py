@@ -358,6 +358,11 @@ class Validator:
         self._models[k] = info
         return info
 
+    def resolved_model(self, trial: Mapping[str, Any]) -> Dict[str, Any]:
+        """The validated trial's model config with every default filled in (a dict; read-only, it is shared)."""
+        task = self.task(trial)
+        return self.model_info(trial["config"]["model"], task)["resolved_model"]
+
     def validate(self, trial: Dict[str, Any]) -> Dict[str, Any]:
         tid = f"{trial['key']} ({trial['label']}" + (f", seed {trial['seed']}" if len(self.exp.seeds) > 1 else "") + ")"
         cfg = trial["config"]

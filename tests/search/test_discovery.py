@@ -49,6 +49,36 @@ def test_budget_sizes_each_trial_to_the_state_nearest_the_budget():
         prepare(node=dict(node, budget=_budget(10 ** 7, 0.01)))
 
 
+def test_a_size_key_that_matches_nothing_is_not_built_again(monkeypatch):
+    """``?…memory.memory.expansion`` is a no-op for a linear memory: its sizes differ from the head counts' only
+    there, so each head count is built once and the other expansions reuse its state (the error still lists every
+    size); an MLP memory has the field, so every (heads, expansion) is built and the state follows the expansion."""
+    from atlaslab.search import expand
+    builds = []
+    real = expand.meta_model
+    monkeypatch.setattr(expand, "meta_model", lambda cfg: builds.append(cfg) or real(cfg))
+    exp_key = "model.?mixers.*.memory.memory.expansion"
+    node = tiny("inert", grid={"variants": {"GDN": {}, "deep": {MEM + "memory": {"name": "mlp", "depth": 2,
+                                                                                  "expansion": 1}}}})
+    budget = {"state": 10 ** 7, "tolerance": 0.01, "size_by": {HEADS: [1, 2], exp_key: [1, 2, 4]}}
+    exp = load_experiment(node=dict(node, budget=budget))
+    linear, deep = expand_grid(exp)
+    with pytest.raises(ConfigError) as err:
+        Admission(exp).admit(linear)
+    assert len(builds) == 2                                      # one per head count, not six
+    tried = str(err.value).split("(tried ", 1)[1]
+    assert tried.count("→") == 6                                  # every size is still reported
+    states = [int(x.split("→ ")[1].split(",")[0].rstrip(").")) for x in tried.split("num_heads=")[1:]]
+    assert states[:3] == [states[0]] * 3 and states[3:] == [states[3]] * 3
+    builds.clear()
+    with pytest.raises(ConfigError) as err:
+        Admission(exp).admit(deep)
+    assert len(builds) == 6
+    deep_states = [int(x.split("→ ")[1].split(",")[0].rstrip(").")) for x in
+                   str(err.value).split("(tried ", 1)[1].split("num_heads=")[1:]]
+    assert deep_states[0] < deep_states[1] < deep_states[2]      # the expansion reached the MLP memory
+
+
 def test_budget_keys_are_checked():
     node = tiny("budget")
     with pytest.raises(ConfigError, match="budget.size_by: a state budget needs at least one model key"):
