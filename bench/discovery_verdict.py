@@ -3,6 +3,7 @@
     python bench/discovery_verdict.py                    # → experiments/discovery_verdict.yaml
     python bench/discovery_verdict.py --early-stopping   # → experiments/discovery_early_stopping.yaml
     python bench/discovery_verdict.py --layouts          # → experiments/discovery_layouts_verdict.yaml
+    python bench/discovery_verdict.py --steps            # → experiments/discovery_suite_1000_verdict.yaml
 
 The discovery study has three runs (docs/results/discovery.md):
 
@@ -235,6 +236,93 @@ def suite_verdict_experiment(search: Path, presets: Path, name: str = "discovery
     return exp
 
 
+#: the step study (experiments/discovery_suite_1000.yaml): its committed search data, its verdict's name, its held-out
+#: seeds and the score a found model must reach, all fixed in the study's file before the search ran; its presets are
+#: its own enqueued points (DeltaNet's first three, Gated DeltaNet's next three)
+STEPS = ("suite_1000", "discovery_suite_1000_verdict", [70, 71, 72, 73, 74, 75], 0.98)
+STEPS_PRESETS = {"DeltaNet": (0, 3), "Gated DeltaNet": (3, 6)}
+
+
+def _steps_trained(trial: Dict[str, Any]) -> float:
+    """The steps a trial ran (``steps_trained``; ``step`` in data written before that column existed)."""
+    return float(trial.get("steps_trained") or trial["step"])
+
+
+def _parts(params: Dict[str, Any]) -> str:
+    """A draw's parts: its params without the learning rate, as a key."""
+    return json.dumps({k: v for k, v in params.items() if k != "train.lr"}, sort_keys=True)
+
+
+def steps_candidates(search: Path) -> Tuple[Any, List[Dict[str, Any]]]:
+    """``(experiment, candidates)`` of the step study's search: every candidate that finished every setting, with
+    its ``params`` (no budget sizes), ``score`` (the search's), ``steps`` (the mean over the settings of the steps
+    each trained) and ``step_time_s`` (the mean)."""
+    from atlaslab.search.fitness import score
+    exp, settings, done = _finished_on_every_setting(search, lambda r, exp: r["candidate"])
+    out = []
+    for cid, by in done.items():
+        params = {k: v for k, v in json.loads(by[settings[0]][0]["params"] or "{}").items()
+                  if k not in exp.budget.size_by}
+        out.append({"candidate": cid, "params": params,
+                    "score": score(exp, {s: _mean_metric(by[s], exp.metric) for s in settings}),
+                    "steps": sum(_steps_trained(t) for s in settings for t in by[s]) / sum(len(by[s]) for s in settings),
+                    "step_time_s": _mean_metric([t for s in settings for t in by[s]], "step_time_s")})
+    return exp, out
+
+
+def steps_choice(search: Path, min_score: float = STEPS[3]) -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]]]:
+    """``(found, {preset: its candidate})`` by the step study's rules: each preset is the enqueued point of its
+    parts with the fewest mean steps; the found model the candidate with the fewest mean steps among those scoring
+    at least ``min_score`` whose parts are neither preset's (ties: the higher score, then the lower step time)."""
+    base = yaml.safe_load((search / "experiment.yaml").read_text())
+    enqueued = base["search"]["enqueue"]
+    exp, cands = steps_candidates(search)
+    rank = lambda c: (c["steps"], -c["score"], c["step_time_s"])     # noqa: E731
+    presets, preset_parts = {}, set()
+    for name, (lo, hi) in STEPS_PRESETS.items():
+        points = [json.dumps(p, sort_keys=True) for p in enqueued[lo:hi]]
+        preset_parts |= {_parts(p) for p in enqueued[lo:hi]}
+        mine = [c for c in cands if json.dumps(c["params"], sort_keys=True) in points]
+        if not mine:
+            raise SystemExit(f"{search}: no enqueued point of {name} finished every setting")
+        presets[name] = min(mine, key=rank)
+    found = [c for c in cands if c["score"] >= min_score and _parts(c["params"]) not in preset_parts]
+    if not found:
+        raise SystemExit(f"{search}: no candidate other than the presets scored {min_score} or more")
+    return min(found, key=rank), presets
+
+
+def steps_verdict_experiment(search: Path, name: str = STEPS[1], seeds: List[int] = STEPS[2]) -> Dict[str, Any]:
+    """The step study's verdict: the found model and both presets, each at its learning rate from the search, on
+    the held-out ``seeds``, at the search's budget and schedule (the step-cost bound dropped: it is the sampler's)."""
+    base = yaml.safe_load((search / "experiment.yaml").read_text())
+    found, presets = steps_choice(search)
+    variants: Dict[str, Dict[str, Any]] = {f"found ({found['candidate']})": dict(found["params"])}
+    for row, c in presets.items():
+        variants[row] = dict(c["params"])
+    preset_steps = ", ".join(f"{row} {c['steps']:.0f} steps" for row, c in presets.items())
+    exp = held_out_experiment(
+        base, ("model", "tasks", "eval", "train", "budget", "metric", "mode", "max_concurrent", "max_failures",
+               "resources", "report"), name,
+        (f"The step study's found model ({found['candidate']}: {found['steps']:.0f} mean steps to solve, score "
+         f"{found['score']:.3f} on {_seeds_text(base)}) and DeltaNet and Gated DeltaNet at their learning rates from "
+         f"the same search ({preset_steps}), retrained on "
+         f"the held-out seeds {list(seeds)}."), seeds, variants)
+    exp["train"] = {k: v for k, v in exp["train"].items() if k != "max_step_time_s"}
+    return exp
+
+
+STEPS_HEADER = """\
+# Written by `python bench/discovery_verdict.py --steps` from the committed data of the step study's search
+# (docs/results/discovery/suite_1000/data); do not edit by hand. The found model (the fewest mean steps to solve
+# among the candidates scoring at least 0.98 whose parts are neither preset's) and DeltaNet and Gated DeltaNet at
+# the learning rate of their enqueued point with the fewest steps, retrained on the held-out seeds 70-75 (fixed in
+# experiments/discovery_suite_1000.yaml before the search ran).
+#
+#   atlaslab run experiments/discovery_suite_1000_verdict.yaml
+"""
+
+
 #: the layer-pattern study (experiments/discovery_layouts.yaml): its committed grid, its verdict's name and held-out
 #: seeds (fixed in the study's file before it ran), and the rows that are the presets themselves
 LAYOUTS = ("layouts", "discovery_layouts_verdict", [50, 51, 52])
@@ -319,7 +407,16 @@ def main() -> None:
                     help="write the early-stopping check (the search's stopped trials at the full budget)")
     ap.add_argument("--layouts", action="store_true",
                     help="write the layer-pattern study's verdict (experiments/discovery_layouts_verdict.yaml)")
+    ap.add_argument("--steps", action="store_true",
+                    help="write the step study's verdict (experiments/discovery_suite_1000_verdict.yaml)")
     args = ap.parse_args()
+    if args.steps:
+        folder, name, seeds, _ = STEPS
+        out = Path(args.out or ROOT / "experiments" / f"{name}.yaml")
+        exp = steps_verdict_experiment(DATA / folder / "data", name, seeds)
+        out.write_text(STEPS_HEADER + yaml.safe_dump(exp, sort_keys=False, width=120, allow_unicode=True))
+        print(f"wrote {out}: {', '.join(exp['grid']['variants'])}")
+        return
     if args.layouts:
         folder, name, seeds = LAYOUTS
         out = Path(args.out or ROOT / "experiments" / f"{name}.yaml")

@@ -74,8 +74,11 @@ def pareto_front(records: Sequence[Mapping[str, Any]], pairs: Sequence[Tuple[str
     return [r for r, _ in front]
 
 
-def marginals(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]) -> "OrderedDict[str, List[Dict[str, Any]]]":
-    """Categorical key → per choice ``{choice, n, mean, std, best}`` of the metric over the finished trials."""
+def marginals(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]], objective: Optional[str] = None,
+              mode: Optional[str] = None) -> "OrderedDict[str, List[Dict[str, Any]]]":
+    """Categorical key → per choice ``{choice, n, mean, std, best}`` of ``objective`` (default the metric; ``mode``
+    its direction, for "best") over the finished trials that have a value of it."""
+    objective, mode = objective or exp.metric, mode or exp.mode
     out: "OrderedDict[str, List[Dict[str, Any]]]" = OrderedDict()
     done = finished(records, exp)
     for key, p in exp.space.items():
@@ -83,25 +86,27 @@ def marginals(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]) -> "O
             continue
         rows = []
         for choice in p.choices:
-            vals = [objective_value(r, exp.metric) for r in done if key in r["params"] and r["params"][key] == choice]
+            vals = [v for r in done if key in r["params"] and r["params"][key] == choice
+                    for v in [objective_value(r, objective)] if v is not None]
             mean, std = mean_std(vals)
-            best = (max(vals) if exp.mode == "max" else min(vals)) if vals else None
+            best = (max(vals) if mode == "max" else min(vals)) if vals else None
             rows.append({"choice": choice, "n": len(vals), "mean": mean, "std": std, "best": best})
         out[key] = rows
     return out
 
 
-def importances(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]) -> Dict[str, float]:
-    """Searched key → PED-ANOVA importance for the metric (empty with fewer than 4 finished trials or an Optuna
-    without PED-ANOVA)."""
+def importances(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]], objective: Optional[str] = None,
+                mode: Optional[str] = None) -> Dict[str, float]:
+    """Searched key → PED-ANOVA importance for ``objective`` (default the metric; ``mode`` its direction) (empty
+    with fewer than 4 finished trials or an Optuna without PED-ANOVA)."""
     import optuna
 
-    if len(finished(records, exp)) < 4:
-        return {}
     pedanova = getattr(optuna.importance, "PedAnovaImportanceEvaluator", None)
     if pedanova is None:
         return {}
-    study = search_study(exp, records)
+    study = search_study(exp, records, objective, mode)
+    if len(study.trials) < 4:
+        return {}
     try:
         imp = optuna.importance.get_param_importances(study, evaluator=pedanova())
     except (ValueError, RuntimeError, ZeroDivisionError):
@@ -111,20 +116,24 @@ def importances(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]) -> 
     return dict(sorted(imp.items(), key=lambda kv: (-round(float(kv[1]), 6), kv[0])))
 
 
-def search_study(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]):
-    """An in-memory Optuna study holding a search's finished trials (their sampled values and ``metric``), for
-    Optuna's importance and parallel-coordinate plots (the run's own sampler state lives in Ray's checkpoint)."""
+def search_study(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]], objective: Optional[str] = None,
+                 mode: Optional[str] = None):
+    """An in-memory Optuna study holding a search's finished trials (their sampled values and ``objective``, default
+    the metric; ``mode`` its direction), for Optuna's importance and parallel-coordinate plots (the run's own sampler
+    state lives in Ray's checkpoint)."""
     import optuna
+    objective, mode = objective or exp.metric, mode or exp.mode
     level = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
-        study = optuna.create_study(direction="maximize" if exp.mode == "max" else "minimize")
+        study = optuna.create_study(direction="maximize" if mode == "max" else "minimize")
     finally:
         optuna.logging.set_verbosity(level)
     dists = optuna_distributions(exp.space)
+    done = {id(r) for r in finished(records, exp)}
     for r in records:
-        value = _num(r["metrics"].get(exp.metric))
-        if value is None or r["status"] not in OK:
+        value = objective_value(r, objective)
+        if value is None or id(r) not in done:
             continue
         params = {k: optuna_value(exp.space[k], r["params"][k]) for k in exp.space if k in (r.get("params") or {})}
         study.add_trial(optuna.trial.create_trial(params=params, distributions={k: dists[k] for k in params},
@@ -326,6 +335,24 @@ def mattered_section(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]
                               fmt_mean_std(row["mean"], row["std"]), fmt_mean_std(row["best"])])
         lines += md_table(["key", "choice", "trials", "mean ± std", "best"], table)
         lines.append("")
+    for name, mode in exp.search.objective_pairs(exp.metric, exp.mode)[1:]:
+        lines += _objective_mattered(exp, records, name, mode)
+    return lines
+
+
+def _objective_mattered(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]], name: str, mode: str) -> List[str]:
+    """What mattered for one further objective of a multi-objective search: its importances and marginals."""
+    imp = importances(exp, records, name, mode)
+    marg = marginals(exp, records, name, mode)
+    lines = [f"### For {name} ({mode})", "",
+             f"The same for the objective {name} ({'lower' if mode == 'min' else 'higher'} is better)." +
+             (" Too few trials for importances." if not imp else ""), ""]
+    if imp:
+        lines += md_table(["key", "importance"], [[short_key(k), f"{v:.3f}"] for k, v in imp.items()]) + [""]
+    table = [[short_key(key), fmt_value(row["choice"]), str(row["n"]), fmt_mean_std(row["mean"], row["std"]),
+              fmt_mean_std(row["best"])] for key, rows in marg.items() for row in rows]
+    if table:
+        lines += md_table(["key", "choice", "trials", "mean ± std", "best"], table) + [""]
     return lines
 
 

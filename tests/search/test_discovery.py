@@ -145,6 +145,16 @@ def test_pareto_front_and_marginals():
     marg = marginals(exp, recs)[MEM + "inner_optimizer.name"]
     assert [(m["choice"], m["n"]) for m in marg] == [("gd", 3), ("momentum", 2), ("muon", 0)]
     assert marg[0]["mean"] == pytest.approx(0.766666, abs=1e-5) and marg[1]["best"] == 0.95
+    # a further objective has its own marginals and importances (here: which optimizer keeps the state small)
+    by_state = marginals(exp, recs, "state_size", "min")[MEM + "inner_optimizer.name"]
+    assert by_state[0]["mean"] == pytest.approx(200) and by_state[0]["best"] == 100 and by_state[1]["best"] == 300
+    from atlaslab.search.mattered import importances, mattered_section
+    imp = importances(exp, recs, "state_size", "min")
+    assert imp[MEM + "inner_optimizer.name"] >= imp.get("train.lr", 0.0)        # lr has one value: it explains nothing
+    multi = load_experiment(node=tiny("m", search={"space": {MEM + "inner_optimizer.name": ["gd", "momentum", "muon"],
+                                                              "train.lr": [1e-3]}, "objectives": ["state_size:min"]}))
+    text = "\n".join(mattered_section(multi, recs))
+    assert "### For state_size (min)" in text and "| inner_optimizer.name | gd | 3 | 200" in text
 
 
 def test_part_search_on_ray_rejects_sizes_and_reports_the_front(local_ray, tmp_path):
@@ -175,6 +185,7 @@ def test_part_search_on_ray_rejects_sizes_and_reports_the_front(local_ray, tmp_p
     for r in rejected:
         assert "implicit_gd has a closed form only" in r["reason"] or "no size brings the state" in r["reason"]
     assert "## Pareto front" in report and "## What mattered" in report
+    assert "### For state_size (min)" in report and "### For steps_trained (min)" in report
     assert (tmp_path / "run" / "plots" / "pareto.png").is_file()
 
 
