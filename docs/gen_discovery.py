@@ -146,7 +146,7 @@ def mattered() -> str:
     if _missing("search"):
         return _missing("search")
     from atlaslab.search.mattered import mattered_section
-    lines = mattered_section(_search_exp(), _records("search"))
+    lines = mattered_section(_search_exp(), _records("search"), objectives=())   # the score (its step time: the report)
     return "\n".join(lines[2:]).strip()          # without the section's own heading
 
 
@@ -393,13 +393,14 @@ def suite_search(run: str = "suite_search") -> str:
     return "\n".join(drawn + table).strip()
 
 
-def suite_mattered(run: str = "suite_search") -> str:
-    """Importances and marginals of a multi-task search, on the score."""
+def suite_mattered(run: str = "suite_search", objectives: Sequence[str] = ()) -> str:
+    """The Pareto front and the importances and marginals of a multi-task search, on the score and on each of
+    ``objectives`` (further objectives of the search; its step time is left to the report)."""
     if _missing(run):
         return _missing(run)
     from atlaslab.search.mattered import mattered_section, pareto_section
     exp, cands, _ = _suite_candidates(run)
-    return "\n".join(pareto_section(exp, cands)[2:] + [""] + mattered_section(exp, cands)[2:]).strip()
+    return "\n".join(pareto_section(exp, cands)[2:] + [""] + mattered_section(exp, cands, objectives)[2:]).strip()
 
 
 def _suite_score_rows(run: str):

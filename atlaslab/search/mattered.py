@@ -311,8 +311,10 @@ def _front_verdict(exp: ExperimentConfig, front: Sequence[Mapping[str, Any]], ro
     return [text, ""]
 
 
-def mattered_section(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]) -> List[str]:
-    """``## What mattered``: importances and the marginal of every categorical key."""
+def mattered_section(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]],
+                     objectives: Optional[Sequence[str]] = None) -> List[str]:
+    """``## What mattered``: importances and the marginal of every categorical key, for the metric and then for each
+    further objective of the search (``objectives``: only these of them)."""
     imp = importances(exp, records)
     marg = marginals(exp, records)
     n = len(finished(records, exp))
@@ -336,7 +338,8 @@ def mattered_section(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]
         lines += md_table(["key", "choice", "trials", "mean ± std", "best"], table)
         lines.append("")
     for name, mode in exp.search.objective_pairs(exp.metric, exp.mode)[1:]:
-        lines += _objective_mattered(exp, records, name, mode)
+        if objectives is None or name in objectives:
+            lines += _objective_mattered(exp, records, name, mode)
     return lines
 
 

@@ -262,16 +262,27 @@ def candidates_table(exp: ExperimentConfig, cands: Sequence[Mapping[str, Any]],
              "state: the largest (each setting sized the candidate to the budget at its own length). Best first: "
              "the candidates that finished every setting, then those stopped early on one (ranked by the values "
              "they had).", ""]
-    head = (["candidate"] + [short_key(k) for k in keys] + [f"{s}" for s in settings] + ["score", "step_time_s",
-                                                                                          "state", "status"])
+    # the search's further objectives that the table has no column for already (e.g. steps_trained: the mean over
+    # the settings of the steps each ran)
+    extra = [n for n, _ in exp.search.objective_pairs(exp.metric, exp.mode)[1:] if n not in ("step_time_s", "state_size")]
+    head = (["candidate"] + [short_key(k) for k in keys] + [f"{s}" for s in settings] + ["score"] + extra
+            + ["step_time_s", "state", "status"])
     table = []
     for c in list(ranked) + [c for c in cands if c not in ranked]:
         table.append([c["key"]] + [fmt_value(c["params"][k]) if k in c["params"] else "—" for k in keys]
                      + [fmt_mean_std(_num(c["by_setting"].get(s))) for s in settings]
-                     + [fmt_mean_std(_num(c["metrics"].get(exp.metric))),
-                        "—" if _num(c["metrics"].get("step_time_s")) is None
+                     + [fmt_mean_std(_num(c["metrics"].get(exp.metric)))]
+                     + [_fmt_extra(_num(c["metrics"].get(n))) for n in extra]
+                     + ["—" if _num(c["metrics"].get("step_time_s")) is None
                         else f"{c['metrics']['step_time_s']:.4f}",
                         human_count((c.get("info") or {}).get("state_size")), c["status"]])
     lines += md_table(head, table)
     lines.append("")
     return lines
+
+
+def _fmt_extra(v: Optional[float]) -> str:
+    """A further objective's value in the candidates' table: whole numbers from 10 up (steps), else 3 figures."""
+    if v is None:
+        return "—"
+    return f"{v:.0f}" if abs(v) >= 10 else f"{v:.3g}"
