@@ -180,3 +180,41 @@ def test_the_layouts_verdict_takes_the_best_hybrid_and_each_presets_own_learning
     assert variants["DeltaNet"]["train.lr"] == 0.01 and variants["Gated DeltaNet"]["train.lr"] == 0.002
     assert exp["seeds"] == [50, 51, 52] and exp["grid"]["baseline"] == "found (DeltaNet, then Gated DeltaNet)"
     assert "grid" in exp and "protocol" not in exp
+
+
+def test_the_step_study_takes_the_fastest_solver_whose_parts_are_not_a_presets(tmp_path):
+    """experiments/discovery_suite_1000.yaml's rules: each preset is its enqueued point with the fewest mean steps;
+    the found model the candidate with the fewest mean steps among those scoring ≥ 0.98 whose parts are neither
+    preset's (a draw of DeltaNet's parts at another learning rate is DeltaNet, however fast)."""
+    import csv
+    import json
+    b = _bench()
+    from omegaconf import OmegaConf
+    base = OmegaConf.to_container(OmegaConf.load(ROOT / "experiments" / "discovery_suite_1000.yaml"))
+    (tmp_path / "experiment.yaml").write_text(yaml.safe_dump(base))      # as a run writes it
+    dn, gdn = base["search"]["enqueue"][0], base["search"]["enqueue"][3]
+    other = {**dn, "model.?mixers.*.memory.window.size": 2}
+    cands = {  # candidate → (params, score, steps per setting)
+        "e0": (base["search"]["enqueue"][0], 1.0, 300), "e1": (base["search"]["enqueue"][1], 1.0, 250),
+        "e2": (base["search"]["enqueue"][2], 1.0, 400), "e3": (base["search"]["enqueue"][3], 0.99, 600),
+        "e4": (base["search"]["enqueue"][4], 0.99, 500), "e5": (base["search"]["enqueue"][5], 0.6, 1000),
+        "fast_deltanet": ({**dn, "train.lr": 0.02}, 1.0, 50),          # DeltaNet's parts: not "found"
+        "low": ({**other, "train.lr": 0.05}, 0.95, 100),               # below 0.98
+        "win": ({**other, "train.lr": 0.012}, 0.99, 200),
+        "slow": ({**gdn, "model.?mixers.*.memory.window.size": 4}, 1.0, 450)}
+    settings = list(base["tasks"])
+    rows = [{"key": f"{c}-{s}", "candidate": c, "setting": s, "seed": "0", "status": "early_stopped",
+             "params": json.dumps({**p, "model.mixers.*.num_heads": 1}), "protocol": "{}", "val/accuracy": sc,
+             "steps_trained": steps + 25 * j, "step": steps + 25 * j, "step_time_s": 0.05}
+            for c, (p, sc, steps) in cands.items() for j, s in enumerate(settings)]
+    with open(tmp_path / "trials.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    found, presets = b.steps_choice(tmp_path)
+    assert found["candidate"] == "win" and found["steps"] == 225
+    assert presets["DeltaNet"]["candidate"] == "e1" and presets["Gated DeltaNet"]["candidate"] == "e4"
+    exp = b.steps_verdict_experiment(tmp_path)
+    assert list(exp["grid"]["variants"]) == ["found (win)", "DeltaNet", "Gated DeltaNet"]
+    assert exp["grid"]["variants"]["DeltaNet"]["train.lr"] == 0.017 and exp["seeds"] == [70, 71, 72, 73, 74, 75]
+    assert "max_step_time_s" not in exp["train"] and exp["train"]["steps"] == 1000
