@@ -91,7 +91,8 @@ def _records(run: str) -> List[Dict[str, Any]]:
     """The run's trials as the report's records (what :mod:`atlaslab.search.mattered` reads)."""
     out = []
     for r in _trials(run):
-        metrics = {k: float(v) for k, v in r.items() if ("/" in k or k == "step_time_s") and v not in ("", None)}
+        metrics = {k: float(v) for k, v in r.items()
+                   if ("/" in k or k in ("step_time_s", "steps_trained")) and v not in ("", None)}
         out.append({"key": r["key"], "status": r["status"], "params": r["params"], "metrics": metrics,
                     "info": {"state_size": _num(r, "state_size"), "num_parameters": _num(r, "num_parameters")}})
     return out
@@ -563,7 +564,8 @@ def plot_suite_pareto(out: Path = FIGURE, run: str = "suite_search", presets: st
 
 #: the multi-task searches, in the order they ran: (label, run folder)
 MULTI_TASK_SEARCHES = [("1600, free", "suite_search"), ("1600, from the presets", "suite_from_presets"),
-                       ("3200, Muon under a step-cost bound", "suite_3200"), ("3200, two-seed fitness", "suite_seeds")]
+                       ("3200, Muon under a step-cost bound", "suite_3200"), ("3200, two-seed fitness", "suite_seeds"),
+                       ("3200, 1,000 steps, fewest steps to solve", "suite_1000")]
 #: DeltaNet's parts in the searches' keys (the memory's init aside: in DeltaNet's layer both linear choices are one)
 DELTANET_PARTS = {"attentional_bias.name": "l2", "retention.name": "none", "feature_map": {"name": "identity"},
                   "inner_optimizer.name": "gd", "window.size": 1, "chunk_size": 1, "read": "token"}
@@ -659,6 +661,49 @@ TABLES["discovery-layouts-robustness"] = functools.partial(suite_scores, "layout
 #: the pilot for the next study (experiments/discovery_steps_pilot.yaml): DeltaNet on MQAR at 300 and 1000 steps
 TABLES["discovery-steps-pilot"] = functools.partial(suite_scores, "steps_pilot")
 
+
+# --------------------------------------------------------------------------------------------------
+# the step study (experiments/discovery_suite_1000.yaml): 1,000 steps, the search minimises the steps to solve
+# --------------------------------------------------------------------------------------------------
+STEP_STUDY = "suite_1000"
+STEP_PRESET_NAMES = {"deltanet": "DeltaNet", "gated_deltanet": "Gated DeltaNet"}
+
+
+def step_presets(run: str = STEP_STUDY) -> str:
+    """The presets' points the step study enqueued (DeltaNet's and Gated DeltaNet's layer at three learning rates
+    each, seed 0): each setting's validation accuracy, the score, the mean over the settings of the steps trained
+    (to the early-stop threshold, or the budget), and the step at which the score's curve first reached 0.9."""
+    if _missing(run):
+        return _missing(run)
+    from atlaslab.search.curves import first_step_of_mean
+    exp, cands, _ = _suite_candidates(run)
+    settings = list(exp.settings())
+    curves = _curves(run)
+    keys_of = {}
+    for r in _trials(run):
+        keys_of.setdefault(r["candidate"], []).append(r["key"])
+    points = [json.dumps(p, sort_keys=True) for p in _experiment(run)["search"]["enqueue"]]
+    head = ["preset", "lr"] + settings + ["score", "steps trained (mean)", f"score to {THRESHOLD:g} (steps)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in cands:
+        if json.dumps(c["params"], sort_keys=True) not in points:
+            continue
+        steps = first_step_of_mean([curves.get(k, []) for k in keys_of.get(c["candidate"], [])], "val/accuracy",
+                                   THRESHOLD)
+        score, trained = c["metrics"].get(exp.metric), c["metrics"].get("steps_trained")
+        lines.append("| " + " | ".join(
+            [STEP_PRESET_NAMES[c["params"]["model.layers"][0]], f"{c['params']['train.lr']:g}"]
+            + [_fmt([c["by_setting"][x]]) if c["by_setting"].get(x) is not None else "—" for x in settings]
+            + ["—" if score is None else f"{score:.3f}", "—" if trained is None else f"{trained:.0f}",
+               "—" if steps is None else str(steps)]) + " |")
+    return "\n".join(lines)
+
+
+TABLES["discovery-suite1000-presets"] = step_presets
+TABLES["discovery-suite1000-search"] = functools.partial(suite_search, STEP_STUDY)
+TABLES["discovery-suite1000-mattered"] = functools.partial(suite_mattered, STEP_STUDY, ("steps_trained",))
+TABLES["discovery-suite1000-verdict"] = functools.partial(suite_verdict, "suite_1000_verdict")
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--plots"]:
         print(f"wrote {plot_suite_pareto().relative_to(ROOT)}")
@@ -669,3 +714,4 @@ if __name__ == "__main__":
         sys.exit(0)
     for name in sys.argv[1:] or list(TABLES):
         print(f"## {name}\n\n{TABLES[name]()}\n")
+
