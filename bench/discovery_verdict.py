@@ -244,8 +244,8 @@ STEPS_PRESETS = {"DeltaNet": (0, 3), "Gated DeltaNet": (3, 6)}
 
 
 def _steps_trained(trial: Dict[str, Any]) -> float:
-    """The steps a trial ran (``steps_trained``; ``step`` in data written before that column existed)."""
-    return float(trial.get("steps_trained") or trial["step"])
+    """The steps a trial ran: trials.csv's ``steps`` column (its ``steps_trained`` objective)."""
+    return float(trial["steps"])
 
 
 def _parts(params: Dict[str, Any]) -> str:

@@ -91,8 +91,9 @@ def _records(run: str) -> List[Dict[str, Any]]:
     """The run's trials as the report's records (what :mod:`atlaslab.search.mattered` reads)."""
     out = []
     for r in _trials(run):
-        metrics = {k: float(v) for k, v in r.items()
-                   if ("/" in k or k in ("step_time_s", "steps_trained")) and v not in ("", None)}
+        metrics = {k: float(v) for k, v in r.items() if ("/" in k or k == "step_time_s") and v not in ("", None)}
+        if r.get("steps") not in ("", None):          # trials.csv's steps: the steps_trained objective
+            metrics["steps_trained"] = float(r["steps"])
         out.append({"key": r["key"], "status": r["status"], "params": r["params"], "metrics": metrics,
                     "info": {"state_size": _num(r, "state_size"), "num_parameters": _num(r, "num_parameters")}})
     return out

@@ -205,7 +205,7 @@ def test_the_step_study_takes_the_fastest_solver_whose_parts_are_not_a_presets(t
     settings = list(base["tasks"])
     rows = [{"key": f"{c}-{s}", "candidate": c, "setting": s, "seed": "0", "status": "early_stopped",
              "params": json.dumps({**p, "model.mixers.*.num_heads": 1}), "protocol": "{}", "val/accuracy": sc,
-             "steps_trained": steps + 25 * j, "step": steps + 25 * j, "step_time_s": 0.05}
+             "steps": steps + 25 * j, "step_time_s": 0.05}
             for c, (p, sc, steps) in cands.items() for j, s in enumerate(settings)]
     with open(tmp_path / "trials.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
