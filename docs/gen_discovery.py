@@ -697,6 +697,11 @@ def step_presets(run: str = STEP_STUDY) -> str:
             + [_fmt([c["by_setting"][x]]) if c["by_setting"].get(x) is not None else "—" for x in settings]
             + ["—" if score is None else f"{score:.3f}", "—" if trained is None else f"{trained:.0f}",
                "—" if steps is None else str(steps)]) + " |")
+    trained = [int(float(r["steps"])) for r in _trials(run) if r.get("steps") not in ("", None)]
+    budget = len(trained) * int(exp.train["steps"])
+    lines += ["", f"Steps trained by the search's {len(trained)} trials: {sum(trained):,} of the {budget:,} a "
+              f"full budget would take ({100 * sum(trained) / budget:.0f} %; the early stop at "
+              f"{exp.train['early_stop_threshold']:g} ends a solved setting)."]
     return "\n".join(lines)
 
 
