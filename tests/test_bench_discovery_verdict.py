@@ -218,3 +218,12 @@ def test_the_step_study_takes_the_fastest_solver_whose_parts_are_not_a_presets(t
     assert list(exp["grid"]["variants"]) == ["found (win)", "DeltaNet", "Gated DeltaNet"]
     assert exp["grid"]["variants"]["DeltaNet"]["train.lr"] == 0.017 and exp["seeds"] == [70, 71, 72, 73, 74, 75]
     assert "max_step_time_s" not in exp["train"] and exp["train"]["steps"] == 1000
+
+
+def test_the_step_study_verdict_file_regenerates_from_the_committed_data():
+    b = _bench()
+    folder, name, seeds, _ = b.STEPS
+    assert (ROOT / "experiments" / f"{name}.yaml").read_text() == _written(
+        b.STEPS_HEADER, b.steps_verdict_experiment(b.DATA / folder / "data", name, seeds))
+    committed = yaml.safe_load((b.DATA / "suite_1000_verdict" / "data" / "experiment.yaml").read_text())
+    assert committed["seeds"] == [70, 71, 72, 73, 74, 75] == seeds              # the run used the fixed seeds
