@@ -324,19 +324,11 @@ def mattered_section(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]
              f"From the {n} {what}. Importance: Optuna's PED-ANOVA importance of each key for "
              f"{label} (how much of the metric's spread among the good trials the key explains)." +
              (" Too few trials for importances." if not imp else ""), ""]
-    if imp:
-        lines += md_table(["key", "importance"], [[short_key(k), f"{v:.3f}"] for k, v in imp.items()])
-        lines.append("")
+    lines += _importance_table(imp)
     if marg:
         lines += [f"Marginals: {label} of the finished {'candidates' if label != exp.metric else 'trials'} that "
                   "made each choice (mean ± std, best; averaged over whatever else the search varied).", ""]
-        table = []
-        for key, rows in marg.items():
-            for row in rows:
-                table.append([short_key(key), fmt_value(row["choice"]), str(row["n"]),
-                              fmt_mean_std(row["mean"], row["std"]), fmt_mean_std(row["best"])])
-        lines += md_table(["key", "choice", "trials", "mean ± std", "best"], table)
-        lines.append("")
+        lines += _marginal_table(marg)
     for name, mode in exp.search.objective_pairs(exp.metric, exp.mode)[1:]:
         if objectives is None or name in objectives:
             lines += _objective_mattered(exp, records, name, mode)
@@ -350,13 +342,21 @@ def _objective_mattered(exp: ExperimentConfig, records: Sequence[Mapping[str, An
     lines = [f"### For {name} ({mode})", "",
              f"The same for the objective {name} ({'lower' if mode == 'min' else 'higher'} is better)." +
              (" Too few trials for importances." if not imp else ""), ""]
-    if imp:
-        lines += md_table(["key", "importance"], [[short_key(k), f"{v:.3f}"] for k, v in imp.items()]) + [""]
+    return lines + _importance_table(imp) + _marginal_table(marg)
+
+
+def _importance_table(imp: Mapping[str, float]) -> List[str]:
+    """The importances as a table and a blank line (nothing when there are none)."""
+    if not imp:
+        return []
+    return md_table(["key", "importance"], [[short_key(k), f"{v:.3f}"] for k, v in imp.items()]) + [""]
+
+
+def _marginal_table(marg: Mapping[str, List[Dict[str, Any]]]) -> List[str]:
+    """:func:`marginals` as a table (a row per key and choice) and a blank line (nothing when there are none)."""
     table = [[short_key(key), fmt_value(row["choice"]), str(row["n"]), fmt_mean_std(row["mean"], row["std"]),
               fmt_mean_std(row["best"])] for key, rows in marg.items() for row in rows]
-    if table:
-        lines += md_table(["key", "choice", "trials", "mean ± std", "best"], table) + [""]
-    return lines
+    return md_table(["key", "choice", "trials", "mean ± std", "best"], table) + [""] if table else []
 
 
 def metric_label(exp: ExperimentConfig, records: Sequence[Mapping[str, Any]]) -> str:
